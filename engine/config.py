@@ -1,0 +1,158 @@
+"""Engine configuration: one dataclass, validated at construction."""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SchedulingPolicy(enum.Enum):
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+
+class PrefixCacheHash(enum.Enum):
+    SHA256 = "sha256"
+    # Python's built-in hash over a tuple: fast, not collision-resistant across tenants.
+    BUILTIN = "builtin"
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_size(value: int | str) -> int:
+    """Parse a byte size such as 2147483648, "2GiB", "512MB" or "1.5 GiB"."""
+    if isinstance(value, bool):
+        raise ValueError(f"invalid size {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"size must be positive, got {value}")
+        return value
+    match = _SIZE_RE.match(str(value))
+    if not match:
+        raise ValueError(f"invalid size {value!r}: expected e.g. 2GiB, 512MiB or a byte count")
+    number, unit = float(match.group(1)), (match.group(2) or "B").lower()
+    size = int(number * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {value!r}")
+    return size
+
+
+def resolve_dtype(value: str | torch.dtype) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        if value not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {value}")
+        return value
+    try:
+        return _DTYPES[str(value).lower()]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {value!r}: choose one of {sorted(_DTYPES)}") from None
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything the engine needs besides the model directory's own config.json.
+
+    The KV pool is sized from a budget: `num_kv_blocks` exactly, or `kv_cache_memory` bytes
+    (default 1GiB). It never grabs "whatever is free".
+    """
+
+    model: str
+    dtype: str | torch.dtype = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    kv_cache_memory: int | str = "1GiB"
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    prefix_cache_hash: str | PrefixCacheHash = PrefixCacheHash.SHA256
+    scheduling_policy: str | SchedulingPolicy = SchedulingPolicy.FCFS
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    torch_dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.torch_dtype = resolve_dtype(self.dtype)
+        self.dtype = str(self.torch_dtype).removeprefix("torch.")
+        self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        try:
+            self.prefix_cache_hash = PrefixCacheHash(
+                self.prefix_cache_hash.value
+                if isinstance(self.prefix_cache_hash, PrefixCacheHash)
+                else self.prefix_cache_hash
+            )
+        except ValueError:
+            allowed = [h.value for h in PrefixCacheHash]
+            raise ValueError(
+                f"prefix_cache_hash={self.prefix_cache_hash!r}: choose one of {allowed}"
+            ) from None
+        try:
+            self.scheduling_policy = SchedulingPolicy(
+                self.scheduling_policy.value
+                if isinstance(self.scheduling_policy, SchedulingPolicy)
+                else self.scheduling_policy
+            )
+        except ValueError:
+            allowed = [p.value for p in SchedulingPolicy]
+            raise ValueError(
+                f"scheduling_policy={self.scheduling_policy!r}: choose one of {allowed}"
+            ) from None
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 1
+        ):
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if self.num_kv_blocks is not None and (
+            not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2
+        ):
+            raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if not str(self.device).startswith(("cpu", "cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    def resolve_max_model_len(self, model_max_positions: int) -> int:
+        if self.max_model_len is None:
+            return model_max_positions
+        if self.max_model_len > model_max_positions:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={model_max_positions}"
+            )
+        return self.max_model_len
+
+    def resolve_num_blocks(self, bytes_per_block: int) -> int:
+        """Number of KV blocks: exact if given, else the memory budget divided by block size."""
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        num = self.kv_cache_memory // bytes_per_block
+        if num < 2:
+            raise ValueError(
+                f"kv_cache_memory={self.kv_cache_memory} bytes holds {num} blocks of "
+                f"{bytes_per_block} bytes; at least 2 are needed"
+            )
+        return num
