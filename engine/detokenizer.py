@@ -1,0 +1,180 @@
+"""Incremental detokenization of generated tokens, with stop strings and safe streaming deltas.
+
+Text is decoded the vLLM way: each new token decodes a small window of the output tokens
+(``prefix_offset`` .. end) and the text of ``prefix_offset .. read_offset`` is cut off the front,
+so the cost per token does not grow with the sequence length, and tokenizer quirks that depend on
+the neighbouring token (sentencepiece leading spaces, byte-fallback pieces) come out as in a full
+``decode``. Offsets only move when the window decodes to complete characters, so ``read_offset``
+always sits on a character boundary and the decoded text is the concatenation of the windows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass(slots=True)
+class _DecodeState:
+    """Where the decode window stands within the output tokens."""
+
+    prefix_offset: int = 0  # first token of the window (context for the read text)
+    read_offset: int = 0  # first token whose text is not yet in ``text``
+    text: str = ""  # decoded text of output[:read_offset] (complete characters only)
+
+
+@dataclass(slots=True)
+class _StopState:
+    """What is known about stop strings and what has been streamed."""
+
+    matched: str | None = None  # the stop string that ended the output
+    end: int | None = None  # len(output_text) once a stop matched
+    sent: int = 0  # characters of output text already returned by get_next_delta
+    finished: bool = False
+
+
+class IncrementalDetokenizer:
+    """Turn generated token ids into text one step at a time and detect stop strings.
+
+    ``output_text`` is ``tokenizer.decode(output_token_ids)`` (complete characters only until
+    ``finish()``), cut right before a matched stop string (or right after it with
+    ``include_stop_str_in_output``). Stop strings are searched in the generated text only;
+    ``prompt_token_ids`` are kept for the caller but never enter the output text.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
+        self._tokenizer = tokenizer
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.skip_special_tokens = skip_special_tokens
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self._ids: list[int] = []
+        self._decode = _DecodeState()
+        self._stops = list(stop)
+        self._stop = _StopState()
+
+    # -- public state ------------------------------------------------------------------------
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """All generated token ids given to ``update`` (not cut at a stop string)."""
+        return self._ids
+
+    @property
+    def output_text(self) -> str:
+        """Generated text so far, truncated at a matched stop string."""
+        text = self._decode.text
+        return text if self._stop.end is None else text[: self._stop.end]
+
+    @property
+    def matched_stop(self) -> str | None:
+        """The stop string that ended the output, or None."""
+        return self._stop.matched
+
+    @property
+    def finished(self) -> bool:
+        """True after ``finish()`` or once a stop string matched."""
+        return self._stop.finished
+
+    # -- updates -----------------------------------------------------------------------------
+
+    def update(self, new_token_ids: Sequence[int]) -> str | None:
+        """Append generated tokens; return the stop string that matched, else None."""
+        if self._stop.finished:
+            raise RuntimeError("update() called on a finished detokenizer")
+        start = len(self._decode.text)
+        for token_id in new_token_ids:
+            self._ids.append(token_id)
+            self._decode_step(flush=False)
+        return self._check_stop(start)
+
+    def finish(self) -> None:
+        """Mark the output complete: flush an incomplete trailing character, release held text."""
+        if self._stop.finished:
+            return
+        start = len(self._decode.text)
+        self._decode_step(flush=True)
+        self._check_stop(start)
+        self._stop.finished = True
+
+    def get_next_delta(self) -> str:
+        """Return output text not returned before, holding back what may still change.
+
+        Until finished, a suffix that is a prefix of some stop string is held back (it may
+        become a stop string that must not be shown); incomplete characters are never in the
+        text before ``finish()``.
+        """
+        text = self.output_text
+        end = len(text)
+        if not self._stop.finished:
+            end -= self._stop_prefix_len(text)
+        end = max(end, self._stop.sent)
+        delta = text[self._stop.sent : end]
+        self._stop.sent = end
+        return delta
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _decode_ids(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(
+            ids,
+            skip_special_tokens=self.skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    def _decode_step(self, *, flush: bool) -> None:
+        """Decode the window after the last token; advance offsets on complete characters."""
+        state = self._decode
+        if state.read_offset == len(self._ids):
+            return
+        prefix_text = self._decode_ids(self._ids[state.prefix_offset : state.read_offset])
+        full_text = self._decode_ids(self._ids[state.prefix_offset :])
+        # An incomplete UTF-8 sequence at the end decodes to U+FFFD: wait for more tokens.
+        if len(full_text) <= len(prefix_text) or (
+            full_text.endswith(_REPLACEMENT_CHAR) and not flush
+        ):
+            return
+        state.text += full_text[len(prefix_text) :]
+        state.prefix_offset = state.read_offset
+        state.read_offset = len(self._ids)
+
+    def _check_stop(self, start: int) -> str | None:
+        """Search stop strings in text appended after ``start`` (plus an overlap before it)."""
+        stop = self._stop
+        text = self._decode.text
+        best: tuple[int, str] | None = None
+        for s in self._stops:
+            idx = text.find(s, max(0, start - len(s) + 1))
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return None
+        idx, s = best
+        stop.matched = s
+        stop.end = idx + len(s) if self.include_stop_str_in_output else idx
+        stop.finished = True
+        return s
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        longest = 0
+        for s in self._stops:
+            for k in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:k]):
+                    longest = k
+                    break
+        return longest

@@ -1,0 +1,136 @@
+"""Per-request KV block bookkeeping on top of the block pool: prefix hits, allocation, freeing."""
+
+from __future__ import annotations
+
+from engine.kv_cache.block import KVCacheBlock
+from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.hashing import HashFn, hash_request_blocks
+from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Maps requests to their block lists. Block tables are append-only while a request runs;
+    freeing returns every block (in reverse order) at once."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        hash_fn: HashFn,
+        enable_caching: bool = True,
+    ) -> None:
+        self.block_size = block_size
+        self.hash_fn = hash_fn
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already published in the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        # Prefix-cache statistics over get_computed_blocks calls.
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    # -- prefix cache ----------------------------------------------------------------------
+    def update_block_hashes(self, request: Request) -> None:
+        if self.enable_caching:
+            hash_request_blocks(
+                self.hash_fn, request.all_token_ids, self.block_size,
+                request.block_hashes, request.extra_keys,
+            )
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of the request, in full blocks, as (blocks, num_tokens).
+
+        At least one token is always left to compute: the model must run on the last prompt
+        token to produce logits, so a fully cached prompt reuses all but its last block.
+        """
+        if not self.enable_caching:
+            return [], 0
+        self.update_block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[KVCacheBlock] = []
+        bs = self.block_size
+        for i, block_hash in enumerate(request.block_hashes[:max_hit_blocks]):
+            block = self.pool.get_cached_block(block_hash, request.all_token_ids[i * bs : (i + 1) * bs])
+            if block is None:
+                break
+            blocks.append(block)
+        self.num_queried_tokens += request.num_tokens
+        self.num_hit_tokens += len(blocks) * bs
+        return blocks, len(blocks) * bs
+
+    # -- allocation ------------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones.
+
+        `new_computed_blocks` are prefix-cache hits (first scheduling only); they are appended
+        before any new block, and the caller has already counted them in
+        `request.num_computed_tokens`. Returns the newly allocated blocks, or None (and changes
+        nothing) when the pool cannot provide them.
+        """
+        if num_new_tokens < 1:
+            raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
+        computed = new_computed_blocks or []
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed_tokens = request.num_computed_tokens
+        num_required = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
+        num_new_blocks = num_required - len(req_blocks) - len(computed)
+        # Hits sitting in the free queue will be rescued, so they are not available for new use.
+        num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.get_num_free_blocks() - num_evictable_hits:
+            if not req_blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        if computed:
+            self.pool.touch(computed)
+            req_blocks.extend(computed)
+        new_blocks = self.pool.get_new_blocks(max(num_new_blocks, 0))
+        req_blocks.extend(new_blocks)
+        self._cache_full_blocks(request, num_computed_tokens + num_new_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Publish blocks that are full once the scheduled tokens are computed.
+
+        Safe before the forward pass: within every layer, the attention backend writes all new
+        K/V before any query reads the cache, so a same-step hit sees complete data.
+        """
+        if not self.enable_caching:
+            return
+        self.update_block_hashes(request)
+        req_id = request.request_id
+        blocks = self.req_to_blocks[req_id]
+        start = self.num_cached_blocks.get(req_id, 0)
+        end = min(num_tokens // self.block_size, len(request.block_hashes))
+        bs = self.block_size
+        for i in range(start, end):
+            self.pool.cache_full_block(
+                blocks[i], request.block_hashes[i], request.all_token_ids[i * bs : (i + 1) * bs]
+            )
+        self.num_cached_blocks[req_id] = max(start, end)
+
+    def free(self, request: Request) -> None:
+        """Release all blocks of the request, tail first (so its tail is evicted first)."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.pool.free_blocks(list(reversed(blocks)))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    @property
+    def usage(self) -> float:
+        return self.pool.get_usage()
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0

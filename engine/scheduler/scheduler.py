@@ -1,0 +1,227 @@
+"""The phase-free scheduler: spends a token budget over running, then waiting requests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine.config import SchedulingPolicy
+from engine.kv_cache.manager import KVCacheManager
+from engine.request import FinishReason, Request, RequestStatus
+from engine.scheduler.output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from engine.scheduler.queues import make_waiting_queue
+
+
+class Scheduler:
+    """Each step maps request ids to a number of tokens to compute.
+
+    A request needs `num_tokens - num_computed_tokens` more tokens: its whole prompt at first
+    (sliced by the budget: chunked prefill), then one token per step. When the pool runs out of
+    blocks, the running request scheduled last (FCFS) or with the worst priority is preempted:
+    its blocks are freed and it is recomputed later.
+    """
+
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        policy: SchedulingPolicy = SchedulingPolicy.FCFS,
+    ) -> None:
+        self.kv = kv_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_waiting_queue(policy)
+        self.running: list[Request] = []
+        # Ids the runner must forget at the next step.
+        self._finished_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # -- requests in and out ---------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_tokens} tokens; max_model_len is {self.max_model_len} "
+                "(at least one token must be left to generate)"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside (abort, stop string found by the detokenizer)."""
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._free(request, status)
+
+    def _free(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.add(request.request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- scheduling ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: set[str] = set()
+
+        # 1. Running requests, in order. A request that cannot get blocks preempts others.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self._pick_victim()
+                if victim.request_id in num_scheduled:
+                    # Priority policy may pick a request scheduled earlier in this step.
+                    budget += num_scheduled.pop(victim.request_id)
+                    cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
+                    i -= 1
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+                new_blocks = self.kv.allocate_slots(request, num_new)
+            if new_blocks is None:
+                continue  # it preempted itself; running[i] is now the next request
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            cached_reqs.append(
+                CachedRequestData(request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
+            )
+            i += 1
+
+        # 2. Waiting requests, unless this step already had to preempt.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+            request.num_computed_tokens = num_hit_tokens
+            num_new = self._num_new_tokens(request, budget)
+            new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks)
+            if new_blocks is None:
+                request.num_computed_tokens = 0
+                break
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling_params=request.sampling_params,
+                    block_ids=self.kv.get_block_ids(request.request_id),
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+
+        output = SchedulerOutput(
+            new_requests=new_reqs,
+            cached_requests=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=self._finished_ids,
+            preempted_req_ids=preempted,
+        )
+        self._finished_ids = set()
+        # Tokens scheduled now count as computed: the next schedule() may run before outputs
+        # arrive (the runner computes exactly what was scheduled).
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        return output
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        return max(0, min(remaining, budget, self.max_model_len - request.num_computed_tokens))
+
+    def _pick_victim(self) -> Request:
+        if self.policy is SchedulingPolicy.PRIORITY:
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    # -- results ---------------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply token-level stop conditions, free finished requests."""
+        outputs = []
+        for req_id, token_ids in runner_output.sampled_token_ids.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            request.append_output_token_ids(token_ids)
+            finish_reason = self._check_stop(request)
+            if finish_reason is not None:
+                self.running.remove(request)
+                status = RequestStatus.FINISHED_STOPPED if finish_reason is FinishReason.STOP else RequestStatus.FINISHED_LENGTH
+                self._free(request, status)
+            logprobs = runner_output.logprobs.get(req_id)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=token_ids,
+                    new_logprobs=logprobs,
+                    finish_reason=finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+        return outputs
+
+    def _check_stop(self, request: Request) -> FinishReason | None:
+        params = request.sampling_params
+        last = request.all_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in request.eos_token_ids:
+                return FinishReason.STOP
+            if last in params.stop_token_ids:
+                request.stop_reason = last
+                return FinishReason.STOP
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
