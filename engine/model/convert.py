@@ -55,6 +55,7 @@ def convert_model(source: str | Path, dest: str | Path, *, overwrite: bool = Fal
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary folder
         read = _convert_gguf(source, tmp) if is_gguf else _convert_hf_dir(source, tmp)
         _write_source_record(tmp / SOURCE_RECORD, source, read, "gguf" if is_gguf else "hf")
         _move_into_place(tmp, dest)
@@ -71,7 +72,6 @@ def _convert_gguf(path: Path, out: Path) -> list[Path]:
 
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     tokenizer.save_pretrained(out)
-    _tidy_tokenizer_config(out / "tokenizer_config.json")
     # A model loaded from GGUF is marked quantized and save_pretrained refuses it, so its
     # (already de-quantised, float32) state dict is streamed to safetensors directly.
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
@@ -84,6 +84,7 @@ def _convert_gguf(path: Path, out: Path) -> list[Path]:
         if isinstance(value, float):
             setattr(config, key, _shortest_float32(value))
     config.save_pretrained(out)
+    _tidy_tokenizer_config(out / "tokenizer_config.json", config.max_position_embeddings)
     specs = [(n, tuple(t.shape), t.dtype, lambda t=t: t)
              for n, t in _drop_shared(model.state_dict().items())]
     _write_safetensors(out / WEIGHTS_FILE, specs)
@@ -213,11 +214,15 @@ def _write_generation_config(out: Path) -> None:
     GenerationConfig.from_model_config(AutoConfig.from_pretrained(out)).save_pretrained(out)
 
 
-def _tidy_tokenizer_config(path: Path) -> None:
-    """Drop load-time keys that transformers 5 saves into tokenizer_config.json."""
+def _tidy_tokenizer_config(path: Path, max_length: int) -> None:
+    """Fix what a GGUF tokenizer saves: load-time keys, no length limit, a 5.x-only class."""
     data = json.loads(path.read_text())
     for key in ("is_local", "local_files_only"):
         data.pop(key, None)
+    if data.get("model_max_length", 1e30) >= 1e29:  # transformers' "no limit" sentinel
+        data["model_max_length"] = max_length
+    if data.get("tokenizer_class") == "TokenizersBackend":
+        data["tokenizer_class"] = "PreTrainedTokenizerFast"  # same class in 5.x, known in 4.x
     path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 

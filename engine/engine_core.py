@@ -1,0 +1,104 @@
+"""EngineCore: scheduler + KV cache manager + model runner behind a pure, in-process step()."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache.hashing import get_hash_fn
+from engine.kv_cache.manager import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.request import Request, RequestStatus
+from engine.scheduler.output import EngineCoreOutput
+from engine.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def read_eos_token_ids(model_dir: Path, hf_config: dict) -> frozenset[int]:
+    """EOS ids from generation_config.json (preferred) or config.json; int or list."""
+    gen_path = model_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    eos = gen.get("eos_token_id", hf_config.get("eos_token_id"))
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+class EngineCore:
+    """One engine: requests in, per-step outputs out. No threads, no sockets."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        model_dir = Path(config.model)
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"{model_dir} is not a model directory (no config.json)")
+        self.model_dir = model_dir
+        self.hf_config = json.loads((model_dir / "config.json").read_text())
+        self.vocab_size = int(self.hf_config["vocab_size"])
+        self.max_model_len = config.resolve_max_model_len(
+            int(self.hf_config.get("max_position_embeddings", 2048))
+        )
+        self.eos_token_ids = read_eos_token_ids(model_dir, self.hf_config)
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(config, str(model_dir), self.hf_config, self.eos_token_ids)
+        # A request alone must always fit the pool, or it would wait forever.
+        pool_tokens = self.runner.num_blocks * config.block_size
+        if pool_tokens < self.max_model_len:
+            if config.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len={config.max_model_len} does not fit the KV pool "
+                    f"({self.runner.num_blocks} blocks x {config.block_size} = {pool_tokens} tokens): "
+                    "raise kv_cache_memory / num_kv_blocks or lower max_model_len"
+                )
+            logger.warning("max_model_len lowered to %d to fit the KV pool", pool_tokens)
+            self.max_model_len = pool_tokens
+        self.kv_manager = KVCacheManager(
+            self.runner.num_blocks,
+            config.block_size,
+            get_hash_fn(config.prefix_cache_hash),
+            config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            self.kv_manager,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            self.max_model_len,
+            config.scheduling_policy,
+        )
+
+    def validate_request(self, request: Request) -> None:
+        """Raise ValueError for input the engine must refuse (before anything is allocated)."""
+        if not request.prompt_token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {request.num_tokens} tokens but max_model_len is "
+                f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens fit"
+            )
+        bad = [t for t in request.prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+
+    def add_request(self, request: Request) -> None:
+        self.validate_request(request)
+        request.eos_token_ids = self.eos_token_ids
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        self.scheduler.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, execute, update. Returns the news of every request that got a token."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)

@@ -1,0 +1,113 @@
+"""Offline batch generation: `LLM(model=...).generate(prompts, params)`, like vLLM's."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.output_processor import OutputProcessor, child_sampling_params
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+
+PromptType = str | Sequence[int]
+Message = dict[str, str]
+
+
+def load_tokenizer(model_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+class LLM:
+    """An in-process engine plus tokenizer. Engine options are EngineConfig's fields."""
+
+    def __init__(self, model: str | Path, **engine_options) -> None:
+        self.config = EngineConfig(model=str(model), **engine_options)
+        self.tokenizer = load_tokenizer(self.config.model)
+        self.engine = EngineCore(self.config)
+        self._counter = itertools.count()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text, or a list of token ids); outputs keep prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("no prompts given")
+        params_list = self._params_list(sampling_params, len(prompts))
+        items = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                items.append((prompt, self.tokenizer.encode(prompt, add_special_tokens=False)))
+            else:
+                items.append((None, list(prompt)))
+        return self._run(items, params_list)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        if not messages:
+            raise ValueError("no messages given")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        items = []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            items.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
+        return self._run(items, self._params_list(sampling_params, len(items)))
+
+    @staticmethod
+    def _params_list(params, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        return params
+
+    def _run(self, items: list[tuple[str | None, list[int]]], params_list: list[SamplingParams]) -> list[RequestOutput]:
+        engine = self.engine
+        # Validate everything before submitting anything: a bad prompt leaves the engine untouched.
+        requests = []
+        for (_, token_ids), params in zip(items, params_list):
+            req = Request(f"check-{len(requests)}", token_ids, params)
+            engine.validate_request(req)
+            requests.append(req)
+        processor = OutputProcessor(self.tokenizer)
+        order = []
+        for (text, token_ids), params in zip(items, params_list):
+            req_id = f"offline-{next(self._counter)}"
+            order.append(req_id)
+            for i, child_id in enumerate(processor.add_request(req_id, text, token_ids, params)):
+                engine.add_request(Request(child_id, token_ids, child_sampling_params(params, i)))
+        finished: dict[str, RequestOutput] = {}
+        try:
+            while processor.num_unfinished:
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError("engine has no work left but requests are unfinished")
+                outputs, to_abort = processor.process_outputs(engine.step())
+                if to_abort:
+                    engine.abort_requests(to_abort, status=RequestStatus.FINISHED_STOPPED)
+                for out in outputs:
+                    if out.finished:
+                        finished[out.request_id] = out
+        except BaseException:
+            for req_id in order:
+                engine.abort_requests(processor.abort_request(req_id))
+            raise
+        return [finished[r] for r in order]
+

@@ -1,0 +1,164 @@
+"""The model runner: turns a SchedulerOutput into one flattened batch, runs the model, samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention.backend import select_backend
+from engine.attention.metadata import AttentionMetadata
+from engine.config import EngineConfig
+from engine.model.loader import allocate_kv_caches, kv_cache_bytes_per_block, load_model
+from engine.sampler import Sampler
+from engine.sampling_metadata import SamplingMetadata
+from engine.sampling_params import SamplingParams
+from engine.scheduler.output import Logprobs, ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """What the runner remembers of a running request between steps."""
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.output_token_ids = self.token_ids[self.num_prompt_tokens :]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: str, hf_config: dict, eos_token_ids: frozenset[int]) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.hf_config = hf_config
+        self.vocab_size = int(hf_config["vocab_size"])
+        self.eos_token_ids = eos_token_ids
+        self.backend = select_backend(self.device)
+        self.model = load_model(model_dir, self.dtype, self.device, self.backend)
+        self.bytes_per_block = kv_cache_bytes_per_block(hf_config, self.block_size, self.dtype)
+        self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)
+        self.kv_caches = allocate_kv_caches(hf_config, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+
+    # -- state -----------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.new_requests:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, list(new.token_ids), new.num_prompt_tokens, params,
+                list(new.block_ids), new.num_computed_tokens, generator,
+            )
+        for cached in so.cached_requests:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # -- one step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput({})
+        # Decodes first: the attention backend batches rows [0, num_decodes) together.
+        order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
+        batch = self._prepare_inputs(order, so.num_scheduled_tokens)
+        input_ids, positions, meta, sample_rows, sample_ids = batch
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not sample_ids:
+            return ModelRunnerOutput({})
+        logits = self.model.compute_logits(hidden[sample_rows])
+        states = [self.requests[r] for r in sample_ids]
+        sampling_meta = SamplingMetadata.build(
+            [s.sampling_params for s in states],
+            [s.token_ids[: s.num_prompt_tokens] for s in states],
+            [s.output_token_ids for s in states],
+            [s.generator for s in states],
+            self.eos_token_ids,
+            self.vocab_size,
+            self.device,
+        )
+        out = self.sampler(logits, sampling_meta)
+        sampled = out.sampled_token_ids.tolist()
+        result = ModelRunnerOutput({})
+        for row, (state, token) in enumerate(zip(states, sampled)):
+            state.token_ids.append(token)
+            state.output_token_ids.append(token)
+            result.sampled_token_ids[state.req_id] = [token]
+        if out.logprobs is not None:
+            ids = out.logprobs.token_ids.tolist()
+            lps = out.logprobs.logprobs.tolist()
+            ranks = out.logprobs.sampled_ranks.tolist()
+            for row, state in enumerate(states):
+                k = state.sampling_params.logprobs
+                if k is not None:
+                    result.logprobs[state.req_id] = [Logprobs(ids[row][: k + 1], lps[row][: k + 1], ranks[row])]
+        return result
+
+    def _prepare_inputs(self, order: list[str], num_scheduled: dict[str, int]):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        sample_ids: list[str] = []
+        max_blocks = 0
+        for req_id in order:
+            state = self.requests[req_id]
+            n = num_scheduled[req_id]
+            start = state.num_computed_tokens
+            end = start + n
+            input_ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            blocks = state.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(n)
+            seq_lens.append(end)
+            max_blocks = max(max_blocks, len(blocks))
+            if end == len(state.token_ids):  # reached the newest token: sample the next one
+                sample_rows.append(len(input_ids) - 1)
+                sample_ids.append(req_id)
+        block_tables = torch.tensor(
+            [b + [0] * (max_blocks - len(b)) for b in (self.requests[r].block_ids for r in order)],
+            dtype=torch.int32,
+        )
+        query_start = [0]
+        for q in query_lens:
+            query_start.append(query_start[-1] + q)
+        dev = self.device
+        meta = AttentionMetadata(
+            num_seqs=len(order),
+            num_tokens=len(input_ids),
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            num_decodes=sum(1 for q in query_lens if q == 1),
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta,
+            torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+            sample_ids,
+        )

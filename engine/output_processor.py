@@ -1,0 +1,117 @@
+"""Turns EngineCoreOutputs (token ids) into RequestOutputs (text): detokenization, stop strings,
+logprobs, and fan-in of the `n` child requests of one prompt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.scheduler.output import EngineCoreOutput, Logprobs
+
+
+def child_request_id(parent_id: str, index: int) -> str:
+    return f"{index}_{parent_id}"
+
+
+def child_sampling_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Child i of an n-way request: n=1, and seed+i so children differ but stay reproducible."""
+    return replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+
+
+@dataclass(slots=True)
+class _ChildState:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    completion: CompletionOutput
+
+
+@dataclass(slots=True)
+class _ParentState:
+    output: RequestOutput
+    num_unfinished: int
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._children: dict[str, tuple[str, _ChildState]] = {}
+        self._parents: dict[str, _ParentState] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> list[str]:
+        """Register a request; returns the child request ids to submit to the engine."""
+        if request_id in self._parents:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        out = RequestOutput(request_id, prompt, list(prompt_token_ids), [])
+        child_ids = []
+        for i in range(params.n):
+            completion = CompletionOutput(index=i, text="", token_ids=[], logprobs=[] if params.logprobs is not None else None)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+            out.outputs.append(completion)
+            child_id = child_request_id(request_id, i) if params.n > 1 else request_id
+            self._children[child_id] = (request_id, _ChildState(i, detok, completion))
+            child_ids.append(child_id)
+        self._parents[request_id] = _ParentState(out, params.n)
+        return child_ids
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns (request outputs that changed, child ids stopped by a stop string: abort them)."""
+        changed: dict[str, RequestOutput] = {}
+        to_abort: list[str] = []
+        for eco in outputs:
+            entry = self._children.get(eco.request_id)
+            if entry is None:
+                continue
+            parent_id, child = entry
+            parent = self._parents[parent_id]
+            completion = child.completion
+            stop_str = child.detokenizer.update(eco.new_token_ids)
+            completion.token_ids = child.detokenizer.output_token_ids
+            if completion.logprobs is not None and eco.new_logprobs:
+                completion.logprobs.extend(self._convert_logprobs(lp) for lp in eco.new_logprobs)
+            finish_reason = eco.finish_reason.value if eco.finish_reason else None
+            stop_reason = eco.stop_reason
+            if stop_str is not None:
+                if not eco.finished:
+                    to_abort.append(eco.request_id)
+                finish_reason, stop_reason = "stop", stop_str
+            if finish_reason is not None:
+                child.detokenizer.finish()
+                completion.finish_reason = finish_reason
+                completion.stop_reason = stop_reason
+                del self._children[eco.request_id]
+                parent.num_unfinished -= 1
+            completion.text = child.detokenizer.output_text
+            parent.output.num_cached_tokens = max(parent.output.num_cached_tokens, eco.num_cached_tokens)
+            if parent.num_unfinished == 0:
+                parent.output.finished = True
+                del self._parents[parent_id]
+            changed[parent_id] = parent.output
+        return list(changed.values()), to_abort
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request; returns its child ids still known to the engine."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return []
+        ids = [cid for cid, (pid, _) in self._children.items() if pid == request_id]
+        for cid in ids:
+            del self._children[cid]
+        return ids
+
+    def _convert_logprobs(self, lp: Logprobs) -> dict[int, TokenLogprob]:
+        ranks = [lp.sampled_rank] + list(range(1, len(lp.token_ids)))
+        return {
+            tok: TokenLogprob(logprob, rank, self.tokenizer.decode([tok]))
+            for tok, logprob, rank in zip(lp.token_ids, lp.logprobs, ranks)
+        }
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._parents)
