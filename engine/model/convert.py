@@ -39,7 +39,7 @@ TensorSpec = tuple[str, tuple[int, ...], Any, Callable[[], Any]]
 
 
 def convert_model(source: str | Path, dest: str | Path, *, overwrite: bool = False) -> Path:
-    """Convert `source` (a .gguf file or a Hugging Face model directory) into `dest`; return dest."""
+    """Convert `source` (a .gguf file or a Hugging Face model folder) into `dest`; return dest."""
     source = Path(source).expanduser().resolve()
     dest = Path(dest).expanduser().absolute()
     if not source.exists():

@@ -1,0 +1,80 @@
+"""The attention-backend interface and backend selection.
+
+A backend owns one step of paged attention for one layer: it stores the step's new keys/values
+in the layer's KV cache and attends every query token to its own sequence's context. The
+contract for the batch layout is `engine.attention.metadata.AttentionMetadata`.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(abc.ABC):
+    """Paged attention for one layer at a time.
+
+    Shapes: `query [T, num_heads, head_dim]`, `key`/`value [T, num_kv_heads, head_dim]`,
+    `kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]`; `num_heads` is a multiple of
+    `num_kv_heads` and query head `h` uses KV head `h // (num_heads // num_kv_heads)` (HF's
+    `repeat_kv` order). query, key, value and kv_cache share one dtype and device.
+    """
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write key/value at `meta.slot_mapping`, then return attention output `[T, num_heads, head_dim]`.
+
+        Causal: the query token at position p of a sequence sees that sequence's tokens 0..p.
+        """
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store `key`/`value [T, kv_heads, head_dim]` at flat slots `slot_mapping [T]` (int64)."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def check_shapes(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    """Raise ValueError when the tensors do not fit the backend contract."""
+    if query.dim() != 3 or key.dim() != 3 or value.dim() != 3 or kv_cache.dim() != 5:
+        raise ValueError("expected query/key/value [T, heads, head_dim] and kv_cache of 5 dims")
+    num_tokens, num_heads, head_dim = query.shape
+    if kv_cache.shape[0] != 2 or kv_cache.shape[-1] != head_dim:
+        raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)} does not fit head_dim {head_dim}")
+    kv_shape = (num_tokens, kv_cache.shape[3], head_dim)
+    if tuple(key.shape) != kv_shape or tuple(value.shape) != kv_shape:
+        raise ValueError(f"key/value must be {kv_shape}, got {tuple(key.shape)} / {tuple(value.shape)}")
+    if num_heads % kv_cache.shape[3]:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {kv_cache.shape[3]}")
+    if num_tokens != meta.num_tokens:
+        raise ValueError(f"query has {num_tokens} tokens, metadata says {meta.num_tokens}")
+    if not (query.dtype == key.dtype == value.dtype == kv_cache.dtype):
+        raise ValueError("query, key, value and kv_cache must share one dtype")
+
+
+def select_backend(device: str | torch.device) -> AttentionBackend:
+    """The attention backend for `device`: the torch backend everywhere until a Triton one exists."""
+    from engine.attention.torch_backend import TorchAttentionBackend
+
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"no attention backend for device type {device.type!r}")
+    return TorchAttentionBackend()

@@ -1,0 +1,222 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache, written for inference.
+
+Differences from the HF modules, all invisible in the numbers: q/k/v are one fused linear
+(`qkv_proj`, rows q|k|v) and gate/up are one (`gate_up_proj`, rows gate|up); `load_weights`
+maps the HF checkpoint names onto them. RoPE cos/sin are precomputed in float32 and stored in
+the model dtype (HF casts them the same way), so float32 runs match HF to rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.metadata import AttentionMetadata
+from engine.model.llama_spec import LlamaSpec, rope_inv_freq
+
+# HF projection name -> (fused module name, shard index).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_UNFUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class RMSNorm(nn.Module):
+    """HF LlamaRMSNorm: normalise in float32, cast back, then scale by the weight."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of `x [T, heads, head_dim]` with `cos`/`sin [T, 1, head_dim // 2]`."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, spec: LlamaSpec, dtype: torch.dtype, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias, dtype=dtype)
+        self.scale = spec.head_dim**-0.5
+        self.backend = backend
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        num_tokens = h.shape[0]
+        qkv = self.qkv_proj(h)
+        qk_heads = self.num_heads + self.num_kv_heads
+        # RoPE on q and k together: one pass over [T, heads + kv_heads, head_dim].
+        qk = apply_rope(qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, self.head_dim), cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, spec: LlamaSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * size, bias=spec.mlp_bias, dtype=dtype)
+        self.down_proj = nn.Linear(size, spec.hidden_size, bias=spec.mlp_bias, dtype=dtype)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, spec: LlamaSpec, dtype: torch.dtype, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(spec, dtype, backend)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(spec, dtype)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, spec: LlamaSpec, dtype: torch.dtype, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, dtype, backend) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 causal LM. Weights start uninitialised: fill them with `load_weights`.
+
+    `max_model_len` (default: the config's max_position_embeddings) bounds the RoPE table; a
+    sliding window shorter than it is refused (the backends attend to the whole context).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        dtype: torch.dtype,
+        device: str | torch.device,
+        backend: AttentionBackend,
+        max_model_len: int | None = None,
+    ) -> None:
+        super().__init__()
+        spec = config if isinstance(config, LlamaSpec) else LlamaSpec.from_hf(config)
+        max_len = max_model_len or spec.max_position_embeddings
+        if spec.sliding_window is not None and spec.sliding_window < max_len:
+            raise ValueError(
+                f"{spec.architecture} uses a sliding window of {spec.sliding_window} tokens, which is not "
+                f"supported; it only works when max_model_len <= {spec.sliding_window} (got {max_len})"
+            )
+        self.spec, self.dtype, self.device, self.max_model_len = spec, dtype, torch.device(device), max_len
+        with torch.device("meta"):
+            self.model = LlamaModel(spec, dtype, backend)
+            self.lm_head = None
+            if not spec.tie_word_embeddings:
+                self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
+        self.to_empty(device=self.device)
+        self.requires_grad_(False)
+        freqs = torch.arange(max_len, dtype=torch.float32, device=self.device)[:, None] * rope_inv_freq(spec).to(
+            self.device
+        )
+        # [max_len, head_dim // 2] each, stored in the model dtype like HF's cast before use.
+        self.register_buffer("rope_cos", freqs.cos().to(dtype), persistent=False)
+        self.register_buffer("rope_sin", freqs.sin().to(dtype), persistent=False)
+        self._shard_sizes = {
+            "qkv_proj": [spec.num_heads * spec.head_dim] + [spec.num_kv_heads * spec.head_dim] * 2,
+            "gate_up_proj": [spec.intermediate_size] * 2,
+        }
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run `input_ids [T]` at `positions [T]` (int64); returns final-normed hidden states [T, hidden]."""
+        if len(kv_caches) != self.spec.num_layers:
+            raise ValueError(f"expected {self.spec.num_layers} KV caches, got {len(kv_caches)}")
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            h = layer(h, cos, sin, kv_cache, meta)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden [N, hidden]` -> float32 logits `[N, vocab]`."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def checkpoint_names(self) -> set[str]:
+        """The HF tensor names a checkpoint must provide (rotary inv_freq buffers never needed)."""
+        names = set()
+        for name, _ in self.named_parameters():
+            module, leaf = name.rsplit(".", 1)
+            parent, _, proj = module.rpartition(".")
+            if proj not in _UNFUSED:
+                names.add(name)
+            else:
+                names.update(f"{parent}.{part}.{leaf}" for part in _UNFUSED[proj])
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (fused) parameters, casting to the model dtype.
+
+        Raises ValueError on a shape mismatch, on names the model does not have and on any
+        expected tensor that never arrived. Ignores `*rotary_emb.inv_freq` and, when the
+        embeddings are tied, a redundant `lm_head.weight`.
+        """
+        params = dict(self.named_parameters())
+        expected = self.checkpoint_names()
+        seen: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            if name not in expected:
+                unexpected.append(name)
+                continue
+            dest = self._destination(name, params)
+            if dest.shape != tensor.shape:
+                raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            seen.add(name)
+        if unexpected:
+            raise ValueError(f"unexpected tensors in checkpoint: {', '.join(sorted(unexpected)[:20])}")
+        missing = expected - seen
+        if missing:
+            raise ValueError(f"tensors missing from checkpoint: {', '.join(sorted(missing)[:20])}")
+
+    def _destination(self, name: str, params: dict[str, nn.Parameter]) -> torch.Tensor:
+        module, leaf = name.rsplit(".", 1)
+        parent, _, proj = module.rpartition(".")
+        if proj not in _FUSED:
+            return params[name]
+        fused, shard = _FUSED[proj]
+        sizes = self._shard_sizes[fused]
+        return params[f"{parent}.{fused}.{leaf}"].narrow(0, sum(sizes[:shard]), sizes[shard])

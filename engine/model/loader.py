@@ -1,0 +1,103 @@
+"""Load a Llama-family model directory (config.json + safetensors) and size/allocate its KV cache.
+
+Weights load through safetensors only: pickle-based checkpoints (.bin, .pt, .pth, .ckpt) are
+refused, never opened.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from engine.attention.backend import AttentionBackend
+from engine.config import resolve_dtype
+from engine.model.llama import LlamaForCausalLM
+from engine.model.llama_spec import LlamaSpec
+
+_INDEX_FILE = "model.safetensors.index.json"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+def read_config(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in {model_dir}")
+    with path.open(encoding="utf-8") as f:
+        return json.load(f)
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's safetensors files: those named by the index file when present, else all."""
+    model_dir = Path(model_dir)
+    index = model_dir / _INDEX_FILE
+    if index.is_file():
+        with index.open(encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        absent = [str(p.name) for p in files if not p.is_file()]
+        if absent:
+            raise FileNotFoundError(f"{_INDEX_FILE} names missing files: {', '.join(absent)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    pickled = sorted(p.name for p in model_dir.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickled:
+        raise ValueError(
+            f"{model_dir} holds only pickle checkpoints ({', '.join(pickled)}); pagedserve loads "
+            "safetensors only. Convert them first, e.g. transformers' save_pretrained(..., "
+            "safe_serialization=True) in a trusted environment."
+        )
+    raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one tensor at a time, on CPU, in the checkpoint's dtype."""
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: str | torch.dtype,
+    device: str | torch.device,
+    backend: AttentionBackend,
+    max_model_len: int | None = None,
+) -> LlamaForCausalLM:
+    """Build the model from `model_dir/config.json` and fill it from its safetensors files.
+
+    Raises ValueError for an unsupported architecture/config, a missing or unexpected tensor,
+    a shape mismatch, or a directory with only pickle checkpoints.
+    """
+    config = read_config(model_dir)
+    files = safetensors_files(model_dir)
+    model = LlamaForCausalLM(config, resolve_dtype(dtype), device, backend, max_model_len=max_model_len)
+    model.load_weights(iter_safetensors(files))
+    return model.eval()
+
+
+def _spec(config: Any) -> LlamaSpec:
+    return config if isinstance(config, LlamaSpec) else LlamaSpec.from_hf(config)
+
+
+def kv_cache_bytes_per_block(config: Any, block_size: int, dtype: str | torch.dtype) -> int:
+    """Bytes one KV block takes across all layers (keys and values)."""
+    spec = _spec(config)
+    itemsize = torch.empty((), dtype=resolve_dtype(dtype)).element_size()
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize
+
+
+def allocate_kv_caches(
+    config: Any, num_blocks: int, block_size: int, dtype: str | torch.dtype, device: str | torch.device
+) -> list[torch.Tensor]:
+    """One zero-filled `[2, num_blocks, block_size, kv_heads, head_dim]` tensor per layer."""
+    spec = _spec(config)
+    shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    return [torch.zeros(shape, dtype=resolve_dtype(dtype), device=device) for _ in range(spec.num_layers)]
