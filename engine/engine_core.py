@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from engine.attention.torch_backend import tune_glibc_malloc
 from engine.config import EngineConfig
 from engine.kv_cache.hashing import get_hash_fn
 from engine.kv_cache.manager import KVCacheManager
@@ -47,7 +48,9 @@ class EngineCore:
         )
         self.eos_token_ids = read_eos_token_ids(model_dir, self.hf_config)
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, str(model_dir), self.hf_config, self.eos_token_ids)
+        if self.config.device == "cpu":
+            tune_glibc_malloc()  # process-wide; large temporaries stay on the heap
+        self.runner = ModelRunner(config, str(model_dir), self.hf_config, self.eos_token_ids, self.max_model_len)
         # A request alone must always fit the pool, or it would wait forever.
         pool_tokens = self.runner.num_blocks * config.block_size
         if pool_tokens < self.max_model_len:

@@ -34,7 +34,9 @@ class CachedRequestState:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: str, hf_config: dict, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self, config: EngineConfig, model_dir: str, hf_config: dict, eos_token_ids: frozenset[int], max_model_len: int
+    ) -> None:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
@@ -43,7 +45,7 @@ class ModelRunner:
         self.vocab_size = int(hf_config["vocab_size"])
         self.eos_token_ids = eos_token_ids
         self.backend = select_backend(self.device)
-        self.model = load_model(model_dir, self.dtype, self.device, self.backend)
+        self.model = load_model(model_dir, self.dtype, self.device, self.backend, max_model_len=max_model_len)
         self.bytes_per_block = kv_cache_bytes_per_block(hf_config, self.block_size, self.dtype)
         self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)
         self.kv_caches = allocate_kv_caches(hf_config, self.num_blocks, self.block_size, self.dtype, self.device)
