@@ -55,6 +55,14 @@ def parse_size(value: int | str) -> int:
     return size
 
 
+def _coerce_enum(enum_cls: type[enum.Enum], name: str, value: object) -> enum.Enum:
+    try:
+        return enum_cls(value.value if isinstance(value, enum_cls) else value)
+    except ValueError:
+        allowed = [member.value for member in enum_cls]
+        raise ValueError(f"{name}={value!r}: choose one of {allowed}") from None
+
+
 def resolve_dtype(value: str | torch.dtype) -> torch.dtype:
     if isinstance(value, torch.dtype):
         if value not in _DTYPES.values():
@@ -94,28 +102,8 @@ class EngineConfig:
         self.torch_dtype = resolve_dtype(self.dtype)
         self.dtype = str(self.torch_dtype).removeprefix("torch.")
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
-        try:
-            self.prefix_cache_hash = PrefixCacheHash(
-                self.prefix_cache_hash.value
-                if isinstance(self.prefix_cache_hash, PrefixCacheHash)
-                else self.prefix_cache_hash
-            )
-        except ValueError:
-            allowed = [h.value for h in PrefixCacheHash]
-            raise ValueError(
-                f"prefix_cache_hash={self.prefix_cache_hash!r}: choose one of {allowed}"
-            ) from None
-        try:
-            self.scheduling_policy = SchedulingPolicy(
-                self.scheduling_policy.value
-                if isinstance(self.scheduling_policy, SchedulingPolicy)
-                else self.scheduling_policy
-            )
-        except ValueError:
-            allowed = [p.value for p in SchedulingPolicy]
-            raise ValueError(
-                f"scheduling_policy={self.scheduling_policy!r}: choose one of {allowed}"
-            ) from None
+        self.prefix_cache_hash = _coerce_enum(PrefixCacheHash, "prefix_cache_hash", self.prefix_cache_hash)
+        self.scheduling_policy = _coerce_enum(SchedulingPolicy, "scheduling_policy", self.scheduling_policy)
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
