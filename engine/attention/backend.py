@@ -77,4 +77,8 @@ def select_backend(device: str | torch.device) -> AttentionBackend:
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"no attention backend for device type {device.type!r}")
+    if device.type == "cpu":
+        from kernels.cpu_paged_attention import load_cpu_kernels
+
+        return TorchAttentionBackend(cpu_kernels=load_cpu_kernels())
     return TorchAttentionBackend()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.backend import select_backend
+from kernels.cpu_paged_attention import load_cpu_kernels
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend, group_decodes
 
@@ -54,13 +54,21 @@ def reference(query, kv_cache, meta, scale):
 MIXED = [(1, 300), (1, 12), (1, 5), (1, 250), (1, 7), (1, 17), (1, 3), (1, 11), (9, 9), (20, 57), (1, 40)]
 
 
+def _cpu_kernel_backend() -> TorchAttentionBackend:
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU attention kernel could not be built here")
+    return TorchAttentionBackend(cpu_kernels=kernels)
+
+
+@pytest.mark.parametrize("make_backend", [TorchAttentionBackend, _cpu_kernel_backend], ids=["torch", "cpu-kernel"])
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_mixed_batch_matches_reference_across_layers(dtype, tol):
+def test_mixed_batch_matches_reference_across_layers(dtype, tol, make_backend):
     g = torch.Generator().manual_seed(0)
     # The last entry is a 1-token chunk after prefills: handled as a prefill, not a decode.
     meta = make_meta(MIXED, g)
     assert meta.num_decodes == 8 and len(group_decodes(meta.seq_lens[:8])) == 2
-    backend = select_backend("cpu")
+    backend = make_backend()
     for _layer in range(2):  # the per-step decode plan is reused by the second layer
         cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
         q = torch.randn(meta.num_tokens, HEADS, HEAD_DIM, generator=g).to(dtype)
