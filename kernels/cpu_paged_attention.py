@@ -26,6 +26,15 @@ def _build_dir() -> Path:
     return base / "torch_extensions"
 
 
+def _cpu_signature() -> bytes:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return b"unknown-cpu"
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(wanted).encode()
+
+
 def load_cpu_kernels():
     """Compile (first call on a machine, ~30-60 s) or load the extension; None if unavailable."""
     if os.environ.get("PAGEDSERVE_DISABLE_CPU_KERNELS") == "1":
@@ -33,9 +42,12 @@ def load_cpu_kernels():
     from torch.utils.cpp_extension import load
 
     source = _SOURCE.read_bytes()
-    tag = hashlib.sha256(source + repr(_CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:10]
+    # -march=native: a build is only valid on the CPU it was made for, so the CPU is in the key.
+    key = source + repr(_CFLAGS).encode() + torch.__version__.encode() + _cpu_signature()
+    tag = hashlib.sha256(key).hexdigest()[:10]
     build = _build_dir() / f"paged_decode_{tag}"
     build.mkdir(parents=True, exist_ok=True)
+    logger.info("loading the CPU attention kernel (built once per machine, ~30-60 s)")
     try:
         return load(
             name=f"pagedserve_paged_decode_{tag}",

@@ -132,6 +132,55 @@ static inline float softmax_in_place(float* x, int64_t n) {
   return 1.f / sum;
 }
 
+// Asks for the token row `ahead` positions later (often in another, scattered block) to be
+// brought into cache while the current tile is computed.
+template <typename T>
+static inline void prefetch_row(const T* cache, const int32_t* table, int64_t t, int64_t L, int64_t BS, int64_t row) {
+  if (t >= L) return;
+  const char* p = reinterpret_cast<const char*>(cache + (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * row);
+  for (int64_t off = 0; off < row * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off);
+}
+
+// Scores straight from bf16 q and K with AVX512-BF16 dot-product instructions (products exact
+// in float32, float32 accumulation), 4 tokens at a time. Returns false where it does not apply.
+static inline bool bf16_scores(const float*, const float*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
+                               int64_t, int64_t, float, float*) {
+  return false;
+}
+static inline bool bf16_scores(const at::BFloat16* q, const at::BFloat16* kc, const int32_t* table, int64_t L,
+                               int64_t H, int64_t G, int64_t D, int64_t BS, int64_t row, float scale,
+                               float* scores) {
+#if defined(__AVX512BF16__)
+  if (D % 32) return false;
+  for (int64_t t0 = 0; t0 < L; t0 += 4) {
+    const int64_t n = std::min<int64_t>(4, L - t0);
+    const at::BFloat16* rows[4];
+    for (int64_t j = 0; j < 4; ++j) {
+      const int64_t t = t0 + std::min<int64_t>(j, n - 1);  // a short tile repeats its last row
+      rows[j] = kc + (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * row;
+      prefetch_row(kc, table, t0 + j + 16, L, BS, row);
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t off = (h / G) * D;
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+      for (int64_t i = 0; i < D; i += 32) {
+        const __m512bh x = (__m512bh)_mm512_loadu_si512(q + h * D + i);
+        a0 = _mm512_dpbf16_ps(a0, x, (__m512bh)_mm512_loadu_si512(rows[0] + off + i));
+        a1 = _mm512_dpbf16_ps(a1, x, (__m512bh)_mm512_loadu_si512(rows[1] + off + i));
+        a2 = _mm512_dpbf16_ps(a2, x, (__m512bh)_mm512_loadu_si512(rows[2] + off + i));
+        a3 = _mm512_dpbf16_ps(a3, x, (__m512bh)_mm512_loadu_si512(rows[3] + off + i));
+      }
+      const float dots[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
+                             _mm512_reduce_add_ps(a3)};
+      for (int64_t j = 0; j < n; ++j) scores[h * L + t0 + j] = dots[j] * scale;
+    }
+  }
+  return true;
+#else
+  return false;
+#endif
+}
+
 template <typename T>
 static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens,
                           T* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t max_blocks,
@@ -147,16 +196,19 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* t
       const int32_t* table = tables + b * max_blocks;
       // Scores in tiles of 4 tokens: 4 independent dot products per head keep the FMA units busy
       // (one dot product alone is a chain of dependent FMAs plus a horizontal sum).
-      for (int64_t t0 = 0; t0 < L; t0 += 4) {
-        const int64_t n = std::min<int64_t>(4, L - t0);
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t t = t0 + j;
-          row_to_float(kc + (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * row, ktile.data() + j * row, row);
-        }
-        for (int64_t h = 0; h < H; ++h) {
-          float dots[4];
-          dot4(qf.data() + h * D, ktile.data() + (h / G) * D, row, D, dots);
-          for (int64_t j = 0; j < n; ++j) scores[h * L + t0 + j] = dots[j];
+      if (!bf16_scores(q + b * H * D, kc, table, L, H, G, D, BS, row, scale, scores.data())) {
+        for (int64_t t0 = 0; t0 < L; t0 += 4) {
+          const int64_t n = std::min<int64_t>(4, L - t0);
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t t = t0 + j;
+            prefetch_row(kc, table, t + 16, L, BS, row);
+            row_to_float(kc + (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * row, ktile.data() + j * row, row);
+          }
+          for (int64_t h = 0; h < H; ++h) {
+            float dots[4];
+            dot4(qf.data() + h * D, ktile.data() + (h / G) * D, row, D, dots);
+            for (int64_t j = 0; j < n; ++j) scores[h * L + t0 + j] = dots[j];
+          }
         }
       }
       for (int64_t h = 0; h < H; ++h) inv_sum[h] = softmax_in_place(scores.data() + h * L, L);
@@ -167,6 +219,7 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* t
         if (n < 4) std::fill(ktile.begin() + n * row, ktile.end(), 0.f);  // 0 * stale could be NaN
         for (int64_t j = 0; j < n; ++j) {
           const int64_t t = t0 + j;
+          prefetch_row(vc, table, t + 16, L, BS, row);
           row_to_float(vc + (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * row, ktile.data() + j * row, row);
         }
         for (int64_t h = 0; h < H; ++h) {
