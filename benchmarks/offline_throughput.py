@@ -44,16 +44,41 @@ def peak_rss_mib() -> float:
 def phase_engine(args, prompts, caching: bool) -> dict:
     from engine import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype="bfloat16", num_threads=2, kv_cache_memory="1GiB",
+    # KV budget: 64 x (200 + 128) tokens need ~1,350 blocks of 16 (368 KiB each in bf16).
+    llm = LLM(args.model, dtype="bfloat16", num_threads=2, kv_cache_memory="640MiB",
               max_num_seqs=len(prompts), max_num_batched_tokens=2048, enable_prefix_caching=caching)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    bookkeeping = _time_calls(llm.engine.scheduler, ("schedule", "update_from_output"))
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"elapsed_s": elapsed, "output_tokens": n_out, "tok_per_s": n_out / elapsed,
+            "scheduler_kv_s": bookkeeping[0],
             "hit_rate": llm.engine.kv_manager.prefix_cache_hit_rate, "peak_rss_mib": peak_rss_mib()}
+
+
+def _time_calls(obj, names) -> list[float]:
+    """Wrap obj's methods to add their wall time into the returned one-element list.
+
+    The scheduler and the KV cache manager are where prefix caching does its work (hashing,
+    lookups, publishing blocks); their time with caching on vs off is its exact cost, free of
+    the run-to-run noise of whole-run throughput on a shared machine.
+    """
+    total = [0.0]
+    for name in names:
+        method = getattr(obj, name)
+
+        def timed(*args, _method=method, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                total[0] += time.perf_counter() - start
+
+        setattr(obj, name, timed)
+    return total
 
 
 def phase_hf(args, prompts) -> dict:
@@ -152,7 +177,12 @@ def main() -> None:
         "engine_tok_per_s": best["engine"]["tok_per_s"],
         "hf_tok_per_s": best["hf"]["tok_per_s"],
         "engine_vs_hf": best["engine"]["tok_per_s"] / best["hf"]["tok_per_s"],
-        "prefix_caching_cost": 1 - best["engine"]["tok_per_s"] / best["engine_nocache"]["tok_per_s"],
+        # Noisy: whole-run throughput with caching on vs off (different processes).
+        "prefix_caching_cost_end_to_end": 1 - best["engine"]["tok_per_s"] / best["engine_nocache"]["tok_per_s"],
+        # Exact: extra scheduler + KV-manager time with caching on, as a share of the run.
+        "prefix_caching_cost_bookkeeping": (
+            min(r["scheduler_kv_s"] for r in runs["engine"]) - min(r["scheduler_kv_s"] for r in runs["engine_nocache"])
+        ) / best["engine"]["elapsed_s"],
         "ttft": ttft,
         "peak_rss_mib": {k: max(x["peak_rss_mib"] for x in v) for k, v in runs.items()} | {"ttft": ttft["peak_rss_mib"]},
         "runs": runs,
@@ -166,7 +196,8 @@ def main() -> None:
         f"| engine | {summary['engine_tok_per_s']:.1f} tok/s |",
         f"| transformers generate | {summary['hf_tok_per_s']:.1f} tok/s |",
         f"| **engine / transformers** | **{summary['engine_vs_hf']:.2f}x** |",
-        f"| prefix caching cost at 0 % hits (1 - on/off) | {100 * summary['prefix_caching_cost']:.2f} % |",
+        f"| prefix caching cost at 0 % hits: extra scheduler + KV-manager time | {100 * summary['prefix_caching_cost_bookkeeping']:.2f} % of the run |",
+        f"| same, whole-run throughput on vs off (noisy, separate processes) | {100 * summary['prefix_caching_cost_end_to_end']:+.1f} % |",
         f"| TTFT 1,000-token prompt, cold | {1000 * ttft['ttft_cold_s']:.0f} ms |",
         f"| TTFT with a cached 900-token prefix | {1000 * ttft['ttft_cached_900_s']:.0f} ms ({ttft['speedup']:.1f}x faster) |",
         "| peak RSS (MiB) | " + ", ".join(f"{k} {v:.0f}" for k, v in summary["peak_rss_mib"].items()) + " |",

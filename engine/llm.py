@@ -36,8 +36,12 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text, or a list of token ids); outputs keep prompt order."""
+        """Generate for each prompt (text, or a list of token ids); outputs keep prompt order.
+
+        `priority` (one int per prompt, lower first) matters with scheduling_policy="priority".
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -50,7 +54,7 @@ class LLM:
                 items.append((prompt, self.tokenizer.encode(prompt, add_special_tokens=False)))
             else:
                 items.append((None, list(prompt)))
-        return self._run(items, params_list)
+        return self._run(items, params_list, priority)
 
     def chat(
         self,
@@ -79,8 +83,16 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
         return params
 
-    def _run(self, items: list[tuple[str | None, list[int]]], params_list: list[SamplingParams]) -> list[RequestOutput]:
+    def _run(
+        self,
+        items: list[tuple[str | None, list[int]]],
+        params_list: list[SamplingParams],
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
         engine = self.engine
+        priorities = list(priority) if priority is not None else [0] * len(items)
+        if len(priorities) != len(items) or not all(isinstance(p, int) for p in priorities):
+            raise ValueError(f"priority needs one integer per prompt ({len(items)})")
         # Validate everything before submitting anything: a bad prompt leaves the engine untouched.
         requests = []
         for (_, token_ids), params in zip(items, params_list):
@@ -89,11 +101,11 @@ class LLM:
             requests.append(req)
         processor = OutputProcessor(self.tokenizer)
         order = []
-        for (text, token_ids), params in zip(items, params_list):
+        for (text, token_ids), params, prio in zip(items, params_list, priorities):
             req_id = f"offline-{next(self._counter)}"
             order.append(req_id)
             for i, child_id in enumerate(processor.add_request(req_id, text, token_ids, params)):
-                engine.add_request(Request(child_id, token_ids, child_sampling_params(params, i)))
+                engine.add_request(Request(child_id, token_ids, child_sampling_params(params, i), priority=prio))
         finished: dict[str, RequestOutput] = {}
         try:
             while processor.num_unfinished:

@@ -124,3 +124,10 @@ def test_no_prompts_is_an_error(llm):
         llm.generate([])
     with pytest.raises(ValueError, match="sampling params"):
         llm.generate([COUNT, COUNT], [greedy()])
+
+
+def test_priority_is_validated(llm):
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate([COUNT, COUNT], greedy(max_tokens=2), priority=[1])
+    outs = llm.generate([COUNT, COUNT], greedy(max_tokens=3), priority=[1, 0])
+    assert [o.outputs[0].text for o in outs] == [" 5,", " 5,"]
