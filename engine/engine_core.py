@@ -12,6 +12,7 @@ from engine.attention.torch_backend import tune_glibc_malloc
 from engine.config import EngineConfig
 from engine.kv_cache.hashing import get_hash_fn
 from engine.kv_cache.manager import KVCacheManager
+from engine.model.model_source import resolve_model_dir
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
 from engine.scheduler.output import EngineCoreOutput
@@ -37,7 +38,7 @@ class EngineCore:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        model_dir = Path(config.model)
+        model_dir = resolve_model_dir(config.model)
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{model_dir} is not a model directory (no config.json)")
         self.model_dir = model_dir

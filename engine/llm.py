@@ -24,12 +24,13 @@ def load_tokenizer(model_dir: str | Path):
 
 
 class LLM:
-    """An in-process engine plus tokenizer. Engine options are EngineConfig's fields."""
+    """An in-process engine plus tokenizer. `model` is a model directory or a packaged archive
+    (`.mar`, `.tar.gz`, or an archive folder); engine options are EngineConfig's fields."""
 
     def __init__(self, model: str | Path, **engine_options) -> None:
         self.config = EngineConfig(model=str(model), **engine_options)
-        self.tokenizer = load_tokenizer(self.config.model)
-        self.engine = EngineCore(self.config)
+        self.engine = EngineCore(self.config)  # `model` may be a directory or an archive
+        self.tokenizer = load_tokenizer(self.engine.model_dir)
         self._counter = itertools.count()
 
     def generate(

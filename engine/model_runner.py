@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.backend import select_backend
+from engine.attention.backend import select_backend, select_fused_ops
 from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
 from engine.model.loader import allocate_kv_caches, kv_cache_bytes_per_block, load_model
@@ -45,7 +45,10 @@ class ModelRunner:
         self.vocab_size = int(hf_config["vocab_size"])
         self.eos_token_ids = eos_token_ids
         self.backend = select_backend(self.device)
-        self.model = load_model(model_dir, self.dtype, self.device, self.backend, max_model_len=max_model_len)
+        self.model = load_model(
+            model_dir, self.dtype, self.device, self.backend,
+            max_model_len=max_model_len, fused_ops=select_fused_ops(self.device, self.dtype),
+        )
         self.bytes_per_block = kv_cache_bytes_per_block(hf_config, self.block_size, self.dtype)
         self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)
         self.kv_caches = allocate_kv_caches(hf_config, self.num_blocks, self.block_size, self.dtype, self.device)

@@ -1,65 +1,25 @@
 """Paged decode attention for CPU as a small C++ extension, with its plain-torch reference.
 
-The extension is compiled once per machine with torch's cpp_extension (g++ and ninja) into
-`$PAGEDSERVE_CACHE_DIR/torch_extensions` (default `~/.cache/pagedserve/torch_extensions`). Where it
+The extension is compiled once per machine by `kernels.cpu_build` (g++ and ninja). Where it
 cannot be built, `load_cpu_kernels()` returns None and callers use the torch path.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
 from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from kernels.cpu_build import load_cpu_extension
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_attention.cpp"
 # -fopenmp makes at::parallel_for use torch's thread pool (same libgomp, already loaded).
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 
 
-def _build_dir() -> Path:
-    base = Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
-    return base / "torch_extensions"
-
-
-def _cpu_signature() -> bytes:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return b"unknown-cpu"
-    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
-    return "\n".join(wanted).encode()
-
-
 def load_cpu_kernels():
     """Compile (first call on a machine, ~30-60 s) or load the extension; None if unavailable."""
-    if os.environ.get("PAGEDSERVE_DISABLE_CPU_KERNELS") == "1":
-        return None
-    from torch.utils.cpp_extension import load
-
-    source = _SOURCE.read_bytes()
-    # -march=native: a build is only valid on the CPU it was made for, so the CPU is in the key.
-    key = source + repr(_CFLAGS).encode() + torch.__version__.encode() + _cpu_signature()
-    tag = hashlib.sha256(key).hexdigest()[:10]
-    build = _build_dir() / f"paged_decode_{tag}"
-    build.mkdir(parents=True, exist_ok=True)
-    logger.info("loading the CPU attention kernel (built once per machine, ~30-60 s)")
-    try:
-        return load(
-            name=f"pagedserve_paged_decode_{tag}",
-            sources=[str(_SOURCE)],
-            extra_cflags=list(_CFLAGS),
-            extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch already loaded
-            build_directory=str(build),
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, ...: the torch path still works
-        logger.warning("CPU attention kernel unavailable, using the torch path: %s", exc)
-        return None
+    return load_cpu_extension("paged_decode", _SOURCE, _CFLAGS)
 
 
 def paged_decode_attention(

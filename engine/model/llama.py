@@ -4,6 +4,11 @@ Differences from the HF modules, all invisible in the numbers: q/k/v are one fus
 (`qkv_proj`, rows q|k|v) and gate/up are one (`gate_up_proj`, rows gate|up); `load_weights`
 maps the HF checkpoint names onto them. RoPE cos/sin are precomputed in float32 and stored in
 the model dtype (HF casts them the same way), so float32 runs match HF to rounding.
+
+As in vLLM, the residual stream travels beside the hidden states between layers, so that each
+residual add fuses with the RMSNorm after it. With `fused_ops` (the CPU extension of
+`kernels.cpu_fused_ops`) the add+norm, RoPE and SiLU-and-mul run as single C++ ops that round
+exactly like the torch code they replace, so results are bit-identical either way.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.model.llama_spec import LlamaSpec, rope_inv_freq
+from kernels.cpu_fused_ops import CpuFusedOps
 
 # HF projection name -> (fused module name, shard index).
 _FUSED = {
@@ -31,14 +37,29 @@ _UNFUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_p
 
 
 class RMSNorm(nn.Module):
-    """HF LlamaRMSNorm: normalise in float32, cast back, then scale by the weight."""
+    """HF LlamaRMSNorm: normalise in float32, cast back, then scale by the weight.
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+    `forward(x)` returns the norm; `forward(x, residual)` first adds `x` to the residual stream
+    and returns `(norm(residual + x), residual + x)` (the fused op updates `residual` in place).
+    """
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, ops: CpuFusedOps | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps) if self.ops else self._norm(x)
+        if self.ops:
+            return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps), residual
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -51,7 +72,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: LlamaSpec, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(
+        self, spec: LlamaSpec, dtype: torch.dtype, backend: AttentionBackend, ops: CpuFusedOps | None = None
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
@@ -59,6 +82,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias, dtype=dtype)
         self.scale = spec.head_dim**-0.5
         self.backend = backend
+        self.ops = ops
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -67,7 +91,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(h)
         qk_heads = self.num_heads + self.num_kv_heads
         # RoPE on q and k together: one pass over [T, heads + kv_heads, head_dim].
-        qk = apply_rope(qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, self.head_dim), cos, sin)
+        qk = qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, self.head_dim)
+        qk = self.ops.rotary_embedding_(qk, cos, sin) if self.ops else apply_rope(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
@@ -75,38 +100,58 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, spec: LlamaSpec, dtype: torch.dtype) -> None:
+    def __init__(self, spec: LlamaSpec, dtype: torch.dtype, ops: CpuFusedOps | None = None) -> None:
         super().__init__()
         size = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * size, bias=spec.mlp_bias, dtype=dtype)
         self.down_proj = nn.Linear(size, spec.hidden_size, bias=spec.mlp_bias, dtype=dtype)
+        self.ops = ops
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.ops:
+            return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(h)))
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: LlamaSpec, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(
+        self, spec: LlamaSpec, dtype: torch.dtype, backend: AttentionBackend, ops: CpuFusedOps | None = None
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(spec, dtype, backend)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(spec, dtype)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, ops)
+        self.self_attn = LlamaAttention(spec, dtype, backend, ops)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, ops)
+        self.mlp = LlamaMLP(spec, dtype, ops)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`h` is the previous layer's MLP output, not yet added to `residual` (None: first layer,
+        `h` is the embedding). Returns this layer's (MLP output, residual before adding it)."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: LlamaSpec, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(
+        self, spec: LlamaSpec, dtype: torch.dtype, backend: AttentionBackend, ops: CpuFusedOps | None = None
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, dtype, backend) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, dtype, backend, ops) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, ops)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -114,6 +159,7 @@ class LlamaForCausalLM(nn.Module):
 
     `max_model_len` (default: the config's max_position_embeddings) bounds the RoPE table; a
     sliding window shorter than it is refused (the backends attend to the whole context).
+    `fused_ops` (CPU, float32/bfloat16 only) replaces the elementwise glue with fused C++ ops.
     """
 
     def __init__(
@@ -123,6 +169,7 @@ class LlamaForCausalLM(nn.Module):
         device: str | torch.device,
         backend: AttentionBackend,
         max_model_len: int | None = None,
+        fused_ops: CpuFusedOps | None = None,
     ) -> None:
         super().__init__()
         spec = config if isinstance(config, LlamaSpec) else LlamaSpec.from_hf(config)
@@ -134,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
             )
         self.spec, self.dtype, self.device, self.max_model_len = spec, dtype, torch.device(device), max_len
         with torch.device("meta"):
-            self.model = LlamaModel(spec, dtype, backend)
+            self.model = LlamaModel(spec, dtype, backend, fused_ops)
             self.lm_head = None
             if not spec.tie_word_embeddings:
                 self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
@@ -163,9 +210,12 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"expected {self.spec.num_layers} KV caches, got {len(kv_caches)}")
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(h, cos, sin, kv_cache, meta)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, cos, sin, kv_cache, meta)
+        if residual is None:  # no layers
+            return self.model.norm(h)
+        return self.model.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`hidden [N, hidden]` -> float32 logits `[N, vocab]`."""

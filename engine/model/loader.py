@@ -18,6 +18,7 @@ from engine.attention.backend import AttentionBackend
 from engine.config import resolve_dtype
 from engine.model.llama import LlamaForCausalLM
 from engine.model.llama_spec import LlamaSpec
+from kernels.cpu_fused_ops import CpuFusedOps
 
 _INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -70,6 +71,7 @@ def load_model(
     device: str | torch.device,
     backend: AttentionBackend,
     max_model_len: int | None = None,
+    fused_ops: CpuFusedOps | None = None,
 ) -> LlamaForCausalLM:
     """Build the model from `model_dir/config.json` and fill it from its safetensors files.
 
@@ -78,7 +80,9 @@ def load_model(
     """
     config = read_config(model_dir)
     files = safetensors_files(model_dir)
-    model = LlamaForCausalLM(config, resolve_dtype(dtype), device, backend, max_model_len=max_model_len)
+    model = LlamaForCausalLM(
+        config, resolve_dtype(dtype), device, backend, max_model_len=max_model_len, fused_ops=fused_ops
+    )
     model.load_weights(iter_safetensors(files))
     return model.eval()
 

@@ -10,7 +10,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from engine.attention.backend import select_backend
+from engine.attention.backend import select_backend, select_fused_ops
 from engine.attention.metadata import AttentionMetadata
 from engine.model.loader import allocate_kv_caches, kv_cache_bytes_per_block, load_model
 
@@ -111,8 +111,8 @@ def make_meta(chunks: list[Chunk]) -> tuple[AttentionMetadata, torch.Tensor, tor
 
 
 class PagedRunner:
-    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> None:
-        self.model = load_model(ckpt.path, dtype, "cpu", select_backend("cpu"))
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype = torch.float32, fused_ops=None) -> None:
+        self.model = load_model(ckpt.path, dtype, "cpu", select_backend("cpu"), fused_ops=fused_ops)
         self.caches = allocate_kv_caches(self.model.spec, NUM_BLOCKS, BLOCK_SIZE, dtype, "cpu")
 
     def step(self, chunks: list[Chunk]) -> list[torch.Tensor]:
@@ -181,6 +181,20 @@ def test_bfloat16_stays_close(checkpoint):
     assert ours.dtype == torch.float32
     assert (ours - ref).abs().max() < 0.05 * ref.abs().max()
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_ops_give_identical_logits(checkpoint, dtype):
+    """The CPU fused add+norm, RoPE and SiLU-and-mul round exactly like the torch code."""
+    fused = select_fused_ops("cpu", dtype)
+    if fused is None:
+        pytest.skip("the CPU fused-ops extension could not be built here")
+    g = torch.Generator().manual_seed(6)
+    tokens = random_tokens(40, g)
+    table = scrambled_blocks(g)[:10]
+    plain = run_chunked_then_decode(PagedRunner(checkpoint, dtype), tokens, table)
+    ours = run_chunked_then_decode(PagedRunner(checkpoint, dtype, fused), tokens, table)
+    assert torch.equal(ours, plain)
 
 
 def test_sharded_checkpoint_with_index(tmp_path):

@@ -1,0 +1,43 @@
+"""Archives of the real default model open in the engine and generate what the source directory
+generates, in each format; a tampered extraction is caught when it is reopened."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.model.archive import ArchiveError, write_archive
+from engine.model.model_source import resolve_model_dir
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "1, 2, 3, 4,"
+PARAMS = SamplingParams(max_tokens=8, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def expected_text(default_model_dir) -> str:
+    llm = LLM(default_model_dir, dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
+    return llm.generate(PROMPT, PARAMS)[0].outputs[0].text
+
+
+@pytest.mark.parametrize("fmt", ["default", "tgz", "no-archive"])
+def test_round_trip_generates_the_same_text(default_model_dir, expected_text, tmp_path, monkeypatch, fmt):
+    monkeypatch.setenv("PAGEDSERVE_ARCHIVE_DIR", str(tmp_path / "extracted"))
+    archive = write_archive(default_model_dir, tmp_path / "store", model_name="smollm2", version="1.0", archive_format=fmt)
+    llm = LLM(archive, dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
+    text = llm.generate(PROMPT, PARAMS)[0].outputs[0].text
+    assert text == expected_text and text.startswith(" 5, 6, 7")
+
+
+def test_tampered_extraction_is_reextracted_and_bad_archive_refused(default_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_ARCHIVE_DIR", str(tmp_path / "extracted"))
+    archive = write_archive(default_model_dir, tmp_path / "store", model_name="smollm2", version="1.0")
+    root = resolve_model_dir(archive)
+    (root / "generation_config.json").write_text("{}")  # tamper with the cached extraction
+    again = resolve_model_dir(archive)
+    assert again == root and (again / "generation_config.json").read_text() != "{}"
+    broken = tmp_path / "broken.mar"
+    broken.write_bytes(archive.read_bytes()[: 1 << 20])
+    with pytest.raises(ArchiveError):
+        LLM(broken, dtype="float32", kv_cache_memory="64MiB")
