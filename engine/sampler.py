@@ -31,11 +31,18 @@ class Sampler:
     """Stateless; per-row state (generators, seen tokens) comes in the metadata."""
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """Sample one token per row of `logits` [N, V] float32; `logits` is not modified."""
+        """Sample one token per row of `logits` [N, V]; `logits` is not modified.
+
+        Logits in a lower precision are widened to float32 first, except for an all-greedy batch
+        with nothing to process: the argmax of the raw logits is the same and the copy is skipped.
+        """
         if logits.dim() != 2 or logits.shape[0] != meta.num_rows:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {meta.num_rows} rows")
-        if logits.dtype != torch.float32:
-            raise ValueError(f"logits must be float32, got {logits.dtype}")
+        if not logits.is_floating_point():
+            raise ValueError(f"logits must be floating point, got {logits.dtype}")
+        if meta.all_greedy and meta.max_num_logprobs is None and not meta.min_tokens_suppress and meta.no_penalties:
+            return SamplerOutput(sampled_token_ids=logits.max(dim=-1).indices, logprobs=None)
+        logits = logits.float()
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)

@@ -83,11 +83,3 @@ def select_backend(device: str | torch.device) -> AttentionBackend:
         return TorchAttentionBackend(cpu_kernels=load_cpu_kernels())
     return TorchAttentionBackend()
 
-
-def select_fused_ops(device: str | torch.device, dtype: torch.dtype):
-    """The fused elementwise ops for the model on `device` (CPU, float32/bfloat16), else None."""
-    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
-        return None
-    from kernels.cpu_fused_ops import load_fused_ops
-
-    return load_fused_ops()

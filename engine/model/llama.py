@@ -218,9 +218,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`hidden [N, hidden]` -> float32 logits `[N, vocab]`."""
+        """`hidden [N, hidden]` -> logits `[N, vocab]` in the model dtype (the sampler widens
+        them to float32 only when it needs to)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, weight)
 
     def checkpoint_names(self) -> set[str]:
         """The HF tensor names a checkpoint must provide (rotary inv_freq buffers never needed)."""

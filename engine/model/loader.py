@@ -18,7 +18,7 @@ from engine.attention.backend import AttentionBackend
 from engine.config import resolve_dtype
 from engine.model.llama import LlamaForCausalLM
 from engine.model.llama_spec import LlamaSpec
-from kernels.cpu_fused_ops import CpuFusedOps
+from kernels.cpu_fused_ops import CpuFusedOps, load_fused_ops
 
 _INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -105,3 +105,10 @@ def allocate_kv_caches(
     spec = _spec(config)
     shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
     return [torch.zeros(shape, dtype=resolve_dtype(dtype), device=device) for _ in range(spec.num_layers)]
+
+
+def select_fused_ops(device: str | torch.device, dtype: torch.dtype):
+    """The fused elementwise ops for the model on `device` (CPU, float32/bfloat16), else None."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return load_fused_ops()

@@ -10,9 +10,9 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from engine.attention.backend import select_backend, select_fused_ops
+from engine.attention.backend import select_backend
 from engine.attention.metadata import AttentionMetadata
-from engine.model.loader import allocate_kv_caches, kv_cache_bytes_per_block, load_model
+from engine.model.loader import allocate_kv_caches, kv_cache_bytes_per_block, load_model, select_fused_ops
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
@@ -119,7 +119,7 @@ class PagedRunner:
         """Logits [query_len, vocab] per chunk."""
         meta, input_ids, positions = make_meta(chunks)
         with torch.inference_mode():
-            logits = self.model.compute_logits(self.model(input_ids, positions, self.caches, meta))
+            logits = self.model.compute_logits(self.model(input_ids, positions, self.caches, meta)).float()
         return list(logits.split(meta.query_lens))
 
 

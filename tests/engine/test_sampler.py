@@ -240,3 +240,15 @@ def test_metadata_skips_unused_tensors():
 def test_metadata_rejects_mismatched_lengths():
     with pytest.raises(ValueError):
         SamplingMetadata.build([RANDOM], [[1]], [[], []], [None], {EOS}, VOCAB, "cpu")
+
+
+def test_bfloat16_logits_greedy_fast_path_and_widening():
+    logits = random_logits(6).to(torch.bfloat16)
+    greedy = Sampler()(logits, make_meta([SamplingParams(temperature=0)] * 6))
+    assert torch.equal(greedy.sampled_token_ids, logits.float().argmax(-1))
+    # With logprobs (or any processing) the logits are widened to float32 first.
+    out = Sampler()(logits, make_meta([SamplingParams(temperature=0, logprobs=2)] * 6))
+    assert torch.equal(out.sampled_token_ids, logits.float().argmax(-1))
+    assert out.logprobs.logprobs.dtype == torch.float32
+    with pytest.raises(ValueError, match="floating point"):
+        Sampler()(torch.zeros(6, VOCAB, dtype=torch.int64), make_meta([SamplingParams()] * 6))
