@@ -181,6 +181,49 @@ static inline bool bf16_scores(const at::BFloat16* q, const at::BFloat16* kc, co
 #endif
 }
 
+// acc[h] += sum_t p[h][t] * V[t][h / G] straight from bf16 V: each 16-wide chunk of a V row is
+// converted once and used by all G query heads of its KV head. Returns false where it does not apply.
+static inline bool bf16_weighted_v(const float*, const int32_t*, const float*, int64_t, int64_t, int64_t, int64_t,
+                                   int64_t, int64_t, float*) {
+  return false;
+}
+static inline bool bf16_weighted_v(const at::BFloat16* vc, const int32_t* table, const float* scores, int64_t L,
+                                   int64_t H, int64_t G, int64_t D, int64_t BS, int64_t row, float* acc) {
+#if defined(__AVX512F__)
+  if (D % 16) return false;
+  const int64_t KVH = H / G;
+  for (int64_t t0 = 0; t0 < L; t0 += 4) {
+    const int64_t n = std::min<int64_t>(4, L - t0);
+    const at::BFloat16* rows[4];
+    for (int64_t j = 0; j < 4; ++j) {
+      const int64_t t = t0 + std::min<int64_t>(j, n - 1);  // a short tile repeats its last row (with p = 0)
+      rows[j] = vc + (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * row;
+      prefetch_row(vc, table, t0 + j + 16, L, BS, row);
+    }
+    for (int64_t kh = 0; kh < KVH; ++kh) {
+      for (int64_t i = 0; i < D; i += 16) {
+        __m512 v[4];
+        for (int64_t j = 0; j < 4; ++j) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + kh * D + i));
+          v[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t h = kh * G + g;
+          const float* ph = scores + h * L + t0;
+          float* ah = acc + h * D + i;
+          __m512 a = _mm512_loadu_ps(ah);
+          for (int64_t j = 0; j < n; ++j) a = _mm512_fmadd_ps(_mm512_set1_ps(ph[j]), v[j], a);
+          _mm512_storeu_ps(ah, a);
+        }
+      }
+    }
+  }
+  return true;
+#else
+  return false;
+#endif
+}
+
 template <typename T>
 static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens,
                           T* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t max_blocks,
@@ -214,6 +257,7 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* t
       for (int64_t h = 0; h < H; ++h) inv_sum[h] = softmax_in_place(scores.data() + h * L, L);
       std::fill(acc.begin(), acc.end(), 0.f);
       // Weighted sum of V in tiles of 4 tokens: each accumulator is loaded and stored once per tile.
+      if (!bf16_weighted_v(vc, table, scores.data(), L, H, G, D, BS, row, acc.data()))
       for (int64_t t0 = 0; t0 < L; t0 += 4) {
         const int64_t n = std::min<int64_t>(4, L - t0);
         if (n < 4) std::fill(ktile.begin() + n * row, ktile.end(), 0.f);  // 0 * stale could be NaN
