@@ -41,7 +41,6 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
-        self.hf_config = hf_config
         self.vocab_size = int(hf_config["vocab_size"])
         self.eos_token_ids = eos_token_ids
         self.backend = select_backend(self.device)
@@ -100,7 +99,7 @@ class ModelRunner:
         out = self.sampler(logits, sampling_meta)
         sampled = out.sampled_token_ids.tolist()
         result = ModelRunnerOutput({})
-        for row, (state, token) in enumerate(zip(states, sampled)):
+        for state, token in zip(states, sampled):
             state.token_ids.append(token)
             state.output_token_ids.append(token)
             result.sampled_token_ids[state.req_id] = [token]

@@ -19,7 +19,7 @@ import pytest
 
 from engine.model import archive_write
 from engine.model.archive import (
-    MANIFEST_PATH, ArchiveError, ArchiveFormat, OpenedArchive, open_archive, write_archive)
+    MANIFEST_PATH, ArchiveError, OpenedArchive, open_archive, write_archive)
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
           "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
