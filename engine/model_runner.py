@@ -53,16 +53,23 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(hf_config, self.num_blocks, self.block_size, self.dtype, self.device)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        self.generators: dict[str, torch.Generator] = {}  # seeded requests, until they finish
 
     # -- state -----------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids | so.preempted_req_ids:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self.generators.pop(req_id, None)
+        for req_id in so.preempted_req_ids:
+            # A preempted request comes back as new; its generator keeps its state, so a seeded
+            # request samples the same tokens whether or not it was preempted.
             self.requests.pop(req_id, None)
         for new in so.new_requests:
             params = new.sampling_params
-            generator = None
-            if params.seed is not None:
+            generator = self.generators.get(new.req_id)
+            if generator is None and params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed)
+                self.generators[new.req_id] = generator
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, params,
                 list(new.block_ids), new.num_computed_tokens, generator,

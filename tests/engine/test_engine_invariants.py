@@ -90,3 +90,29 @@ def test_random_workload_leaves_every_block_free(tiny_model_dir, caching):
         assert len(hashed) == len(pool.cached) and pool.num_evictions > 0
     else:
         assert not pool.cached
+
+
+def _run_to_end(engine: EngineCore, requests: list[Request]) -> dict[str, list[int]]:
+    for r in requests:
+        engine.add_request(r)
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    return tokens
+
+
+def test_seeded_sampling_is_unchanged_by_preemption(tiny_model_dir):
+    def engine(num_blocks: int) -> EngineCore:
+        return EngineCore(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=num_blocks, block_size=BLOCK_SIZE,
+                                       enable_prefix_caching=False, max_model_len=32))
+
+    def seeded() -> Request:
+        return Request("seeded", [5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=10, temperature=1.0, seed=42, ignore_eos=True))
+
+    alone = _run_to_end(engine(64), [seeded()])["seeded"]
+    crowded = engine(8)
+    first = Request("first", list(range(20, 30)), SamplingParams(max_tokens=14, temperature=0, ignore_eos=True))
+    together = _run_to_end(crowded, [first, seeded()])
+    assert crowded.scheduler.num_preemptions > 0
+    assert together["seeded"] == alone and len(alone) == 10
