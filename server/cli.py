@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from server.archive_cli import add_archive_parser
+
 
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
@@ -42,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="bfloat16")
     gen.add_argument("--kv-cache-memory", default="512MiB")
     gen.set_defaults(func=_generate)
+    add_archive_parser(sub)
     return parser
 
 
@@ -49,9 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
         print(f"pagedserve: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("pagedserve: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

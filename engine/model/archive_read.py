@@ -33,6 +33,7 @@ from engine.model.archive_manifest import (
     CONVERT_HINT, MANIFEST_PATH, ArchiveError, is_pickle_weights, resolve_handler,
     validate_manifest)
 from engine.model.llama_spec import architecture_of
+from engine.model.model_config import ModelConfigError, load_model_config
 
 DEFAULT_MAX_TOTAL_BYTES = 64 << 30
 MAX_ENTRIES = 100_000
@@ -76,7 +77,8 @@ def open_archive(path: str | Path, dest_dir: str | Path, *,
     `dest_dir` must not exist or be empty; it becomes the archive's top folder. Refuses (with
     `ArchiveError`, leaving nothing behind) unsafe entries, more than `max_total_bytes` of
     content, a missing or malformed manifest, files that do not match its sha256 map, pickle
-    weights, an unsupported architecture, and handler code unless `allow_custom_handlers`.
+    weights, an unsupported architecture, an invalid model-config.yaml, and handler code unless
+    `allow_custom_handlers`.
     """
     path = Path(path).expanduser()
     if path.is_dir():
@@ -345,6 +347,10 @@ def _verify(top: Path, hashes: dict[str, str], allow_custom_handlers: bool) -> O
     model_config = None
     if config_rel is not None:
         model_config = root / (config_rel if config_rel in content else model_prefix + config_rel)
+        try:
+            load_model_config(model_config)
+        except ModelConfigError as exc:
+            raise ArchiveError(f"invalid model config: {exc}") from None
     return OpenedArchive(root / model_rel, manifest, model_config, custom)
 
 

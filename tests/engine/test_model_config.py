@@ -1,0 +1,147 @@
+"""model-config.yaml: parsing, defaults, and errors that name the key; open_archive refuses a bad one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.model.archive import ArchiveError, open_archive, write_archive
+from engine.model.model_config import (
+    FRONTEND_KEYS, HANDLER_KEYS, DeviceType, ModelConfig, ModelConfigError, load_model_config)
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "config" / "model-config.yaml"
+
+VALID = """\
+minWorkers: 1
+maxWorkers: 2
+responseTimeout: 60
+startupTimeout: 300
+deviceType: gpu
+parallelType: tp
+parallelLevel: 1
+jobQueueSize: 10
+handler:
+  dtype: bf16
+  max_model_len: 512
+  block_size: 32
+  kv_cache_memory: 256MiB
+  max_num_seqs: 8
+  max_num_batched_tokens: 1024
+  enable_prefix_caching: false
+  prefix_cache_hash: builtin
+  scheduling_policy: priority
+  seed: 7
+  num_threads: 2
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "model-config.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_valid_file_round_trip(tmp_path):
+    config = load_model_config(write(tmp_path, VALID))
+    assert (config.min_workers, config.max_workers, config.response_timeout) == (1, 2, 60)
+    assert config.device_type is DeviceType.GPU and config.job_queue_size == 10
+    options = config.engine_options()
+    assert options["max_num_seqs"] == 8 and options["kv_cache_memory"] == "256MiB"
+    engine = EngineConfig(model="m", **options)
+    assert engine.dtype == "bfloat16" and engine.kv_cache_memory == 256 << 20
+    resolved = config.resolved()
+    assert json.loads(json.dumps(resolved)) == resolved  # JSON-serialisable
+    assert resolved["deviceType"] == "gpu" and resolved["parallelType"] == "tp"
+    assert resolved["handler"]["prefix_cache_hash"] == "builtin"
+    assert resolved["handler"]["scheduling_policy"] == "priority"
+    # writing the resolved settings back gives the same configuration
+    again = ModelConfig.from_dict(resolved)
+    assert again.resolved() == resolved
+
+
+def test_empty_file_is_all_defaults(tmp_path):
+    config = load_model_config(write(tmp_path, ""))
+    assert config == ModelConfig() and config.engine_options() == {}
+    assert config.resolved()["handler"]["block_size"] == 16
+
+
+def test_documented_example_covers_every_key_with_its_default():
+    config = load_model_config(EXAMPLE)
+    assert config.resolved() == ModelConfig().resolved()
+    text = EXAMPLE.read_text()
+    for key in (*FRONTEND_KEYS, *HANDLER_KEYS):
+        assert f"{key}:" in text, key
+
+
+@pytest.mark.parametrize("text, message", [
+    ("handler:\n  max_num_seqs: 0\n", "model-config.yaml: handler.max_num_seqs=0: must be a positive integer"),
+    ("handler:\n  block_size: 24\n", "handler.block_size=24: must be a power of two"),
+    ("handler:\n  dtype: int8\n", "handler.dtype='int8': unsupported dtype"),
+    ("handler:\n  kv_cache_memory: lots\n", "handler.kv_cache_memory='lots': invalid size"),
+    ("handler:\n  num_kv_blocks: 1\n", "handler.num_kv_blocks=1: must be an integer >= 2"),
+    ("handler:\n  prefix_cache_hash: md5\n", "handler.prefix_cache_hash='md5': choose one of"),
+    ("handler:\n  scheduling_policy: lifo\n", "handler.scheduling_policy='lifo': choose one of"),
+    ("handler:\n  seed: -1\n", "handler.seed=-1: must be a non-negative integer"),
+    ("minWorkers: 0\n", "minWorkers=0: must be a positive integer"),
+    ("jobQueueSize: -5\n", "jobQueueSize=-5: must be a positive integer"),
+    ("minWorkers: 3\nmaxWorkers: 2\n", "minWorkers=3: must not exceed maxWorkers=2"),
+    ("deviceType: tpu\n", "deviceType='tpu': choose one of 'cpu', 'gpu'"),
+    ("parallelType: dp\n", "parallelType='dp': choose one of"),
+])
+def test_bad_value_names_key_and_value(tmp_path, text, message):
+    with pytest.raises(ModelConfigError) as info:
+        load_model_config(write(tmp_path, text))
+    assert message in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("handler:\n  max_num_seqs: '8'\n", "handler.max_num_seqs='8': must be an integer"),
+    ("handler:\n  enable_prefix_caching: 'yes'\n", "handler.enable_prefix_caching='yes': must be true or false"),
+    ("handler:\n  block_size: true\n", "handler.block_size=True: must be an integer"),
+    ("handler:\n  dtype: 16\n", "handler.dtype=16: must be a string"),
+    ("handler:\n  kv_cache_memory: [1]\n", "handler.kv_cache_memory=[1]: must be a byte count"),
+    ("responseTimeout: 1.5\n", "responseTimeout=1.5: must be a positive integer"),
+    ("handler: [dtype]\n", "handler: must be a mapping"),
+    ("- minWorkers\n", "the top level must be a mapping"),
+])
+def test_wrong_type_names_key(tmp_path, text, message):
+    with pytest.raises(ModelConfigError) as info:
+        load_model_config(write(tmp_path, text))
+    assert message in str(info.value)
+
+
+def test_unknown_keys_name_the_key_and_list_allowed(tmp_path):
+    with pytest.raises(ModelConfigError) as info:
+        load_model_config(write(tmp_path, "batchSize: 4\n"))
+    assert "unknown key 'batchSize'" in str(info.value) and "maxWorkers" in str(info.value)
+    with pytest.raises(ModelConfigError) as info:
+        load_model_config(write(tmp_path, "handler:\n  max_num_seq: 4\n"))
+    assert "unknown key handler.max_num_seq" in str(info.value)
+    assert "max_num_seqs" in str(info.value)
+    for excluded in ("model", "device", "kv_offload"):
+        with pytest.raises(ModelConfigError, match=f"unknown key handler.{excluded}"):
+            load_model_config(write(tmp_path, f"handler:\n  {excluded}: x\n"))
+
+
+def test_invalid_yaml(tmp_path):
+    with pytest.raises(ModelConfigError, match="not valid YAML"):
+        load_model_config(write(tmp_path, "handler: [unclosed\n"))
+
+
+def test_open_archive_refuses_invalid_model_config(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "vocab_size": 64}))
+    (model / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    config = write(tmp_path, "handler:\n  max_num_seqs: 0\n")
+    out = write_archive(model, tmp_path / "store", model_name="m", version="1", config_file=config)
+    with pytest.raises(ArchiveError, match=r"handler\.max_num_seqs=0: must be a positive integer"):
+        open_archive(out, tmp_path / "opened")
+    assert not (tmp_path / "opened").exists()
