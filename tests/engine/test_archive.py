@@ -449,3 +449,28 @@ def test_opens_torch_model_archiver_archive(tmp_path, tiny_hf_model, fmt):
     assert opened.model_config is not None and opened.model_config.read_bytes() == MODEL_CONFIG_YAML
     for f in files:
         assert (opened.root / f.name).read_bytes() == f.read_bytes()
+
+
+def test_torch_model_archiver_archive_generates_like_transformers(tmp_path, tiny_hf_model, monkeypatch):
+    pytest.importorskip("model_archiver")
+    import torch
+    import transformers
+
+    from engine import LLM, SamplingParams
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "llm.py").write_text("# pagedserve built-in llm handler\n")
+    cmd = [sys.executable, "-m", "model_archiver.model_packaging", "--model-name", "tiny", "--version", "1.0",
+           "--handler", "llm", "--extra-files", ",".join(map(str, sorted(tiny_hf_model.iterdir()))),
+           "--export-path", str(work)]
+    subprocess.run(cmd, cwd=work, check=True, capture_output=True, env={**os.environ, "TMPDIR": str(work)})
+    monkeypatch.setenv("PAGEDSERVE_ARCHIVE_DIR", str(tmp_path / "extracted"))
+    llm = LLM(work / "tiny.mar", dtype="float32", num_kv_blocks=32)
+    prompt = [5, 17, 33, 8, 41]
+    ours = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0))[0].outputs[0].token_ids
+    hf = transformers.LlamaForCausalLM.from_pretrained(tiny_hf_model).eval()
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)[0, len(prompt):]
+    assert ours == ref.tolist() and ours
