@@ -1,0 +1,65 @@
+"""The built-in llm handler on an archive of the real default model: a TorchServe-style batch
+with valid and invalid requests; bad ones get a 400-style error, the others their text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.model.archive import open_archive, write_archive
+from handlers import BUILTIN_HANDLERS, Context
+
+pytestmark = pytest.mark.slow
+
+MODEL_CONFIG = b"""\
+minWorkers: 1
+maxWorkers: 2
+handler:
+  dtype: float32
+  kv_cache_memory: 64MiB
+  max_model_len: 1024
+"""
+
+
+@pytest.fixture(scope="module")
+def handler_and_context(default_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("handler")
+    config = tmp / "model-config.yaml"
+    config.write_bytes(MODEL_CONFIG)
+    archive = write_archive(default_model_dir, tmp / "store", model_name="smollm2", version="1.0",
+                            config_file=config, archive_format="no-archive")
+    opened = open_archive(archive, tmp / "unused")
+    from engine.model.model_config import load_model_config
+
+    context = Context("smollm2", opened.root, opened.manifest, load_model_config(opened.model_config))
+    handler = BUILTIN_HANDLERS[opened.manifest["model"]["handler"]]()
+    return handler, context
+
+
+def test_batch_with_good_and_bad_requests(handler_and_context):
+    handler, context = handler_and_context
+    batch = [
+        {"body": json.dumps({"prompt": "1, 2, 3, 4,", "max_tokens": 8, "temperature": 0}).encode()},
+        {"data": {"messages": [{"role": "user", "content": "What is 2 plus 2?"}], "max_tokens": 40, "temperature": 0}},
+        {"body": b"{not json"},
+        {"body": {"prompt": "hi", "temperature": -1}},
+        {"body": {"prompt": "hi", "max_tokens": 4, "frobnicate": True}},
+        {"body": {"prompt": "x " * 2000}},
+        {"body": {"prompt": [1, 2, 3], "n": 2, "seed": 3, "max_tokens": 3}},
+    ]
+    responses = handler.handle(batch, context)
+    assert handler.llm.engine.config.dtype == "float32"  # the model-config's handler section applied
+    assert len(responses) == len(batch)
+    first, chat, bad_json, bad_temp, unknown, too_long, pair = responses
+    assert first["choices"][0]["text"].startswith(" 5, 6, 7") and first["choices"][0]["finish_reason"] == "length"
+    assert first["usage"]["completion_tokens"] == 8 and first["model"] == "smollm2"
+    assert "4" in chat["choices"][0]["text"] and chat["choices"][0]["finish_reason"] == "stop"
+    assert bad_json["code"] == 400 and "JSON" in bad_json["message"]
+    assert bad_temp["code"] == 400 and "temperature" in bad_temp["message"]
+    assert unknown["code"] == 400 and "frobnicate" in unknown["message"]
+    assert too_long["code"] == 400 and "max_model_len" in too_long["message"]
+    assert [c["index"] for c in pair["choices"]] == [0, 1] and all(len(c["token_ids"]) == 3 for c in pair["choices"])
+    engine = handler.llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_manager.pool.get_num_free_blocks() == engine.runner.num_blocks
