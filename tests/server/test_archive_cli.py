@@ -125,3 +125,15 @@ def test_missing_arguments(tmp_path):
     result = cli("--model-name", "tiny", cwd=tmp_path)
     assert result.returncode != 0
     assert "--version" in result.stderr and "--model-dir" in result.stderr
+
+
+@pytest.mark.slow
+def test_default_model_archive_inspects(tmp_path, default_model_dir):
+    made = cli("--model-name", "smollm2", "--version", "1.0", "--default-model", "--archive-format", "no-archive",
+               "--export-path", str(tmp_path / "store"), cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    inspected = cli("--inspect", str(tmp_path / "store" / "smollm2"), cwd=tmp_path)
+    assert inspected.returncode == 0, inspected.stderr
+    report = json.loads(inspected.stdout)
+    assert report["manifest"]["model"]["modelName"] == "smollm2"
+    assert report["manifest"]["model"]["serializedFile"] == "model.safetensors"
