@@ -1,0 +1,87 @@
+"""Engine outputs -> /predictions response bodies (whole, or one JSON object per stream chunk),
+plus the `timings` and `usage` records every response carries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.outputs import RequestOutput, TokenLogprob
+from handlers.deltas import ChoiceDelta
+
+TIMING_KEYS = ("queued_s", "prefill_s", "decode_s", "ttft_s")
+
+
+def timings(out: RequestOutput, total_s: float | None = None) -> dict[str, Any]:
+    """Per-request timings from the engine's metrics (seconds; None where unknown) and the
+    prompt tokens served from the prefix cache. `total_s` is the front end's own measure."""
+    record: dict[str, Any] = {key: _rounded(out.metrics.get(key)) for key in TIMING_KEYS}
+    record["cached_prompt_tokens"] = out.num_cached_tokens
+    if total_s is not None:
+        record["total_s"] = _rounded(total_s)
+    return record
+
+
+def usage(out: RequestOutput) -> dict[str, int]:
+    prompt_tokens = len(out.prompt_token_ids)
+    completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "cached_prompt_tokens": out.num_cached_tokens,
+    }
+
+
+def prediction_response(model: str, out: RequestOutput, request_id: str | None = None,
+                        total_s: float | None = None) -> dict[str, Any]:
+    """The whole reply of POST /predictions/{model} for a finished request."""
+    body: dict[str, Any] = {"model": model}
+    if request_id is not None:
+        body["id"] = request_id
+    body["choices"] = [
+        {
+            "index": c.index,
+            "text": c.text,
+            "token_ids": c.token_ids,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+            "logprobs": logprobs_list(c.logprobs),
+        }
+        for c in out.outputs
+    ]
+    body["usage"] = usage(out)
+    body["timings"] = timings(out, total_s)
+    return body
+
+
+def prediction_chunk(model: str, request_id: str, deltas: list[ChoiceDelta]) -> dict[str, Any]:
+    """One line of a chunked /predictions stream: what each choice gained."""
+    return {
+        "id": request_id,
+        "model": model,
+        "choices": [
+            {
+                "index": d.index,
+                "text": d.text,
+                "token_ids": d.token_ids,
+                "finish_reason": d.finish_reason,
+                "stop_reason": d.stop_reason,
+                "logprobs": logprobs_list(d.logprobs),
+            }
+            for d in deltas
+        ],
+    }
+
+
+def logprobs_list(entries: list[dict[int, TokenLogprob]] | None) -> list[dict[str, Any]] | None:
+    """Per generated token: {token id: {logprob, rank, token}} (sampled token first)."""
+    if entries is None:
+        return None
+    return [
+        {str(tok): {"logprob": lp.logprob, "rank": lp.rank, "token": lp.decoded_token} for tok, lp in entry.items()}
+        for entry in entries
+    ]
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(float(value), 6)
