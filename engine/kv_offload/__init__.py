@@ -1,0 +1,9 @@
+"""Tiered KV offload (engine block pool -> LMCache CPU memory -> local disk).
+
+`config` parses the settings without importing LMCache; `manager` (which imports LMCache) is
+loaded only when an engine has `kv_offload` set.
+"""
+
+from engine.kv_offload.config import KVOffloadConfig, merge_kv_offload
+
+__all__ = ["KVOffloadConfig", "merge_kv_offload"]
