@@ -14,9 +14,10 @@ from engine.kv_cache.hashing import get_hash_fn
 from engine.kv_cache.manager import KVCacheManager
 from engine.model.model_source import resolve_model_dir
 from engine.model_runner import ModelRunner
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, validate_prompt
 from engine.scheduler.output import EngineCoreOutput
 from engine.scheduler.scheduler import Scheduler
+from engine.scheduler.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -79,16 +80,7 @@ class EngineCore:
 
     def validate_request(self, request: Request) -> None:
         """Raise ValueError for input the engine must refuse (before anything is allocated)."""
-        if not request.prompt_token_ids:
-            raise ValueError("the prompt must contain at least one token")
-        if request.num_tokens >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {request.num_tokens} tokens but max_model_len is "
-                f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens fit"
-            )
-        bad = [t for t in request.prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        validate_prompt(request.prompt_token_ids, self.max_model_len, self.vocab_size)
 
     def add_request(self, request: Request) -> None:
         self.validate_request(request)
@@ -100,6 +92,21 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def shutdown(self) -> None:
+        """Release what the engine holds beyond its own memory (threads, files): nothing yet."""
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_manager
+        return SchedulerStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks=kv.pool.num_blocks,
+            num_free_blocks=kv.pool.get_num_free_blocks(),
+            prefix_cache_queries=kv.num_queried_tokens,
+            prefix_cache_hits=kv.num_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, execute, update. Returns the news of every request that got a token."""

@@ -7,10 +7,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.core_client import InprocClient
+from engine.core_messages import EngineCoreRequest
 from engine.engine_core import EngineCore
 from engine.output_processor import OutputProcessor, child_sampling_params
 from engine.outputs import RequestOutput
-from engine.request import Request, RequestStatus
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 PromptType = str | Sequence[int]
@@ -30,6 +32,7 @@ class LLM:
     def __init__(self, model: str | Path, **engine_options) -> None:
         self.config = EngineConfig(model=str(model), **engine_options)
         self.engine = EngineCore(self.config)  # `model` may be a directory or an archive
+        self.client = InprocClient(self.engine)  # the same interface as a worker process's client
         self.tokenizer = load_tokenizer(self.engine.model_dir)
         self._counter = itertools.count()
 
@@ -106,21 +109,22 @@ class LLM:
             req_id = f"offline-{next(self._counter)}"
             order.append(req_id)
             for i, child_id in enumerate(processor.add_request(req_id, text, token_ids, params)):
-                engine.add_request(Request(child_id, token_ids, child_sampling_params(params, i), priority=prio))
+                self.client.add_request(
+                    EngineCoreRequest(child_id, list(token_ids), child_sampling_params(params, i), priority=prio)
+                )
         finished: dict[str, RequestOutput] = {}
         try:
             while processor.num_unfinished:
                 if not engine.has_unfinished_requests():
                     raise RuntimeError("engine has no work left but requests are unfinished")
-                outputs, to_abort = processor.process_outputs(engine.step())
-                if to_abort:
-                    engine.abort_requests(to_abort, status=RequestStatus.FINISHED_STOPPED)
+                outputs, to_abort = processor.process_outputs(self.client.get_output().outputs)
+                self.client.abort_requests(to_abort)
                 for out in outputs:
                     if out.finished:
                         finished[out.request_id] = out
         except BaseException:
             for req_id in order:
-                engine.abort_requests(processor.abort_request(req_id))
+                self.client.abort_requests(processor.abort_request(req_id))
             raise
         return [finished[r] for r in order]
 

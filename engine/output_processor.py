@@ -95,6 +95,17 @@ class OutputProcessor:
             changed[parent_id] = parent.output
         return list(changed.values()), to_abort
 
+    def mark_aborted(self, request_id: str) -> RequestOutput | None:
+        """Finish a request's output as aborted (its unfinished completions get "abort")."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return None
+        for completion in parent.output.outputs:
+            if completion.finish_reason is None:
+                completion.finish_reason = "abort"
+        parent.output.finished = True
+        return parent.output
+
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; returns its child ids still known to the engine."""
         parent = self._parents.pop(request_id, None)

@@ -44,6 +44,20 @@ _FINISH_REASONS = {
 }
 
 
+def validate_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """Raise ValueError for a prompt the engine must refuse (before anything is allocated)."""
+    if not prompt_token_ids:
+        raise ValueError("the prompt must contain at least one token")
+    if len(prompt_token_ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is "
+            f"{max_model_len}: at most {max_model_len - 1} prompt tokens fit"
+        )
+    bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids out of range [0, {vocab_size}): {bad[:5]}")
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """State the scheduler keeps per request.
@@ -64,6 +78,7 @@ class Request:
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling (-1: not scheduled yet)
+    first_scheduled_time: float = 0.0  # time.monotonic() when first scheduled (0: not yet)
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     block_hashes: list[BlockHash] = field(default_factory=list)

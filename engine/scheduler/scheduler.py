@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from engine.config import SchedulingPolicy
@@ -134,6 +135,7 @@ class Scheduler:
             self.waiting.pop()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
@@ -207,6 +209,7 @@ class Scheduler:
                     finish_reason=finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    first_scheduled_time=request.first_scheduled_time,
                 )
             )
         return outputs

@@ -1,0 +1,305 @@
+"""The front-end half of one engine worker, for asyncio servers.
+
+An AsyncLLM owns one engine-core process (MPClient). A thread of its own receives each step's
+outputs, detokenizes them (OutputProcessor) and hands snapshots to the event loop, so neither
+socket reads nor detokenization run on the loop. Each request is an async iterator of
+cumulative RequestOutputs; leaving the iterator early aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.core_client import EngineDeadError, EngineStartError, MPClient
+from engine.core_messages import EngineCoreRequest, EngineInfo
+from engine.output_processor import (
+    OutputProcessor,
+    child_sampling_params,
+)
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import validate_prompt
+from engine.sampling_params import SamplingParams
+from engine.scheduler.stats import SchedulerStats
+
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineInfo", "EngineStartError", "SchedulerStats"]
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.2  # how often the output thread checks that the worker is alive
+
+
+@dataclass(slots=True)
+class _Timing:
+    arrival_time: float
+    first_scheduled_time: float = 0.0
+    first_token_time: float = 0.0
+    last_token_time: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+
+    def on_tokens(self, now: float) -> None:
+        if not self.first_token_time:
+            self.first_token_time = now
+        else:
+            self.itl_s.append(now - self.last_token_time)
+        self.last_token_time = now
+
+    def as_metrics(self, finished_time: float) -> dict:
+        scheduled = self.first_scheduled_time or self.arrival_time
+        first_token = self.first_token_time or finished_time
+        return {
+            "arrival_time": self.arrival_time,
+            "first_scheduled_time": scheduled,
+            "first_token_time": first_token,
+            "finished_time": finished_time,
+            "queued_s": max(0.0, scheduled - self.arrival_time),
+            "prefill_s": max(0.0, first_token - scheduled),
+            "decode_s": max(0.0, finished_time - first_token),
+            "ttft_s": max(0.0, first_token - self.arrival_time),
+            "itl_s": list(self.itl_s),
+        }
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """A copy the event loop can hold while the output thread keeps updating the original."""
+    return RequestOutput(
+        out.request_id,
+        out.prompt,
+        out.prompt_token_ids,
+        [
+            CompletionOutput(
+                c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
+                None if c.logprobs is None else list(c.logprobs),
+            )
+            for c in out.outputs
+        ],
+        out.finished,
+        out.num_cached_tokens,
+        dict(out.metrics),
+    )
+
+
+class AsyncLLM:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer,
+        *,
+        name: str = "worker",
+        on_dead: Callable[[AsyncLLM], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.name = name
+        self.on_dead = on_dead
+        self.info: EngineInfo | None = None
+        self.stats = SchedulerStats()
+        self.dead_reason: str | None = None
+        self._processor = OutputProcessor(tokenizer)
+        self._lock = threading.Lock()  # guards the processor, timings and parents
+        self._queues: dict[str, asyncio.Queue] = {}  # request id -> its consumer (loop side)
+        self._timings: dict[str, _Timing] = {}
+        self._parents: dict[str, str] = {}  # engine (child) request id -> request id
+        self._client: MPClient | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
+
+    # -- state -----------------------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        return self._client.pid if self._client else None
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    @property
+    def is_ready(self) -> bool:
+        return self.info is not None and not self.is_dead and not self._closing
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._queues)
+
+    # -- life cycle ------------------------------------------------------------------------
+    async def start(self, timeout: float = 300.0) -> EngineInfo:
+        """Spawn the worker and wait until its engine is built (EngineStartError otherwise)."""
+        if self._client is not None:
+            raise RuntimeError(f"{self.name} was already started")
+        self._loop = asyncio.get_running_loop()
+        self._client = await self._loop.run_in_executor(None, MPClient, self.config, self.name)
+        try:
+            self.info = await self._loop.run_in_executor(None, self._client.wait_ready, timeout)
+        except BaseException as exc:
+            self.dead_reason = str(exc)
+            await self._loop.run_in_executor(None, self._client.shutdown, 2.0)
+            raise
+        self._thread = threading.Thread(target=self._output_loop, name=f"{self.name}-outputs", daemon=True)
+        self._thread.start()
+        return self.info
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the worker (gracefully, then SIGKILL); in-flight requests fail. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        loop = asyncio.get_running_loop()
+        if self._thread is not None:
+            await loop.run_in_executor(None, self._thread.join)
+        if self._client is not None:
+            await loop.run_in_executor(None, self._client.shutdown, timeout)
+        self._fail_all(EngineDeadError(f"{self.name} was shut down"))
+
+    # -- requests --------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if self.info is None:
+            raise RuntimeError(f"{self.name} is not started")
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
+        validate_prompt(prompt_token_ids, self.info.max_model_len, self.info.vocab_size)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        self.validate(prompt_token_ids, params)
+        if not self.is_ready:
+            raise EngineDeadError(f"{self.name} is not running: {self.dead_reason or 'shutting down'}")
+        arrival = arrival_time or time.monotonic()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            child_ids = self._processor.add_request(request_id, prompt, list(prompt_token_ids), params)
+            self._timings[request_id] = _Timing(arrival)
+            for child_id in child_ids:
+                self._parents[child_id] = request_id
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            if self.is_dead:  # died between the check above and the registration
+                raise EngineDeadError(f"{self.name} died: {self.dead_reason}")
+            for i, child_id in enumerate(child_ids):
+                self._client.add_request(
+                    EngineCoreRequest(child_id, list(prompt_token_ids), child_sampling_params(params, i), priority, arrival)
+                )
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # nothing left to abort
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._abort_now(request_id)
+            with self._lock:
+                self._timings.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its iterator ends with a finished output (finish_reason "abort")."""
+        with self._lock:
+            final = self._processor.mark_aborted(request_id)
+            final = None if final is None else _snapshot(final)
+        self._abort_now(request_id)
+        queue = self._queues.get(request_id)
+        if queue is not None and final is not None:
+            queue.put_nowait(final)
+
+    def _abort_now(self, request_id: str) -> None:
+        with self._lock:
+            child_ids = self._processor.abort_request(request_id)
+            for child_id in child_ids:
+                self._parents.pop(child_id, None)
+        if child_ids and not self.is_dead and not self._closing:
+            try:
+                self._client.abort_requests(child_ids)
+            except EngineDeadError:
+                pass  # the worker is gone, and its blocks with it
+
+    # -- the output thread -----------------------------------------------------------------
+    def _output_loop(self) -> None:
+        while not self._closing:
+            try:
+                batch = self._client.get_output(timeout=POLL_S)
+            except EngineDeadError as exc:
+                if not self._closing:
+                    self._loop.call_soon_threadsafe(self._on_death, str(exc))
+                return
+            except Exception:  # a bug here must not silently stall every request
+                logger.exception("%s: output thread failed", self.name)
+                self._loop.call_soon_threadsafe(self._on_death, "the front end's output thread failed")
+                return
+            if batch is None:
+                continue
+            self.stats = batch.stats
+            if batch.outputs:
+                self._process(batch.outputs)
+
+    def _process(self, outputs) -> None:
+        now = time.monotonic()
+        deliveries = []
+        with self._lock:
+            for eco in outputs:
+                parent = self._parents.get(eco.request_id)
+                timing = self._timings.get(parent) if parent else None
+                if timing is not None and eco.first_scheduled_time and not timing.first_scheduled_time:
+                    timing.first_scheduled_time = eco.first_scheduled_time
+                if eco.finished:
+                    self._parents.pop(eco.request_id, None)
+            changed, to_abort = self._processor.process_outputs(outputs)
+            for out in changed:
+                timing = self._timings.get(out.request_id)
+                if timing is not None:
+                    timing.on_tokens(now)
+                    if out.finished:
+                        out.metrics.update(timing.as_metrics(now))
+                deliveries.append(_snapshot(out))
+            for child_id in to_abort:
+                self._parents.pop(child_id, None)
+        if to_abort:  # stop strings end requests the engine would otherwise continue
+            try:
+                self._client.abort_requests(to_abort)
+            except EngineDeadError:
+                pass
+        if deliveries:
+            self._loop.call_soon_threadsafe(self._deliver, deliveries)
+
+    # -- loop side -------------------------------------------------------------------------
+    def _deliver(self, deliveries: list[RequestOutput]) -> None:
+        for out in deliveries:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    def _on_death(self, reason: str) -> None:
+        if self.is_dead:
+            return
+        self.dead_reason = reason
+        logger.error("%s died: %s", self.name, reason)
+        self._fail_all(EngineDeadError(f"{self.name} died: {reason}"))
+        if self.on_dead is not None:
+            self.on_dead(self)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        with self._lock:
+            for request_id in list(self._queues):
+                self._processor.abort_request(request_id)
+            self._parents.clear()
+            self._timings.clear()
+        if self.dead_reason is None:
+            self.dead_reason = str(error)

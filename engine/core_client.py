@@ -1,0 +1,167 @@
+"""Clients of one engine core, behind one interface: in-process (the offline LLM) or a spawned
+worker process over ZeroMQ (the server)."""
+
+from __future__ import annotations
+
+import abc
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+import time
+
+import msgspec
+import zmq
+
+from engine.config import EngineConfig
+from engine.core_messages import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineFailure,
+    EngineInfo,
+    Shutdown,
+    make_event_decoder,
+)
+from engine.core_process import run_engine_core, to_engine_request
+
+
+class EngineStartError(RuntimeError):
+    """The worker process failed to start; the message says why."""
+
+
+class EngineDeadError(RuntimeError):
+    """The worker process died (or was shut down) while requests were in flight."""
+
+
+class EngineCoreClient(abc.ABC):
+    info: EngineInfo
+
+    @abc.abstractmethod
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    @abc.abstractmethod
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    @abc.abstractmethod
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
+        """The next step's outputs (None: nothing within `timeout`). EngineDeadError if gone."""
+
+    @abc.abstractmethod
+    def shutdown(self, timeout: float = 10.0) -> None: ...
+
+
+class InprocClient(EngineCoreClient):
+    """Drives an EngineCore in the calling thread: get_output() runs one step."""
+
+    def __init__(self, core) -> None:
+        self.core = core
+        self.info = EngineInfo(
+            pid=os.getpid(),
+            max_model_len=core.max_model_len,
+            vocab_size=core.vocab_size,
+            num_kv_blocks=core.kv_manager.pool.num_blocks,
+            block_size=core.config.block_size,
+        )
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.core.add_request(to_engine_request(request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(request_ids)
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        outputs = self.core.step() if self.core.has_unfinished_requests() else []
+        return EngineCoreOutputs(outputs, self.core.make_stats(), time.monotonic())
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self.core.shutdown()
+
+
+class MPClient(EngineCoreClient):
+    """Spawns one engine-core process and talks to it over two ipc:// sockets.
+
+    Thread-safety: sends are serialized by a lock; get_output() belongs to one thread.
+    """
+
+    def __init__(self, config: EngineConfig, name: str = "engine-core") -> None:
+        self._ipc_dir = tempfile.mkdtemp(prefix="pagedserve-")
+        input_address = f"ipc://{self._ipc_dir}/input"
+        output_address = f"ipc://{self._ipc_dir}/output"
+        self._context = zmq.Context()
+        self._input = self._context.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.bind(input_address)
+        self._output = self._context.socket(zmq.PULL)
+        self._output.bind(output_address)
+        self._send_lock = threading.Lock()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = make_event_decoder()
+        self._closed = False
+        self.info: EngineInfo | None = None
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core,
+            args=(config, input_address, output_address, os.getpid()),
+            name=name,
+        )
+        self.process.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def wait_ready(self, timeout: float) -> EngineInfo:
+        """Block until the worker reports ready; EngineStartError if it fails or times out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                event = self._recv(timeout=0.2)
+            except EngineDeadError as exc:
+                raise EngineStartError(str(exc)) from None
+            if isinstance(event, EngineInfo):
+                self.info = event
+                return event
+        raise EngineStartError(f"the worker was not ready within {timeout:.0f} s")
+
+    def _recv(self, timeout: float | None):
+        if self._output.poll(None if timeout is None else int(timeout * 1000)):
+            event = self._decoder.decode(self._output.recv())
+            if isinstance(event, EngineFailure):
+                raise EngineDeadError(f"worker {self.pid} failed: {event.message}")
+            return event
+        if not self.process.is_alive():
+            raise EngineDeadError(f"worker {self.pid} exited (exit code {self.process.exitcode})")
+        return None
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send(AbortRequests(list(request_ids)))
+
+    def _send(self, msg) -> None:
+        with self._send_lock:
+            if self._closed:
+                raise EngineDeadError("the worker is shut down")
+            self._input.send(self._encoder.encode(msg))
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
+        event = self._recv(timeout)
+        return event if isinstance(event, EngineCoreOutputs) else None
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask the worker to exit; SIGKILL it after `timeout`. Idempotent."""
+        with self._send_lock:
+            if self._closed:
+                return
+            if self.process.is_alive():
+                self._input.send(self._encoder.encode(Shutdown()))
+            self._closed = True
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self._context.destroy(linger=0)
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)

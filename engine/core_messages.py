@@ -1,0 +1,68 @@
+"""What crosses the socket between a front end and an engine-core process (msgpack via msgspec).
+
+Requests and outputs reuse the engine's own dataclasses (SamplingParams, EngineCoreOutput,
+SchedulerStats): msgspec encodes them as they are and re-validates SamplingParams on decode.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+from engine.scheduler.output import EngineCoreOutput
+from engine.scheduler.stats import SchedulerStats
+
+
+class EngineCoreRequest(msgspec.Struct, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    arrival_time: float = 0.0  # time.monotonic() in the front end; 0 = on arrival in the engine
+    cache_salt: str | None = None
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+EngineCoreInput = EngineCoreRequest | AbortRequests | Shutdown
+
+
+class EngineInfo(msgspec.Struct, tag="ready"):
+    """Sent once by a worker whose engine is built and ready for requests."""
+
+    pid: int
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
+    """The news of one step (or an idle heartbeat with only stats)."""
+
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+    timestamp: float = 0.0  # time.monotonic() when the step finished
+
+
+class EngineFailure(msgspec.Struct, tag="failure"):
+    """The worker could not start, or its engine raised: it exits right after sending this."""
+
+    message: str
+
+
+EngineCoreEvent = EngineInfo | EngineCoreOutputs | EngineFailure
+
+
+def make_input_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(EngineCoreInput)
+
+
+def make_event_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(EngineCoreEvent)

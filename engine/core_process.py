@@ -1,0 +1,182 @@
+"""The engine-core worker process: a busy loop around EngineCore.step(), fed over ZeroMQ.
+
+Three threads: the main thread polls inputs, schedules and executes; one thread receives and
+decodes inputs; one encodes and sends outputs, so socket work overlaps the model's compute.
+The front end binds both sockets; this process connects, sends EngineInfo (or EngineFailure)
+first, then one EngineCoreOutputs per step and a stats heartbeat every second when idle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+
+import msgspec
+import zmq
+
+from engine.config import EngineConfig
+from engine.core_messages import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineFailure,
+    EngineInfo,
+    Shutdown,
+    make_input_decoder,
+)
+from engine.request import FinishReason, Request
+from engine.scheduler.output import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+_STOP = object()  # tells the output thread to flush and close
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (no orphaned workers)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the parent-pid check in the loop still ends the process
+
+
+def to_engine_request(msg: EngineCoreRequest) -> Request:
+    return Request(
+        msg.request_id,
+        msg.prompt_token_ids,
+        msg.sampling_params,
+        arrival_time=msg.arrival_time or time.monotonic(),
+        priority=msg.priority,
+        cache_salt=msg.cache_salt,
+    )
+
+
+class EngineCoreProc:
+    def __init__(self, input_address: str, output_address: str, parent_pid: int) -> None:
+        self.parent_pid = parent_pid
+        self.inputs: queue.Queue = queue.Queue()
+        self.outputs: queue.Queue = queue.Queue()
+        self.context = zmq.Context()
+        self._input_thread = threading.Thread(
+            target=self._recv_inputs, args=(input_address,), name="engine-input", daemon=True
+        )
+        self._output_thread = threading.Thread(
+            target=self._send_outputs, args=(output_address,), name="engine-output", daemon=True
+        )
+        self._input_thread.start()
+        self._output_thread.start()
+
+    # -- socket threads --------------------------------------------------------------------
+    def _recv_inputs(self, address: str) -> None:
+        sock = self.context.socket(zmq.PULL)
+        sock.connect(address)
+        decoder = make_input_decoder()
+        while True:
+            try:
+                frame = sock.recv()
+            except zmq.ContextTerminated:
+                return
+            try:
+                self.inputs.put(decoder.decode(frame))
+            except msgspec.ValidationError as exc:
+                logger.error("dropping an invalid input message: %s", exc)
+
+    def _send_outputs(self, address: str) -> None:
+        sock = self.context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 5000)
+        sock.connect(address)
+        encoder = msgspec.msgpack.Encoder()
+        while (item := self.outputs.get()) is not _STOP:
+            sock.send(encoder.encode(item))
+        sock.close()
+
+    def close(self) -> None:
+        """Flush what is queued for the front end, then drop the sockets."""
+        self.outputs.put(_STOP)
+        self._output_thread.join(timeout=10)
+        self.context.destroy(linger=0)
+
+    # -- the busy loop ---------------------------------------------------------------------
+    def run(self, core) -> None:
+        last_sent = 0.0
+        while True:
+            idle = not core.has_unfinished_requests()
+            if self._drain_inputs(core, block=idle):
+                return
+            if core.has_unfinished_requests():
+                outputs = core.step()
+                self.outputs.put(EngineCoreOutputs(outputs, core.make_stats(), time.monotonic()))
+                last_sent = time.monotonic()
+            elif time.monotonic() - last_sent >= HEARTBEAT_S:
+                if os.getppid() != self.parent_pid:
+                    logger.warning("the front end is gone; engine core exits")
+                    return
+                self.outputs.put(EngineCoreOutputs([], core.make_stats(), time.monotonic()))
+                last_sent = time.monotonic()
+
+    def _drain_inputs(self, core, block: bool) -> bool:
+        """Apply every pending input; True when asked to shut down."""
+        try:
+            msg = self.inputs.get(timeout=HEARTBEAT_S) if block else self.inputs.get_nowait()
+        except queue.Empty:
+            return False
+        while True:
+            if isinstance(msg, Shutdown):
+                return True
+            if isinstance(msg, AbortRequests):
+                core.abort_requests(msg.request_ids)
+            elif isinstance(msg, EngineCoreRequest):
+                self._add_request(core, msg)
+            try:
+                msg = self.inputs.get_nowait()
+            except queue.Empty:
+                return False
+
+    def _add_request(self, core, msg: EngineCoreRequest) -> None:
+        try:
+            core.add_request(to_engine_request(msg))
+        except ValueError as exc:
+            # The front end validates first; if it still gets here, end the request, not the worker.
+            logger.warning("refused request %s: %s", msg.request_id, exc)
+            refusal = EngineCoreOutput(msg.request_id, [], finish_reason=FinishReason.ABORT, stop_reason=str(exc))
+            self.outputs.put(EngineCoreOutputs([refusal], core.make_stats(), time.monotonic()))
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int) -> None:
+    """Process entry point (multiprocessing, spawn)."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front end, which stops us
+    logging.basicConfig(level=logging.INFO, format=f"[worker {os.getpid()}] %(levelname)s %(name)s: %(message)s")
+    proc = EngineCoreProc(input_address, output_address, parent_pid)
+    exit_code = 0
+    try:
+        from engine.engine_core import EngineCore  # heavy: torch and the model code
+
+        core = EngineCore(config)
+        proc.outputs.put(
+            EngineInfo(
+                pid=os.getpid(),
+                max_model_len=core.max_model_len,
+                vocab_size=core.vocab_size,
+                num_kv_blocks=core.kv_manager.pool.num_blocks,
+                block_size=config.block_size,
+            )
+        )
+        proc.run(core)
+        core.shutdown()
+    except Exception as exc:  # noqa: BLE001 -- report why, then exit non-zero: the front end fails in-flight requests
+        logger.error("engine core failed:\n%s", traceback.format_exc())
+        proc.outputs.put(EngineFailure(f"{type(exc).__name__}: {exc}"))
+        exit_code = 1
+    finally:
+        proc.close()
+    os._exit(exit_code)  # skip interpreter teardown of torch/zmq threads

@@ -1,0 +1,24 @@
+"""A snapshot of one engine's scheduler and KV pool, for routing and metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks: int = 0
+    num_free_blocks: int = 0  # includes cached blocks no request holds (evictable)
+    prefix_cache_queries: int = 0  # cumulative, in prompt tokens looked up
+    prefix_cache_hits: int = 0  # cumulative, in prompt tokens found
+    num_preemptions: int = 0  # cumulative
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
