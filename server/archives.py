@@ -1,0 +1,111 @@
+"""Where a registration's archive comes from: URL checks against `allowed_urls`, then opening it.
+
+A URL is a path (relative ones resolve inside the model store) or a `file://` URL. By default
+only files inside the model store are allowed; `allowed_urls` replaces that rule with regular
+expressions the URL must match in full. Nothing is ever downloaded: an `http(s)://` URL is
+refused whether or not it matches.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.model.archive_manifest import (
+    MANIFEST_PATH,
+    check_model_name,
+    resolve_handler,
+)
+from engine.model.model_config import ModelConfig, load_model_config
+from engine.model.model_source import is_archive, resolve_model_dir
+
+
+class UrlNotAllowedError(PermissionError):
+    """The URL is outside `allowed_urls` (403); nothing was read."""
+
+
+class ArchiveNotFoundError(FileNotFoundError):
+    """No archive at that URL (404)."""
+
+
+def resolve_url(url: str, model_store: Path, allowed_urls: list[str]) -> Path:
+    """The local archive path a registration URL names, if the URL is allowed."""
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError("the 'url' parameter is required: an archive in the model store")
+    url = url.strip()
+    scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", url)
+    if scheme and scheme.group(1).lower() != "file":
+        if allowed_urls and any(re.fullmatch(p, url) for p in allowed_urls):
+            raise ValueError(f"url {url!r}: pagedserve does not download archives; copy the "
+                             "archive into the model store and register it by name")
+        raise UrlNotAllowedError(f"url {url!r} is not allowed: only archives inside the model "
+                                 "store (or matching allowed_urls) can be registered")
+    raw = url[len("file://"):] if scheme else url
+    path = Path(raw).expanduser()
+    if not path.is_absolute():
+        path = model_store / path
+    resolved = path.resolve()  # follows links and '..': the check sees the real location
+    if allowed_urls:
+        candidates = (url, str(resolved), f"file://{resolved}")
+        if not any(re.fullmatch(p, c) for p in allowed_urls for c in candidates):
+            raise UrlNotAllowedError(f"url {url!r} does not match allowed_urls")
+    elif not resolved.is_relative_to(model_store.resolve()) or resolved == model_store.resolve():
+        raise UrlNotAllowedError(f"url {url!r} is outside the model store {model_store}; "
+                                 "only archives inside it can be registered")
+    if not resolved.exists():
+        raise ArchiveNotFoundError(f"Model not found in model store: {url}")
+    if not is_archive(resolved):
+        raise ValueError(f"url {url!r} is not a model archive (.mar, .tar.gz, or a folder with "
+                         f"{MANIFEST_PATH})")
+    return resolved
+
+
+@dataclass(slots=True)
+class LoadedArchive:
+    """An opened, verified archive and what the server needs from it."""
+
+    path: Path  # the archive as registered
+    model_dir: Path  # its verified model directory (extracted once into the cache)
+    manifest: dict[str, Any]
+    model_config: ModelConfig
+    config_keys: frozenset[str] = field(default_factory=frozenset)  # top-level keys it set
+    custom_handler: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return self.manifest["model"]["modelName"]
+
+    @property
+    def version(self) -> str:
+        return str(self.manifest["model"].get("modelVersion") or "1.0")
+
+
+def load_archive(path: Path, allow_custom_handlers: bool) -> LoadedArchive:
+    """Verify and extract (once) the archive at `path`. Blocking: run it off the event loop."""
+    model_dir = resolve_model_dir(path, allow_custom_handlers=allow_custom_handlers)
+    manifest = json.loads((model_dir / MANIFEST_PATH).read_text())
+    model = manifest["model"]
+    config_keys: frozenset[str] = frozenset()
+    if model.get("configFile"):
+        config_path = model_dir / model["configFile"]
+        model_config = load_model_config(config_path)
+        data = yaml.safe_load(config_path.read_text()) or {}
+        config_keys = frozenset(data)
+    else:
+        model_config = ModelConfig()
+    files = {p.name: p for p in model_dir.iterdir() if p.is_file()}
+    custom = resolve_handler(str(model.get("handler", "")), files, allow_custom_handlers)
+    return LoadedArchive(path, model_dir, manifest, model_config, config_keys, custom)
+
+
+def check_name(name: str) -> str:
+    """A model name usable in URLs (TorchServe's rule); ValueError otherwise."""
+    try:
+        return check_model_name(name)
+    except ValueError as exc:
+        raise ValueError(str(exc)) from None

@@ -1,0 +1,90 @@
+"""Token authorization, TorchServe's way: a key file with one key per API, `Bearer` tokens.
+
+`write_key_file` creates `key_file.json` (`{"management": {"key": ...}, "inference": {"key": ...}}`)
+with mode 0600, atomically; `auth_middleware(key)` refuses a request whose
+`Authorization: Bearer <token>` does not match, comparing in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from server.errors import error_response
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKeys:
+    inference: str
+    management: str
+
+    @classmethod
+    def generate(cls) -> ApiKeys:
+        return cls(inference=secrets.token_urlsafe(24), management=secrets.token_urlsafe(24))
+
+    def to_json(self) -> dict:
+        return {"management": {"key": self.management}, "inference": {"key": self.inference}}
+
+
+def write_key_file(path: str | Path, keys: ApiKeys) -> Path:
+    """Write the keys to `path` with mode 0600 (never readable by others, even briefly)."""
+    path = Path(path).expanduser().absolute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # O_CREAT's mode is masked by the umask; make it exact
+        with os.fdopen(fd, "w") as f:
+            json.dump(keys.to_json(), f, indent=2)
+            f.write("\n")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+    return path
+
+
+def bearer_token(request: web.Request) -> str | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def token_matches(token: str | None, key: str) -> bool:
+    if token is None:
+        return False
+    return hmac.compare_digest(token.encode(), key.encode())
+
+
+def auth_middleware(key: str | None, public_paths: frozenset[str] = frozenset()):
+    """An aiohttp middleware that answers 401 unless the request carries `Bearer <key>`.
+
+    `key=None` turns authorization off. Paths in `public_paths` pass without a token.
+    """
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if key is None or request.path in public_paths:
+            return await handler(request)
+        token = bearer_token(request)
+        if token is None:
+            return error_response(401, "Token authorization failed: no 'Authorization: Bearer "
+                                       "<key>' header (keys are in the server's key file)",
+                                  headers={"WWW-Authenticate": "Bearer"})
+        if not token_matches(token, key):
+            return error_response(401, "Token authorization failed: the token is not valid "
+                                       "for this API", headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return middleware

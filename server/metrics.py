@@ -1,0 +1,143 @@
+"""Prometheus metrics: request counts and latencies, and engine figures per model.
+
+`ServerMetrics` owns its own `CollectorRegistry` (no module-level state). Histograms of time to
+first token, inter-token latency, time per output token and queue time are fed with each
+request's final output (`observe_output`); the engine gauges (running and waiting requests, KV
+blocks used and free, prefix cache hit rate, preemptions) are read from every worker's latest
+`stats` at scrape time by a custom collector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from engine.outputs import RequestOutput
+    from server.registry import ModelVersion
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5, 10)
+
+
+class ServerMetrics:
+    def __init__(self, versions: Callable[[], list[ModelVersion]] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("pagedserve_requests", "HTTP requests answered",
+                                ["model", "endpoint", "status"], registry=r)
+        self.request_latency = Histogram("pagedserve_request_latency_seconds",
+                                         "Time to answer a request (whole response)",
+                                         ["model", "endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("pagedserve_queue_time_seconds",
+                                    "Time from arrival to first scheduling in the engine",
+                                    ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "Time to first token",
+                              ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pagedserve_inter_token_latency_seconds",
+                             "Gap between consecutive output tokens", ["model"],
+                             buckets=TOKEN_BUCKETS, registry=r)
+        self.tpot = Histogram("pagedserve_time_per_output_token_seconds",
+                              "Decode time divided by output tokens after the first", ["model"],
+                              buckets=TOKEN_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens processed",
+                                     ["model"], registry=r)
+        self.generation_tokens = Counter("pagedserve_generation_tokens", "Tokens generated",
+                                         ["model"], registry=r)
+        if versions is not None:
+            r.register(EngineCollector(versions))
+
+    def observe_request(self, model: str | None, endpoint: str, status: int,
+                        latency_s: float) -> None:
+        label = model or ""
+        self.requests.labels(label, endpoint, str(status)).inc()
+        self.request_latency.labels(label, endpoint).observe(max(0.0, latency_s))
+
+    def observe_output(self, model: str, output: RequestOutput) -> None:
+        """Record a request's final output: its timings and token counts."""
+        m = output.metrics or {}
+        if m.get("queued_s") is not None:
+            self.queue_time.labels(model).observe(max(0.0, m["queued_s"]))
+        if m.get("ttft_s") is not None:
+            self.ttft.labels(model).observe(max(0.0, m["ttft_s"]))
+        for gap in m.get("itl_s") or ():
+            self.itl.labels(model).observe(max(0.0, gap))
+        num_out = sum(len(c.token_ids) for c in output.outputs)
+        self.prompt_tokens.labels(model).inc(len(output.prompt_token_ids))
+        self.generation_tokens.labels(model).inc(num_out)
+        decode = m.get("decode_s")
+        per_seq = max((len(c.token_ids) for c in output.outputs), default=0)
+        if decode is not None and per_seq > 1:
+            self.tpot.labels(model).observe(max(0.0, decode) / (per_seq - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineCollector:
+    """Engine gauges per model version, summed over its workers, read at scrape time."""
+
+    def __init__(self, versions: Callable[[], list[ModelVersion]]) -> None:
+        self._versions = versions
+
+    def describe(self) -> list:
+        return []  # families are built per scrape
+
+    def collect(self) -> Iterator:
+        labels = ["model", "version"]
+        fams = {
+            "workers": GaugeMetricFamily("pagedserve_workers_ready", "Ready workers", labels=labels),
+            "running": GaugeMetricFamily("pagedserve_num_requests_running",
+                                         "Requests running in the engines", labels=labels),
+            "waiting": GaugeMetricFamily("pagedserve_num_requests_waiting",
+                                         "Requests waiting in the engines", labels=labels),
+            "in_flight": GaugeMetricFamily("pagedserve_requests_in_flight",
+                                           "Requests admitted and not yet answered", labels=labels),
+            "used": GaugeMetricFamily("pagedserve_kv_blocks_used", "KV blocks in use",
+                                      labels=labels),
+            "free": GaugeMetricFamily("pagedserve_kv_blocks_free",
+                                      "KV blocks free (cached-but-unreferenced included)",
+                                      labels=labels),
+            "hit_rate": GaugeMetricFamily("pagedserve_prefix_cache_hit_rate",
+                                          "Prompt tokens served from the prefix cache / queried "
+                                          "(since start)", labels=labels),
+            "preemptions": CounterMetricFamily("pagedserve_preemptions",
+                                               "Requests preempted (since the workers started)",
+                                               labels=labels),
+        }
+        for v in self._versions():
+            key = [v.name, v.version]
+            engines = v.pool.ready_engines()
+            stats = [e.stats for e in engines if e.stats is not None]
+            queries = sum(s.prefix_cache_queries for s in stats)
+            hits = sum(s.prefix_cache_hits for s in stats)
+            fams["workers"].add_metric(key, len(engines))
+            fams["running"].add_metric(key, sum(s.num_running for s in stats))
+            fams["waiting"].add_metric(key, sum(s.num_waiting for s in stats))
+            fams["in_flight"].add_metric(key, v.in_flight)
+            fams["used"].add_metric(key, sum(s.num_kv_blocks - s.num_free_blocks for s in stats))
+            fams["free"].add_metric(key, sum(s.num_free_blocks for s in stats))
+            fams["hit_rate"].add_metric(key, hits / queries if queries else 0.0)
+            fams["preemptions"].add_metric(key, sum(s.num_preemptions for s in stats))
+        yield from fams.values()
+
+
+METRICS_KEY = web.AppKey("pagedserve_metrics", ServerMetrics)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = request.app[METRICS_KEY].render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def build_metrics_app(metrics: ServerMetrics) -> web.Application:
+    """The metrics port: `GET /metrics` in Prometheus text format, no token needed."""
+    app = web.Application()
+    app[METRICS_KEY] = metrics
+    app.router.add_get("/metrics", _metrics)
+    return app

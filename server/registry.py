@@ -1,0 +1,295 @@
+"""The model registry: models -> versions -> workers, with a default version per model.
+
+`ModelRegistry` is what the HTTP apps see: `resolve` a (model, version) to a `ModelVersion`,
+whose `pick_worker` routes to the least loaded ready worker and whose `admit` bounds the number
+of requests in flight (`jobQueueSize`). Registration opens the archive and loads the tokenizer
+off the event loop, then starts the version's workers (`server.workers.WorkerPool`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from engine.model.model_config import ModelConfig
+from handlers.base_handler import Context
+from server.archives import LoadedArchive, check_name, load_archive
+from server.workers import WorkerPool
+
+if TYPE_CHECKING:
+    from engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+
+class ModelNotFoundError(LookupError):
+    """No such model or version (404); the message names it."""
+
+
+class NoWorkerError(RuntimeError):
+    """The version has no ready worker right now (503)."""
+
+
+class QueueFullError(RuntimeError):
+    """The version's jobQueueSize is reached (503 with Retry-After)."""
+
+
+class ConflictError(RuntimeError):
+    """The model version is already registered (409)."""
+
+
+class ForbiddenError(RuntimeError):
+    """An operation TorchServe forbids, e.g. removing the default version of a model (403)."""
+
+
+@dataclass(slots=True, eq=False)
+class ModelVersion:
+    """One registered version of a model and its workers."""
+
+    name: str
+    version: str
+    model_dir: Path
+    context: Context
+    tokenizer: Any
+    archive: LoadedArchive
+    url: str  # as registered (relative to the model store when inside it)
+    pool: WorkerPool
+    min_workers: int
+    max_workers: int
+    job_queue_size: int
+    loaded_at_startup: bool = False
+    max_model_len: int | None = None
+    extras: dict[str, Any] = field(default_factory=dict)  # B's per-version objects
+    in_flight: int = 0
+    registered_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.context.model_config
+
+    def workers(self) -> list[AsyncLLM]:
+        return self.pool.ready_engines()
+
+    def pick_worker(self) -> AsyncLLM:
+        """The least loaded ready worker (requests in flight, then KV blocks in use)."""
+        ready = self.pool.ready_engines()
+        if not ready:
+            raise NoWorkerError(f"model {self.name!r} version {self.version!r} has no ready "
+                                "worker right now; retry shortly")
+        engine = min(ready, key=_load_key)
+        if self.max_model_len is None and engine.info is not None:
+            self.max_model_len = engine.info.max_model_len
+        return engine
+
+    @contextlib.contextmanager
+    def admit(self) -> Iterator[None]:
+        """Count one request in flight for the whole `with` block; QueueFullError when full."""
+        if self.in_flight >= self.job_queue_size:
+            raise QueueFullError(f"model {self.name!r} version {self.version!r} has "
+                                 f"{self.in_flight} requests in flight (jobQueueSize="
+                                 f"{self.job_queue_size}); retry later")
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+
+def _load_key(engine: AsyncLLM) -> tuple[int, int]:
+    stats = engine.stats
+    used = (stats.num_kv_blocks - stats.num_free_blocks) if stats is not None else 0
+    return engine.num_unfinished, used
+
+
+@dataclass(slots=True, eq=False)
+class RegisteredModel:
+    name: str
+    versions: dict[str, ModelVersion] = field(default_factory=dict)
+    default_version: str | None = None
+
+
+# make_engine(model_version, worker_name, on_dead) -> a not-started AsyncLLM
+EngineBuilder = Callable[[ModelVersion, str, Callable[["AsyncLLM"], None]], "AsyncLLM"]
+
+
+class ModelRegistry:
+    """Every registered model. All methods run on the event loop."""
+
+    def __init__(self, executor: Executor, make_engine: EngineBuilder, *,
+                 allow_custom_handlers: bool = False, default_workers: int | None = None,
+                 job_queue_size: int = 100, on_change: Callable[[], None] | None = None) -> None:
+        self._executor = executor
+        self._make_engine = make_engine
+        self.allow_custom_handlers = allow_custom_handlers
+        self.default_workers = default_workers
+        self.job_queue_size = job_queue_size
+        self.on_change = on_change or (lambda: None)
+        self.models: dict[str, RegisteredModel] = {}
+        self._worker_ids = itertools.count(9000)  # TorchServe numbers its workers from 9000
+        self._lock = asyncio.Lock()  # registrations and removals, one at a time
+
+    # -- lookups (the inference app's side) ---------------------------------------------
+    def resolve(self, name: str, version: str | None = None) -> ModelVersion:
+        model = self.models.get(name)
+        if model is None or not model.versions:
+            raise ModelNotFoundError(f"Model not found: {name}")
+        key = version if version is not None else model.default_version
+        found = model.versions.get(key) if key is not None else None
+        if found is None:
+            raise ModelNotFoundError(f"Model version: {version} does not exist for model: {name}")
+        return found
+
+    def default_versions(self) -> list[ModelVersion]:
+        return [m.versions[m.default_version] for m in self.sorted_models()
+                if m.default_version in m.versions]
+
+    def all_versions(self) -> list[ModelVersion]:
+        return [v for m in self.sorted_models() for v in m.versions.values()]
+
+    def sorted_models(self) -> list[RegisteredModel]:
+        return [self.models[n] for n in sorted(self.models)]
+
+    def all_ready(self) -> bool:
+        return all(any(v.pool.ready_engines() for v in m.versions.values())
+                   for m in self.models.values())
+
+    def total_in_flight(self) -> int:
+        return sum(v.in_flight for v in self.all_versions())
+
+    def total_workers(self) -> int:
+        return sum(v.pool.size for v in self.all_versions())
+
+    # -- changes (the management app's side) --------------------------------------------
+    async def open(self, path: Path) -> LoadedArchive:
+        """Verify and extract the archive off the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, load_archive, path,
+                                          self.allow_custom_handlers)
+
+    async def register(self, archive: LoadedArchive, *, url: str, name: str | None = None,
+                       initial_workers: int | None = None, max_workers: int | None = None,
+                       synchronous: bool = True, loaded_at_startup: bool = False,
+                       make_default: bool = False, response_timeout: int | None = None,
+                       ) -> ModelVersion:
+        """Add a version and start its workers. With `synchronous`, return once they are ready
+        (WorkerStartFailed: the version is removed again); otherwise they start in the
+        background. ConflictError if that version is registered already."""
+        name = check_name(name or archive.name)
+        version = archive.version
+        config = archive.model_config
+        async with self._lock:
+            model = self.models.get(name)
+            if model is not None and version in model.versions:
+                raise ConflictError(f"Model version {version} is already registered for model "
+                                    f"{name}")
+            loop = asyncio.get_running_loop()
+            tokenizer = await loop.run_in_executor(self._executor, _load_tokenizer, archive.model_dir)
+            min_workers = (initial_workers if initial_workers is not None
+                           else self._default_workers(archive))
+            max_w = max(max_workers or 0, config.max_workers, min_workers)
+            queue = (config.job_queue_size if "jobQueueSize" in archive.config_keys
+                     else self.job_queue_size)
+            if response_timeout is not None:
+                config = _with_response_timeout(config, response_timeout)
+            context = Context(model_name=name, model_dir=archive.model_dir,
+                              manifest=archive.manifest, model_config=config,
+                              system_properties={"device": config.device_type.value
+                                                 if config.device_type else "cpu"})
+            entry = ModelVersion(
+                name=name, version=version, model_dir=archive.model_dir, context=context,
+                tokenizer=tokenizer, archive=archive, url=url, pool=None,  # type: ignore[arg-type]
+                min_workers=min_workers, max_workers=max_w, job_queue_size=queue,
+                loaded_at_startup=loaded_at_startup)
+            entry.pool = WorkerPool(
+                f"{name}/{version}",
+                lambda worker_name, on_dead: self._make_engine(entry, worker_name, on_dead),
+                lambda: str(next(self._worker_ids)), startup_timeout=float(config.startup_timeout),
+                on_change=self.on_change)
+            model = self.models.setdefault(name, RegisteredModel(name))
+            model.versions[version] = entry
+            if model.default_version is None or make_default:
+                model.default_version = version
+            self.on_change()
+        try:
+            await entry.pool.scale_to(min_workers, wait=synchronous)
+        except Exception:
+            await self.unregister(name, version, force=True)
+            raise
+        return entry
+
+    async def unregister(self, name: str, version: str | None = None, *,
+                         force: bool = False) -> ModelVersion:
+        """Remove one version (the default one when `version` is None) and stop its workers.
+        The default version cannot go while others remain (ForbiddenError), as in TorchServe."""
+        async with self._lock:
+            entry = self.resolve(name, version)
+            model = self.models[name]
+            if (not force and entry.version == model.default_version
+                    and len(model.versions) > 1):
+                raise ForbiddenError(f"Can't remove default version: {entry.version} of model "
+                                     f"{name}; set another default version first")
+            del model.versions[entry.version]
+            if not model.versions:
+                del self.models[name]
+            elif model.default_version == entry.version:
+                model.default_version = max(model.versions, key=_version_key)
+            self.on_change()
+        await entry.pool.shutdown()
+        return entry
+
+    async def scale(self, entry: ModelVersion, min_workers: int, max_workers: int, *,
+                    synchronous: bool) -> None:
+        entry.min_workers = min_workers
+        entry.max_workers = max_workers
+        self.on_change()
+        await entry.pool.scale_to(min_workers, wait=synchronous)
+
+    def set_default(self, name: str, version: str) -> ModelVersion:
+        entry = self.resolve(name, version)
+        self.models[name].default_version = entry.version
+        self.on_change()
+        return entry
+
+    async def shutdown(self) -> None:
+        versions = self.all_versions()
+        await asyncio.gather(*(v.pool.shutdown() for v in versions), return_exceptions=True)
+
+    def _default_workers(self, archive: LoadedArchive) -> int:
+        if "minWorkers" in archive.config_keys or self.default_workers is None:
+            return archive.model_config.min_workers
+        return self.default_workers
+
+
+def _load_tokenizer(model_dir: Path):
+    from engine.llm import load_tokenizer
+
+    return load_tokenizer(model_dir)
+
+
+def _with_response_timeout(config: ModelConfig, seconds: int) -> ModelConfig:
+    import dataclasses
+
+    return dataclasses.replace(config, response_timeout=seconds)
+
+
+def _version_key(version: str) -> tuple:
+    parts = []
+    for part in version.replace("-", ".").split("."):
+        parts.append((0, int(part), "") if part.isdigit() else (1, 0, part))
+    return tuple(parts)
+
+
+def worker_threads(configured: int | None, total_workers: int) -> int:
+    """Torch threads per worker: the configured number, else the cores shared evenly."""
+    if configured is not None:
+        return configured
+    return max(1, (os.cpu_count() or 1) // max(1, total_workers))

@@ -1,0 +1,222 @@
+"""Worker supervision for one model version: start, scale, restart with back-off, stop.
+
+Each worker is one engine-core process behind an `AsyncLLM`. A slot is a place for a worker: it
+keeps its id and start time across restarts. When a worker dies (`on_dead`), its slot restarts
+it after an exponential back-off (0.5 s, 1 s, 2 s, ... capped), counted in consecutive failures;
+a worker that stayed up for `STABLE_AFTER_S` resets the count. Other slots never notice.
+Scaling down picks idle workers first and lets their requests finish before stopping them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+BACKOFF_BASE_S = 0.5
+BACKOFF_MAX_S = 30.0
+STABLE_AFTER_S = 60.0
+UNLOAD_WAIT_S = 30.0  # how long a scaled-down worker may take to finish its requests
+
+# make_engine(worker_name, on_dead) -> a not-yet-started AsyncLLM
+EngineFactory = Callable[[str, Callable[["AsyncLLM"], None]], "AsyncLLM"]
+
+
+class WorkerStatus(str, enum.Enum):
+    """TorchServe's worker states, as `GET /models/{m}` shows them."""
+
+    STARTING = "STARTING"
+    READY = "READY"
+    UNLOADING = "UNLOADING"
+    RESTARTING = "RESTARTING"  # died; waiting out the back-off before starting again
+    STOPPED = "STOPPED"
+
+
+class WorkerStartFailed(RuntimeError):
+    """A worker could not start (the engine's message says why)."""
+
+
+@dataclass(slots=True, eq=False)
+class WorkerSlot:
+    id: str
+    status: WorkerStatus = WorkerStatus.STARTING
+    engine: AsyncLLM | None = None
+    start_time: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    ready_since: float | None = None  # time.monotonic() when the current engine became ready
+    failures: int = 0  # consecutive deaths / failed starts
+    restarts: int = 0  # total restarts, for the describe API
+    last_error: str | None = None
+    task: asyncio.Task | None = None
+
+    @property
+    def is_ready(self) -> bool:
+        return self.status is WorkerStatus.READY and self.engine is not None and self.engine.is_ready
+
+
+def backoff_delay(failures: int) -> float:
+    return min(BACKOFF_MAX_S, BACKOFF_BASE_S * (2 ** max(0, failures - 1)))
+
+
+class WorkerPool:
+    """The workers of one model version."""
+
+    def __init__(self, label: str, make_engine: EngineFactory, next_id: Callable[[], str],
+                 startup_timeout: float, on_change: Callable[[], None] | None = None) -> None:
+        self.label = label  # "model/version", for logs and worker names
+        self._make_engine = make_engine
+        self._next_id = next_id
+        self._startup_timeout = startup_timeout
+        self._on_change = on_change or (lambda: None)
+        self.slots: list[WorkerSlot] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+
+    # -- queries -------------------------------------------------------------------------
+    def ready_engines(self) -> list[AsyncLLM]:
+        return [s.engine for s in self.slots if s.is_ready]
+
+    def active_slots(self) -> list[WorkerSlot]:
+        return [s for s in self.slots if s.status is not WorkerStatus.UNLOADING]
+
+    @property
+    def size(self) -> int:
+        return len(self.active_slots())
+
+    # -- scaling -------------------------------------------------------------------------
+    async def scale_to(self, n: int, *, wait: bool) -> None:
+        """Reach `n` workers. With `wait`, return once new workers are ready (raise
+        `WorkerStartFailed` if one cannot start; it is removed) and removed ones are stopped."""
+        active = self.active_slots()
+        if n > len(active):
+            new = [self._add_slot() for _ in range(n - len(active))]
+            if wait:
+                await self._wait_started(new)
+        elif n < len(active):
+            # Idle and not-yet-ready workers go first, then the least loaded.
+            victims = sorted(active, key=lambda s: (s.is_ready, _load(s)))[: len(active) - n]
+            stops = [self._spawn(self._unload(s)) for s in victims]
+            if wait:
+                await asyncio.gather(*stops, return_exceptions=True)
+
+    def _add_slot(self) -> WorkerSlot:
+        slot = WorkerSlot(id=self._next_id())
+        self.slots.append(slot)
+        slot.task = self._spawn(self._run_start(slot, first=True))
+        self._on_change()
+        return slot
+
+    async def _wait_started(self, slots: list[WorkerSlot]) -> None:
+        await asyncio.gather(*(s.task for s in slots if s.task), return_exceptions=True)
+        failed = [s for s in slots if not s.is_ready]
+        if failed:
+            errors = "; ".join(f"worker {s.id}: {s.last_error or s.status.value}" for s in failed)
+            for s in failed:
+                await self._unload(s)
+            raise WorkerStartFailed(errors)
+
+    async def _run_start(self, slot: WorkerSlot, *, first: bool) -> None:
+        """Start the slot's engine; a first start that fails gives up (the caller decides),
+        a restart keeps trying with back-off until it succeeds or the slot is removed."""
+        while slot.status in (WorkerStatus.STARTING, WorkerStatus.RESTARTING) and not self._closed:
+            slot.status = WorkerStatus.STARTING
+            engine = self._make_engine(f"{self.label}#{slot.id}", self._on_dead)
+            slot.engine = engine
+            try:
+                await engine.start(timeout=self._startup_timeout)
+            except (RuntimeError, ValueError, OSError, TimeoutError) as exc:  # EngineStartError too
+                slot.last_error = str(exc) or type(exc).__name__
+                slot.failures += 1
+                logger.error("worker %s of %s failed to start: %s", slot.id, self.label, exc)
+                await _quiet_shutdown(engine)
+                if first or slot.status is WorkerStatus.UNLOADING:
+                    slot.status = WorkerStatus.STOPPED
+                    return
+                slot.status = WorkerStatus.RESTARTING
+                await asyncio.sleep(backoff_delay(slot.failures))
+                continue
+            if slot.status is WorkerStatus.UNLOADING:  # removed while starting
+                await _quiet_shutdown(engine)
+                return
+            slot.status = WorkerStatus.READY
+            slot.ready_since = time.monotonic()
+            slot.last_error = None
+            logger.info("worker %s of %s ready (pid %s)", slot.id, self.label, engine.pid)
+            self._on_change()
+            return
+
+    def _on_dead(self, engine: AsyncLLM) -> None:
+        """Called on the event loop when a worker process is found dead."""
+        slot = next((s for s in self.slots if s.engine is engine), None)
+        if slot is None or slot.status in (WorkerStatus.UNLOADING, WorkerStatus.STOPPED) or self._closed:
+            return
+        lived = time.monotonic() - slot.ready_since if slot.ready_since is not None else 0.0
+        slot.failures = 1 if lived >= STABLE_AFTER_S else slot.failures + 1
+        slot.restarts += 1
+        slot.last_error = f"worker process {engine.pid} died"
+        slot.status = WorkerStatus.RESTARTING
+        slot.ready_since = None
+        delay = backoff_delay(slot.failures)
+        logger.warning("worker %s of %s (pid %s) died; restarting in %.1fs",
+                       slot.id, self.label, engine.pid, delay)
+
+        async def restart() -> None:
+            await _quiet_shutdown(engine)
+            await asyncio.sleep(delay)
+            await self._run_start(slot, first=False)
+
+        slot.task = self._spawn(restart())
+        self._on_change()
+
+    async def _unload(self, slot: WorkerSlot) -> None:
+        """Stop routing to the slot, let its requests finish (bounded), stop its process."""
+        slot.status = WorkerStatus.UNLOADING
+        if slot.task is not None and slot.task is not asyncio.current_task() and not slot.task.done():
+            slot.task.cancel()
+        engine = slot.engine
+        if engine is not None:
+            deadline = time.monotonic() + UNLOAD_WAIT_S
+            while engine.is_ready and engine.num_unfinished and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await _quiet_shutdown(engine)
+        slot.status = WorkerStatus.STOPPED
+        if slot in self.slots:
+            self.slots.remove(slot)
+        self._on_change()
+
+    async def shutdown(self) -> None:
+        """Stop every worker now (in-flight requests end with an error)."""
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        engines = [s.engine for s in self.slots if s.engine is not None]
+        for s in self.slots:
+            s.status = WorkerStatus.STOPPED
+        await asyncio.gather(*(_quiet_shutdown(e) for e in engines))
+        self.slots.clear()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+
+def _load(slot: WorkerSlot) -> int:
+    return slot.engine.num_unfinished if slot.engine is not None and slot.engine.is_ready else 0
+
+
+async def _quiet_shutdown(engine: AsyncLLM) -> None:
+    try:
+        await engine.shutdown()
+    except (RuntimeError, OSError, TimeoutError) as exc:  # already dead, or never started
+        logger.debug("shutdown of %s: %s", engine, exc)

@@ -1,0 +1,107 @@
+"""Fixtures for server tests: a model store holding an archive of the default model (made once
+per session), and real `pagedserve serve` processes on free ports (see server_process.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.server.server_process import ServerProcess
+
+MODEL = "smollm2"
+ARCHIVE = "smollm2.mar"
+ARCHIVE_V2 = "smollm2-v2.mar"
+# Small and fast for a shared 2-core machine: bf16, a 64 MiB KV pool (182 blocks of 16 tokens).
+TEST_MODEL_CONFIG = """\
+minWorkers: 1
+maxWorkers: 4
+responseTimeout: 120
+startupTimeout: 300
+handler:
+  dtype: bfloat16
+  max_model_len: 2048
+  kv_cache_memory: 64MiB
+"""
+
+
+def _write_archive(store: Path, tmp: Path, file_name: str, version: str) -> Path:
+    from engine.model.archive import write_archive
+    from engine.model.default_model import default_gguf_path, default_model_dir
+
+    try:
+        default_gguf_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    config = tmp / f"model-config-{version}.yaml"
+    config.write_text(TEST_MODEL_CONFIG)
+    written = write_archive(default_model_dir(), tmp / f"build-{version}", model_name=MODEL,
+                            version=version, config_file=config)
+    dest = store / file_name
+    written.rename(dest)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def model_store(tmp_path_factory) -> Path:
+    """A model store with `smollm2.mar` (version 1.0 of the default model)."""
+    store = tmp_path_factory.mktemp("model_store")
+    _write_archive(store, tmp_path_factory.mktemp("archive-build"), ARCHIVE, "1.0")
+    return store
+
+
+@pytest.fixture(scope="session")
+def archive_v2(model_store, tmp_path_factory) -> str:
+    """`smollm2-v2.mar` in the same store: version 2.0 of model smollm2 (same weights)."""
+    if not (model_store / ARCHIVE_V2).exists():
+        _write_archive(model_store, tmp_path_factory.mktemp("archive-build-v2"), ARCHIVE_V2, "2.0")
+    return ARCHIVE_V2
+
+
+@pytest.fixture(scope="session")
+def archive_cache(tmp_path_factory) -> Path:
+    """Where servers extract archives (shared by the session's servers: extracted once)."""
+    return tmp_path_factory.mktemp("archive_cache")
+
+
+ServerFactory = Callable[..., ServerProcess]
+
+
+def _factory(tmp_path_factory, model_store: Path, archive_cache: Path,
+             servers: list[ServerProcess]) -> ServerFactory:
+    def make(*, models: list[str] | None = None, args: list[str] | None = None,
+             env: dict | None = None, config: dict | None = None, start: bool = True,
+             ready: bool = True, workdir: Path | None = None) -> ServerProcess:
+        server = ServerProcess(
+            workdir=workdir or tmp_path_factory.mktemp("server"), model_store=model_store,
+            models=list(models or []), args=list(args or []),
+            env={"PAGEDSERVE_ARCHIVE_DIR": str(archive_cache), **(env or {})}, config=config)
+        servers.append(server)
+        return server.start(ready=ready) if start else server
+    return make
+
+
+@pytest.fixture
+def server_factory(tmp_path_factory, model_store, archive_cache) -> Iterator[ServerFactory]:
+    """`server_factory(models=[...], args=[...], env={...}, config={...})` -> a started
+    ServerProcess; every one is stopped at the end of the test."""
+    servers: list[ServerProcess] = []
+    yield _factory(tmp_path_factory, model_store, archive_cache, servers)
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def module_server_factory(tmp_path_factory, model_store, archive_cache) -> Iterator[ServerFactory]:
+    """Like server_factory, for servers shared by a whole test module."""
+    servers: list[ServerProcess] = []
+    yield _factory(tmp_path_factory, model_store, archive_cache, servers)
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def server(module_server_factory) -> ServerProcess:
+    """One server per module: smollm2 (1 worker) registered at start, token auth on."""
+    return module_server_factory(models=[f"{MODEL}={ARCHIVE}"])
