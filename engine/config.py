@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.kv_offload.config import KVOffloadConfig
+
 
 class SchedulingPolicy(enum.Enum):
     FCFS = "fcfs"
@@ -96,7 +98,11 @@ class EngineConfig:
     scheduling_policy: str | SchedulingPolicy = SchedulingPolicy.FCFS
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    # Tiered KV offload through LMCache: {"cpu_size_gb", "disk_path", "disk_size_gb",
+    # "chunk_size"} (engine.kv_offload.config); None = off. Normalised (defaults filled) here.
+    kv_offload: dict | None = None
     torch_dtype: torch.dtype = field(init=False)
+    kv_offload_config: KVOffloadConfig | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.torch_dtype = resolve_dtype(self.dtype)
@@ -122,6 +128,10 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if not str(self.device).startswith(("cpu", "cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        self.kv_offload_config = None
+        if self.kv_offload is not None:
+            self.kv_offload_config = KVOffloadConfig.from_options(self.kv_offload, self.block_size)
+            self.kv_offload = self.kv_offload_config.as_dict()
 
     def resolve_max_model_len(self, model_max_positions: int) -> int:
         if self.max_model_len is None:

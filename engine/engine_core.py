@@ -70,12 +70,22 @@ class EngineCore:
             get_hash_fn(config.prefix_cache_hash),
             config.enable_prefix_caching,
         )
+        self.kv_offload = None
+        if config.kv_offload_config is not None:
+            # Imported here: it imports LMCache (seconds, ~120 MB), needed only with offload on.
+            from engine.kv_offload.manager import KVOffloadManager, model_fingerprint
+
+            self.kv_offload = KVOffloadManager(
+                config.kv_offload_config, self.runner.kv_caches, config.block_size,
+                model_fingerprint(model_dir, config.torch_dtype),
+            )
         self.scheduler = Scheduler(
             self.kv_manager,
             config.max_num_batched_tokens,
             config.max_num_seqs,
             self.max_model_len,
             config.scheduling_policy,
+            kv_offload=self.kv_offload,
         )
 
     def validate_request(self, request: Request) -> None:
@@ -94,7 +104,14 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def shutdown(self) -> None:
-        """Release what the engine holds beyond its own memory (threads, files): nothing yet."""
+        """Release what the engine holds beyond its own memory (threads, files): the KV offload
+        tier finishes its queued disk writes and LMCache is destroyed. Idempotent."""
+        if self.kv_offload is not None:
+            self.kv_offload.close()
+
+    def kv_offload_stats(self) -> dict | None:
+        """KV offload counters (engine.kv_offload.stats.KVOffloadStats as a dict), None if off."""
+        return None if self.kv_offload is None else self.kv_offload.get_stats()
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_manager
@@ -112,4 +129,6 @@ class EngineCore:
         """Schedule, execute, update. Returns the news of every request that got a token."""
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
+        if self.kv_offload is not None:  # before update_from_output frees finished requests
+            self.kv_offload.store_computed(scheduler_output, self.scheduler.requests, self.kv_manager.get_block_ids)
         return self.scheduler.update_from_output(scheduler_output, runner_output)

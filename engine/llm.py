@@ -36,6 +36,11 @@ class LLM:
         self.tokenizer = load_tokenizer(self.engine.model_dir)
         self._counter = itertools.count()
 
+    def shutdown(self) -> None:
+        """Release what the engine holds outside its memory (the KV offload tier: queued disk
+        writes finish, LMCache's threads end). Idempotent; the LLM is unusable afterwards."""
+        self.engine.shutdown()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -78,6 +78,7 @@ class Request:
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling (-1: not scheduled yet)
+    num_external_cached_tokens: int = 0  # prompt tokens restored from KV offload (LMCache), first scheduling
     first_scheduled_time: float = 0.0  # time.monotonic() when first scheduled (0: not yet)
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

@@ -82,6 +82,12 @@ class BlockPool:
         block.token_ids = tuple(token_ids)
         self.cached[block_hash] = block
 
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        """Withdraw a block from the prefix cache while it stays in use (its content is invalid)."""
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.reset_hash()
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return

@@ -118,6 +118,18 @@ class KVCacheManager:
             )
         self.num_cached_blocks[req_id] = max(start, end)
 
+    def rewind_cached_blocks(self, request: Request, num_valid_tokens: int, num_tokens: int) -> None:
+        """Withdraw the request's published blocks past its first `num_valid_tokens` tokens from
+        the prefix cache (their KV was not written as planned: an external load fell short), then
+        publish again those that are full once `num_tokens` are computed."""
+        req_id = request.request_id
+        blocks = self.req_to_blocks.get(req_id, [])
+        first = num_valid_tokens // self.block_size
+        for block in blocks[first : self.num_cached_blocks.get(req_id, 0)]:
+            self.pool.uncache_block(block)
+        self.num_cached_blocks[req_id] = min(self.num_cached_blocks.get(req_id, 0), first)
+        self._cache_full_blocks(request, num_tokens)
+
     def free(self, request: Request) -> None:
         """Release all blocks of the request, tail first (so its tail is evicted first)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])

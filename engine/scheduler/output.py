@@ -71,6 +71,7 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    num_external_cached_tokens: int = 0  # prompt tokens restored from KV offload (LMCache)
     first_scheduled_time: float = 0.0  # time.monotonic() in the engine process (same clock host-wide)
 
     @property

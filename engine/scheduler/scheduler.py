@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from engine.config import SchedulingPolicy
 from engine.kv_cache.manager import KVCacheManager
@@ -16,6 +17,9 @@ from engine.scheduler.output import (
     SchedulerOutput,
 )
 from engine.scheduler.queues import make_waiting_queue
+
+if TYPE_CHECKING:
+    from engine.kv_offload.manager import KVOffloadManager
 
 
 class Scheduler:
@@ -34,8 +38,12 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         policy: SchedulingPolicy = SchedulingPolicy.FCFS,
+        kv_offload: KVOffloadManager | None = None,
     ) -> None:
         self.kv = kv_manager
+        # KV offload tiers (LMCache): asked for more of a waiting request's prefix than the
+        # block pool holds, and restores it into the request's fresh blocks.
+        self.kv_offload = kv_offload
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -76,6 +84,8 @@ class Scheduler:
         self.kv.free(request)
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
+        if self.kv_offload is not None:
+            self.kv_offload.forget(request.request_id)
 
     @property
     def num_unfinished(self) -> int:
@@ -126,15 +136,21 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
-            request.num_computed_tokens = num_hit_tokens
+            num_external = self.kv_offload.lookup(request, num_hit_tokens) if self.kv_offload else 0
+            request.num_computed_tokens = num_hit_tokens + num_external
             num_new = self._num_new_tokens(request, budget)
             new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks)
             if new_blocks is None:
                 request.num_computed_tokens = 0
                 break
+            num_loaded = 0
+            if num_external:
+                num_loaded = self._load_external(request, num_hit_tokens, num_external, budget)
+                num_new = self._num_new_tokens(request, budget)
             self.waiting.pop()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+                request.num_external_cached_tokens = num_loaded
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -165,6 +181,19 @@ class Scheduler:
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
         return output
+
+    def _load_external(self, request: Request, start: int, num_tokens: int, budget: int) -> int:
+        """Restore tokens [start, start + num_tokens) from the offload tiers into the request's
+        freshly allocated blocks; returns how many arrived. Only those count as computed: on a
+        shortfall the blocks that were not filled leave the prefix cache again and the rest is
+        recomputed (the blocks already allocated cover it: the computed count only went down).
+        """
+        loaded = self.kv_offload.load(request, self.kv.get_block_ids(request.request_id), start, start + num_tokens)
+        if loaded < num_tokens:
+            request.num_computed_tokens = start + loaded
+            num_new = self._num_new_tokens(request, budget)
+            self.kv.rewind_cached_blocks(request, start + loaded, start + loaded + num_new)
+        return loaded
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
@@ -209,6 +238,7 @@ class Scheduler:
                     finish_reason=finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    num_external_cached_tokens=request.num_external_cached_tokens,
                     first_scheduled_time=request.first_scheduled_time,
                 )
             )
