@@ -25,9 +25,10 @@ class Context:
 class HandlerError(ValueError):
     """A request the handler refuses; `code` is the HTTP status the server should answer."""
 
-    def __init__(self, message: str, code: int = 400) -> None:
+    def __init__(self, message: str, code: int = 400, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.param = param  # the request field at fault, when one is (OpenAI's error `param`)
 
     def to_response(self) -> dict[str, Any]:
         kind = "BadRequest" if self.code == 400 else "InternalServerError"

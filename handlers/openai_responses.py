@@ -1,0 +1,132 @@
+"""Engine outputs -> OpenAI response bodies and stream chunks (completions and chat), with
+`usage` (cached prompt tokens in `prompt_tokens_details`) and pagedserve's `timings`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.outputs import RequestOutput, TokenLogprob
+from handlers.deltas import ChoiceDelta
+from handlers.llm_output import timings
+from handlers.openai_protocol import Endpoint, OpenAIRequest
+
+
+def openai_usage(out: RequestOutput) -> dict[str, Any]:
+    prompt_tokens = len(out.prompt_token_ids)
+    completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+    }
+
+
+@dataclass(slots=True)
+class OpenAIFormatter:
+    """Shapes one request's answer: whole (`response`) or as stream chunks."""
+
+    request: OpenAIRequest
+    response_id: str
+    model: str  # the name the client asked for
+    created: int
+
+    @property
+    def is_chat(self) -> bool:
+        return self.request.endpoint is Endpoint.CHAT
+
+    # -- whole responses ---------------------------------------------------------------------
+    def response(self, out: RequestOutput, total_s: float | None = None) -> dict[str, Any]:
+        choices = []
+        for c in out.outputs:
+            logprobs = self._logprobs(c.logprobs, 0) if self.request.logprobs else None
+            if self.is_chat:
+                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                                "logprobs": logprobs, "finish_reason": c.finish_reason})
+            else:
+                choices.append({"index": c.index, "text": c.text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason})
+        return {
+            "id": self.response_id,
+            "object": "chat.completion" if self.is_chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": openai_usage(out),
+            "timings": timings(out, total_s),
+        }
+
+    # -- streams -----------------------------------------------------------------------------
+    def first_chunk(self, n: int) -> dict[str, Any] | None:
+        """Chat streams open with the assistant role for every choice (as OpenAI does)."""
+        if not self.is_chat:
+            return None
+        return self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None} for i in range(n)])
+
+    def delta_chunk(self, deltas: list[ChoiceDelta]) -> dict[str, Any]:
+        choices = []
+        for d in deltas:
+            logprobs = self._logprobs(d.logprobs, d.text_offset) if self.request.logprobs and d.logprobs else None
+            if self.is_chat:
+                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                choices.append({"index": d.index, "delta": delta, "logprobs": logprobs,
+                                "finish_reason": d.finish_reason})
+            else:
+                choices.append({"index": d.index, "text": d.text, "logprobs": logprobs,
+                                "finish_reason": d.finish_reason})
+        return self._chunk(choices)
+
+    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
+        """The closing chunk of `stream_options.include_usage`: no choices, the usage."""
+        chunk = self._chunk([])
+        chunk["usage"] = openai_usage(out)
+        return chunk
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = {
+            "id": self.response_id,
+            "object": "chat.completion.chunk" if self.is_chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.request.include_usage:
+            chunk["usage"] = None  # OpenAI sends null on every chunk but the usage chunk
+        return chunk
+
+    # -- logprobs ----------------------------------------------------------------------------
+    def _logprobs(self, entries: list[dict[int, TokenLogprob]] | None, text_offset: int) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        k = self.request.top_logprobs
+        if self.is_chat:
+            return {"content": [_chat_token(entry, k) for entry in entries], "refusal": None}
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for entry in entries:
+            sampled = next(iter(entry.values()))  # the sampled token comes first
+            tokens.append(sampled.decoded_token)
+            token_logprobs.append(sampled.logprob)
+            top.append({lp.decoded_token: lp.logprob for lp in _top(entry, k)} if k else None)
+            offsets.append(text_offset)
+            text_offset += len(sampled.decoded_token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _top(entry: dict[int, TokenLogprob], k: int) -> list[TokenLogprob]:
+    """The k most likely alternatives, by rank."""
+    return sorted(entry.values(), key=lambda lp: lp.rank)[:k]
+
+
+def _chat_token(entry: dict[int, TokenLogprob], k: int) -> dict[str, Any]:
+    sampled = next(iter(entry.values()))
+    return {
+        "token": sampled.decoded_token,
+        "logprob": sampled.logprob,
+        "bytes": list(sampled.decoded_token.encode("utf-8")),
+        "top_logprobs": [
+            {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode("utf-8"))}
+            for lp in _top(entry, k)
+        ],
+    }

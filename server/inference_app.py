@@ -1,0 +1,257 @@
+"""The inference port: health, TorchServe /predictions, and the OpenAI-compatible API.
+
+Routes (the OpenAI ones also under /predictions/{model}/{version}/v1/...):
+  GET  /ping  /live  /ready
+  POST /predictions/{model}[/{version}]        JSON in, JSON out; "stream": true -> NDJSON chunks
+  POST /v1/completions  /v1/chat/completions   OpenAI bodies; "stream": true -> SSE
+  GET  /v1/models
+
+Every reply carries `x-request-id`; every request is counted in the metrics (status, latency)
+by the outer middleware; token authorization sits inside it. Per request: resolve the version,
+`admit` it (jobQueueSize), parse, tokenize off the loop, pick a worker, generate
+(server.generation). Errors are TorchServe-shaped JSON on /predictions and the health routes,
+OpenAI-shaped on the OpenAI routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from handlers.base_handler import HandlerError
+from handlers.llm_input import decode_body, parse_predictions_body
+from handlers.openai_protocol import (
+    OpenAIRequest,
+    parse_chat_request,
+    parse_completion_request,
+    split_model,
+)
+from handlers.openai_responses import OpenAIFormatter
+from server.auth import auth_middleware
+from server.errors import error_response
+from server.generation import (
+    CLIENT_CLOSED,
+    MODEL_KEY,
+    REQUEST_ID_KEY,
+    STATUS_KEY,
+    ErrorReply,
+    prepare,
+    respond,
+)
+from server.registry import (
+    ModelNotFoundError,
+    ModelVersion,
+    NoWorkerError,
+    QueueFullError,
+)
+from server.shapers import OpenAIShaper, PredictionShaper, openai_error
+from server.state import STATE_KEY, ServerState
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "models"})
+routes = web.RouteTableDef()
+logger = logging.getLogger(__name__)
+
+
+def build_inference_app(state: ServerState) -> web.Application:
+    app = web.Application(client_max_size=state.config.max_request_size,
+                          middlewares=[_observe_middleware, auth_middleware(state.inference_key)])
+    app[STATE_KEY] = state
+    app.add_routes(routes)
+    return app
+
+
+# -- middleware ------------------------------------------------------------------------------
+
+@web.middleware
+async def _observe_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Request id, uniform JSON errors for unmatched routes, and the request metrics."""
+    state = request.app[STATE_KEY]
+    started = time.monotonic()
+    request_id = uuid.uuid4().hex
+    request[REQUEST_ID_KEY] = request_id
+    route = request.match_info.route
+    endpoint = (route.name or "unknown").removesuffix("_version")
+    status = 500
+    try:
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:  # no such route, wrong method
+            response = _error(endpoint, exc.status, exc.reason if exc.status != 404 else
+                              f"no route {request.method} {request.path}")
+        status = request.get(STATUS_KEY, response.status)
+        if not response.prepared:
+            response.headers.setdefault("x-request-id", request_id)
+        return response
+    except (asyncio.CancelledError, ConnectionError):
+        status = CLIENT_CLOSED
+        raise
+    except Exception:  # a bug: answer it as one, keep serving
+        logger.exception("inference request %s failed", request_id)
+        status = 500
+        response = _error(endpoint, 500, f"internal error (request {request_id}); see the server log")
+        response.headers["x-request-id"] = request_id
+        return response
+    finally:
+        state.metrics.observe_request(request.get(MODEL_KEY), endpoint, status, time.monotonic() - started)
+
+
+def _error(endpoint: str, code: int, message: str, headers: dict[str, str] | None = None,
+           param: str | None = None) -> web.Response:
+    if endpoint in OPENAI_ENDPOINTS:
+        return web.json_response(openai_error(code, message, param), status=code, headers=headers)
+    return error_response(code, message, headers=headers)
+
+
+# -- health ----------------------------------------------------------------------------------
+
+@routes.get("/ping", name="ping")
+async def ping(request: web.Request) -> web.Response:
+    """TorchServe's health check: Healthy when every registered model has a ready worker."""
+    state = request.app[STATE_KEY]
+    healthy = state.registry.all_ready() and not state.draining
+    return web.json_response({"status": "Healthy" if healthy else "Unhealthy"},
+                             status=200 if healthy else 500)
+
+
+@routes.get("/live", name="live")
+async def live(request: web.Request) -> web.Response:
+    return web.json_response({"status": "Alive"})
+
+
+@routes.get("/ready", name="ready")
+async def ready(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    if state.draining:
+        return web.json_response({"status": "Draining"}, status=503)
+    if not state.registry.all_ready():
+        return web.json_response({"status": "NotReady"}, status=503)
+    return web.json_response({"status": "Ready"})
+
+
+# -- /predictions ----------------------------------------------------------------------------
+
+@routes.post("/predictions/{model}", name="predictions")
+@routes.post("/predictions/{model}/{version}", name="predictions_version")
+async def predictions(request: web.Request) -> web.StreamResponse:
+    return await _guarded(request, "predictions", _predict)
+
+
+async def _predict(request: web.Request, state: ServerState, started: float) -> web.StreamResponse:
+    version = _resolve(request, state, request.match_info["model"], request.match_info.get("version"))
+    body = await _read_json(request)
+    with version.admit():
+        parsed = _handler_call(parse_predictions_body, body)
+        job = await prepare(state, version, parsed.prompt, parsed.params)
+        shaper = PredictionShaper(version.name, request[REQUEST_ID_KEY])
+        return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
+
+
+# -- OpenAI ----------------------------------------------------------------------------------
+
+@routes.post("/v1/completions", name="completions")
+@routes.post("/predictions/{model}/{version}/v1/completions", name="completions_version")
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _guarded(request, "completions", lambda r, s, t: _openai(r, s, t, parse_completion_request))
+
+
+@routes.post("/v1/chat/completions", name="chat_completions")
+@routes.post("/predictions/{model}/{version}/v1/chat/completions", name="chat_completions_version")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _guarded(request, "chat_completions", lambda r, s, t: _openai(r, s, t, parse_chat_request))
+
+
+async def _openai(request: web.Request, state: ServerState, started: float,
+                  parse: Callable[[dict[str, Any]], OpenAIRequest]) -> web.StreamResponse:
+    body = await _read_json(request)
+    if "model" in request.match_info:  # the path names the model and version
+        version = _resolve(request, state, request.match_info["model"], request.match_info["version"])
+        asked = body.get("model") if isinstance(body.get("model"), str) else version.name
+    else:
+        asked = body.get("model")
+        if not isinstance(asked, str) or not asked:
+            raise ErrorReply(400, "'model' is required: the name of a registered model "
+                             "(model or model@version)", param="model")
+        version = _resolve(request, state, *split_model(asked))
+    with version.admit():
+        parsed = _handler_call(parse, body)
+        job = await prepare(state, version, parsed.prompt, parsed.params)
+        prefix = "chatcmpl-" if request.match_info.route.name.startswith("chat") else "cmpl-"
+        formatter = OpenAIFormatter(parsed, prefix + request[REQUEST_ID_KEY], asked, int(time.time()))
+        return await respond(request, state, version, job, OpenAIShaper(formatter),
+                             stream=parsed.stream, started=started)
+
+
+@routes.get("/v1/models", name="models")
+@routes.get("/predictions/{model}/{version}/v1/models", name="models_version")
+async def models(request: web.Request) -> web.StreamResponse:
+    return await _guarded(request, "models", _list_models)
+
+
+async def _list_models(request: web.Request, state: ServerState, started: float) -> web.Response:
+    if "model" in request.match_info:
+        versions = [_resolve(request, state, request.match_info["model"], request.match_info["version"])]
+        entries = [(f"{v.name}@{v.version}", v) for v in versions]
+    else:
+        entries = []
+        for model in state.registry.sorted_models():
+            if model.default_version in model.versions:
+                entries.append((model.name, model.versions[model.default_version]))
+            entries += [(f"{model.name}@{v}", entry) for v, entry in sorted(model.versions.items())]
+    data = [{"id": name, "object": "model", "created": int(v.registered_at.timestamp()),
+             "owned_by": "pagedserve", "root": v.name, "version": v.version,
+             "max_model_len": v.max_model_len} for name, v in entries]
+    return web.json_response({"object": "list", "data": data})
+
+
+# -- the shared guard ------------------------------------------------------------------------
+
+async def _guarded(request: web.Request, endpoint: str,
+                   run: Callable[[web.Request, ServerState, float], Awaitable[web.StreamResponse]]
+                   ) -> web.StreamResponse:
+    """Run a route and turn every expected failure into its error reply."""
+    state = request.app[STATE_KEY]
+    started = time.monotonic()
+    try:
+        if state.draining and endpoint != "models":
+            raise ErrorReply(503, "the server is shutting down", {"Retry-After": "5"})
+        return await run(request, state, started)
+    except ErrorReply as exc:
+        return _error(endpoint, exc.code, str(exc), exc.headers, exc.param)
+    except ModelNotFoundError as exc:
+        return _error(endpoint, 404, str(exc), param="model")
+    except QueueFullError as exc:
+        return _error(endpoint, 503, str(exc), {"Retry-After": "1"})
+    except NoWorkerError as exc:
+        return _error(endpoint, 503, str(exc), {"Retry-After": "1"})
+
+
+def _resolve(request: web.Request, state: ServerState, name: str, version: str | None) -> ModelVersion:
+    found = state.registry.resolve(name, version)
+    request[MODEL_KEY] = found.name
+    return found
+
+
+def _handler_call(parse: Callable[[dict[str, Any]], Any], body: dict[str, Any]) -> Any:
+    try:
+        return parse(body)
+    except HandlerError as exc:
+        raise ErrorReply.from_handler_error(exc) from None
+
+
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ErrorReply(413, f"the request body exceeds max_request_size "
+                         f"({request.app[STATE_KEY].config.max_request_size} bytes)") from None
+    try:
+        return decode_body(raw)
+    except HandlerError as exc:
+        raise ErrorReply.from_handler_error(exc) from None

@@ -1,0 +1,77 @@
+"""The bodies each endpoint answers with, as `server.generation.Shaper`s: TorchServe-style
+/predictions (NDJSON when streamed) and OpenAI (SSE when streamed). The shapes themselves live
+in handlers/ (`llm_output`, `openai_responses`); these adapters add where `timings` and `usage`
+go in a stream (on its last chunk) and what an error looks like."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.outputs import RequestOutput
+from handlers.deltas import ChoiceDelta
+from handlers.llm_output import prediction_chunk, prediction_response, timings, usage
+from handlers.openai_responses import OpenAIFormatter
+from server.errors import ERROR_TYPES, error_body
+from server.streaming import StreamFormat
+
+OPENAI_ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+    413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
+}
+
+
+def openai_error(code: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": OPENAI_ERROR_TYPES.get(code, "server_error"),
+                      "param": param, "code": "model_not_found" if code == 404 else code}}
+
+
+@dataclass(slots=True)
+class PredictionShaper:
+    model: str
+    request_id: str
+    stream_format: StreamFormat = StreamFormat.NDJSON
+
+    def whole(self, out: RequestOutput, total_s: float) -> dict[str, Any]:
+        return prediction_response(self.model, out, self.request_id, total_s)
+
+    def opening(self, n: int) -> dict[str, Any] | None:
+        return None
+
+    def chunk(self, deltas: list[ChoiceDelta]) -> dict[str, Any]:
+        return prediction_chunk(self.model, self.request_id, deltas)
+
+    def closing(self, deltas: list[ChoiceDelta], out: RequestOutput, total_s: float) -> list[dict[str, Any]]:
+        last = prediction_chunk(self.model, self.request_id, deltas)
+        last["usage"] = usage(out)
+        last["timings"] = timings(out, total_s)
+        return [last]
+
+    def error(self, code: int, message: str) -> dict[str, Any]:
+        return {"id": self.request_id, "error": error_body(code, message, ERROR_TYPES.get(code))}
+
+
+@dataclass(slots=True)
+class OpenAIShaper:
+    formatter: OpenAIFormatter
+    stream_format: StreamFormat = StreamFormat.SSE
+
+    def whole(self, out: RequestOutput, total_s: float) -> dict[str, Any]:
+        return self.formatter.response(out, total_s)
+
+    def opening(self, n: int) -> dict[str, Any] | None:
+        return self.formatter.first_chunk(n)
+
+    def chunk(self, deltas: list[ChoiceDelta]) -> dict[str, Any]:
+        return self.formatter.delta_chunk(deltas)
+
+    def closing(self, deltas: list[ChoiceDelta], out: RequestOutput, total_s: float) -> list[dict[str, Any]]:
+        chunks = [self.formatter.delta_chunk(deltas)]
+        if self.formatter.request.include_usage:
+            chunks.append(self.formatter.usage_chunk(out))
+        chunks[-1]["timings"] = timings(out, total_s)
+        return chunks
+
+    def error(self, code: int, message: str) -> dict[str, Any]:
+        return openai_error(code, message)

@@ -1,0 +1,94 @@
+"""Streaming replies: Server-Sent Events (OpenAI routes) and newline-delimited JSON over HTTP
+chunked transfer (/predictions), with a cap on the bytes a response may carry.
+
+A write to a client that went away raises `ConnectionError` (aiohttp's
+`ClientConnectionResetError` is one); the caller lets it propagate so the engine request is
+aborted. Error events bypass the size cap: a stream always ends with its reason.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+
+class StreamFormat(enum.Enum):
+    SSE = "text/event-stream"  # `data: {json}\n\n` ... `data: [DONE]\n\n`
+    NDJSON = "application/x-ndjson"  # one JSON object per line, one line per chunk
+
+
+class ResponseTooLarge(Exception):
+    """The response would exceed max_response_size."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the response exceeds max_response_size ({limit} bytes); "
+                         "ask for fewer tokens or choices")
+        self.limit = limit
+
+
+def encode_json(obj: Any) -> bytes:
+    return msgspec.json.encode(obj)
+
+
+def check_size(body: bytes, limit: int) -> bytes:
+    if len(body) > limit:
+        raise ResponseTooLarge(limit)
+    return body
+
+
+@dataclass(slots=True, eq=False)
+class ChunkStream:
+    """One streamed reply. `open` sends the headers; `send` one chunk; `close` the end."""
+
+    request: web.Request
+    format: StreamFormat
+    max_bytes: int
+    headers: dict[str, str]
+    response: web.StreamResponse | None = None
+    sent_bytes: int = 0
+
+    @property
+    def is_open(self) -> bool:
+        return self.response is not None
+
+    async def open(self) -> None:
+        response = web.StreamResponse(status=200, headers={
+            "Content-Type": self.format.value + "; charset=utf-8",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",  # proxies must not sit on the tokens
+            **self.headers,
+        })
+        response.enable_chunked_encoding()
+        await response.prepare(self.request)
+        self.response = response
+
+    async def send(self, obj: Any) -> None:
+        data = self._frame(encode_json(obj))
+        if self.sent_bytes + len(data) > self.max_bytes:
+            raise ResponseTooLarge(self.max_bytes)
+        await self._write(data)
+
+    async def send_error(self, obj: Any) -> None:
+        """The last event of a stream that failed (never refused for size)."""
+        await self._write(self._frame(encode_json(obj)))
+
+    async def close(self, done_marker: bool = True) -> None:
+        if self.format is StreamFormat.SSE and done_marker:
+            await self._write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+
+    def _frame(self, payload: bytes) -> bytes:
+        if self.format is StreamFormat.SSE:
+            return b"data: " + payload + b"\n\n"
+        return payload + b"\n"
+
+    async def _write(self, data: bytes) -> None:
+        transport = self.request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        self.sent_bytes += len(data)
+        await self.response.write(data)
