@@ -63,6 +63,7 @@ class _T(enum.Enum):
     BOOL = "true or false"
     STR = "a string"
     SIZE = "a byte count or a size string such as 2GiB"
+    OPT_MAPPING = "a mapping of keys or null"
 
 
 # Engine options allowed under `handler:` (EngineConfig fields; `model` and `device` are not
@@ -80,6 +81,8 @@ HANDLER_KEYS: dict[str, _T] = {
     "scheduling_policy": _T.STR,
     "seed": _T.INT,
     "num_threads": _T.OPT_INT,
+    # {cpu_size_gb, disk_path, disk_size_gb, chunk_size}: engine.kv_offload.config
+    "kv_offload": _T.OPT_MAPPING,
 }
 
 
@@ -201,6 +204,8 @@ def _check_handler(source: str, options: dict[str, Any]) -> None:
         try:
             EngineConfig(model=_PLACEHOLDER_MODEL, **{key: value})
         except ValueError as exc:
+            if str(exc).startswith((f"{key}.", f"{key}:")):  # already names the nested key
+                raise ModelConfigError(f"{source}: handler.{exc}") from None
             raise ModelConfigError(f"{source}: handler.{key}={value!r}: "
                                    f"{_strip_key(str(exc), key, value)}") from None
     try:
@@ -219,6 +224,8 @@ def _has_type(kind: _T, value: Any) -> bool:
         return isinstance(value, bool)
     if kind is _T.STR:
         return isinstance(value, str)
+    if kind is _T.OPT_MAPPING:
+        return value is None or isinstance(value, dict)
     return is_int or isinstance(value, str)  # _T.SIZE
 
 

@@ -122,7 +122,7 @@ def test_unknown_keys_name_the_key_and_list_allowed(tmp_path):
         load_model_config(write(tmp_path, "handler:\n  max_num_seq: 4\n"))
     assert "unknown key handler.max_num_seq" in str(info.value)
     assert "max_num_seqs" in str(info.value)
-    for excluded in ("model", "device", "kv_offload"):
+    for excluded in ("model", "device"):
         with pytest.raises(ModelConfigError, match=f"unknown key handler.{excluded}"):
             load_model_config(write(tmp_path, f"handler:\n  {excluded}: x\n"))
 
