@@ -7,6 +7,7 @@ import sys
 import time
 
 from server.archive_cli import add_archive_parser
+from server.serve_cli import add_serve_parser
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-cache-memory", default="512MiB")
     gen.set_defaults(func=_generate)
     add_archive_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

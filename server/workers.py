@@ -129,15 +129,17 @@ class WorkerPool:
         a restart keeps trying with back-off until it succeeds or the slot is removed."""
         while slot.status in (WorkerStatus.STARTING, WorkerStatus.RESTARTING) and not self._closed:
             slot.status = WorkerStatus.STARTING
-            engine = self._make_engine(f"{self.label}#{slot.id}", self._on_dead)
-            slot.engine = engine
+            engine = None
             try:
+                engine = self._make_engine(f"{self.label}#{slot.id}", self._on_dead)
+                slot.engine = engine
                 await engine.start(timeout=self._startup_timeout)
             except (RuntimeError, ValueError, OSError, TimeoutError) as exc:  # EngineStartError too
                 slot.last_error = str(exc) or type(exc).__name__
                 slot.failures += 1
                 logger.error("worker %s of %s failed to start: %s", slot.id, self.label, exc)
-                await _quiet_shutdown(engine)
+                if engine is not None:
+                    await _quiet_shutdown(engine)
                 if first or slot.status is WorkerStatus.UNLOADING:
                     slot.status = WorkerStatus.STOPPED
                     return

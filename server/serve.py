@@ -1,0 +1,300 @@
+"""`pagedserve serve`: the three ports over the model registry, until SIGTERM or SIGINT.
+
+Start: write the key file, open the startup archives (a bad one stops the start with a clear
+error), listen on the inference, management and metrics addresses, then restore the snapshot
+and register the `load_models` archives (their workers start while the ports already answer;
+/ready turns 200 once every model has a ready worker).
+
+Stop (SIGTERM or SIGINT): new requests get 503; in-flight ones get up to `drain_grace` seconds
+to finish; then the workers stop (what is left ends with an error), the ports close, exit 0.
+A second signal skips the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from server.archives import LoadedArchive, resolve_url
+from server.auth import ApiKeys, write_key_file
+from server.config import ServerConfig, ServerConfigError, parse_address
+from server.errors import error_response
+from server.management_app import build_management_app
+from server.metrics import ServerMetrics, build_metrics_app
+from server.registry import ConflictError, ModelRegistry, ModelVersion, worker_threads
+from server.snapshot import Snapshotter
+from server.state import ServerState
+from server.workers import WorkerStartFailed
+
+if TYPE_CHECKING:
+    from engine.async_llm import AsyncLLM
+
+logger = logging.getLogger("pagedserve")
+
+DEFAULT_ARCHIVE_NAME = "smollm2"
+# The bundled model's archive, written into the store by `--models default` when absent.
+DEFAULT_MODEL_CONFIG = """\
+# Written by `pagedserve serve --models default` (see config/model-config.yaml for every key).
+minWorkers: 1
+maxWorkers: 4
+handler:
+  dtype: bfloat16
+  kv_cache_memory: 1GiB
+"""
+ARCHIVE_SUFFIXES = (".mar", ".zip", ".tar.gz", ".tgz")
+
+
+@dataclass(frozen=True, slots=True)
+class StartupModel:
+    name: str | None  # None: the manifest's modelName
+    url: str  # as given (relative to the store)
+    path: Path
+
+
+def startup_models(config: ServerConfig) -> list[StartupModel]:
+    """`load_models` -> archives in the store ("all": every archive there; "default": the
+    bundled model, archived into the store first when absent)."""
+    store = config.model_store_path
+    out: list[StartupModel] = []
+    for item in config.load_models:
+        name, sep, url = item.partition("=")
+        if not sep:
+            name, url = None, item
+        if url == "all":
+            for path in sorted(store.iterdir()) if store.is_dir() else []:
+                if path.name.endswith(ARCHIVE_SUFFIXES) or (path / "MAR-INF" / "MANIFEST.json").is_file():
+                    out.append(StartupModel(None, path.name, path.resolve()))
+            continue
+        if url == "default":
+            url = ensure_default_archive(store).name
+            name = name or DEFAULT_ARCHIVE_NAME
+        try:
+            path = resolve_url(url, store, [])
+        except (PermissionError, FileNotFoundError, ValueError) as exc:
+            raise ServerConfigError(f"--models {item}: {exc}") from None
+        out.append(StartupModel(name, url, path))
+    return out
+
+
+def ensure_default_archive(store: Path) -> Path:
+    """`<store>/smollm2.mar`, written from the bundled model the first time."""
+    dest = store / f"{DEFAULT_ARCHIVE_NAME}.mar"
+    if dest.exists():
+        return dest
+    import tempfile
+
+    from engine.model.archive import write_archive
+    from engine.model.default_model import default_model_dir
+
+    print(f"pagedserve: archiving the bundled model into {dest} (once)", flush=True)
+    store.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="pagedserve-default-") as tmp:
+        config = Path(tmp) / "model-config.yaml"
+        config.write_text(DEFAULT_MODEL_CONFIG)
+        return write_archive(default_model_dir(), store, model_name=DEFAULT_ARCHIVE_NAME,
+                             version="1.0", config_file=config)
+
+
+def draining_middleware(state: ServerState):
+    """Outermost middleware of the inference and management apps: 503 while draining, and a
+    count of requests being answered (what the drain waits for)."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        if state.draining:
+            return error_response(503, "the server is shutting down", headers={"Retry-After": "5"})
+        state.http_in_flight += 1
+        try:
+            return await handler(request)
+        finally:
+            state.http_in_flight -= 1
+
+    return middleware
+
+
+def build_inference_app(state: ServerState) -> web.Application:
+    try:
+        from server.inference_app import build_inference_app as build
+    except ModuleNotFoundError as exc:
+        if exc.name != "server.inference_app":
+            raise
+        from server.fallback_inference_app import build_fallback_inference_app as build
+    return build(state)
+
+
+class Server:
+    """One `pagedserve serve` run: state, apps, runners."""
+
+    def __init__(self, config: ServerConfig, out: Callable[[str], None] = print) -> None:
+        self.config = config
+        self.out = out
+        self.state: ServerState | None = None
+        self.runners: list[web.AppRunner] = []
+        self.snapshot = Snapshotter(config.snapshot_path) if config.snapshot_path else None
+        self._stop = asyncio.Event()
+        self._force = asyncio.Event()
+
+    # -- start ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        config = self.config
+        models = startup_models(config)  # errors here stop the start before anything listens
+        keys = None if config.disable_token_auth else ApiKeys.generate()
+        key_path = write_key_file(config.key_file, keys) if keys else None
+        executor = ThreadPoolExecutor(config.frontend_threads, thread_name_prefix="pagedserve-fe")
+        registry = ModelRegistry(executor, self._make_engine,
+                                 allow_custom_handlers=config.allow_custom_handlers,
+                                 default_workers=config.default_workers_per_model,
+                                 job_queue_size=config.job_queue_size)
+        metrics = ServerMetrics(versions=registry.all_versions)
+        self.state = state = ServerState(
+            config=config, registry=registry, metrics=metrics,
+            inference_key=keys.inference if keys else None,
+            management_key=keys.management if keys else None, executor=executor)
+        restored = self.snapshot.load() if self.snapshot and config.restore_snapshot else []
+        opened = [(m, await registry.open(m.path)) for m in models]
+
+        apps = {"inference": build_inference_app(state), "management": build_management_app(state),
+                "metrics": build_metrics_app(metrics)}
+        for name in ("inference", "management"):
+            apps[name].middlewares.insert(0, draining_middleware(state))
+        for name, app in apps.items():
+            host, port = parse_address(getattr(config, f"{name}_address"))
+            runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+            await runner.setup()
+            self.runners.append(runner)
+            await web.TCPSite(runner, host, port).start()
+            self.out(f"pagedserve: {name} API listening on http://{host}:{port}")
+        if key_path:
+            self.out(f"pagedserve: token authorization on; keys in {key_path} "
+                     "(send 'Authorization: Bearer <key>')")
+        else:
+            self.out("pagedserve: token authorization is OFF (--disable-token-auth)")
+        if self.snapshot:
+            registry.on_change = self._save_snapshot
+        await self._restore(restored)
+        for model, archive in opened:
+            await self._register_startup(archive, model.url, model.name)
+        self._save_snapshot()
+        self.out(f"pagedserve: ready ({len(registry.all_versions())} model version(s) registered)")
+
+    async def _restore(self, entries) -> None:
+        registry = self.state.registry
+        store = self.config.model_store_path
+        for e in entries:
+            try:
+                path = resolve_url(e.url, store, self.config.allowed_urls)
+                archive = await registry.open(path)
+                entry = await registry.register(
+                    archive, url=e.url, name=e.name, initial_workers=e.min_workers,
+                    max_workers=e.max_workers, synchronous=True, make_default=e.default)
+                entry.loaded_at_startup = True
+                self.out(f"pagedserve: restored {e.name} {e.version} from the snapshot")
+            except (OSError, ValueError, RuntimeError) as exc:
+                logger.error("snapshot: could not restore %s %s: %s", e.name, e.version, exc)
+
+    async def _register_startup(self, archive: LoadedArchive, url: str, name: str | None) -> None:
+        try:
+            entry = await self.state.registry.register(archive, url=url, name=name,
+                                                       synchronous=True, loaded_at_startup=True)
+        except ConflictError:
+            logger.info("%s %s is already registered (snapshot)", name or archive.name,
+                        archive.version)
+            return
+        except WorkerStartFailed as exc:
+            logger.error("model %s: workers failed to start: %s", name or archive.name, exc)
+            return
+        self.out(f"pagedserve: registered {entry.name} {entry.version} "
+                 f"({entry.min_workers} worker(s)) from {url}")
+
+    def _make_engine(self, entry: ModelVersion, worker_name: str, on_dead) -> AsyncLLM:
+        from engine.async_llm import AsyncLLM
+        from engine.config import EngineConfig
+        from engine.model.model_config import DeviceType
+
+        options = entry.model_config.engine_options()
+        if options.get("num_threads") is None:
+            options["num_threads"] = worker_threads(self.config.worker_threads,
+                                                    self.state.registry.total_workers())
+        if self.config.kv_offload is not None and "kv_offload" not in options:
+            options["kv_offload"] = self.config.kv_offload
+        if entry.model_config.device_type is DeviceType.GPU:
+            options["device"] = "cuda"
+        config = EngineConfig(model=str(entry.model_dir), **options)
+        return AsyncLLM(config, entry.tokenizer, name=worker_name, on_dead=on_dead)
+
+    def _save_snapshot(self) -> None:
+        if self.snapshot is None or self.state is None:
+            return
+        try:
+            self.snapshot.save(self.state.registry)
+        except OSError as exc:
+            logger.error("could not write the snapshot %s: %s", self.snapshot.path, exc)
+
+    # -- run and stop --------------------------------------------------------------------
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: int) -> None:
+        if self._stop.is_set():
+            self._force.set()
+            return
+        self.out(f"pagedserve: {signal.Signals(sig).name}: draining (up to "
+                 f"{self.config.drain_grace:g}s for requests in flight)")
+        self._stop.set()
+
+    async def wait(self) -> None:
+        await self._stop.wait()
+
+    async def stop(self) -> None:
+        state = self.state
+        if state is not None:
+            state.draining = True
+            deadline = time.monotonic() + self.config.drain_grace
+            while state.http_in_flight and time.monotonic() < deadline and not self._force.is_set():
+                await asyncio.sleep(0.05)
+            if state.http_in_flight:
+                self.out(f"pagedserve: aborting {state.http_in_flight} request(s) still in flight")
+            await state.registry.shutdown()
+        for runner in reversed(self.runners):
+            await runner.cleanup()
+        if state is not None:
+            state.executor.shutdown(wait=False, cancel_futures=True)
+        self.out("pagedserve: stopped")
+
+
+async def serve(config: ServerConfig) -> int:
+    server = Server(config)
+    server.install_signal_handlers()
+    try:
+        start = asyncio.ensure_future(server.start())
+        stop = asyncio.ensure_future(server.wait())
+        await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if start.done():
+            start.result()  # a failed start raises here
+            await stop
+        else:
+            start.cancel()
+            await asyncio.gather(start, return_exceptions=True)
+    finally:
+        await server.stop()
+    return 0
+
+
+def run_serve(config: ServerConfig) -> int:
+    """Run in the foreground until SIGTERM/SIGINT; the front end keeps one torch thread."""
+    import torch
+
+    torch.set_num_threads(1)  # tokenization only: leave the cores to the workers
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(config))

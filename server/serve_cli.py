@@ -1,0 +1,55 @@
+"""`pagedserve serve`: command-line flags -> ServerConfig -> the server."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from server.config import load_server_config
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="run the server (inference, management and metrics ports)",
+        description="Serve models over HTTP until SIGINT/SIGTERM. Settings: defaults < --config "
+                    "file < PAGEDSERVE_* environment < these flags.")
+    p.add_argument("--config", metavar="FILE", help="server config YAML (see config/server-config.yaml)")
+    p.add_argument("--model-store", metavar="DIR", help="folder of archives (default: model_store)")
+    p.add_argument("--models", nargs="+", metavar="NAME=ARCHIVE",
+                   help="archives to register at start, relative to the model store: "
+                        "NAME=ARCHIVE, ARCHIVE, 'all', or 'default' (the bundled model, "
+                        "archived into the store when absent)")
+    p.add_argument("--inference-address", metavar="HOST:PORT")
+    p.add_argument("--management-address", metavar="HOST:PORT")
+    p.add_argument("--metrics-address", metavar="HOST:PORT")
+    p.add_argument("--disable-token-auth", action="store_true", default=None,
+                   help="no key file, no tokens (token authorization is on by default)")
+    p.add_argument("--enable-model-api", action="store_true", default=None,
+                   help="allow POST/DELETE /models on the management port")
+    p.add_argument("--allow-custom-handlers", action="store_true", default=None,
+                   help="accept archives that ship handler code")
+    p.add_argument("--key-file", metavar="FILE", help="where to write the keys (key_file.json)")
+    p.add_argument("--ncs", "--no-config-snapshots", dest="restore_snapshot",
+                   action="store_false", default=None,
+                   help="do not restore the snapshot of registered models at start")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from server.serve import run_serve
+
+    flags = {"model_store": args.model_store, "load_models": args.models,
+             "inference_address": args.inference_address,
+             "management_address": args.management_address,
+             "metrics_address": args.metrics_address,
+             "disable_token_auth": args.disable_token_auth,
+             "enable_model_api": args.enable_model_api,
+             "allow_custom_handlers": args.allow_custom_handlers,
+             "key_file": args.key_file, "restore_snapshot": args.restore_snapshot}
+    config = load_server_config(args.config, overrides={k: v for k, v in flags.items()
+                                                        if v is not None})
+    try:
+        return run_serve(config)
+    except OSError as exc:  # e.g. an address already in use
+        print(f"pagedserve: error: {exc}", file=sys.stderr)
+        return 1
