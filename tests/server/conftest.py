@@ -72,11 +72,13 @@ def _factory(tmp_path_factory, model_store: Path, archive_cache: Path,
              servers: list[ServerProcess]) -> ServerFactory:
     def make(*, models: list[str] | None = None, args: list[str] | None = None,
              env: dict | None = None, config: dict | None = None, start: bool = True,
-             ready: bool = True, workdir: Path | None = None) -> ServerProcess:
+             ready: bool = True, workdir: Path | None = None,
+             key_file: str = "key_file.json") -> ServerProcess:
         server = ServerProcess(
             workdir=workdir or tmp_path_factory.mktemp("server"), model_store=model_store,
             models=list(models or []), args=list(args or []),
-            env={"PAGEDSERVE_ARCHIVE_DIR": str(archive_cache), **(env or {})}, config=config)
+            env={"PAGEDSERVE_ARCHIVE_DIR": str(archive_cache), **(env or {})}, config=config,
+            key_file=key_file)
         servers.append(server)
         return server.start(ready=ready) if start else server
     return make

@@ -65,6 +65,7 @@ class ServerProcess:
     proc: subprocess.Popen | None = None
     ports: dict[str, int] = field(default_factory=dict)
     keys: dict[str, str] | None = None
+    key_file: str = "key_file.json"  # where the server writes its keys, relative to workdir
 
     # -- lifecycle ---------------------------------------------------------------------
     def command(self) -> list[str]:
@@ -102,7 +103,7 @@ class ServerProcess:
     def spawn(self) -> ServerProcess:
         """Start the process without waiting (see `wait_ready`)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        key_file = self.workdir / "key_file.json"
+        key_file = self.workdir / self.key_file
         key_file.unlink(missing_ok=True)  # a fresh start writes fresh keys
         self.keys = None
         with open(self.workdir / "server.log", "ab") as log:  # the child keeps its own copy
@@ -136,7 +137,7 @@ class ServerProcess:
             time.sleep(0.25)
 
     def read_keys(self) -> dict[str, str] | None:
-        path = self.workdir / "key_file.json"
+        path = self.workdir / self.key_file
         if self.keys is None and path.is_file():
             try:
                 data = json.loads(path.read_text())
