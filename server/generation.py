@@ -117,9 +117,13 @@ async def respond(request: web.Request, state: ServerState, version: ModelVersio
             raise ErrorReply(400, str(exc)) from None
         except EngineDeadError as exc:
             raise ErrorReply(503, f"the worker died before answering: {exc}", {"Retry-After": "1"}) from None
-        if stream:
-            return await _stream(request, state, version, outputs, first, shaper, job.params, started)
-        return await _collect(request, state, version, outputs, first, shaper, started)
+        try:
+            if stream:
+                return await _stream(request, state, version, outputs, first, shaper, job.params, started)
+            return await _collect(request, state, version, outputs, first, shaper, started)
+        except ConnectionError:  # the client went away; leaving the `async with` aborts the request
+            request[STATUS_KEY] = CLIENT_CLOSED  # (a stream returns its own response, see _stream)
+            return web.Response(status=CLIENT_CLOSED)
 
 
 async def _next(outputs) -> RequestOutput:
@@ -176,7 +180,11 @@ async def _stream(request: web.Request, state: ServerState, version: ModelVersio
         request[STATUS_KEY] = 413
         await _end_with_error(stream, shaper.error(413, str(exc)))
         return stream.response
-    await stream.close()
+    except ConnectionError:  # the client went away: the caller's `async with` aborts the request
+        request[STATUS_KEY] = CLIENT_CLOSED
+        return stream.response
+    with contextlib.suppress(ConnectionError):
+        await stream.close()
     return stream.response
 
 
