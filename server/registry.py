@@ -136,6 +136,8 @@ class ModelRegistry:
         self.models: dict[str, RegisteredModel] = {}
         self._worker_ids = itertools.count(9000)  # TorchServe numbers its workers from 9000
         self._lock = asyncio.Lock()  # registrations and removals, one at a time
+        # False until the server has registered its startup models (snapshot, load_models).
+        self.startup_done = False
 
     # -- lookups (the inference app's side) ---------------------------------------------
     def resolve(self, name: str, version: str | None = None) -> ModelVersion:
@@ -159,7 +161,8 @@ class ModelRegistry:
         return [self.models[n] for n in sorted(self.models)]
 
     def all_ready(self) -> bool:
-        return all(any(v.pool.ready_engines() for v in m.versions.values())
+        """Startup registrations are done and every model has a ready worker."""
+        return self.startup_done and all(any(v.pool.ready_engines() for v in m.versions.values())
                    for m in self.models.values())
 
     def total_in_flight(self) -> int:

@@ -184,6 +184,7 @@ class Server:
         for model, archive in opened:
             await self._register_startup(archive, model.url, model.name)
         self._save_snapshot()
+        registry.startup_done = True
         self.out(f"pagedserve: ready ({len(registry.all_versions())} model version(s) registered)")
 
     async def _restore(self, entries) -> None:

@@ -1,0 +1,53 @@
+"""A worker killed with SIGKILL is detected, restarted with back-off, and serves again; the
+other model's worker keeps serving meanwhile."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from tests.server.conftest import ARCHIVE, MODEL
+
+pytestmark = pytest.mark.slow
+
+
+def worker(server, model):
+    [desc] = server.get("management", f"/models/{model}").json()
+    [w] = desc["workers"]
+    return w
+
+
+def test_kill_9_worker_is_restarted_with_backoff(server_factory):
+    s = server_factory(models=[f"{MODEL}={ARCHIVE}", f"other={ARCHIVE}"])
+    first = worker(s, MODEL)
+    other = worker(s, "other")
+    os.kill(first["pid"], signal.SIGKILL)
+    killed_at = time.monotonic()
+    s.wait_for(lambda: worker(s, MODEL)["status"] != "READY" or worker(s, MODEL)["restarts"],
+               timeout=10, what="death detected")
+    detected_s = time.monotonic() - killed_at
+    assert detected_s < 5
+    # The other model never noticed.
+    assert s.predict("other").status == 200
+    assert worker(s, "other")["pid"] == other["pid"]
+
+    s.wait_for(lambda: worker(s, MODEL)["status"] == "READY", timeout=120,
+               what="worker restarted")
+    second = worker(s, MODEL)
+    assert second["pid"] != first["pid"] and second["id"] == first["id"]
+    assert second["restarts"] == 1
+    r = s.predict(MODEL)
+    assert r.status == 200, r.text
+    assert r.json()["choices"][0]["text"]
+
+    # Dying again soon after: the back-off doubles.
+    os.kill(second["pid"], signal.SIGKILL)
+    s.wait_for(lambda: worker(s, MODEL)["status"] == "READY" and worker(s, MODEL)["restarts"] == 2,
+               timeout=120, what="second restart")
+    delays = [float(d) for d in re.findall(r"died; restarting in ([0-9.]+)s", s.log_text())]
+    assert delays == [0.5, 1.0]
+    assert s.predict(MODEL).status == 200
