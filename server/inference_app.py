@@ -206,8 +206,13 @@ async def _list_models(request: web.Request, state: ServerState, started: float)
             entries += [(f"{model.name}@{v}", entry) for v, entry in sorted(model.versions.items())]
     data = [{"id": name, "object": "model", "created": int(v.registered_at.timestamp()),
              "owned_by": "pagedserve", "root": v.name, "version": v.version,
-             "max_model_len": v.max_model_len} for name, v in entries]
+             "max_model_len": _max_model_len(v)} for name, v in entries]
     return web.json_response({"object": "list", "data": data})
+
+
+def _max_model_len(version: ModelVersion) -> int | None:
+    infos = [w.info for w in version.workers() if w.info is not None]
+    return infos[0].max_model_len if infos else version.max_model_len
 
 
 # -- the shared guard ------------------------------------------------------------------------
