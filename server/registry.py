@@ -198,7 +198,7 @@ class ModelRegistry:
             tokenizer = await loop.run_in_executor(self._executor, _load_tokenizer, archive.model_dir)
             min_workers = (initial_workers if initial_workers is not None
                            else self._default_workers(archive))
-            max_w = max(max_workers or 0, config.max_workers, min_workers)
+            max_w = max(config.max_workers if max_workers is None else max_workers, min_workers)
             queue = (config.job_queue_size if "jobQueueSize" in archive.config_keys
                      else self.job_queue_size)
             if response_timeout is not None:
