@@ -250,6 +250,8 @@ class KVOffloadManager:
                 self._fault("load_short", f"LMCache restored {loaded} of {end - start} tokens for {rid} "
                             "(a chunk was missing or unreadable); recomputing the rest")
             self._no_load.add(rid)
+            # Store the chunks it recomputes again (replacing a bad file), from the last good one.
+            self._stored[rid] = min(self._stored.get(rid, 0), loaded_end // C * C)
         self.stats.load_time_s += time.perf_counter() - t0
         self.stats.loaded_bytes += loaded * self.chunk_bytes // C
         cpu_part = max(0, min(loaded_end, pending.cpu_end) - start)
