@@ -28,6 +28,7 @@ from server.archives import LoadedArchive, resolve_url
 from server.auth import ApiKeys, write_key_file
 from server.config import ServerConfig, ServerConfigError, parse_address
 from server.errors import error_response
+from server.inference_app import build_inference_app
 from server.management_app import build_management_app
 from server.metrics import ServerMetrics, build_metrics_app
 from server.registry import ConflictError, ModelRegistry, ModelVersion, worker_threads
@@ -119,16 +120,6 @@ def draining_middleware(state: ServerState):
             state.http_in_flight -= 1
 
     return middleware
-
-
-def build_inference_app(state: ServerState) -> web.Application:
-    try:
-        from server.inference_app import build_inference_app as build
-    except ModuleNotFoundError as exc:
-        if exc.name != "server.inference_app":
-            raise
-        from server.fallback_inference_app import build_fallback_inference_app as build
-    return build(state)
 
 
 class Server:
