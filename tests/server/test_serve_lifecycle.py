@@ -88,3 +88,22 @@ def test_sigterm_aborts_what_outlives_the_grace_period(server_factory):
         import os
 
         os.kill(w["pid"], 0)  # the worker is gone too
+
+
+def test_models_default_archives_the_bundled_model_once(tmp_path, archive_cache):
+    """The README's command: `serve --models default` writes model_store/smollm2.mar and serves it."""
+    from tests.server.server_process import ServerProcess
+
+    store = tmp_path / "model_store"
+    s = ServerProcess(tmp_path / "srv", store, models=["default"],
+                      env={"PAGEDSERVE_ARCHIVE_DIR": str(archive_cache)})
+    try:
+        s.start()
+        assert (store / "smollm2.mar").is_file()
+        assert "archiving the bundled model" in s.log_text()
+        [desc] = s.get("management", "/models/smollm2").json()
+        assert desc["modelUrl"] == "smollm2.mar" and desc["loadedAtStartup"]
+        r = s.predict("smollm2")
+        assert r.status == 200 and r.json()["choices"][0]["text"]
+    finally:
+        assert s.stop() == 0
