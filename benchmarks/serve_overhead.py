@@ -1,0 +1,308 @@
+"""Serving overhead: the same workload through `pagedserve serve` over HTTP vs the offline engine.
+
+Workload: N prompts of about P tokens (token ids, so both sides see the same tokens), O output
+tokens each, EOS ignored, greedy, bfloat16, the default model, all requests arriving at once.
+
+- offline: `engine.LLM(...).generate(prompts)` in a fresh process, with `num_threads` torch
+  threads. Per-request token times come from wrapping `EngineCore.step` (the time each step
+  returned a request's token).
+- http: a fresh `pagedserve serve` process with one worker of the same engine options and threads,
+  and N concurrent streaming clients (aiohttp, one connection each) in this process, posting
+  `POST /predictions/{model}` with `"stream": true` (NDJSON chunks carry token ids, so every
+  token is counted where it arrives).
+
+Throughput is output tokens / (last token - first request sent); TTFT is first token - request
+sent; ITL is the gap between consecutive token arrivals of a request; TPOT is (last token - first
+token) / (tokens - 1) per request. The phases alternate for `--rounds` rounds; the best round of
+each is compared. Note: the load generator shares the machine with the server (on a 2-core box
+it competes with the worker for CPU), so the overhead measured is an upper bound.
+Results go to benchmarks/results/serve_overhead.{json,md}.
+
+    .venv/bin/python benchmarks/serve_overhead.py [--num-prompts 32] [--output-len 64] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import platform
+import resource
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+MODEL_NAME = "bench"
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    values = sorted(values)
+
+    def pick(q: float) -> float:
+        return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+    return {"p50": pick(0.50), "p90": pick(0.90), "p99": pick(0.99), "mean": statistics.fmean(values)}
+
+
+def summarize(sent: float, token_times: dict[str, list[float]]) -> dict:
+    """Throughput and latency figures from each request's token arrival times (send at `sent`)."""
+    ttft, itl, tpot = [], [], []
+    for times in token_times.values():
+        ttft.append(times[0] - sent)
+        itl += [b - a for a, b in itertools.pairwise(times)]
+        if len(times) > 1:
+            tpot.append((times[-1] - times[0]) / (len(times) - 1))
+    n_out = sum(len(t) for t in token_times.values())
+    elapsed = max(t[-1] for t in token_times.values()) - sent
+    return {"elapsed_s": elapsed, "output_tokens": n_out, "tok_per_s": n_out / elapsed,
+            "ttft_s": percentiles(ttft), "itl_s": percentiles(itl), "tpot_s": percentiles(tpot)}
+
+
+def make_prompts(tokenizer, num: int, length: int, seed: int) -> list[list[int]]:
+    """Distinct prompts of exactly `length` tokens (random words: no shared prefixes)."""
+    import random
+
+    rng = random.Random(seed)
+    words = [w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3][:5000]
+    return [tokenizer.encode(" ".join(rng.choice(words) for _ in range(length * 2)),
+                             add_special_tokens=False)[:length] for _ in range(num)]
+
+
+def engine_options(args) -> dict:
+    return {"dtype": "bfloat16", "kv_cache_memory": "640MiB", "max_num_seqs": max(64, args.num_prompts),
+            "max_num_batched_tokens": 2048, "max_model_len": 2048}
+
+
+def peak_rss_mib(pid: int | None = None) -> float:
+    if pid is None:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+# -- offline phase (runs in a child process) -----------------------------------------------------
+
+def phase_offline(args, prompts) -> dict:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(args.model, num_threads=args.threads, **engine_options(args))
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    token_times: dict[str, list[float]] = {}
+    step = llm.engine.step
+
+    def timed_step():
+        outputs = step()
+        now = time.perf_counter()
+        for out in outputs:
+            token_times.setdefault(out.request_id, []).extend([now] * len(out.new_token_ids))
+        return outputs
+
+    llm.engine.step = timed_step
+    sent = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == len(prompts) * args.output_len
+    return summarize(sent, token_times) | {"peak_rss_mib": {"process": peak_rss_mib()}}
+
+
+# -- http phase (server in a subprocess, clients here) ---------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_store(args, store: Path) -> None:
+    import yaml
+
+    from engine.model.archive import write_archive
+
+    config = store.parent / "model-config.yaml"
+    config.write_text(yaml.safe_dump({"minWorkers": 1, "maxWorkers": 1, "handler": engine_options(args)}))
+    written = write_archive(args.model, store.parent / "build", model_name=MODEL_NAME, version="1.0",
+                            config_file=config)
+    store.mkdir(exist_ok=True)
+    written.rename(store / f"{MODEL_NAME}.mar")
+
+
+def phase_http(args, prompts, workdir: Path) -> dict:
+    import urllib.request
+
+    ports = {api: free_port() for api in ("inference", "management", "metrics")}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDSERVE_WORKER_THREADS": str(args.threads)}
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model-store", str(workdir / "store"),
+           "--models", f"{MODEL_NAME}={MODEL_NAME}.mar", "--disable-token-auth",
+           "--inference-address", f"127.0.0.1:{ports['inference']}",
+           "--management-address", f"127.0.0.1:{ports['management']}",
+           "--metrics-address", f"127.0.0.1:{ports['metrics']}"]
+    with open(workdir / "server.log", "ab") as log:
+        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{ports['inference']}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {(workdir / 'server.log').read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(base + "/ready", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("server not ready")
+            time.sleep(0.5)
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports['management']}/models/{MODEL_NAME}") as r:
+            worker_pid = json.loads(r.read())[0]["workers"][0]["pid"]
+        result = asyncio.run(_drive(base, prompts[:1], args, warmup=True))  # warm-up
+        result = asyncio.run(_drive(base, prompts, args))
+        result["peak_rss_mib"] = {"front_end": peak_rss_mib(proc.pid), "worker": peak_rss_mib(worker_pid),
+                                  "client": peak_rss_mib()}
+        return result
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def _drive(base: str, prompts: list[list[int]], args, warmup: bool = False) -> dict:
+    import aiohttp
+
+    url = f"{base}/predictions/{MODEL_NAME}"
+    output_len = 2 if warmup else args.output_len
+    token_times: dict[str, list[float]] = {}
+
+    async def one(session: aiohttp.ClientSession, i: int, prompt: list[int], start: asyncio.Event) -> None:
+        await start.wait()
+        body = {"prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0, "stream": True}
+        times = token_times.setdefault(str(i), [])
+        async with session.post(url, json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            async for line in resp.content:
+                if not line.strip():
+                    continue
+                now = time.perf_counter()
+                chunk = json.loads(line)
+                assert "error" not in chunk, chunk
+                times.extend([now] * sum(len(c["token_ids"]) for c in chunk["choices"]))
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+        start = asyncio.Event()
+        tasks = [asyncio.create_task(one(session, i, p, start)) for i, p in enumerate(prompts)]
+        await asyncio.sleep(0.1)  # every task is waiting at the start line
+        sent = time.perf_counter()
+        start.set()
+        await asyncio.gather(*tasks)
+    assert sum(len(t) for t in token_times.values()) == len(prompts) * output_len
+    return summarize(sent, token_times)
+
+
+# -- driver ----------------------------------------------------------------------------------------
+
+def run_child(args, phase: str) -> dict:
+    cmd = [sys.executable, __file__, "--phase", phase, "--model", args.model, "--num-prompts", str(args.num_prompts),
+           "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len), "--threads", str(args.threads)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"  {phase}: {result['tok_per_s']:.1f} tok/s, TTFT p50 {1000 * result['ttft_s']['p50']:.0f} ms",
+          flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=200)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the engine / worker")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of each phase")
+    parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    sys.path.insert(0, str(REPO))
+    if args.model is None:
+        from engine.model.default_model import default_model_dir
+
+        args.model = str(default_model_dir())
+    if args.phase:
+        from engine.llm import load_tokenizer
+
+        prompts = make_prompts(load_tokenizer(args.model), args.num_prompts, args.prompt_len, seed=0)
+        if args.phase == "offline":
+            result = phase_offline(args, prompts)
+        else:
+            with tempfile.TemporaryDirectory(prefix="serve-overhead-") as tmp:
+                write_store(args, Path(tmp) / "store")
+                result = phase_http(args, prompts, Path(tmp))
+        print(json.dumps(result))
+        return
+
+    runs: dict[str, list[dict]] = {"offline": [], "http": []}
+    for r in range(args.rounds):
+        print(f"round {r + 1}/{args.rounds}", flush=True)
+        for phase in ("offline", "http"):
+            runs[phase].append(run_child(args, phase))
+    best = {k: max(v, key=lambda x: x["tok_per_s"]) for k, v in runs.items()}
+    off, http = best["offline"], best["http"]
+    summary = {
+        "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "output_len": args.output_len,
+                     "dtype": "bfloat16", "threads": args.threads, "concurrency": args.num_prompts,
+                     "cpus": os.cpu_count()},
+        "machine": {"platform": platform.platform(), "processor": platform.processor()},
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "offline_tok_per_s": off["tok_per_s"],
+        "http_tok_per_s": http["tok_per_s"],
+        "throughput_overhead": 1 - http["tok_per_s"] / off["tok_per_s"],
+        "ttft_p50_overhead": http["ttft_s"]["p50"] / off["ttft_s"]["p50"] - 1,
+        "best": best,
+        "runs": runs,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "serve_overhead.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+    def ms(d: dict) -> str:
+        return " / ".join(f"{1000 * d[k]:.0f}" for k in ("p50", "p90", "p99"))
+
+    def ms1(d: dict) -> str:
+        return " / ".join(f"{1000 * d[k]:.1f}" for k in ("p50", "p90", "p99"))
+
+    md = [
+        "# Serving overhead: HTTP server vs offline engine (latest run)", "",
+        (f"{args.num_prompts} concurrent requests x {args.prompt_len} prompt tokens, {args.output_len} output "
+         f"tokens, bf16, {args.threads} engine threads, {os.cpu_count()} CPUs; best of {args.rounds} alternating "
+         "rounds. HTTP: one worker, streaming /predictions (NDJSON), aiohttp clients on the same machine."), "",
+        "| measure | offline `engine.LLM` | `pagedserve serve` over HTTP |", "| --- | --- | --- |",
+        f"| throughput | {off['tok_per_s']:.1f} tok/s | {http['tok_per_s']:.1f} tok/s |",
+        f"| TTFT p50 / p90 / p99 (ms) | {ms(off['ttft_s'])} | {ms(http['ttft_s'])} |",
+        f"| ITL p50 / p90 / p99 (ms) | {ms1(off['itl_s'])} | {ms1(http['itl_s'])} |",
+        f"| TPOT p50 / p90 / p99 (ms) | {ms1(off['tpot_s'])} | {ms1(http['tpot_s'])} |",
+        "| peak RSS (MiB) | " + ", ".join(f"{k} {v:.0f}" for k, v in off["peak_rss_mib"].items()) + " | "
+        + ", ".join(f"{k} {v:.0f}" for k, v in http["peak_rss_mib"].items()) + " |",
+        "",
+        (f"**Throughput overhead of the server: {100 * summary['throughput_overhead']:+.1f} %** "
+         f"(target < 10 %); TTFT p50 {100 * summary['ttft_p50_overhead']:+.1f} %."), "",
+        f"Run on {summary['date']} ({summary['machine']['platform']}).",
+    ]
+    (RESULTS / "serve_overhead.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
