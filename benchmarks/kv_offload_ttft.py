@@ -1,0 +1,225 @@
+"""KV offload: time to first token of a 2,000-token prompt, cold vs restored, in one run.
+
+Three cases, bfloat16, the default model, one torch thread by default (`--threads`): on the
+shared 2-core machine two threads oversubscribed the cores and made both prefill and the KV
+copies several times slower and erratic:
+
+- cold: nothing cached anywhere (offload on: its stores are part of the cost);
+- CPU tier: the same prompt after the engine's own block pool was emptied by other prompts, so
+  its prefix comes back from LMCache's CPU memory;
+- disk: a new process (a "restarted server") on the same disk folder; the prompt's prefix comes
+  back from disk. Measured twice: with the chunk files still in the OS page cache (as right after
+  a restart) and after dropping just those files from the page cache (posix_fadvise DONTNEED),
+  which reads them from the device.
+
+LMCache keeps whole chunks only, so the last `2000 % chunk_size` prompt tokens (and at least
+one) are computed even on a hit; the run covers the default chunk_size 256 and 128. Each phase
+runs in a fresh child process (its own peak RSS); each case takes the best of 3 prompts.
+Results go to benchmarks/results/kv_offload_ttft.{json,md}.
+
+    .venv/bin/python benchmarks/kv_offload_ttft.py [--prompt-len 2000] [--trials 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BLOCK = 16
+
+
+def make_prompt(tokenizer, length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    words = [w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3][:5000]
+    text = " ".join(rng.choice(words) for _ in range(length * 2))
+    return tokenizer.encode(text, add_special_tokens=False)[:length]
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def make_llm(args, disk: str):
+    from engine import LLM
+
+    pool_tokens = (args.prompt_len // BLOCK + 8) * BLOCK
+    return LLM(args.model, dtype="bfloat16", num_threads=args.threads, num_kv_blocks=pool_tokens // BLOCK,
+               max_model_len=pool_tokens, max_num_batched_tokens=pool_tokens,
+               kv_offload={"cpu_size_gb": 1, "disk_path": disk, "disk_size_gb": 4, "chunk_size": args.chunk_size})
+
+
+def ttft(llm, ids) -> float:
+    from engine import SamplingParams
+
+    start = time.perf_counter()
+    llm.generate([ids], SamplingParams(max_tokens=1, temperature=0))
+    return time.perf_counter() - start
+
+
+def evict_pool(llm, tokenizer, args, seed: int) -> None:
+    """Fill the whole block pool with another prompt: no block of an earlier prompt survives."""
+    engine = llm.engine
+    filler = make_prompt(tokenizer, engine.max_model_len - 1, seed)
+    ttft(llm, filler)
+    assert engine.kv_manager.pool.get_num_free_blocks() == engine.runner.num_blocks
+
+
+def phase_first(args, tokenizer) -> dict:
+    """Cold, then CPU-tier hits after the engine pool was emptied; leaves chunks on disk."""
+    llm = make_llm(args, args.disk)
+    ttft(llm, make_prompt(tokenizer, 64, seed=1))  # warm-up
+    cold, cpu = [], []
+    for trial in range(2 * args.trials):  # twice as many prompts: the restart phase reads each once
+        ids = make_prompt(tokenizer, args.prompt_len, seed=100 + trial)
+        cold.append(ttft(llm, ids))
+        evict_pool(llm, tokenizer, args, seed=200 + trial)
+        before = llm.engine.kv_offload_stats()["hit_tokens_cpu"]
+        cpu.append(ttft(llm, ids))
+        restored = llm.engine.kv_offload_stats()["hit_tokens_cpu"] - before
+    assert llm.engine.kv_offload.flush(timeout=120)
+    stats = llm.engine.kv_offload_stats()
+    llm.shutdown()
+    return {"cold_s": cold, "cpu_hit_s": cpu, "restored_tokens": restored, "stats": stats,
+            "peak_rss_mib": peak_rss_mib()}
+
+
+def _drop_from_page_cache(folder: str) -> int:
+    n = 0
+    for path in Path(folder).glob("*.data"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            n += 1
+        finally:
+            os.close(fd)
+    return n
+
+
+def phase_restart(args, tokenizer) -> dict:
+    """A new process on the same folder: disk hits (page cache warm, then dropped), and cold."""
+    llm = make_llm(args, args.disk)
+    ttft(llm, make_prompt(tokenizer, 64, seed=1))  # warm-up
+    warm, dropped, cold = [], [], []
+    for trial in range(2 * args.trials):
+        ids = make_prompt(tokenizer, args.prompt_len, seed=100 + trial)
+        if trial % 2 == 0:  # alternate the two disk cases over the prompts written by phase_first
+            warm.append(ttft(llm, ids))
+        else:
+            _drop_from_page_cache(args.disk)
+            dropped.append(ttft(llm, ids))
+        evict_pool(llm, tokenizer, args, seed=300 + trial)
+        if trial % 2:
+            cold.append(ttft(llm, make_prompt(tokenizer, args.prompt_len, seed=400 + trial)))
+            evict_pool(llm, tokenizer, args, seed=500 + trial)
+    stats = llm.engine.kv_offload_stats()
+    llm.shutdown()
+    return {"disk_hit_s": warm, "disk_hit_dropped_s": dropped, "cold_s": cold, "stats": stats,
+            "peak_rss_mib": peak_rss_mib()}
+
+
+def run_child(args, phase: str, disk: str, chunk_size: int) -> dict:
+    cmd = [sys.executable, __file__, "--phase", phase, "--model", args.model, "--disk", disk,
+           "--prompt-len", str(args.prompt_len), "--trials", str(args.trials), "--chunk-size", str(chunk_size),
+           "--threads", str(args.threads)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"  chunk {chunk_size} {phase}: " + json.dumps({k: v for k, v in result.items() if k != "stats"}), flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--prompt-len", type=int, default=2000)
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--chunk-sizes", default="256,128")
+    parser.add_argument("--chunk-size", type=int, default=256, help=argparse.SUPPRESS)
+    parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--disk", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    if args.model is None:
+        from engine.model.default_model import default_model_dir
+
+        args.model = str(default_model_dir())
+    if args.phase:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        result = {"first": phase_first, "restart": phase_restart}[args.phase](args, tokenizer)
+        print(json.dumps(result))
+        return
+
+    rows = {}
+    for chunk_size in (int(c) for c in args.chunk_sizes.split(",")):
+        disk = tempfile.mkdtemp(prefix=f"kv_offload_bench_{chunk_size}_")
+        try:
+            first = run_child(args, "first", disk, chunk_size)
+            restart = run_child(args, "restart", disk, chunk_size)
+        finally:
+            shutil.rmtree(disk, ignore_errors=True)
+        cold = min(first["cold_s"] + restart["cold_s"])
+        cpu = min(first["cpu_hit_s"])
+        disk_warm = min(restart["disk_hit_s"])
+        disk_dropped = min(restart["disk_hit_dropped_s"]) if restart["disk_hit_dropped_s"] else None
+        rows[chunk_size] = {
+            "ttft_cold_s": cold, "ttft_cpu_hit_s": cpu, "ttft_disk_hit_s": disk_warm,
+            "ttft_disk_hit_page_cache_dropped_s": disk_dropped,
+            "cpu_speedup": cold / cpu, "disk_speedup": cold / disk_warm,
+            "disk_dropped_speedup": cold / disk_dropped if disk_dropped else None,
+            "restored_tokens": first["restored_tokens"],
+            "peak_rss_mib": {"first": first["peak_rss_mib"], "restart": restart["peak_rss_mib"]},
+            "offload_stats": {"first": first["stats"], "restart": restart["stats"]},
+            "runs": {"first": {k: v for k, v in first.items() if k != "stats"},
+                     "restart": {k: v for k, v in restart.items() if k != "stats"}},
+        }
+    summary = {
+        "workload": {"prompt_len": args.prompt_len, "dtype": "bfloat16", "threads": args.threads, "trials": args.trials,
+                     "cpu_size_gb": 1, "disk_size_gb": 4},
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "by_chunk_size": rows,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "kv_offload_ttft.json").write_text(json.dumps(summary, indent=2) + "\n")
+    md = [
+        "# KV offload: time to first token (latest run)", "",
+        (f"A {args.prompt_len}-token prompt, bf16, {args.threads} thread(s), best of {args.trials} prompts per "
+         "case. Cold = nothing cached; CPU tier = same prompt after the engine's block pool was emptied; disk = a "
+         "new process on the same folder (chunk files in the OS page cache, and dropped from it with "
+         "posix_fadvise)."), "",
+        "| chunk_size | restored tokens | cold | CPU tier | disk (page cache) | disk (dropped from page cache) | peak RSS first / restart (MiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for chunk_size, r in rows.items():
+        dropped = (f"{1000 * r['ttft_disk_hit_page_cache_dropped_s']:.0f} ms ({r['disk_dropped_speedup']:.1f}x)"
+                   if r["ttft_disk_hit_page_cache_dropped_s"] else "n/a")
+        md.append(
+            f"| {chunk_size} | {r['restored_tokens']} of {args.prompt_len} | {1000 * r['ttft_cold_s']:.0f} ms | "
+            f"{1000 * r['ttft_cpu_hit_s']:.0f} ms (**{r['cpu_speedup']:.1f}x**) | "
+            f"{1000 * r['ttft_disk_hit_s']:.0f} ms (**{r['disk_speedup']:.1f}x**) | {dropped} | "
+            f"{r['peak_rss_mib']['first']:.0f} / {r['peak_rss_mib']['restart']:.0f} |"
+        )
+    md += ["", ("Speedups are cold / restored TTFT. Restored TTFT includes computing the tokens past the last "
+                "whole chunk; cold TTFT includes storing the new chunks."), "",
+           (f"Run on {summary['date']} ({summary['machine']['platform']}, "
+            f"{summary['machine']['cpus']} CPUs, shared).")]
+    (RESULTS / "kv_offload_ttft.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
