@@ -41,7 +41,9 @@ BLOCK = 16
 
 def make_prompt(tokenizer, length: int, seed: int) -> list[int]:
     rng = random.Random(seed)
-    words = [w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3][:5000]
+    # Sorted: get_vocab()'s order differs between processes, and the restart phase (a new
+    # process) must rebuild exactly the prompts the first phase stored.
+    words = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3)[:5000]
     text = " ".join(rng.choice(words) for _ in range(length * 2))
     return tokenizer.encode(text, add_special_tokens=False)[:length]
 

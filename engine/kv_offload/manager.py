@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import multiprocessing
 import os
 import threading
 import time
 import uuid
+import weakref
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,10 +151,16 @@ class KVOffloadManager:
             kv_dtype=dtype, kv_shape=(len(kv_caches), 2, self.chunk_size, heads, head_dim),
             chunk_size=self.chunk_size,
         )
-        connector = PagedKVConnector(kv_caches, block_size)
-        self.engine = LMCacheEngineBuilder.get_or_create(
-            self.instance_id, lmc_config, metadata, connector, _no_broadcast, _no_broadcast,
-        )
+        self._connector = PagedKVConnector(kv_caches, block_size)
+        start_method = multiprocessing.get_start_method(allow_none=True)
+        try:
+            self.engine = LMCacheEngineBuilder.get_or_create(
+                self.instance_id, lmc_config, metadata, self._connector, _no_broadcast, _no_broadcast,
+            )
+        finally:
+            # LMCacheEngine forces the process-wide start method to "spawn"; we start no
+            # LMCache subprocess, so give the host process its own setting back.
+            multiprocessing.set_start_method(start_method, force=True)
         try:
             self.engine.post_init()
             self.engine.token_database.hash_func = chunk_hash
@@ -170,11 +178,12 @@ class KVOffloadManager:
         self._stored: dict[str, int] = {}  # request id -> prompt tokens known to be in LMCache
         self._no_load: set[str] = set()  # requests whose load failed: recompute, don't retry
         # Release LMCache (its I/O thread is not a daemon) before the interpreter joins threads,
-        # even if the owner never calls close().
+        # even if the owner never calls close(). Only a weak reference: no leak of the manager
+        # (and the KV pool its connector points at) after close.
         register = getattr(threading, "_register_atexit", None)
         if register is not None:
             try:
-                register(self.close)
+                register(_close_at_exit, weakref.ref(self))
             except RuntimeError:
                 pass  # interpreter already shutting down
 
@@ -340,6 +349,7 @@ class KVOffloadManager:
                 self.flush(timeout=30.0)
         finally:
             self._builder.destroy(self.instance_id)
+            self._connector.kv_caches = []  # drop LMCache's path to the engine's KV pool
 
     # -- helpers ---------------------------------------------------------------------------
     def _release(self, rid: str) -> None:
@@ -372,3 +382,9 @@ def _request_configs(request) -> dict | None:
 
 def _no_broadcast(*args, **kwargs):
     return None
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    manager = ref()
+    if manager is not None:
+        manager.close()
