@@ -22,13 +22,21 @@ PROMPT = "1, 2, 3, 4,"
 @pytest.fixture(scope="module")
 def server(module_server_factory):
     return module_server_factory(models=[f"{MODEL}={ARCHIVE}"],
-                                 config={"max_request_size": MAX_REQUEST, "max_response_size": MAX_RESPONSE})
+                                 config={"max_request_size": MAX_REQUEST, "max_response_size": MAX_RESPONSE,
+                                         "job_queue_size": 2})
 
 
 def worker(server) -> dict:
     [desc] = server.get("management", f"/models/{MODEL}").json()
     [w] = desc["workers"]
     return w
+
+
+def server_errors(server) -> list[str]:
+    """The 5xx counters of the inference routes on the metrics port."""
+    return [line for line in server.get("metrics", "/metrics").text.splitlines()
+            if line.startswith("pagedserve_requests_total") and 'status="5' in line
+            and 'endpoint="ready"' not in line]  # /ready answered 503 while the worker started
 
 
 def stream_lines(server, path: str, body: dict, token: str | None = "default") -> tuple[int, dict, list[bytes]]:
@@ -136,8 +144,26 @@ BAD_INPUT = [
 ]
 
 
+def test_full_queue_answers_503_with_retry_after(server):
+    """jobQueueSize=2: two open streams fill the queue; a third request is turned away at once."""
+    body = json.dumps({"prompt": "Tell me a story.", "max_tokens": 300, "ignore_eos": True, "stream": True})
+    headers = {"Authorization": f"Bearer {server.keys['inference']}", "Content-Type": "application/json"}
+    streams = []
+    for _ in range(2):
+        conn = http.client.HTTPConnection("127.0.0.1", server.ports["inference"], timeout=60)
+        conn.request("POST", f"/predictions/{MODEL}", body=body, headers=headers)
+        assert conn.getresponse().status == 200  # headers arrive with the first token
+        streams.append(conn)
+    r = server.predict(MODEL)
+    assert r.status == 503 and r.headers["Retry-After"] == "1" and "jobQueueSize=2" in r.json()["message"]
+    for conn in streams:  # hanging up aborts both requests and frees the queue
+        conn.close()
+    server.wait_for(lambda: server.predict(MODEL).status == 200, timeout=30, what="queue drained")
+
+
 def test_bad_input_is_refused_with_4xx_and_the_worker_keeps_serving(server):
     before = worker(server)
+    errors_before = server_errors(server)
     for path, body, code, words in BAD_INPUT:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         r = server.post("inference", path, data=data, headers={"Content-Type": "application/json"})
@@ -154,10 +180,7 @@ def test_bad_input_is_refused_with_4xx_and_the_worker_keeps_serving(server):
     after = worker(server)
     assert after["pid"] == before["pid"] and after["restarts"] == 0 and after["status"] == "READY"
     assert server.predict(MODEL).status == 200
-    errors = [line for line in server.get("metrics", "/metrics").text.splitlines()
-              if line.startswith("pagedserve_requests_total") and 'status="5' in line
-              and 'endpoint="ready"' not in line]  # /ready answered 503 while the worker started
-    assert errors == []
+    assert server_errors(server) == errors_before
 
 
 ROUTES = [
