@@ -132,7 +132,9 @@ class AsyncLLM:
         if self._client is not None:
             raise RuntimeError(f"{self.name} was already started")
         self._loop = asyncio.get_running_loop()
-        self._client = await self._loop.run_in_executor(None, MPClient, self.config, self.name)
+        # Spawned from the loop's thread, not an executor thread: the worker's parent-death
+        # signal fires when the thread that started it exits.
+        self._client = MPClient(self.config, self.name)
         try:
             self.info = await self._loop.run_in_executor(None, self._client.wait_ready, timeout)
         except BaseException as exc:

@@ -100,10 +100,10 @@ class EngineCoreProc:
         sock.close()
 
     def close(self) -> None:
-        """Flush what is queued for the front end, then drop the sockets."""
+        """Flush what is queued for the front end. The process exits right after (os._exit), so
+        the context is not torn down: that would race the input thread's blocking recv."""
         self.outputs.put(_STOP)
         self._output_thread.join(timeout=10)
-        self.context.destroy(linger=0)
 
     # -- the busy loop ---------------------------------------------------------------------
     def run(self, core) -> None:
