@@ -9,8 +9,9 @@ Flow per request (the scheduler and engine core call in):
    fresh blocks and returns how many tokens really arrived (a prefix of the range). The
    scheduler counts only those as computed.
 3. `store_computed(...)` after each executed step: chunks of the prompt whose KV is complete
-   and not yet in LMCache are copied out, one chunk per call; LMCache writes them through to
-   disk on its own I/O thread.
+   and not yet in LMCache are copied out, one chunk per call, and at the end of the prefill the
+   prompt's tail chunk cut to whole blocks; LMCache writes them through to disk on its own I/O
+   thread.
 
 Faults (LMCache raising, a chunk that cannot be read, a failed disk write, an unwritable disk
 folder) are logged as warnings and counted; the affected tokens are simply recomputed.
@@ -141,7 +142,7 @@ class KVOffloadManager:
             local_disk=None,
             remote_url=None,
             remote_serde="naive",
-            save_unfull_chunk=False,
+            save_unfull_chunk=True,  # the prompt's tail chunk, cut to whole blocks (see store_computed)
             remote_storage_plugins=[DISK_PLUGIN] if self.disk is not None else None,
             extra_config=extra or None,
             lmcache_instance_id=self.instance_id,
@@ -195,11 +196,13 @@ class KVOffloadManager:
         self._release(rid)
         if rid in self._no_load:
             return 0
-        tokens = request.all_token_ids
         bs = self.block_size
-        max_end = (len(tokens) - 1) // bs * bs
-        if len(tokens) < self.chunk_size or (max_end <= num_computed and rid in self._stored):
+        max_end = (request.num_tokens - 1) // bs * bs
+        if max_end < self.chunk_size or (max_end <= num_computed and rid in self._stored):
             return 0
+        # Keys cover [0, max_end): whole chunks, then the tail cut to whole blocks, which matches
+        # the tail chunk a request with the same prompt stored.
+        tokens = request.all_token_ids[:max_end]
         self._lookup_counter += 1
         lookup_id = f"{rid}#{self._lookup_counter}"
         self.stats.lookups += 1
@@ -212,7 +215,7 @@ class KVOffloadManager:
             self._unpin(lookup_id)
             return 0
         self._stored[rid] = max(self._stored.get(rid, 0), hit)
-        end = min(hit, max_end)
+        end = hit
         if end <= num_computed:
             self._unpin(lookup_id)
             return 0
@@ -238,7 +241,7 @@ class KVOffloadManager:
             # One retrieve per chunk: LMCache holds every chunk of a retrieve in its CPU tier at
             # once (a disk retrieve larger than the tier would block).
             for chunk_start in range(start // C * C, end, C):
-                chunk_end = chunk_start + C
+                chunk_end = min(chunk_start + C, pending.hit_end)
                 mask = torch.ones(chunk_end, dtype=torch.bool)
                 mask[:chunk_start] = False
                 ret = self.engine.retrieve(
@@ -276,13 +279,23 @@ class KVOffloadManager:
 
     # -- engine side -----------------------------------------------------------------------
     def store_computed(self, scheduler_output, requests: dict, get_block_ids) -> None:
-        """After a step ran: store each scheduled request's newly complete prompt chunks."""
+        """After a step ran: store each scheduled request's newly complete prompt chunks.
+
+        Whole chunks are stored as they complete; once the prompt's prefill is done, also its
+        tail up to `limit` (whole blocks; the last prompt token is always recomputed), so the
+        same prompt again is restored all but its last block.
+        """
         C = self.chunk_size
+        bs = self.block_size
         for rid in scheduler_output.num_scheduled_tokens:
             request = requests.get(rid)
             if request is None:
                 continue
-            end = min(request.num_computed_tokens, request.num_prompt_tokens) // C * C
+            limit = (request.num_prompt_tokens - 1) // bs * bs
+            if limit < C:
+                continue  # short prompts: the engine's own prefix cache is enough
+            done = min(request.num_computed_tokens, limit)
+            end = done if done == limit else done // C * C
             start = self._stored.get(rid, 0)
             if end <= start:
                 continue
@@ -298,14 +311,17 @@ class KVOffloadManager:
             tokens = request.all_token_ids
             configs = _request_configs(request)
             for chunk_start in range(start, end, C):
+                chunk_end = min(chunk_start + C, end)
+                nbytes = (chunk_end - chunk_start) * self.chunk_bytes // C
                 if self.disk is not None:
-                    self.stats.disk_pruned_files += self.disk.account(self.chunk_bytes)
-                mask = torch.ones(chunk_start + C, dtype=torch.bool)
+                    self.stats.disk_pruned_files += self.disk.account(nbytes)
+                mask = torch.ones(chunk_end, dtype=torch.bool)
                 mask[:chunk_start] = False
-                self.engine.store(tokens[: chunk_start + C], mask=mask, block_ids=ids,
+                self.engine.store(tokens[:chunk_end], mask=mask, block_ids=ids,
                                   req_id=request.request_id, request_configs=configs)
-                self.stats.stored_tokens += C
-                self.stats.stored_bytes += self.chunk_bytes
+                self.stats.stored_chunks += 1
+                self.stats.stored_tokens += chunk_end - chunk_start
+                self.stats.stored_bytes += nbytes
         except Exception as exc:  # noqa: BLE001
             self._fault("store", f"LMCache store failed for {request.request_id}: {exc!r}")
         self.stats.store_time_s += time.perf_counter() - t0

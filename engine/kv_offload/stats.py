@@ -18,6 +18,7 @@ class KVOffloadStats:
     hit_tokens_cpu: int = 0
     hit_tokens_disk: int = 0
     stored_tokens: int = 0
+    stored_chunks: int = 0
     loaded_bytes: int = 0
     stored_bytes: int = 0
     load_time_s: float = 0.0

@@ -90,10 +90,11 @@ def assert_same_kv(got: list[torch.Tensor], ref: list[torch.Tensor], num_tokens:
 
 
 def chunk_files(llm: LLM, ids: list[int], folder) -> list:
-    """The disk tier's file of each full chunk of `ids`, in order."""
+    """The disk tier's file of each chunk `ids` stores (whole chunks, then the tail), in order."""
     lmc = llm.engine.kv_offload.engine
+    limit = (len(ids) - 1) // BLOCK * BLOCK
     return [folder / (key.to_string().replace("/", "-SEP-") + ".data")
-            for _, _, key in lmc.token_database.process_tokens(tokens=ids)]
+            for _, _, key in lmc.token_database.process_tokens(tokens=ids[:limit])]
 
 
 # -- bit-exact restore --------------------------------------------------------------------------
@@ -102,7 +103,7 @@ def chunk_files(llm: LLM, ids: list[int], folder) -> list:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_restored_kv_is_bit_exact(default_model_dir, prompts, tmp_path, dtype):
     p, q = prompts["p"], prompts["q"]
-    full = len(p) // CHUNK * CHUNK  # LMCache keeps whole chunks only
+    full = (len(p) - 1) // BLOCK * BLOCK  # whole chunks + the tail in whole blocks; 1 token computed
     shared = 150 // CHUNK * CHUNK  # q shares 150 tokens with p: 2 whole chunks
     llm = make_llm(default_model_dir, tmp_path / "kv", dtype=dtype)
     try:
@@ -180,7 +181,7 @@ def test_request_reports_tokens_from_lmcache(default_model_dir, prompts, tmp_pat
         outputs = []
         while engine.has_unfinished_requests():
             outputs += engine.step()
-        assert request.num_external_cached_tokens == len(p) // CHUNK * CHUNK
+        assert request.num_external_cached_tokens == (len(p) - 1) // BLOCK * BLOCK
         assert {o.num_external_cached_tokens for o in outputs} == {request.num_external_cached_tokens}
         assert [t for o in outputs for t in o.new_token_ids] == greedy(llm, p)
     finally:

@@ -51,13 +51,13 @@ def test_restart_serves_disk_hits_with_identical_output(default_model_dir, promp
     first = run_child(default_model_dir, prompts, disk, tmp_path)
     assert first["tokens"] == reference and first["flushed"]
     assert first["stats"]["hit_tokens_disk"] == 0 and first["stats"]["faults"] == 0
-    assert len(list(disk.glob("*.data"))) == first["stats"]["stored_tokens"] // 64
+    assert len(list(disk.glob("*.data"))) == first["stats"]["stored_chunks"]
     second = run_child(default_model_dir, prompts, disk, tmp_path)  # a new process
     assert second["tokens"] == reference
     stats = second["stats"]
-    # The long prompt's whole chunks come from disk; the second prompt (no whole chunk of its
-    # own) shares a prefix with it that the engine's own pool still holds by then.
-    assert stats["hit_tokens_disk"] == len(prompts[0]) // 64 * 64 and stats["faults"] == 0
+    # The long prompt comes from disk but its last block; the second prompt shares a prefix with
+    # it that the engine's own pool still holds by then (its own tail is also on disk).
+    assert stats["hit_tokens_disk"] >= (len(prompts[0]) - 1) // 16 * 16 and stats["faults"] == 0
     assert stats["stored_tokens"] == 0  # everything was already on disk
 
 
@@ -66,5 +66,5 @@ def test_full_disk_costs_warnings_not_output(default_model_dir, prompts, referen
     out = run_child(default_model_dir, prompts, disk, tmp_path, "--max-file-bytes", str(64 * 1024))
     assert out["tokens"] == reference
     stats = out["stats"]
-    assert stats["fault_kinds"] == {"disk_write": stats["stored_tokens"] // 64} and stats["faults"] > 0
+    assert stats["fault_kinds"] == {"disk_write": stats["stored_chunks"]} and stats["faults"] > 0
     assert list(disk.glob("*.data")) == []

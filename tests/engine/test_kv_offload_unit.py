@@ -209,6 +209,32 @@ def test_round_trip_is_bit_exact_from_cpu_and_disk(tmp_path, dtype):
         mgr.close()
 
 
+def test_prompt_tail_is_stored_in_whole_blocks(tmp_path):
+    torch.manual_seed(1)
+    kv = [torch.randn(2, NB, BS, H, D) for _ in range(L)]
+    ref = [k.clone() for k in kv]
+    mgr = _manager(tmp_path, kv)
+    try:
+        prompt = list(range(2000, 2000 + 150))  # 2 whole chunks; the tail [128, 144) is 1 block
+        a = make_request(prompt, request_id="a")
+        a.num_computed_tokens = 100  # mid-prefill: only the first whole chunk is complete
+        mgr.store_computed(_Step("a"), {"a": a}, lambda rid: list(range(10)))
+        assert mgr.stats.stored_tokens == 64
+        _store(mgr, a, list(range(10)))  # prefill done: chunk 2 and the tail, never chunk 1 again
+        assert (mgr.stats.stored_tokens, mgr.stats.stored_chunks) == (144, 3)
+        assert len(list((tmp_path / "kv").glob("*.data"))) == 3
+        b = make_request(prompt, request_id="b")  # the same prompt: all but its last block
+        assert mgr.lookup(b, 0) == 144
+        assert mgr.load(b, list(range(30, 40)), 0, 144) == 144
+        longer = make_request(prompt + [5] * 40, request_id="c")  # the tail is no whole chunk of it
+        assert mgr.lookup(longer, 0) == 128
+        mgr.forget("c")
+        for k, r in zip(kv, ref):
+            assert torch.equal(k[:, 30:39], r[:, 0:9])
+    finally:
+        mgr.close()
+
+
 def test_cache_salt_separates_keys(tmp_path):
     kv = [torch.randn(2, NB, BS, H, D) for _ in range(L)]
     mgr = _manager(tmp_path, kv, disk=False)
@@ -217,6 +243,6 @@ def test_cache_salt_separates_keys(tmp_path):
         _store(mgr, make_request(prompt, request_id="a", cache_salt="tenant-1"), list(range(7)))
         assert mgr.lookup(make_request(prompt, request_id="b", cache_salt="tenant-2"), 0) == 0
         assert mgr.lookup(make_request(prompt, request_id="c"), 0) == 0
-        assert mgr.lookup(make_request(prompt, request_id="d", cache_salt="tenant-1"), 0) == 64
+        assert mgr.lookup(make_request(prompt, request_id="d", cache_salt="tenant-1"), 0) == 96
     finally:
         mgr.close()
