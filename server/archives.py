@@ -51,7 +51,8 @@ def resolve_url(url: str, model_store: Path, allowed_urls: list[str]) -> Path:
         path = model_store / path
     resolved = path.resolve()  # follows links and '..': the check sees the real location
     if allowed_urls:
-        candidates = (url, str(resolved), f"file://{resolved}")
+        # Only the resolved location is matched: "allowed/../elsewhere" cannot slip through.
+        candidates = (str(resolved), f"file://{resolved}")
         if not any(re.fullmatch(p, c) for p in allowed_urls for c in candidates):
             raise UrlNotAllowedError(f"url {url!r} does not match allowed_urls")
     elif not resolved.is_relative_to(model_store.resolve()) or resolved == model_store.resolve():

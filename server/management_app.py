@@ -117,6 +117,7 @@ def describe(entry: ModelVersion, is_default: bool) -> dict[str, Any]:
             "gpuUsage": "N/A",
             "restarts": slot.restarts,
             "threads": engine.config.num_threads if engine is not None else None,
+            "lastError": slot.last_error,
             "requestsInFlight": engine.num_unfinished if engine is not None and engine.is_ready else 0,
         })
     running = sum(e.stats.num_running for e in entry.pool.ready_engines())

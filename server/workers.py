@@ -1,9 +1,11 @@
 """Worker supervision for one model version: start, scale, restart with back-off, stop.
 
 Each worker is one engine-core process behind an `AsyncLLM`. A slot is a place for a worker: it
-keeps its id and start time across restarts. When a worker dies (`on_dead`), its slot restarts
-it after an exponential back-off (0.5 s, 1 s, 2 s, ... capped), counted in consecutive failures;
-a worker that stayed up for `STABLE_AFTER_S` resets the count. Other slots never notice.
+keeps its id and start time across restarts. When a worker dies (`on_dead`), or a worker started
+in the background fails to start, its slot starts it again after an exponential back-off
+(0.5 s, 1 s, 2 s, ... capped), counted in consecutive failures; a worker that stayed up for
+`STABLE_AFTER_S` resets the count. Other slots never notice. A synchronous start (register or
+scale with synchronous=true) does not retry: its caller reports the failure.
 Scaling down picks idle workers first and lets their requests finish before stopping them.
 """
 
@@ -98,7 +100,7 @@ class WorkerPool:
         `WorkerStartFailed` if one cannot start; it is removed) and removed ones are stopped."""
         active = self.active_slots()
         if n > len(active):
-            new = [self._add_slot() for _ in range(n - len(active))]
+            new = [self._add_slot(give_up=wait) for _ in range(n - len(active))]
             if wait:
                 await self._wait_started(new)
         elif n < len(active):
@@ -108,10 +110,10 @@ class WorkerPool:
             if wait:
                 await asyncio.gather(*stops, return_exceptions=True)
 
-    def _add_slot(self) -> WorkerSlot:
+    def _add_slot(self, *, give_up: bool) -> WorkerSlot:
         slot = WorkerSlot(id=self._next_id())
         self.slots.append(slot)
-        slot.task = self._spawn(self._run_start(slot, first=True))
+        slot.task = self._spawn(self._run_start(slot, give_up=give_up))
         self._on_change()
         return slot
 
@@ -124,9 +126,10 @@ class WorkerPool:
                 await self._unload(s)
             raise WorkerStartFailed(errors)
 
-    async def _run_start(self, slot: WorkerSlot, *, first: bool) -> None:
-        """Start the slot's engine; a first start that fails gives up (the caller decides),
-        a restart keeps trying with back-off until it succeeds or the slot is removed."""
+    async def _run_start(self, slot: WorkerSlot, *, give_up: bool) -> None:
+        """Start the slot's engine. With `give_up` a failed start stops there (a synchronous
+        caller reports it); otherwise it is retried with back-off until it succeeds or the
+        slot is removed."""
         while slot.status in (WorkerStatus.STARTING, WorkerStatus.RESTARTING) and not self._closed:
             slot.status = WorkerStatus.STARTING
             engine = None
@@ -140,7 +143,7 @@ class WorkerPool:
                 logger.error("worker %s of %s failed to start: %s", slot.id, self.label, exc)
                 if engine is not None:
                     await _quiet_shutdown(engine)
-                if first or slot.status is WorkerStatus.UNLOADING:
+                if give_up or slot.status is WorkerStatus.UNLOADING:
                     slot.status = WorkerStatus.STOPPED
                     return
                 slot.status = WorkerStatus.RESTARTING
@@ -174,7 +177,7 @@ class WorkerPool:
         async def restart() -> None:
             await _quiet_shutdown(engine)
             await asyncio.sleep(delay)
-            await self._run_start(slot, first=False)
+            await self._run_start(slot, give_up=False)
 
         slot.task = self._spawn(restart())
         self._on_change()

@@ -1,0 +1,74 @@
+"""Registration of archives that must not serve: handler code without --allow-custom-handlers
+(400, nothing started) and an engine configuration that cannot start (500 when synchronous,
+nothing left registered; retried with back-off when asynchronous)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny_archives(model_store, tmp_path_factory):
+    """Tiny random Llama archives in model_store/tiny/: one with a handler .py, one whose KV
+    pool (2 blocks) cannot hold its max_model_len (the engine refuses to start)."""
+    transformers = pytest.importorskip("transformers")
+    from engine.model.archive import write_archive
+    from engine.model.default_model import default_model_dir
+
+    tmp = tmp_path_factory.mktemp("tiny")
+    model = tmp / "model"
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2,
+                                      vocab_size=49152, max_position_embeddings=512)
+    transformers.LlamaForCausalLM(config).save_pretrained(model, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(default_model_dir() / name, model / name)
+    handler = tmp / "my_handler.py"
+    handler.write_text("def handle(data, context):\n    return data\n")
+    broken = tmp / "model-config.yaml"
+    # startupTimeout: a start that hangs instead of failing is still given up on quickly.
+    broken.write_text("startupTimeout: 20\nhandler:\n  max_model_len: 256\n  num_kv_blocks: 2\n")
+    dest = model_store / "tiny"
+    write_archive(model, dest, model_name="tinyhandler", version="1.0", handler=str(handler),
+                  force=True)
+    write_archive(model, dest, model_name="tinybroken", version="1.0", config_file=broken,
+                  force=True)
+    return {"handler": "tiny/tinyhandler.mar", "broken": "tiny/tinybroken.mar"}
+
+
+@pytest.fixture(scope="module")
+def mgmt(module_server_factory):
+    return module_server_factory(args=["--enable-model-api"])
+
+
+def test_custom_handler_code_is_refused(mgmt, tiny_archives):
+    r = mgmt.post("management", f"/models?url={tiny_archives['handler']}&synchronous=true")
+    assert r.status == 400, r.text
+    assert "my_handler" in r.json()["message"]
+    assert mgmt.get("management", "/models/tinyhandler").status == 404
+
+
+def test_worker_that_cannot_start_gives_500_when_synchronous(mgmt, tiny_archives):
+    r = mgmt.post("management", f"/models?url={tiny_archives['broken']}&synchronous=true")
+    assert r.status == 500, r.text
+    body = r.json()
+    assert body["type"] == "InternalServerException"
+    assert "Failed to start workers" in body["message"] and "KV pool" in body["message"]
+    assert mgmt.get("management", "/models/tinybroken").status == 404
+    assert mgmt.get("management", "/models").json() == {"models": []}
+
+
+def test_worker_that_cannot_start_is_retried_when_asynchronous(mgmt, tiny_archives):
+    r = mgmt.post("management", f"/models?url={tiny_archives['broken']}")
+    assert r.status == 202, r.text
+
+    def failing():
+        [w] = mgmt.get("management", "/models/tinybroken").json()[0]["workers"]
+        return w["lastError"] and w["status"] in ("RESTARTING", "STARTING")
+    mgmt.wait_for(failing, timeout=90, what="start failure recorded")
+    assert mgmt.predict("tinybroken").status == 503
+    assert mgmt.delete("management", "/models/tinybroken").status == 200
