@@ -244,6 +244,9 @@ def main() -> None:
     if args.phase:
         from engine.llm import load_tokenizer
 
+        # Stopped from outside: unwind, so the server process of the http phase is stopped too.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+
         prompts = make_prompts(load_tokenizer(args.model), args.num_prompts, args.prompt_len, seed=0)
         if args.phase == "offline":
             result = phase_offline(args, prompts)
