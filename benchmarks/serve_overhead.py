@@ -14,11 +14,13 @@ tokens each, EOS ignored, greedy, bfloat16, the default model, all requests arri
 Throughput is output tokens / (last token - first request sent); TTFT is first token - request
 sent; ITL is the gap between consecutive token arrivals of a request; TPOT is (last token - first
 token) / (tokens - 1) per request. The phases alternate for `--rounds` rounds; the best round of
-each is compared. Note: the load generator shares the machine with the server (on a 2-core box
+each is compared. `--threads 2,1` measures with 2 and with 1 engine thread: on a 2-core machine a
+2-thread worker shares its cores with the front end and the clients, which stalls its OpenMP
+threads; with 1 thread the other core is theirs. Note: the load generator shares the machine with the server (on a 2-core box
 it competes with the worker for CPU), so the overhead measured is an upper bound.
 Results go to benchmarks/results/serve_overhead.{json,md}.
 
-    .venv/bin/python benchmarks/serve_overhead.py [--num-prompts 32] [--output-len 64] [--threads 2]
+    .venv/bin/python benchmarks/serve_overhead.py [--num-prompts 32] [--output-len 64] [--threads 2,1]
 """
 
 from __future__ import annotations
@@ -93,6 +95,12 @@ def peak_rss_mib(pid: int | None = None) -> float:
     return 0.0
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 # -- offline phase (runs in a child process) -----------------------------------------------------
 
 def phase_offline(args, prompts) -> dict:
@@ -112,10 +120,14 @@ def phase_offline(args, prompts) -> dict:
         return outputs
 
     llm.engine.step = timed_step
+    cpu = cpu_seconds(os.getpid())
+    load = os.getloadavg()[0]
     sent = time.perf_counter()
     outs = llm.generate(prompts, params)
     assert sum(len(o.outputs[0].token_ids) for o in outs) == len(prompts) * args.output_len
-    return summarize(sent, token_times) | {"peak_rss_mib": {"process": peak_rss_mib()}}
+    return summarize(sent, token_times) | {"peak_rss_mib": {"process": peak_rss_mib()},
+                                           "cpu_s": {"process": cpu_seconds(os.getpid()) - cpu},
+                                           "loadavg_1m_before": load}
 
 
 # -- http phase (server in a subprocess, clients here) ---------------------------------------------
@@ -168,8 +180,13 @@ def phase_http(args, prompts, workdir: Path) -> dict:
             time.sleep(0.5)
         with urllib.request.urlopen(f"http://127.0.0.1:{ports['management']}/models/{MODEL_NAME}") as r:
             worker_pid = json.loads(r.read())[0]["workers"][0]["pid"]
-        result = asyncio.run(_drive(base, prompts[:1], args, warmup=True))  # warm-up
+        asyncio.run(_drive(base, prompts[:1], args, warmup=True))
+        pids = {"front_end": proc.pid, "worker": worker_pid, "client": os.getpid()}
+        cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        load = os.getloadavg()[0]
         result = asyncio.run(_drive(base, prompts, args))
+        result["cpu_s"] = {name: cpu_seconds(pid) - cpu[name] for name, pid in pids.items()}
+        result["loadavg_1m_before"] = load
         result["peak_rss_mib"] = {"front_end": peak_rss_mib(proc.pid), "worker": peak_rss_mib(worker_pid),
                                   "client": peak_rss_mib()}
         return result
@@ -216,14 +233,59 @@ async def _drive(base: str, prompts: list[list[int]], args, warmup: bool = False
 
 # -- driver ----------------------------------------------------------------------------------------
 
-def run_child(args, phase: str) -> dict:
+def run_child(args, phase: str, threads: int) -> dict:
     cmd = [sys.executable, __file__, "--phase", phase, "--model", args.model, "--num-prompts", str(args.num_prompts),
-           "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len), "--threads", str(args.threads)]
+           "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len), "--threads", str(threads)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    print(f"  {phase}: {result['tok_per_s']:.1f} tok/s, TTFT p50 {1000 * result['ttft_s']['p50']:.0f} ms",
-          flush=True)
+    print(f"  {phase} ({threads} threads): {result['tok_per_s']:.1f} tok/s, "
+          f"TTFT p50 {1000 * result['ttft_s']['p50']:.0f} ms", flush=True)
     return result
+
+
+def compare(runs: dict[str, list[dict]]) -> dict:
+    best = {k: max(v, key=lambda x: x["tok_per_s"]) for k, v in runs.items()}
+    off, http = best["offline"], best["http"]
+    return {
+        "offline_tok_per_s": off["tok_per_s"],
+        "http_tok_per_s": http["tok_per_s"],
+        "throughput_overhead": 1 - http["tok_per_s"] / off["tok_per_s"],
+        "ttft_p50_overhead": http["ttft_s"]["p50"] / off["ttft_s"]["p50"] - 1,
+        "per_round_throughput_overhead": [1 - h["tok_per_s"] / o["tok_per_s"]
+                                          for o, h in zip(runs["offline"], runs["http"])],
+        "best": best,
+        "runs": runs,
+    }
+
+
+def markdown_rows(threads: int, c: dict) -> list[str]:
+    off, http = c["best"]["offline"], c["best"]["http"]
+
+    def ms(d: dict, digits: int = 0) -> str:
+        return " / ".join(f"{1000 * d[k]:.{digits}f}" for k in ("p50", "p90", "p99"))
+
+    def rss(d: dict) -> str:
+        return ", ".join(f"{k} {v:.0f}" for k, v in d.items())
+
+    def cpu(d: dict) -> str:
+        return ", ".join(f"{k} {v:.1f}" for k, v in d.items())
+
+    rounds = ", ".join(f"{100 * x:+.0f} %" for x in c["per_round_throughput_overhead"])
+    return [
+        f"### {threads} engine thread{'s' if threads > 1 else ''}", "",
+        "| measure | offline `engine.LLM` | `pagedserve serve` over HTTP |", "| --- | --- | --- |",
+        f"| throughput | {off['tok_per_s']:.1f} tok/s | {http['tok_per_s']:.1f} tok/s |",
+        f"| TTFT p50 / p90 / p99 (ms) | {ms(off['ttft_s'])} | {ms(http['ttft_s'])} |",
+        f"| ITL p50 / p90 / p99 (ms) | {ms(off['itl_s'], 1)} | {ms(http['itl_s'], 1)} |",
+        f"| TPOT p50 / p90 / p99 (ms) | {ms(off['tpot_s'], 1)} | {ms(http['tpot_s'], 1)} |",
+        f"| peak RSS (MiB) | {rss(off['peak_rss_mib'])} | {rss(http['peak_rss_mib'])} |",
+        f"| CPU seconds during the run | {cpu(off['cpu_s'])} | {cpu(http['cpu_s'])} |",
+        f"| 1-minute load average at the start | {off['loadavg_1m_before']:.1f} | {http['loadavg_1m_before']:.1f} |",
+        "",
+        (f"**Server overhead: throughput {100 * c['throughput_overhead']:+.1f} %, TTFT p50 "
+         f"{100 * c['ttft_p50_overhead']:+.1f} %** (target < 10 %; best round of each side; per round: {rounds})."),
+        "",
+    ]
 
 
 def main() -> None:
@@ -232,8 +294,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=200)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of the engine / worker")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of each phase")
+    parser.add_argument("--threads", default="2,1", help="torch threads of the engine / worker; a list compares several")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of each phase")
     parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
@@ -246,7 +308,7 @@ def main() -> None:
 
         # Stopped from outside: unwind, so the server process of the http phase is stopped too.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
-
+        args.threads = int(args.threads)
         prompts = make_prompts(load_tokenizer(args.model), args.num_prompts, args.prompt_len, seed=0)
         if args.phase == "offline":
             result = phase_offline(args, prompts)
@@ -257,52 +319,34 @@ def main() -> None:
         print(json.dumps(result))
         return
 
-    runs: dict[str, list[dict]] = {"offline": [], "http": []}
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    runs = {t: {"offline": [], "http": []} for t in thread_counts}
     for r in range(args.rounds):
         print(f"round {r + 1}/{args.rounds}", flush=True)
-        for phase in ("offline", "http"):
-            runs[phase].append(run_child(args, phase))
-    best = {k: max(v, key=lambda x: x["tok_per_s"]) for k, v in runs.items()}
-    off, http = best["offline"], best["http"]
+        for t in thread_counts:
+            for phase in ("offline", "http"):
+                runs[t][phase].append(run_child(args, phase, t))
+    results = {str(t): compare(runs[t]) for t in thread_counts}
     summary = {
         "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "output_len": args.output_len,
-                     "dtype": "bfloat16", "threads": args.threads, "concurrency": args.num_prompts,
-                     "cpus": os.cpu_count()},
+                     "dtype": "bfloat16", "concurrency": args.num_prompts, "cpus": os.cpu_count(),
+                     "rounds": args.rounds},
         "machine": {"platform": platform.platform(), "processor": platform.processor()},
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "offline_tok_per_s": off["tok_per_s"],
-        "http_tok_per_s": http["tok_per_s"],
-        "throughput_overhead": 1 - http["tok_per_s"] / off["tok_per_s"],
-        "ttft_p50_overhead": http["ttft_s"]["p50"] / off["ttft_s"]["p50"] - 1,
-        "best": best,
-        "runs": runs,
+        "by_threads": results,
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "serve_overhead.json").write_text(json.dumps(summary, indent=2) + "\n")
-
-    def ms(d: dict) -> str:
-        return " / ".join(f"{1000 * d[k]:.0f}" for k in ("p50", "p90", "p99"))
-
-    def ms1(d: dict) -> str:
-        return " / ".join(f"{1000 * d[k]:.1f}" for k in ("p50", "p90", "p99"))
-
     md = [
         "# Serving overhead: HTTP server vs offline engine (latest run)", "",
         (f"{args.num_prompts} concurrent requests x {args.prompt_len} prompt tokens, {args.output_len} output "
-         f"tokens, bf16, {args.threads} engine threads, {os.cpu_count()} CPUs; best of {args.rounds} alternating "
-         "rounds. HTTP: one worker, streaming /predictions (NDJSON), aiohttp clients on the same machine."), "",
-        "| measure | offline `engine.LLM` | `pagedserve serve` over HTTP |", "| --- | --- | --- |",
-        f"| throughput | {off['tok_per_s']:.1f} tok/s | {http['tok_per_s']:.1f} tok/s |",
-        f"| TTFT p50 / p90 / p99 (ms) | {ms(off['ttft_s'])} | {ms(http['ttft_s'])} |",
-        f"| ITL p50 / p90 / p99 (ms) | {ms1(off['itl_s'])} | {ms1(http['itl_s'])} |",
-        f"| TPOT p50 / p90 / p99 (ms) | {ms1(off['tpot_s'])} | {ms1(http['tpot_s'])} |",
-        "| peak RSS (MiB) | " + ", ".join(f"{k} {v:.0f}" for k, v in off["peak_rss_mib"].items()) + " | "
-        + ", ".join(f"{k} {v:.0f}" for k, v in http["peak_rss_mib"].items()) + " |",
-        "",
-        (f"**Throughput overhead of the server: {100 * summary['throughput_overhead']:+.1f} %** "
-         f"(target < 10 %); TTFT p50 {100 * summary['ttft_p50_overhead']:+.1f} %."), "",
-        f"Run on {summary['date']} ({summary['machine']['platform']}).",
+         f"tokens (EOS ignored, greedy), bf16, {os.cpu_count()} CPUs; {args.rounds} alternating rounds, best of "
+         "each side compared. HTTP: `pagedserve serve` with one worker, every request a streaming "
+         "`/predictions` (NDJSON) from its own aiohttp connection; the clients run on the same machine."), "",
     ]
+    for t in thread_counts:
+        md += markdown_rows(t, results[str(t)])
+    md.append(f"Run on {summary['date']} ({summary['machine']['platform']}).")
     (RESULTS / "serve_overhead.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
