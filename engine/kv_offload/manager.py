@@ -174,6 +174,7 @@ class KVOffloadManager:
             self.close()
             raise
         self._disk_put_failures = 0
+        self._retrieve_batch = max(1, int(config.cpu_size_gb * 1024**3 / 4) // self.chunk_bytes)
         self._lookup_counter = 0
         self._pending: dict[str, _PendingLoad] = {}
         self._stored: dict[str, int] = {}  # request id -> prompt tokens known to be in LMCache
@@ -238,19 +239,24 @@ class KVOffloadManager:
             ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
             tokens = request.all_token_ids
             configs = _request_configs(request)
-            # One retrieve per chunk: LMCache holds every chunk of a retrieve in its CPU tier at
-            # once (a disk retrieve larger than the tier would block).
-            for chunk_start in range(start // C * C, end, C):
-                chunk_end = min(chunk_start + C, pending.hit_end)
-                mask = torch.ones(chunk_end, dtype=torch.bool)
-                mask[:chunk_start] = False
+            # LMCache holds every chunk of one retrieve in its CPU tier at once (a disk retrieve
+            # larger than the tier would block), so retrieve in batches of a quarter of the tier;
+            # the chunks of one batch are read from disk concurrently.
+            starts = list(range(start // C * C, end, C))
+            for i in range(0, len(starts), self._retrieve_batch):
+                batch_start = starts[i]
+                batch_end = min(starts[min(i + self._retrieve_batch, len(starts)) - 1] + C, pending.hit_end)
+                mask = torch.ones(batch_end, dtype=torch.bool)
+                mask[:batch_start] = False
                 ret = self.engine.retrieve(
-                    tokens[:chunk_end], mask=mask, req_id=pending.lookup_id, request_configs=configs,
+                    tokens[:batch_end], mask=mask, req_id=pending.lookup_id, request_configs=configs,
                     block_ids=ids, load_start=start, load_end=end,
                 )
-                if not bool(ret[chunk_start:chunk_end].all()):
+                # LMCache writes (and marks) only a prefix of the chunks: up to the first missing.
+                got = int(ret[batch_start:batch_end].long().cumprod(0).sum())
+                loaded_end = max(loaded_end, min(batch_start + got, end))
+                if got < batch_end - batch_start:
                     break
-                loaded_end = min(chunk_end, end)
         except Exception as exc:  # noqa: BLE001
             self._fault("load", f"LMCache load failed for {rid}: {exc!r}")
             loaded_end = start  # a chunk may be half written: trust none of it
