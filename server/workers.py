@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,7 +60,8 @@ class WorkerSlot:
     failures: int = 0  # consecutive deaths / failed starts
     restarts: int = 0  # total restarts, for the describe API
     last_error: str | None = None
-    task: asyncio.Task | None = None
+    task: asyncio.Task | None = None  # the start / restart in progress
+    starting: bool = False  # inside engine.start(): its threads own the engine's sockets
 
     @property
     def is_ready(self) -> bool:
@@ -136,7 +139,11 @@ class WorkerPool:
             try:
                 engine = self._make_engine(f"{self.label}#{slot.id}", self._on_dead)
                 slot.engine = engine
-                await engine.start(timeout=self._startup_timeout)
+                slot.starting = True
+                try:
+                    await engine.start(timeout=self._startup_timeout)
+                finally:
+                    slot.starting = False
             except (RuntimeError, ValueError, OSError, TimeoutError) as exc:  # EngineStartError too
                 slot.last_error = str(exc) or type(exc).__name__
                 slot.failures += 1
@@ -185,8 +192,7 @@ class WorkerPool:
     async def _unload(self, slot: WorkerSlot) -> None:
         """Stop routing to the slot, let its requests finish (bounded), stop its process."""
         slot.status = WorkerStatus.UNLOADING
-        if slot.task is not None and slot.task is not asyncio.current_task() and not slot.task.done():
-            slot.task.cancel()
+        await _halt(slot)
         engine = slot.engine
         if engine is not None:
             deadline = time.monotonic() + UNLOAD_WAIT_S
@@ -201,6 +207,9 @@ class WorkerPool:
     async def shutdown(self) -> None:
         """Stop every worker now (in-flight requests end with an error)."""
         self._closed = True
+        for s in self.slots:
+            s.status = WorkerStatus.UNLOADING
+        await asyncio.gather(*(_halt(s) for s in self.slots))
         for task in list(self._tasks):
             task.cancel()
         engines = [s.engine for s in self.slots if s.engine is not None]
@@ -214,6 +223,33 @@ class WorkerPool:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+
+async def _halt(slot: WorkerSlot) -> None:
+    """End the slot's start or restart task (its status is already UNLOADING).
+
+    A task inside `engine.start()` is not cancelled: the start's executor threads would keep
+    using the engine's ZeroMQ sockets while the cancellation closes them from another thread.
+    Its process is killed instead; `start()` sees the death, cleans up in order and fails, and
+    the task ends. A task that is backing off or cleaning up is simply cancelled.
+    """
+    task = slot.task
+    if task is None or task.done() or task is asyncio.current_task():
+        return
+    if not slot.starting:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return
+    killed = None
+    while not task.done():
+        engine = slot.engine
+        if engine is not None and engine is not killed and engine.pid is not None:
+            killed = engine  # each process once: a reaped pid may be reused
+            try:
+                os.kill(engine.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        await asyncio.wait({task}, timeout=0.1)
 
 
 def _load(slot: WorkerSlot) -> int:

@@ -5,8 +5,12 @@ nothing left registered; retried with back-off when asynchronous)."""
 from __future__ import annotations
 
 import shutil
+import time
+from pathlib import Path
 
 import pytest
+
+from tests.server.conftest import ARCHIVE, MODEL
 
 pytestmark = pytest.mark.slow
 
@@ -72,3 +76,36 @@ def test_worker_that_cannot_start_is_retried_when_asynchronous(mgmt, tiny_archiv
     mgmt.wait_for(failing, timeout=90, what="start failure recorded")
     assert mgmt.predict("tinybroken").status == 503
     assert mgmt.delete("management", "/models/tinybroken").status == 200
+
+
+def _workers_of(pid: int) -> list[int]:
+    """Live engine-core processes (multiprocessing spawn children) of process `pid`."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z" and b"spawn_main" in cmdline:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_unregister_and_scale_down_while_workers_start(mgmt):
+    """Removing workers that are still loading kills them cleanly; the server keeps running."""
+    for _ in range(2):
+        r = mgmt.post("management", f"/models?url={ARCHIVE}&initial_workers=2")
+        assert r.status == 202, r.text
+        time.sleep(1.0)  # the worker processes exist and are loading the model
+        r = mgmt.put("management", f"/models/{MODEL}?min_worker=1")
+        assert r.status == 202, r.text
+        r = mgmt.delete("management", f"/models/{MODEL}")
+        assert r.status == 200, r.text
+        mgmt.wait_for(lambda: not _workers_of(mgmt.proc.pid), timeout=30,
+                      what="no worker process left")
+    assert mgmt.get("management", "/models").json() == {"models": []}
+    r = mgmt.post("management", f"/models?url={ARCHIVE}&synchronous=true")
+    assert r.status == 200, r.text
+    assert mgmt.predict(MODEL).status == 200
+    assert mgmt.delete("management", f"/models/{MODEL}").status == 200
