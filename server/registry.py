@@ -70,6 +70,7 @@ class ModelVersion:
     max_model_len: int | None = None
     extras: dict[str, Any] = field(default_factory=dict)  # B's per-version objects
     in_flight: int = 0
+    _turn: int = 0
     registered_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
 
     @property
@@ -85,7 +86,10 @@ class ModelVersion:
         if not ready:
             raise NoWorkerError(f"model {self.name!r} version {self.version!r} has no ready "
                                 "worker right now; retry shortly")
-        engine = min(ready, key=_load_key)
+        # Equal loads: take turns (rotate where the scan starts), so idle workers share work.
+        self._turn = (self._turn + 1) % len(ready)
+        rotated = ready[self._turn:] + ready[:self._turn]
+        engine = min(rotated, key=_load_key)
         if self.max_model_len is None and engine.info is not None:
             self.max_model_len = engine.info.max_model_len
         return engine

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
 
@@ -139,8 +140,21 @@ def test_scale_up_and_down(mgmt):
     [desc] = describe(mgmt, f"/models/{MODEL}/1.0")
     pids = ready_pids(desc)
     assert len(pids) == 2 and len(set(pids)) == 2 and desc["minWorkers"] == 2
-    # Both serve: concurrent requests keep working while scaled.
-    assert all(mgmt.predict(MODEL, "1.0").status == 200 for _ in range(3))
+    # Least loaded routing: two concurrent requests land on different workers.
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(mgmt.post(
+        "inference", f"/predictions/{MODEL}/1.0", json={
+            "prompt": "Count: 1, 2,", "max_tokens": 64, "temperature": 0, "ignore_eos": True})))
+        for _ in range(2)]
+    for t in threads:
+        t.start()
+    mgmt.wait_for(lambda: sum(w["requestsInFlight"] for w in describe(
+        mgmt, f"/models/{MODEL}/1.0")[0]["workers"]) == 2, timeout=30, what="2 in flight")
+    loads = [w["requestsInFlight"] for w in describe(mgmt, f"/models/{MODEL}/1.0")[0]["workers"]]
+    for t in threads:
+        t.join(120)
+    assert loads == [1, 1]
+    assert [r.status for r in results] == [200, 200]
 
     r = mgmt.put("management", f"/models/{MODEL}/1.0?min_worker=1")  # asynchronous
     assert r.status == 202 and r.json() == {"status": "Processing worker updates..."}
