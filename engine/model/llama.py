@@ -24,6 +24,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.model.llama_spec import LlamaSpec, rope_inv_freq
 from kernels.cpu_fused_ops import CpuFusedOps
+from kernels.cpu_packed_linear import PackedLinear
 
 # HF projection name -> (fused module name, shard index).
 _FUSED = {
@@ -187,6 +188,7 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
         self.to_empty(device=self.device)
         self.requires_grad_(False)
+        self.packed_lm_head: PackedLinear | None = None  # set by pack_linear_weights()
         freqs = torch.arange(max_len, dtype=torch.float32, device=self.device)[:, None] * rope_inv_freq(spec).to(
             self.device
         )
@@ -220,8 +222,25 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`hidden [N, hidden]` -> logits `[N, vocab]` in the model dtype (the sampler widens
         them to float32 only when it needs to)."""
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)
+
+    def pack_linear_weights(self) -> None:
+        """Swap every projection and the LM head for a PackedLinear (bf16 on CPU, after the
+        weights are loaded): oneDNN then skips its per-call weight reorder."""
+        for layer in self.model.layers:
+            for parent, name in (
+                (layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj"),
+            ):
+                setattr(parent, name, PackedLinear.from_linear(getattr(parent, name)))
+        if self.lm_head is None:  # tied: the embedding keeps its plain table for lookups
+            self.packed_lm_head = PackedLinear(self.model.embed_tokens.weight, None)
+        else:
+            self.packed_lm_head = PackedLinear.from_linear(self.lm_head)
+            self.lm_head = None
 
     def checkpoint_names(self) -> set[str]:
         """The HF tensor names a checkpoint must provide (rotary inv_freq buffers never needed)."""

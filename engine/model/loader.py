@@ -19,6 +19,7 @@ from engine.config import resolve_dtype
 from engine.model.llama import LlamaForCausalLM
 from engine.model.llama_spec import LlamaSpec
 from kernels.cpu_fused_ops import CpuFusedOps, load_fused_ops
+from kernels.cpu_packed_linear import packed_linear_supported
 
 _INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -84,6 +85,8 @@ def load_model(
         config, resolve_dtype(dtype), device, backend, max_model_len=max_model_len, fused_ops=fused_ops
     )
     model.load_weights(iter_safetensors(files))
+    if model.dtype == torch.bfloat16 and model.device.type == "cpu" and packed_linear_supported():
+        model.pack_linear_weights()
     return model.eval()
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 
@@ -263,3 +264,22 @@ def test_loader_refuses_pickle_only_checkpoints(llama_dir, tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"not opened")
     with pytest.raises(ValueError, match=r"pytorch_model\.bin.*safetensors only"):
         load_model(tmp_path, "float32", "cpu", select_backend("cpu"))
+
+
+def test_bfloat16_on_cpu_runs_packed_linears(checkpoint):
+    """bf16 models on CPU run their projections and LM head through PackedLinear (the
+    full-model closeness to HF is test_bfloat16_stays_close); logits match F.linear."""
+    from kernels.cpu_packed_linear import PackedLinear, packed_linear_supported
+
+    if not packed_linear_supported():
+        pytest.skip("no oneDNN bf16 linear here")
+    model = PagedRunner(checkpoint, torch.bfloat16).model
+    layer = model.model.layers[0]
+    projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    assert all(isinstance(p, PackedLinear) for p in projections)
+    assert isinstance(model.packed_lm_head, PackedLinear)
+    assert isinstance(PagedRunner(checkpoint, torch.float32).model.model.layers[0].mlp.down_proj, torch.nn.Linear)
+    if model.spec.tie_word_embeddings:
+        hidden = torch.randn(7, model.spec.hidden_size).bfloat16()
+        want = F.linear(hidden, model.model.embed_tokens.weight)
+        torch.testing.assert_close(model.compute_logits(hidden).float(), want.float(), rtol=1e-2, atol=2e-2)

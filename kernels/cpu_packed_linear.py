@@ -1,0 +1,55 @@
+"""bfloat16 linear layers on CPU with the weight packed once into oneDNN's blocked layout.
+
+`F.linear` on a plain bf16 CPU weight lets oneDNN reorder the weight on every call; at decode
+batch sizes that reorder is a large share of the matmul (about 2x for the 49152-row LM head
+at 64 rows, benchmarks/bench_packed_linear.py). Packing at load time removes it. The packed
+tensor replaces the plain weight, so memory does not grow. The reference is `F.linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# oneDNN picks the blocked layout for an expected row count; any row count works with it.
+_BATCH_HINT = 64
+
+
+def packed_linear_supported() -> bool:
+    """True where this torch has the oneDNN ops and they reproduce F.linear on a tiny case."""
+    ops = getattr(torch.ops, "mkldnn", None)
+    if not torch.backends.mkldnn.is_available() or ops is None:
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(3, 32, generator=gen).bfloat16()
+        w = torch.randn(16, 32, generator=gen).bfloat16()
+        got = PackedLinear(w, None)(x)
+    except (RuntimeError, AttributeError):
+        return False
+    return torch.allclose(got.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2)
+
+
+class PackedLinear(nn.Module):
+    """`y = x @ weight.T + bias` for bf16 `x [..., in]`, with `weight [out, in]` packed."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+            raise ValueError("PackedLinear takes a 2-D bfloat16 CPU weight")
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _BATCH_HINT)
+        self.bias = None if bias is None else bias.detach().contiguous()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> PackedLinear:
+        return cls(linear.weight, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], self.out_features)

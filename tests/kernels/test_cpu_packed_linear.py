@@ -1,0 +1,34 @@
+"""PackedLinear (oneDNN-packed bf16 weights) against its reference, F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_packed_linear import PackedLinear, packed_linear_supported
+
+pytestmark = pytest.mark.skipif(not packed_linear_supported(), reason="no oneDNN bf16 linear here")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_f_linear(rows, with_bias):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    w = torch.randn(200, 96, generator=gen).bfloat16()
+    b = torch.randn(200, generator=gen).bfloat16() if with_bias else None
+    got, want = PackedLinear(w, b)(x), F.linear(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 200)
+    # Both run oneDNN bf16 kernels with float32 accumulation; allow one bf16 rounding step.
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=2e-2)
+
+
+def test_keeps_leading_dims_and_refuses_what_it_cannot_pack():
+    w = torch.randn(8, 16).bfloat16()
+    x = torch.randn(2, 3, 16).bfloat16()
+    assert PackedLinear(w, None)(x).shape == (2, 3, 8)
+    with pytest.raises(ValueError, match="input features"):
+        PackedLinear(w, None)(torch.randn(3, 15).bfloat16())
+    with pytest.raises(ValueError, match="bfloat16"):
+        PackedLinear(w.float(), None)
