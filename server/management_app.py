@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -272,6 +273,19 @@ async def unregister_model(request: web.Request) -> web.Response:
 
 # -- app ----------------------------------------------------------------------------------
 @web.middleware
+async def observe(request: web.Request, handler) -> web.StreamResponse:
+    """Count every management request by status. The model label is the model named in the
+    path only when it is registered: unknown names must not grow the label set."""
+    started = time.monotonic()
+    response = await handler(request)
+    state = request.app[STATE_KEY]
+    name = request.match_info.get("model")
+    state.metrics.observe_request(name if name in state.registry.models else None, "management",
+                                  response.status, time.monotonic() - started)
+    return response
+
+
+@web.middleware
 async def json_errors(request: web.Request, handler) -> web.StreamResponse:
     """Map exceptions to TorchServe's codes and shapes."""
     try:
@@ -301,7 +315,8 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
 
 
 def build_management_app(state: ServerState) -> web.Application:
-    app = web.Application(middlewares=[json_errors, auth_middleware(state.management_key)],
+    app = web.Application(middlewares=[observe, json_errors,
+                                       auth_middleware(state.management_key)],
                           client_max_size=state.config.max_request_size)
     app[STATE_KEY] = state
     r = app.router

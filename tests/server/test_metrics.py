@@ -41,6 +41,9 @@ def test_requests_and_engine_figures(server):
     m = scrape(server)
     assert value(m, "pagedserve_requests_total", model=MODEL, status="200") >= 2
     assert value(m, "pagedserve_requests_total", status="404") >= 1
+    assert server.get("management", "/models/no-such-model").status == 404
+    m = scrape(server)
+    assert value(m, "pagedserve_requests_total", endpoint="management", status="404") >= 1
     assert value(m, "pagedserve_request_latency_seconds_count", model=MODEL) >= 2
     for hist in ("time_to_first_token", "queue_time", "time_per_output_token"):
         assert value(m, f"pagedserve_{hist}_seconds_count", model=MODEL) >= 2, hist
