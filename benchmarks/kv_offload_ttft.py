@@ -123,9 +123,10 @@ def phase_restart(args, tokenizer) -> dict:
             _drop_from_page_cache(args.disk)
             dropped.append(ttft(llm, ids))
         evict_pool(llm, tokenizer, args, seed=300 + trial)
-        if trial % 2:
-            cold.append(ttft(llm, make_prompt(tokenizer, args.prompt_len, seed=400 + trial)))
-            evict_pool(llm, tokenizer, args, seed=500 + trial)
+        # A cold prompt right after each disk hit: the machine is shared, so each restored
+        # measurement is paired with a cold one taken next to it.
+        cold.append(ttft(llm, make_prompt(tokenizer, args.prompt_len, seed=400 + trial)))
+        evict_pool(llm, tokenizer, args, seed=500 + trial)
     stats = llm.engine.kv_offload_stats()
     llm.shutdown()
     return {"disk_hit_s": warm, "disk_hit_dropped_s": dropped, "cold_s": cold, "stats": stats,
@@ -201,7 +202,8 @@ def main() -> None:
 
 
 def summarize(first: dict, restart: dict) -> dict:
-    """Best-of (min) and median TTFT per case, and cold / restored ratios of both."""
+    """Best-of (min) and median TTFT per case, cold / restored ratios of both, and the median of
+    the ratios of measurement pairs taken next to each other (the most robust on a busy machine)."""
     cases = {"cold": first["cold_s"] + restart["cold_s"], "cpu": first["cpu_hit_s"],
              "disk": restart["disk_hit_s"], "disk_dropped": restart["disk_hit_dropped_s"]}
     out = {"restored_tokens": first["restored_tokens"],
@@ -210,6 +212,12 @@ def summarize(first: dict, restart: dict) -> dict:
         values = {case: fn(v) for case, v in cases.items() if v}
         out[stat] = {"ttft_s": values,
                      "speedup": {case: values["cold"] / v for case, v in values.items() if case != "cold"}}
+    restart_cold = restart["cold_s"]
+    if len(restart_cold) == len(restart["disk_hit_s"]) + len(restart["disk_hit_dropped_s"]):
+        pairs = {"cpu": list(zip(first["cold_s"], first["cpu_hit_s"])),
+                 "disk": list(zip(restart_cold[0::2], restart["disk_hit_s"])),
+                 "disk_dropped": list(zip(restart_cold[1::2], restart["disk_hit_dropped_s"]))}
+        out["paired_speedup_median"] = {case: statistics.median(c / h for c, h in p) for case, p in pairs.items() if p}
     return out
 
 
@@ -221,8 +229,9 @@ def render(summary: dict) -> str:
          "nothing cached; CPU tier = the same prompt after the engine's block pool was emptied by other "
          "prompts; disk = a new process on the same folder, with the chunk files in the OS page cache (as "
          "right after a restart) and dropped from it with posix_fadvise (read from the device). "
-         f"{2 * w['trials']} prompts per phase; cells show best-of (min) and median TTFT, with cold / restored "
-         "ratios."), "",
+         f"{2 * w['trials']} prompts per phase; cells show best-of (min) and median TTFT with cold / restored "
+         "ratios, and (bold) the median ratio of pairs measured next to each other: a restored prompt and "
+         "the cold prompt run just before (CPU tier) or just after it (disk)."), "",
         ("| chunk_size | restored tokens | cold | CPU tier | disk (page cache) | disk (dropped from page cache) "
         "| peak RSS first / restart |"),
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -235,8 +244,9 @@ def render(summary: dict) -> str:
             if t is None:
                 return "n/a"
             ratio = row[stat]["speedup"].get(case)
-            parts.append(f"{1000 * t:.0f} ms" + (f" (**{ratio:.1f}x**)" if ratio else ""))
-        return " / ".join(parts)
+            parts.append(f"{1000 * t:.0f} ms" + (f" ({ratio:.1f}x)" if ratio else ""))
+        paired = row.get("paired_speedup_median", {}).get(case)
+        return " / ".join(parts) + (f"; paired **{paired:.1f}x**" if paired else "")
 
     for chunk_size, row in summary["by_chunk_size"].items():
         md.append(
