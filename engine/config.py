@@ -98,6 +98,9 @@ class EngineConfig:
     scheduling_policy: str | SchedulingPolicy = SchedulingPolicy.FCFS
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    # True when `model` is a directory the caller already opened and verified (the server's
+    # extracted archive): the engine loads it as it is, without re-hashing or re-checking it.
+    model_verified: bool = False
     # Tiered KV offload through LMCache: {"cpu_size_gb", "disk_path", "disk_size_gb",
     # "chunk_size"} (engine.kv_offload.config); None = off. Normalised (defaults filled) here.
     kv_offload: dict | None = None

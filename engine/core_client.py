@@ -82,7 +82,9 @@ class InprocClient(EngineCoreClient):
 class MPClient(EngineCoreClient):
     """Spawns one engine-core process and talks to it over two ipc:// sockets.
 
-    Thread-safety: sends are serialized by a lock; get_output() belongs to one thread.
+    Thread-safety: sends are serialized by one lock and receives by another, and shutdown()
+    takes both before it closes the sockets, so it may be called from any thread at any time
+    (ZeroMQ sockets must never be used by two threads at once).
     """
 
     def __init__(self, config: EngineConfig, name: str = "engine-core") -> None:
@@ -96,6 +98,7 @@ class MPClient(EngineCoreClient):
         self._output = self._context.socket(zmq.PULL)
         self._output.bind(output_address)
         self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = make_event_decoder()
         self._closed = False
@@ -125,8 +128,12 @@ class MPClient(EngineCoreClient):
         raise EngineStartError(f"the worker was not ready within {timeout:.0f} s")
 
     def _recv(self, timeout: float | None):
-        if self._output.poll(None if timeout is None else int(timeout * 1000)):
-            event = self._decoder.decode(self._output.recv())
+        with self._recv_lock:
+            if self._closed:
+                raise EngineDeadError("the worker is shut down")
+            frame = self._output.recv() if self._output.poll(None if timeout is None else int(timeout * 1000)) else None
+        if frame is not None:
+            event = self._decoder.decode(frame)
             if isinstance(event, EngineFailure):
                 raise EngineDeadError(f"worker {self.pid} failed: {event.message}")
             return event
@@ -153,7 +160,7 @@ class MPClient(EngineCoreClient):
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the worker to exit; SIGKILL it after `timeout`. Idempotent."""
-        with self._send_lock:
+        with self._send_lock, self._recv_lock:
             if self._closed:
                 return
             if self.process.is_alive():
@@ -163,5 +170,6 @@ class MPClient(EngineCoreClient):
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
-        self._context.destroy(linger=0)
+        with self._send_lock, self._recv_lock:
+            self._context.destroy(linger=0)
         shutil.rmtree(self._ipc_dir, ignore_errors=True)

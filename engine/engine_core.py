@@ -39,7 +39,7 @@ class EngineCore:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        model_dir = resolve_model_dir(config.model)
+        model_dir = Path(config.model) if config.model_verified else resolve_model_dir(config.model)
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{model_dir} is not a model directory (no config.json)")
         self.model_dir = model_dir

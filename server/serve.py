@@ -220,7 +220,8 @@ class Server:
             options["kv_offload"] = self.config.kv_offload
         if entry.model_config.device_type is DeviceType.GPU:
             options["device"] = "cuda"
-        config = EngineConfig(model=str(entry.model_dir), **options)
+        # The registry opened and verified the archive (custom handler rules included).
+        config = EngineConfig(model=str(entry.model_dir), model_verified=True, **options)
         return AsyncLLM(config, entry.tokenizer, name=worker_name, on_dead=on_dead)
 
     def _save_snapshot(self) -> None:
