@@ -233,10 +233,25 @@ async def _drive(base: str, prompts: list[list[int]], args, warmup: bool = False
 
 # -- driver ----------------------------------------------------------------------------------------
 
-def run_child(args, phase: str, threads: int) -> dict:
+def run_child(args, phase: str, threads: int, attempts: int = 2) -> dict:
+    """Run one phase in a fresh process; a failed attempt (e.g. a port taken by another program
+    between choosing and binding it) is reported and retried once."""
+    for attempt in range(attempts):
+        try:
+            return _run_child_once(args, phase, threads)
+        except RuntimeError as exc:
+            print(f"  {exc}", flush=True)
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_child_once(args, phase: str, threads: int) -> dict:
     cmd = [sys.executable, __file__, "--phase", phase, "--model", args.model, "--num-prompts", str(args.num_prompts),
            "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len), "--threads", str(threads)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"phase {phase} ({threads} threads) failed:\n{out.stderr[-4000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"  {phase} ({threads} threads): {result['tok_per_s']:.1f} tok/s, "
           f"TTFT p50 {1000 * result['ttft_s']['p50']:.0f} ms", flush=True)
@@ -326,11 +341,15 @@ def main() -> None:
         for t in thread_counts:
             for phase in ("offline", "http"):
                 runs[t][phase].append(run_child(args, phase, t))
+        write_results(args, thread_counts, runs, rounds_done=r + 1)  # a later failure keeps these
+
+
+def write_results(args, thread_counts: list[int], runs: dict, rounds_done: int) -> None:
     results = {str(t): compare(runs[t]) for t in thread_counts}
     summary = {
         "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "output_len": args.output_len,
                      "dtype": "bfloat16", "concurrency": args.num_prompts, "cpus": os.cpu_count(),
-                     "rounds": args.rounds},
+                     "rounds": rounds_done},
         "machine": {"platform": platform.platform(), "processor": platform.processor()},
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "by_threads": results,
@@ -340,7 +359,7 @@ def main() -> None:
     md = [
         "# Serving overhead: HTTP server vs offline engine (latest run)", "",
         (f"{args.num_prompts} concurrent requests x {args.prompt_len} prompt tokens, {args.output_len} output "
-         f"tokens (EOS ignored, greedy), bf16, {os.cpu_count()} CPUs; {args.rounds} alternating rounds, best of "
+         f"tokens (EOS ignored, greedy), bf16, {os.cpu_count()} CPUs; {rounds_done} alternating rounds, best of "
          "each side compared. HTTP: `pagedserve serve` with one worker, every request a streaming "
          "`/predictions` (NDJSON) from its own aiohttp connection; the clients run on the same machine."), "",
     ]
