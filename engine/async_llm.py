@@ -80,6 +80,7 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
         ],
         out.finished,
         out.num_cached_tokens,
+        out.num_external_cached_tokens,
         dict(out.metrics),
     )
 

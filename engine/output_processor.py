@@ -89,6 +89,9 @@ class OutputProcessor:
                 parent.num_unfinished -= 1
             completion.text = child.detokenizer.output_text
             parent.output.num_cached_tokens = max(parent.output.num_cached_tokens, eco.num_cached_tokens)
+            parent.output.num_external_cached_tokens = max(
+                parent.output.num_external_cached_tokens, eco.num_external_cached_tokens
+            )
             if parent.num_unfinished == 0:
                 parent.output.finished = True
                 del self._parents[parent_id]

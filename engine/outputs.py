@@ -34,4 +34,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_external_cached_tokens: int = 0  # prompt tokens restored from the KV offload tiers
     metrics: dict[str, float] = field(default_factory=dict)

@@ -16,6 +16,7 @@ def timings(out: RequestOutput, total_s: float | None = None) -> dict[str, Any]:
     prompt tokens served from the prefix cache. `total_s` is the front end's own measure."""
     record: dict[str, Any] = {key: _rounded(out.metrics.get(key)) for key in TIMING_KEYS}
     record["cached_prompt_tokens"] = out.num_cached_tokens
+    record["offloaded_prompt_tokens"] = out.num_external_cached_tokens  # restored from LMCache
     if total_s is not None:
         record["total_s"] = _rounded(total_s)
     return record
