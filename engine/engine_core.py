@@ -123,6 +123,7 @@ class EngineCore:
             prefix_cache_queries=kv.num_queried_tokens,
             prefix_cache_hits=kv.num_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            kv_offload=self.kv_offload_stats(),
         )
 
     def step(self) -> list[EngineCoreOutput]:

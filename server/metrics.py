@@ -79,6 +79,19 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+# (stats field, family key / name suffix, help, extra labels); hit tokens first, by tier.
+_OFFLOAD_COUNTERS = (
+    ("hit_tokens", "hit_tokens", "Prompt tokens restored from the KV offload tiers", ["tier"]),
+    ("stored_tokens", "stored_tokens", "Prompt tokens stored to the KV offload tiers", []),
+    ("loaded_bytes", "loaded_bytes", "Bytes of KV restored from the offload tiers", []),
+    ("stored_bytes", "stored_bytes", "Bytes of KV stored to the offload tiers", []),
+    ("load_time_s", "load_time_seconds", "Time spent restoring KV from the offload tiers", []),
+    ("store_time_s", "store_time_seconds", "Time spent storing KV to the offload tiers", []),
+    ("faults", "faults", "Offload failures absorbed by recomputing", []),
+)
+_OFFLOAD_FIELDS = ("hit_tokens_cpu", "hit_tokens_disk", *(c[0] for c in _OFFLOAD_COUNTERS[1:]))
+
+
 class EngineCollector:
     """Engine gauges per model version, summed over its workers, read at scrape time."""
 
@@ -110,6 +123,10 @@ class EngineCollector:
                                                "Requests preempted (since the workers started)",
                                                labels=labels),
         }
+        offload = {
+            key: CounterMetricFamily(f"pagedserve_kv_offload_{name}", doc, labels=labels + extra)
+            for key, name, doc, extra in _OFFLOAD_COUNTERS
+        }
         for v in self._versions():
             key = [v.name, v.version]
             engines = v.pool.ready_engines()
@@ -124,7 +141,15 @@ class EngineCollector:
             fams["free"].add_metric(key, sum(s.num_free_blocks for s in stats))
             fams["hit_rate"].add_metric(key, hits / queries if queries else 0.0)
             fams["preemptions"].add_metric(key, sum(s.num_preemptions for s in stats))
+            offloads = [s.kv_offload for s in stats if s.kv_offload]
+            if offloads:
+                total = {k: sum(o.get(k, 0) for o in offloads) for k in _OFFLOAD_FIELDS}
+                offload["hit_tokens"].add_metric([*key, "cpu"], total["hit_tokens_cpu"])
+                offload["hit_tokens"].add_metric([*key, "disk"], total["hit_tokens_disk"])
+                for field_name, *_ in _OFFLOAD_COUNTERS[1:]:
+                    offload[field_name].add_metric(key, total[field_name])
         yield from fams.values()
+        yield from (fam for fam in offload.values() if fam.samples)
 
 
 METRICS_KEY = web.AppKey("pagedserve_metrics", ServerMetrics)
