@@ -184,6 +184,9 @@ def test_request_reports_tokens_from_lmcache(default_model_dir, prompts, tmp_pat
         assert request.num_external_cached_tokens == (len(p) - 1) // BLOCK * BLOCK
         assert {o.num_external_cached_tokens for o in outputs} == {request.num_external_cached_tokens}
         assert [t for o in outputs for t in o.new_token_ids] == greedy(llm, p)
+        evict_pool(llm)  # the offline API's outputs carry the same count (the server's timings show it)
+        (out,) = llm.generate([list(p)], GREEDY)
+        assert out.num_external_cached_tokens == request.num_external_cached_tokens
     finally:
         llm.shutdown()
 
