@@ -13,7 +13,8 @@ TIMING_KEYS = ("queued_s", "prefill_s", "decode_s", "ttft_s")
 
 def timings(out: RequestOutput, total_s: float | None = None) -> dict[str, Any]:
     """Per-request timings from the engine's metrics (seconds; None where unknown) and the
-    prompt tokens served from the prefix cache. `total_s` is the front end's own measure."""
+    prompt tokens served from the prefix cache (and restored from the KV offload tiers).
+    `total_s` is the front end's own measure."""
     record: dict[str, Any] = {key: _rounded(out.metrics.get(key)) for key in TIMING_KEYS}
     record["cached_prompt_tokens"] = out.num_cached_tokens
     record["offloaded_prompt_tokens"] = out.num_external_cached_tokens  # restored from LMCache
