@@ -26,6 +26,8 @@ from engine.core_messages import (
 )
 from engine.core_process import run_engine_core, to_engine_request
 
+LAST_WORDS_S = 0.5  # how long to wait for a dead worker's queued messages
+
 
 class EngineStartError(RuntimeError):
     """The worker process failed to start; the message says why."""
@@ -128,18 +130,27 @@ class MPClient(EngineCoreClient):
         raise EngineStartError(f"the worker was not ready within {timeout:.0f} s")
 
     def _recv(self, timeout: float | None):
+        frame = self._poll(timeout)
+        if frame is None and not self.process.is_alive():
+            # A worker that fails sends why before it exits: its last words may have landed
+            # between the poll above and its exit.
+            frame = self._poll(LAST_WORDS_S)
+            if frame is None:
+                raise EngineDeadError(f"worker {self.pid} exited (exit code {self.process.exitcode})")
+        if frame is None:
+            return None
+        event = self._decoder.decode(frame)
+        if isinstance(event, EngineFailure):
+            raise EngineDeadError(f"worker {self.pid} failed: {event.message}")
+        return event
+
+    def _poll(self, timeout: float | None) -> bytes | None:
         with self._recv_lock:
             if self._closed:
                 raise EngineDeadError("the worker is shut down")
-            frame = self._output.recv() if self._output.poll(None if timeout is None else int(timeout * 1000)) else None
-        if frame is not None:
-            event = self._decoder.decode(frame)
-            if isinstance(event, EngineFailure):
-                raise EngineDeadError(f"worker {self.pid} failed: {event.message}")
-            return event
-        if not self.process.is_alive():
-            raise EngineDeadError(f"worker {self.pid} exited (exit code {self.process.exitcode})")
-        return None
+            if self._output.poll(None if timeout is None else int(timeout * 1000)):
+                return self._output.recv()
+            return None
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(request)
