@@ -8,19 +8,15 @@ from typing import Any
 
 from engine.outputs import RequestOutput, TokenLogprob
 from handlers.deltas import ChoiceDelta
-from handlers.llm_output import timings
+from handlers.llm_output import timings, usage
 from handlers.openai_protocol import Endpoint, OpenAIRequest
 
 
 def openai_usage(out: RequestOutput) -> dict[str, Any]:
-    prompt_tokens = len(out.prompt_token_ids)
-    completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
-    }
+    """`usage` as OpenAI names it: cached prompt tokens under `prompt_tokens_details`."""
+    record = usage(out)
+    record["prompt_tokens_details"] = {"cached_tokens": record.pop("cached_prompt_tokens")}
+    return record
 
 
 @dataclass(slots=True)
