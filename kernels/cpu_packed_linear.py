@@ -1,8 +1,9 @@
 """bfloat16 linear layers on CPU with the weight packed once into oneDNN's blocked layout.
 
 `F.linear` on a plain bf16 CPU weight lets oneDNN reorder the weight on every call; at decode
-batch sizes that reorder is a large share of the matmul (about 2x for the 49152-row LM head
-at 64 rows, benchmarks/bench_packed_linear.py). Packing at load time removes it. The packed
+batch sizes that reorder is a large share of the matmul (the 49152-row LM head at 64 rows ran
+1.7-2.7x faster packed; the MLP projections ~1.1x; prefill-sized calls about the same:
+benchmarks/bench_packed_linear.py). Packing at load time removes it. The packed
 tensor replaces the plain weight, so memory does not grow. The reference is `F.linear`.
 """
 

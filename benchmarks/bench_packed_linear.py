@@ -1,0 +1,125 @@
+"""bf16 linear layers on CPU: F.linear (oneDNN reorders the weight every call) vs PackedLinear
+(weight packed once at load), in one run.
+
+1. Per projection of SmolLM2-135M, at 64 rows (a decode step of 64 sequences) and 2,048 rows
+   (a prefill chunk): microseconds per call, alternating, best of several.
+2. The engine on 64 prompts x 200 tokens, 48 output tokens (EOS ignored, greedy), with and
+   without packing, in the same process, alternating rounds, best of each.
+
+Writes benchmarks/results/bench_packed_linear.{md,json}; reports peak RSS.
+
+    .venv/bin/python benchmarks/bench_packed_linear.py [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import resource
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+# (name, out_features, in_features) of SmolLM2-135M's projections and its LM head.
+SHAPES = [("qkv_proj", 960, 576), ("o_proj", 576, 576), ("gate_up_proj", 3072, 576),
+          ("down_proj", 576, 1536), ("lm_head", 49152, 576)]
+
+
+def time_call(fn, min_time: float = 0.3) -> float:
+    fn()
+    calls, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < min_time:
+        fn()
+        calls += 1
+    return elapsed / max(1, calls) * 1e6
+
+
+def bench_shapes(rounds: int) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    from kernels.cpu_packed_linear import PackedLinear
+
+    rows = []
+    for m in (64, 2048):
+        for name, n, k in SHAPES:
+            if name == "lm_head" and m > 64:
+                continue  # logits are computed only for sampled positions
+            x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+            packed = PackedLinear(w, None)
+            plain_us, packed_us = [], []
+            for _ in range(rounds):
+                plain_us.append(time_call(lambda x=x, w=w: F.linear(x, w)))
+                packed_us.append(time_call(lambda x=x, packed=packed: packed(x)))
+            rows.append({"rows": m, "layer": name, "plain_us": min(plain_us), "packed_us": min(packed_us),
+                         "speedup": min(plain_us) / min(packed_us)})
+            print(f"  {m} x {name}: {rows[-1]['speedup']:.2f}x", flush=True)
+    return rows
+
+
+def bench_engine(rounds: int) -> dict:
+    from engine import LLM, SamplingParams
+    from engine.model import loader
+    from engine.model.default_model import default_model_dir
+
+    model = default_model_dir()
+    options = {"dtype": "bfloat16", "kv_cache_memory": "1GiB", "num_threads": 2, "enable_prefix_caching": False}
+    supported = loader.packed_linear_supported
+    loader.packed_linear_supported = lambda: False  # this engine keeps plain F.linear weights
+    try:
+        plain = LLM(model, **options)
+    finally:
+        loader.packed_linear_supported = supported
+    packed = LLM(model, **options)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(200)] for _ in range(64)]
+    params = SamplingParams(max_tokens=48, ignore_eos=True, temperature=0)
+    runs: dict[str, list[float]] = {"plain": [], "packed": []}
+    for r in range(rounds):
+        for name, llm in (("plain", plain), ("packed", packed)):
+            start = time.perf_counter()
+            llm.generate(prompts, params)
+            runs[name].append(64 * 48 / (time.perf_counter() - start))
+            print(f"  round {r + 1} {name}: {runs[name][-1]:.1f} tok/s", flush=True)
+    ratios = sorted(p / q for p, q in zip(runs["packed"], runs["plain"]))
+    return {"runs_tok_per_s": runs, "speedup": max(runs["packed"]) / max(runs["plain"]),
+            "median_round_speedup": ratios[len(ratios) // 2]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    torch.set_num_threads(2)
+    shapes = bench_shapes(args.rounds)
+    engine = bench_engine(args.rounds)
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    summary = {"shapes": shapes, "engine": engine, "peak_rss_mib": peak_mib,
+               "date": time.strftime("%Y-%m-%d %H:%M"), "platform": platform.platform()}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "bench_packed_linear.json").write_text(json.dumps(summary, indent=2) + "\n")
+    md = ["# bf16 linear on CPU: F.linear vs PackedLinear (latest run)", "",
+          f"2 threads, best of {args.rounds} alternating rounds.", "",
+          "| rows | layer | F.linear (us) | packed (us) | speedup |", "| --- | --- | --- | --- | --- |"]
+    md += [f"| {r['rows']} | {r['layer']} | {r['plain_us']:.0f} | {r['packed_us']:.0f} | {r['speedup']:.2f}x |"
+           for r in shapes]
+    runs = engine["runs_tok_per_s"]
+    md += ["", "Engine, 64 prompts x 200 tokens, 48 output tokens: plain "
+           f"{max(runs['plain']):.1f} tok/s, packed {max(runs['packed']):.1f} tok/s, "
+           f"**{engine['speedup']:.2f}x** best vs best, median of the per-round ratios "
+           f"**{engine['median_round_speedup']:.2f}x** (per round: "
+           + ", ".join(f"{p / q:.2f}x" for p, q in zip(runs["packed"], runs["plain"])) + ").",
+           "", f"Peak RSS {peak_mib:.0f} MiB (both engines loaded). Run on {summary['date']} ({summary['platform']})."]
+    (RESULTS / "bench_packed_linear.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
