@@ -55,7 +55,7 @@ class ServerConfig:
     max_request_size: int = 6_553_500  # bytes (TorchServe's default)
     max_response_size: int = 6_553_500
     frontend_threads: int = 4  # thread pool for tokenization and archive work
-    worker_threads: int | None = None  # torch threads per worker; None: (cores - 1) / total workers
+    worker_threads: int | None = None  # torch threads per worker; None: cores / total workers
     drain_grace: float = 30.0  # seconds SIGTERM waits for in-flight requests before aborting
     snapshot_path: str | None = "snapshot.json"  # None: no snapshots
     restore_snapshot: bool = True

@@ -296,9 +296,7 @@ def _version_key(version: str) -> tuple:
 
 
 def worker_threads(configured: int | None, total_workers: int) -> int:
-    """Torch threads per worker: the configured number, else the cores but one shared evenly
-    (the front end keeps a core for HTTP and detokenization: on 2 cores a worker with both ran
-    slower under load than one with a single thread, benchmarks/results/serve_overhead.md)."""
+    """Torch threads per worker: the configured number, else the cores shared evenly."""
     if configured is not None:
         return configured
-    return max(1, ((os.cpu_count() or 1) - 1) // max(1, total_workers))
+    return max(1, (os.cpu_count() or 1) // max(1, total_workers))

@@ -63,5 +63,5 @@ def test_worker_threads_share_the_cores(server, monkeypatch):
     [desc] = server.get("management", f"/models/{MODEL}").json()
     assert [w["threads"] for w in desc["workers"]] == [1]  # PAGEDSERVE_WORKER_THREADS=1 in tests
     monkeypatch.setattr("os.cpu_count", lambda: 8)
-    assert [worker_threads(None, n) for n in (1, 2, 3, 8, 20)] == [7, 3, 2, 1, 1]  # one core for the front end
+    assert [worker_threads(None, n) for n in (1, 2, 3, 8, 20)] == [8, 4, 2, 1, 1]
     assert worker_threads(3, 8) == 3
