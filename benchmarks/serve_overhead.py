@@ -365,6 +365,16 @@ def write_results(args, thread_counts: list[int], runs: dict, rounds_done: int) 
     ]
     for t in thread_counts:
         md += markdown_rows(t, results[str(t)])
+    # Each side at its best thread setting for this machine: what a user of either one gets.
+    off_t = max(thread_counts, key=lambda t: results[str(t)]["offline_tok_per_s"])
+    http_t = max(thread_counts, key=lambda t: results[str(t)]["http_tok_per_s"])
+    off_best, http_best = results[str(off_t)]["offline_tok_per_s"], results[str(http_t)]["http_tok_per_s"]
+    summary["best_settings"] = {"offline_threads": off_t, "http_threads": http_t,
+                                "throughput_overhead": 1 - http_best / off_best}
+    (RESULTS / "serve_overhead.json").write_text(json.dumps(summary, indent=2) + "\n")
+    md += [(f"**Each side at its best thread setting** (offline engine {off_t} thread(s): {off_best:.1f} tok/s; "
+           f"server, worker with {http_t} thread(s): {http_best:.1f} tok/s): server overhead "
+           f"**{100 * (1 - http_best / off_best):+.1f} %** of throughput."), ""]
     md.append(f"Run on {summary['date']} ({summary['machine']['platform']}).")
     (RESULTS / "serve_overhead.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
