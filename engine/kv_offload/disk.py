@@ -27,7 +27,9 @@ def check_writable(path: Path) -> None:
 class DiskBudget:
     """Tracks the bytes of chunk files under `path`; prunes the oldest past `limit_bytes`.
 
-    The count is an estimate between scans (writes are asynchronous); each prune rescans.
+    The count is an estimate between scans (writes are asynchronous, so the folder can run
+    over while writes are queued); each prune rescans, and `enforce()` after the writes landed
+    brings it back under the limit.
     """
 
     def __init__(self, path: Path, limit_bytes: int, low_water: float = 0.9) -> None:
@@ -57,6 +59,12 @@ class DiskBudget:
         if self.estimate <= self.limit_bytes:
             return 0
         return self.prune(reserve=nbytes)
+
+    def enforce(self) -> int:
+        """Rescan (after asynchronous writes landed) and prune if the folder is over the limit."""
+        if sum(size for _, size, _ in self._files()) <= self.limit_bytes:
+            return 0
+        return self.prune()
 
     def prune(self, reserve: int = 0) -> int:
         files = sorted(self._files())

@@ -355,6 +355,8 @@ class KVOffloadManager:
                 return False
             time.sleep(0.005)
         self._check_disk_writes()
+        if self.disk is not None:  # writes landed: the folder's real size is known now
+            self.stats.disk_pruned_files += self.disk.enforce()
         return True
 
     def get_stats(self) -> dict:
