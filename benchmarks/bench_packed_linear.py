@@ -17,13 +17,13 @@ import argparse
 import json
 import platform
 import random
-import resource
 import sys
 import time
 from pathlib import Path
 
+from _common import RESULTS, peak_rss_mib
+
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "results"
 # (name, out_features, in_features) of SmolLM2-135M's projections and its LM head.
 SHAPES = [("qkv_proj", 960, 576), ("o_proj", 576, 576), ("gate_up_proj", 3072, 576),
           ("down_proj", 576, 1536), ("lm_head", 49152, 576)]
@@ -100,7 +100,7 @@ def main() -> None:
     torch.set_num_threads(2)
     shapes = bench_shapes(args.rounds)
     engine = bench_engine(args.rounds)
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_mib = peak_rss_mib()
     summary = {"shapes": shapes, "engine": engine, "peak_rss_mib": peak_mib,
                "date": time.strftime("%Y-%m-%d %H:%M"), "platform": platform.platform()}
     RESULTS.mkdir(exist_ok=True)

@@ -27,16 +27,15 @@ import json
 import os
 import platform
 import random
-import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from _common import RESULTS, peak_rss_mib, run_phase
+
 BLOCK = 16
 
 
@@ -49,8 +48,6 @@ def make_prompt(tokenizer, length: int, seed: int) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)[:length]
 
 
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def make_llm(args, disk: str):
@@ -134,11 +131,9 @@ def phase_restart(args, tokenizer) -> dict:
 
 
 def run_child(args, phase: str, disk: str, chunk_size: int) -> dict:
-    cmd = [sys.executable, __file__, "--phase", phase, "--model", args.model, "--disk", disk,
-           "--prompt-len", str(args.prompt_len), "--trials", str(args.trials), "--chunk-size", str(chunk_size),
-           "--threads", str(args.threads)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_phase(__file__, ["--phase", phase, "--model", args.model, "--disk", disk,
+                                  "--prompt-len", str(args.prompt_len), "--trials", str(args.trials),
+                                  "--chunk-size", str(chunk_size), "--threads", str(args.threads)])
     print(f"  chunk {chunk_size} {phase}: " + json.dumps({k: v for k, v in result.items() if k != "stats"}), flush=True)
     return result
 

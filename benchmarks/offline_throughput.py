@@ -16,29 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def make_prompts(tokenizer, num: int, length: int, seed: int) -> list[list[int]]:
-    """Distinct prompts of exactly `length` tokens: random words, so no two share a prefix."""
-    rng = random.Random(seed)
-    words = [w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3][:5000]
-    prompts = []
-    for _ in range(num):
-        text = " ".join(rng.choice(words) for _ in range(length * 2))
-        prompts.append(tokenizer.encode(text, add_special_tokens=False)[:length])
-    return prompts
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+from _common import RESULTS, make_prompts, peak_rss_mib, run_phase
 
 
 def phase_engine(args, prompts, caching: bool) -> dict:
@@ -125,11 +107,8 @@ def phase_ttft(args, tokenizer) -> dict:
 
 
 def run_child(args, phase: str) -> dict:
-    cmd = [sys.executable, __file__, "--phase", phase, "--model", args.model,
-           "--num-prompts", str(args.num_prompts), "--prompt-len", str(args.prompt_len),
-           "--output-len", str(args.output_len)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_phase(__file__, ["--phase", phase, "--model", args.model, "--num-prompts", str(args.num_prompts),
+                                  "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len)])
     print(f"  {phase}: {result}", flush=True)
     return result
 

@@ -31,7 +31,6 @@ import itertools
 import json
 import os
 import platform
-import resource
 import signal
 import socket
 import statistics
@@ -41,7 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from _common import RESULTS, make_prompts, peak_rss_mib, run_phase
+
 REPO = Path(__file__).resolve().parent.parent
 MODEL_NAME = "bench"
 
@@ -71,28 +71,9 @@ def summarize(sent: float, token_times: dict[str, list[float]]) -> dict:
             "ttft_s": percentiles(ttft), "itl_s": percentiles(itl), "tpot_s": percentiles(tpot)}
 
 
-def make_prompts(tokenizer, num: int, length: int, seed: int) -> list[list[int]]:
-    """Distinct prompts of exactly `length` tokens (random words: no shared prefixes)."""
-    import random
-
-    rng = random.Random(seed)
-    words = [w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3][:5000]
-    return [tokenizer.encode(" ".join(rng.choice(words) for _ in range(length * 2)),
-                             add_special_tokens=False)[:length] for _ in range(num)]
-
-
 def engine_options(args) -> dict:
     return {"dtype": "bfloat16", "kv_cache_memory": "640MiB", "max_num_seqs": max(64, args.num_prompts),
             "max_num_batched_tokens": 2048, "max_model_len": 2048}
-
-
-def peak_rss_mib(pid: int | None = None) -> float:
-    if pid is None:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def cpu_seconds(pid: int) -> float:
@@ -247,12 +228,9 @@ def run_child(args, phase: str, threads: int, attempts: int = 2) -> dict:
 
 
 def _run_child_once(args, phase: str, threads: int) -> dict:
-    cmd = [sys.executable, __file__, "--phase", phase, "--model", args.model, "--num-prompts", str(args.num_prompts),
-           "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len), "--threads", str(threads)]
-    out = subprocess.run(cmd, check=False, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"phase {phase} ({threads} threads) failed:\n{out.stderr[-4000:]}")
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_phase(__file__, ["--phase", phase, "--model", args.model, "--num-prompts", str(args.num_prompts),
+                                  "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
+                                  "--threads", str(threads)])
     print(f"  {phase} ({threads} threads): {result['tok_per_s']:.1f} tok/s, "
           f"TTFT p50 {1000 * result['ttft_s']['p50']:.0f} ms", flush=True)
     return result

@@ -92,10 +92,7 @@ def test_documented_example_covers_every_key_with_its_default():
     ("parallelType: dp\n", "parallelType='dp': choose one of"),
 ])
 def test_bad_value_names_key_and_value(tmp_path, text, message):
-    with pytest.raises(ModelConfigError) as info:
-        load_model_config(write(tmp_path, text))
-    assert message in str(info.value)
-    assert isinstance(info.value, ValueError)
+    _assert_refused(tmp_path, text, message)
 
 
 @pytest.mark.parametrize("text, message", [
@@ -109,9 +106,14 @@ def test_bad_value_names_key_and_value(tmp_path, text, message):
     ("- minWorkers\n", "the top level must be a mapping"),
 ])
 def test_wrong_type_names_key(tmp_path, text, message):
+    _assert_refused(tmp_path, text, message)
+
+
+def _assert_refused(tmp_path, text: str, message: str) -> None:
     with pytest.raises(ModelConfigError) as info:
         load_model_config(write(tmp_path, text))
     assert message in str(info.value)
+    assert isinstance(info.value, ValueError)
 
 
 def test_unknown_keys_name_the_key_and_list_allowed(tmp_path):
