@@ -96,6 +96,9 @@ class MPClient(EngineCoreClient):
         self._context = zmq.Context()
         self._input = self._context.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
+        # No send high-water mark: with the worker connected a send never blocks, and without
+        # it (dead, or exiting) a NOBLOCK send fails at once instead of blocking forever.
+        self._input.setsockopt(zmq.SNDHWM, 0)
         self._input.bind(input_address)
         self._output = self._context.socket(zmq.PULL)
         self._output.bind(output_address)
@@ -163,7 +166,10 @@ class MPClient(EngineCoreClient):
         with self._send_lock:
             if self._closed:
                 raise EngineDeadError("the worker is shut down")
-            self._input.send(self._encoder.encode(msg))
+            try:
+                self._input.send(self._encoder.encode(msg), zmq.NOBLOCK)
+            except zmq.Again:
+                raise EngineDeadError(f"worker {self.pid} is not connected") from None
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
         event = self._recv(timeout)
@@ -175,7 +181,10 @@ class MPClient(EngineCoreClient):
             if self._closed:
                 return
             if self.process.is_alive():
-                self._input.send(self._encoder.encode(Shutdown()))
+                try:
+                    self._input.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # the worker is already leaving: its input socket is gone
             self._closed = True
         self.process.join(timeout)
         if self.process.is_alive():

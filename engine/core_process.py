@@ -78,12 +78,14 @@ class EngineCoreProc:
     # -- socket threads --------------------------------------------------------------------
     def _recv_inputs(self, address: str) -> None:
         sock = self.context.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)
         decoder = make_input_decoder()
         while True:
             try:
                 frame = sock.recv()
             except zmq.ContextTerminated:
+                sock.close()  # lets close()'s context.term() finish
                 return
             try:
                 self.inputs.put(decoder.decode(frame))
@@ -100,10 +102,19 @@ class EngineCoreProc:
         sock.close()
 
     def close(self) -> None:
-        """Flush what is queued for the front end. The process exits right after (os._exit), so
-        the context is not torn down: that would race the input thread's blocking recv."""
+        """Deliver what is queued for the front end before the process exits (os._exit).
+
+        Closing a socket only hands its messages to ZeroMQ's I/O thread; only terminating the
+        context waits (up to the output socket's linger) until they are on the wire. Without it
+        a failing worker's EngineFailure was lost on a slow machine. term() also wakes the
+        input thread's blocking recv, which then closes its socket; it runs on a helper thread
+        so that a stuck socket cannot hold the exit.
+        """
         self.outputs.put(_STOP)
         self._output_thread.join(timeout=10)
+        terminator = threading.Thread(target=self.context.term, name="engine-zmq-term", daemon=True)
+        terminator.start()
+        terminator.join(timeout=10)
 
     # -- the busy loop ---------------------------------------------------------------------
     def run(self, core) -> None:
