@@ -198,7 +198,7 @@ class AsyncLLM:
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
-                    finished = True  # nothing left to abort
+                    finished = isinstance(item, EngineDeadError)  # else interrupted: abort it
                     raise item
                 finished = item.finished
                 yield item
@@ -220,6 +220,13 @@ class AsyncLLM:
         queue = self._queues.get(request_id)
         if queue is not None and final is not None:
             queue.put_nowait(final)
+
+    def interrupt(self, request_id: str, error: BaseException) -> None:
+        """Make the request's iterator raise `error` at its next step; leaving it aborts the
+        request in the engine (for a caller that gives up: a deadline, a client gone)."""
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(error)
 
     def _abort_now(self, request_id: str) -> None:
         with self._lock:

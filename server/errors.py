@@ -15,6 +15,7 @@ ERROR_TYPES = {
     413: "RequestTooLargeException",
     500: "InternalServerException",
     503: "ServiceUnavailableException",
+    504: "RequestTimeoutException",
     507: "InsufficientStorageException",
 }
 

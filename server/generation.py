@@ -10,7 +10,11 @@ go wrong:
 - an error after the stream opened (the worker died, the response grew too large) ends the
   stream with an error event;
 - a client that goes away (a failed write, a closed transport, a cancelled handler) closes the
-  engine's async iterator, which aborts the request in the engine and frees its blocks.
+  engine's async iterator, which aborts the request in the engine and frees its blocks; a
+  `Watchdog` notices a closed transport within WATCH_S even while the request waits for its
+  first token;
+- a request that waits longer than its model's responseTimeout (a whole reply: for the reply;
+  a stream: for each chunk) is aborted the same way and answered 504 (a stream: an error event).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 # Status recorded for a request whose client went away (nginx's convention; never sent).
 CLIENT_CLOSED = 499
+WATCH_S = 0.5  # how often a waiting request checks that its client is still connected
 STATUS_KEY = web.RequestKey("pagedserve_status", int)  # overrides the status the metrics see
 REQUEST_ID_KEY = web.RequestKey("pagedserve_request_id", str)
 MODEL_KEY = web.RequestKey("pagedserve_model", str)
@@ -62,6 +67,59 @@ class ErrorReply(Exception):
     @classmethod
     def from_handler_error(cls, exc: HandlerError) -> ErrorReply:
         return cls(exc.code, str(exc), param=exc.param)
+
+
+class RequestTimeout(Exception):
+    """The engine gave no reply (streamed: no next chunk) within the model's responseTimeout."""
+
+
+class Watchdog:
+    """Interrupts a request whose client hung up or whose engine output is overdue.
+
+    Timers on the event loop, not a task per output: the disconnect check runs every WATCH_S;
+    the deadline timer re-arms itself lazily from the time of the last output when `per_chunk`.
+    Interrupting makes the request's iterator raise, and leaving it aborts the request.
+    """
+
+    def __init__(self, request: web.Request, worker: AsyncLLM, request_id: str, timeout_s: float,
+                 *, per_chunk: bool) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._request = request
+        self._worker = worker
+        self._request_id = request_id
+        self._timeout_s = timeout_s
+        self._per_chunk = per_chunk
+        self._last_output = self._loop.time()
+        self._deadline = self._loop.call_later(timeout_s, self._check_deadline)
+        self._watch = self._loop.call_later(WATCH_S, self._check_client)
+
+    def progressed(self) -> None:
+        """An output arrived (a stream's chunk clock starts again)."""
+        self._last_output = self._loop.time()
+
+    def stop(self) -> None:
+        self._deadline.cancel()
+        self._watch.cancel()
+
+    def _check_deadline(self) -> None:
+        due = self._last_output + self._timeout_s if self._per_chunk else 0.0
+        if due > self._loop.time():
+            self._deadline = self._loop.call_at(due, self._check_deadline)
+            return
+        what = "the next chunk" if self._per_chunk else "the reply"
+        self._fire(RequestTimeout(f"{what} took longer than the model's responseTimeout "
+                                  f"({self._timeout_s:g} s); the request was aborted"))
+
+    def _check_client(self) -> None:
+        transport = self._request.transport
+        if transport is None or transport.is_closing():
+            self._fire(ConnectionResetError("the client closed the connection"))
+        else:
+            self._watch = self._loop.call_later(WATCH_S, self._check_client)
+
+    def _fire(self, error: BaseException) -> None:
+        self.stop()
+        self._worker.interrupt(self._request_id, error)
 
 
 class Shaper(Protocol):
@@ -110,20 +168,27 @@ async def respond(request: web.Request, state: ServerState, version: ModelVersio
     request_id = request[REQUEST_ID_KEY]
     outputs = job.worker.generate(request_id, job.token_ids, job.params, prompt=job.prompt,
                                   arrival_time=started)
-    async with contextlib.aclosing(outputs):
-        try:
-            first = await _next(outputs)
-        except ValueError as exc:  # the engine refused the request after all
-            raise ErrorReply(400, str(exc)) from None
-        except EngineDeadError as exc:
-            raise ErrorReply(503, f"the worker died before answering: {exc}", {"Retry-After": "1"}) from None
-        try:
+    watchdog = Watchdog(request, job.worker, request_id, version.model_config.response_timeout,
+                        per_chunk=stream)
+    try:
+        async with contextlib.aclosing(outputs):
+            try:
+                first = await _next(outputs)
+            except ValueError as exc:  # the engine refused the request after all
+                raise ErrorReply(400, str(exc)) from None
+            except EngineDeadError as exc:
+                raise ErrorReply(503, f"the worker died before answering: {exc}", {"Retry-After": "1"}) from None
+            except RequestTimeout as exc:
+                raise ErrorReply(504, str(exc)) from None
             if stream:
-                return await _stream(request, state, version, outputs, first, shaper, job.params, started)
+                return await _stream(request, state, version, outputs, first, shaper, job.params,
+                                     started, watchdog)
             return await _collect(request, state, version, outputs, first, shaper, started)
-        except ConnectionError:  # the client went away; leaving the `async with` aborts the request
-            request[STATUS_KEY] = CLIENT_CLOSED  # (a stream returns its own response, see _stream)
-            return web.Response(status=CLIENT_CLOSED)
+    except ConnectionError:  # the client went away; leaving the `async with` aborted the request
+        request[STATUS_KEY] = CLIENT_CLOSED  # (a stream returns its own response, see _stream)
+        return web.Response(status=CLIENT_CLOSED)
+    finally:
+        watchdog.stop()
 
 
 async def _next(outputs) -> RequestOutput:
@@ -137,10 +202,11 @@ async def _collect(request: web.Request, state: ServerState, version: ModelVersi
                    out: RequestOutput, shaper: Shaper, started: float) -> web.Response:
     try:
         while not out.finished:
-            _check_connected(request)
             out = await _next(outputs)
     except EngineDeadError as exc:
         raise ErrorReply(503, f"the worker died while generating: {exc}", {"Retry-After": "1"}) from None
+    except RequestTimeout as exc:
+        raise ErrorReply(504, str(exc)) from None
     state.metrics.observe_output(version.name, out)
     try:
         body = check_size(encode_json(shaper.whole(out, time.monotonic() - started)),
@@ -153,7 +219,7 @@ async def _collect(request: web.Request, state: ServerState, version: ModelVersi
 
 async def _stream(request: web.Request, state: ServerState, version: ModelVersion, outputs,
                   out: RequestOutput, shaper: Shaper, params: SamplingParams,
-                  started: float) -> web.StreamResponse:
+                  started: float, watchdog: Watchdog) -> web.StreamResponse:
     stream = ChunkStream(request, shaper.stream_format, state.config.max_response_size,
                          {"x-request-id": request[REQUEST_ID_KEY]})
     await stream.open()
@@ -172,9 +238,14 @@ async def _stream(request: web.Request, state: ServerState, version: ModelVersio
             if deltas:
                 await stream.send(shaper.chunk(deltas))
             out = await _next(outputs)
+            watchdog.progressed()
     except EngineDeadError as exc:
         request[STATUS_KEY] = 503
         await _end_with_error(stream, shaper.error(503, f"the worker died while generating: {exc}"))
+        return stream.response
+    except RequestTimeout as exc:
+        request[STATUS_KEY] = 504
+        await _end_with_error(stream, shaper.error(504, str(exc)))
         return stream.response
     except ResponseTooLarge as exc:
         request[STATUS_KEY] = 413
@@ -193,8 +264,3 @@ async def _end_with_error(stream: ChunkStream, event: dict[str, Any]) -> None:
         await stream.send_error(event)
         await stream.close(done_marker=False)
 
-
-def _check_connected(request: web.Request) -> None:
-    transport = request.transport
-    if transport is None or transport.is_closing():
-        raise ConnectionResetError("the client closed the connection")

@@ -5,17 +5,17 @@ some of which hang up mid-stream, get no 5xx, and afterwards every KV block is f
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
-import re
 import signal
 import time
 
 import aiohttp
 import pytest
 
+from tests.server import observe
 from tests.server.conftest import ARCHIVE, MODEL
+from tests.server.observe import read_events
 
 pytestmark = pytest.mark.slow
 
@@ -26,45 +26,7 @@ def server(module_server_factory):
 
 
 def worker(server) -> dict:
-    [desc] = server.get("management", f"/models/{MODEL}").json()
-    [w] = desc["workers"]
-    return w
-
-
-def gauges(server) -> dict[str, float]:
-    """The engine gauges of the model on the metrics port."""
-    values = {}
-    for line in server.get("metrics", "/metrics").text.splitlines():
-        m = re.match(r'(pagedserve_\w+)\{model="' + MODEL + r'",version="1.0"\} (\S+)$', line)
-        if m:
-            values[m.group(1)] = float(m.group(2))
-    return values
-
-
-def request_counts(server) -> dict[str, float]:
-    counts: dict[str, float] = {}
-    for line in server.get("metrics", "/metrics").text.splitlines():
-        m = re.match(r'pagedserve_requests_total\{endpoint="(\w+)",model="' + MODEL + r'",status="(\d+)"\} (\S+)$',
-                     line)
-        if m:
-            key = f"{m.group(1)}:{m.group(2)}"
-            counts[key] = counts.get(key, 0) + float(m.group(3))
-    return counts
-
-
-async def read_events(resp: aiohttp.ClientResponse, sse: bool):
-    """Yield each event of an SSE or NDJSON stream as it arrives (bytes for `[DONE]`)."""
-    async for raw in resp.content:
-        line = raw.strip()
-        if not line:
-            continue
-        if sse:
-            assert line.startswith(b"data: "), line
-            line = line[len(b"data: "):]
-            if line == b"[DONE]":
-                yield b"[DONE]"
-                continue
-        yield json.loads(line)
+    return observe.worker(server, MODEL)
 
 
 def test_kill_9_mid_stream_ends_the_stream_with_an_error(server):
@@ -108,7 +70,7 @@ def test_200_streams_from_32_clients_with_disconnects_leave_no_block_behind(serv
         prompt = f"Write about {rng.choice(topics)} (request {i})."
         hang_up_after = rng.randint(1, 4) if rng.random() < 0.3 else None
         plans.append((kind, prompt, rng.randint(6, 12), hang_up_after))
-    before = request_counts(server)
+    before = observe.request_counts(server, MODEL)
 
     async def one(session: aiohttp.ClientSession, kind: str, prompt: str, max_tokens: int,
                   hang_up_after: int | None) -> tuple[str, int]:
@@ -161,22 +123,14 @@ def test_200_streams_from_32_clients_with_disconnects_leave_no_block_behind(serv
     assert 0 < outcomes.get("disconnected", 0) <= expected_hangups  # a short stream may finish first
 
     # The server saw no 5xx, and every hang-up it noticed is a 499, not an error.
-    after = request_counts(server)
+    after = observe.request_counts(server, MODEL)
     new = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     assert not [k for k, v in new.items() if v and k.split(":")[1].startswith("5")], new
     assert sum(v for k, v in new.items() if k.endswith((":200", ":499"))) == 200
     assert sum(v for k, v in new.items() if k.endswith(":499")) > 0  # hang-ups reached the server
 
     # Every KV block is free again (the gauges are pushed by the worker about once a second).
-    total = None
-
-    def all_free() -> bool:
-        nonlocal total
-        g = gauges(server)
-        total = g.get("pagedserve_kv_blocks_free", 0) + g.get("pagedserve_kv_blocks_used", 0)
-        return (g.get("pagedserve_kv_blocks_used") == 0 and g.get("pagedserve_num_requests_running") == 0
-                and g.get("pagedserve_num_requests_waiting") == 0 and g.get("pagedserve_requests_in_flight") == 0)
-
-    server.wait_for(all_free, timeout=30, what="all KV blocks free")
-    assert total and total == gauges(server)["pagedserve_kv_blocks_free"]
+    server.wait_for(lambda: observe.all_blocks_free(server, MODEL), timeout=30, what="all KV blocks free")
+    g = observe.gauges(server, MODEL)
+    assert g["pagedserve_kv_blocks_free"] > 0 and g["pagedserve_kv_blocks_used"] == 0
     assert worker(server)["requestsInFlight"] == 0 and worker(server)["status"] == "READY"

@@ -1,0 +1,107 @@
+"""The request watchdog on a real server: responseTimeout ends a whole reply that takes too long
+with a 504 and a stream whose next chunk is overdue with a 504 error event; a client that hangs
+up while its request still waits for the first token is noticed at once. Each case aborts the
+request in the engine: afterwards every KV block is free and the worker serves on.
+
+Version 1.0 keeps the archive's responseTimeout (120 s); version 2.0 is registered with
+response_timeout=1. A worker stopped with SIGSTOP stands for an engine that gives no output."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+
+import aiohttp
+import pytest
+
+from tests.server import observe
+from tests.server.conftest import ARCHIVE, MODEL
+from tests.server.observe import read_events
+
+pytestmark = pytest.mark.slow
+QUICK = "2.0"  # the version with response_timeout=1
+LONG = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(module_server_factory, archive_v2):
+    server = module_server_factory(models=[f"{MODEL}={ARCHIVE}"], args=["--enable-model-api"])
+    r = server.post("management", f"/models?url={archive_v2}&response_timeout=1&synchronous=true")
+    assert r.status == 200, r.text
+    return server
+
+
+def blocks_freed(server, version: str) -> None:
+    server.wait_for(lambda: observe.all_blocks_free(server, MODEL, version), timeout=30,
+                    what=f"all KV blocks of {version} free")
+    assert observe.worker(server, MODEL, version)["status"] == "READY"
+    r = server.predict(MODEL, version)
+    assert r.status == 200 and r.json()["choices"][0]["text"], r.text
+
+
+def test_whole_reply_past_response_timeout_is_504_and_aborted(server):
+    [desc] = server.get("management", f"/models/{MODEL}/{QUICK}").json()
+    assert desc["responseTimeout"] == 1
+    started = time.monotonic()
+    r = server.post("inference", f"/predictions/{MODEL}/{QUICK}", json=LONG)
+    assert r.status == 504, r.text
+    assert time.monotonic() - started < 30  # not the 400 tokens: the request was cut at 1 s
+    body = r.json()
+    assert body["code"] == 504 and "responseTimeout" in body["message"]
+    assert r.headers.get("x-request-id")
+    blocks_freed(server, QUICK)
+
+
+def test_stream_with_an_overdue_chunk_ends_with_a_504_event(server):
+    pid = observe.worker(server, MODEL, QUICK)["pid"]
+    headers = {"Authorization": f"Bearer {server.keys['inference']}"}
+
+    async def run():
+        async with aiohttp.ClientSession(headers=headers) as session:
+            body = {"model": f"{MODEL}@{QUICK}", **LONG, "stream": True}
+            async with session.post(server.url("inference", "/v1/completions"), json=body) as resp:
+                assert resp.status == 200
+                events = []
+                async for event in read_events(resp, sse=True):
+                    events.append(event)
+                    if len(events) == 2:
+                        os.kill(pid, signal.SIGSTOP)  # the engine stalls mid-stream
+                return events
+
+    try:
+        events = asyncio.run(asyncio.wait_for(run(), timeout=60))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert events[-1] != b"[DONE]"
+    error = events[-1]["error"]
+    assert error["code"] == 504 and "next chunk" in error["message"], error
+    assert all("choices" in e for e in events[:-1])
+    blocks_freed(server, QUICK)
+    assert observe.worker(server, MODEL, QUICK)["pid"] == pid  # a timeout is not a worker restart
+
+
+def test_hang_up_before_the_first_token_aborts_the_request(server):
+    """The worker is stopped, so no first token can come: only the watchdog can notice that the
+    client left. The request is counted (499) while the worker is still stopped."""
+    pid = observe.worker(server, MODEL, "1.0")["pid"]
+    before = observe.request_counts(server, MODEL).get("predictions:499", 0)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with socket.create_connection(("127.0.0.1", server.ports["inference"]), timeout=10) as sock:
+            body = (b'{"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": true}')
+            sock.sendall(b"POST /predictions/" + MODEL.encode() + b"/1.0 HTTP/1.1\r\n"
+                         b"Host: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Authorization: Bearer " + server.keys["inference"].encode() + b"\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            server.wait_for(lambda: observe.worker(server, MODEL, "1.0")["requestsInFlight"] == 1,
+                            timeout=10, what="the request in flight")
+        # The socket is closed: the server must count the hang-up without any engine output.
+        server.wait_for(lambda: observe.request_counts(server, MODEL).get("predictions:499", 0) == before + 1,
+                        timeout=10, what="the hang-up counted while the worker is stopped")
+        assert observe.worker(server, MODEL, "1.0")["requestsInFlight"] == 0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    blocks_freed(server, "1.0")
