@@ -58,7 +58,6 @@ class LLMInput:
     prompt: str | None  # the text the token ids came from (None for a token-id prompt)
     token_ids: list[int]
     params: SamplingParams
-    stream: bool = False
 
 
 def decode_body(raw: Any) -> dict[str, Any]:

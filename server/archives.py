@@ -23,6 +23,8 @@ from engine.model.archive_manifest import (
 )
 from engine.model.model_config import ModelConfig, load_model_config
 from engine.model.model_source import is_archive, resolve_model_dir
+from handlers.base_handler import BaseHandler
+from handlers.custom_handler import load_custom_handler
 
 
 class UrlNotAllowedError(PermissionError):
@@ -76,6 +78,7 @@ class LoadedArchive:
     model_config: ModelConfig
     config_keys: frozenset[str] = field(default_factory=frozenset)  # top-level keys it set
     custom_handler: Path | None = None
+    handler: BaseHandler | None = None  # the custom handler's instance, not yet initialized
 
     @property
     def name(self) -> str:
@@ -100,8 +103,10 @@ def load_archive(path: Path, allow_custom_handlers: bool) -> LoadedArchive:
     else:
         model_config = ModelConfig()
     files = {p.name: p for p in model_dir.iterdir() if p.is_file()}
-    custom = resolve_handler(str(model.get("handler", "")), files, allow_custom_handlers)
-    return LoadedArchive(path, model_dir, manifest, model_config, config_keys, custom)
+    spec = str(model.get("handler", ""))
+    custom = resolve_handler(spec, files, allow_custom_handlers)
+    handler = load_custom_handler(custom, spec) if custom is not None else None
+    return LoadedArchive(path, model_dir, manifest, model_config, config_keys, custom, handler)
 
 
 def check_name(name: str) -> str:

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import msgspec
 from aiohttp import web
 
 from engine.async_llm import AsyncLLM, EngineDeadError
@@ -208,13 +209,22 @@ async def _collect(request: web.Request, state: ServerState, version: ModelVersi
     except RequestTimeout as exc:
         raise ErrorReply(504, str(exc)) from None
     state.metrics.observe_output(version.name, out)
-    try:
-        body = check_size(encode_json(shaper.whole(out, time.monotonic() - started)),
-                          state.config.max_response_size)
-    except ResponseTooLarge as exc:
-        raise ErrorReply(413, str(exc)) from None
+    # Shaped and encoded in the thread pool: a custom handler's postprocess is their code, and
+    # a large reply takes a while to encode.
+    loop = asyncio.get_running_loop()
+    body = await loop.run_in_executor(state.executor, _encode_whole, shaper, out,
+                                      time.monotonic() - started, state.config.max_response_size)
     return web.Response(body=body, content_type="application/json",
                         headers={"x-request-id": request[REQUEST_ID_KEY]})
+
+
+def _encode_whole(shaper: Shaper, out: RequestOutput, total_s: float, limit: int) -> bytes:
+    try:
+        return check_size(encode_json(shaper.whole(out, total_s)), limit)
+    except ResponseTooLarge as exc:
+        raise ErrorReply(413, str(exc)) from None
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise ErrorReply(500, f"the reply cannot be encoded as JSON: {exc}") from None
 
 
 async def _stream(request: web.Request, state: ServerState, version: ModelVersion, outputs,

@@ -3,6 +3,8 @@
 Routes (the OpenAI ones also under /predictions/{model}/{version}/v1/...):
   GET  /ping  /live  /ready
   POST /predictions/{model}[/{version}]        JSON in, JSON out; "stream": true -> NDJSON chunks
+                                               (a model with a custom handler: its preprocess
+                                               reads the body, its postprocess writes the reply)
   POST /v1/completions  /v1/chat/completions   OpenAI bodies; "stream": true -> SSE
   GET  /v1/models
 
@@ -24,8 +26,8 @@ from typing import Any
 
 from aiohttp import web
 
-from handlers.base_handler import HandlerError
-from handlers.llm_input import decode_body, parse_predictions_body
+from handlers.base_handler import BaseHandler, HandlerError
+from handlers.llm_input import ParsedBody, decode_body, parse_predictions_body
 from handlers.openai_protocol import (
     OpenAIRequest,
     parse_chat_request,
@@ -50,7 +52,7 @@ from server.registry import (
     NoWorkerError,
     QueueFullError,
 )
-from server.shapers import OpenAIShaper, PredictionShaper, openai_error
+from server.shapers import HandlerShaper, OpenAIShaper, PredictionShaper, openai_error
 from server.state import STATE_KEY, ServerState
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -145,12 +147,42 @@ async def predictions(request: web.Request) -> web.StreamResponse:
 
 async def _predict(request: web.Request, state: ServerState, started: float) -> web.StreamResponse:
     version = _resolve(request, state, request.match_info["model"], request.match_info.get("version"))
-    body = await _read_json(request)
+    handler = version.handler
+    shaper = PredictionShaper(version.name, request[REQUEST_ID_KEY])
+    if handler is None:
+        body = await _read_json(request)
+    else:  # a custom handler reads any body: JSON or not is its call
+        raw = await _read_body(request)
+        shaper = HandlerShaper(handler, shaper)
     with version.admit():
-        parsed = _handler_call(parse_predictions_body, body)
+        if handler is None:
+            parsed = _handler_call(parse_predictions_body, body)
+        else:
+            parsed = await _custom_preprocess(request, state, handler, raw)
         job = await prepare(state, version, parsed.prompt, parsed.params)
-        shaper = PredictionShaper(version.name, request[REQUEST_ID_KEY])
         return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
+
+
+async def _custom_preprocess(request: web.Request, state: ServerState, handler: BaseHandler,
+                             raw: bytes) -> ParsedBody:
+    """The custom handler's preprocess of one TorchServe-style request, in the thread pool."""
+    headers = {k: v for k, v in request.headers.items() if k.lower() != "authorization"}
+    loop = asyncio.get_running_loop()
+    try:
+        results = await loop.run_in_executor(state.executor, handler.preprocess,
+                                             [{"body": raw, "headers": headers}])
+    except HandlerError as exc:
+        raise ErrorReply.from_handler_error(exc) from None
+    except Exception as exc:  # noqa: BLE001 -- their code: answer 500 and say where
+        logger.exception("the custom handler's preprocess failed")
+        raise ErrorReply(500, f"the custom handler's preprocess failed: {type(exc).__name__}: {exc}") from None
+    parsed = results[0] if isinstance(results, list) and len(results) == 1 else results
+    if isinstance(parsed, HandlerError):
+        raise ErrorReply.from_handler_error(parsed)
+    if not isinstance(parsed, ParsedBody):
+        raise ErrorReply(500, "the custom handler's preprocess must return a list with one "
+                         f"ParsedBody or HandlerError per request, got {type(parsed).__name__}")
+    return parsed
 
 
 # -- OpenAI ----------------------------------------------------------------------------------
@@ -250,12 +282,16 @@ def _handler_call(parse: Callable[[dict[str, Any]], Any], body: dict[str, Any]) 
         raise ErrorReply.from_handler_error(exc) from None
 
 
-async def _read_json(request: web.Request) -> dict[str, Any]:
+async def _read_body(request: web.Request) -> bytes:
     try:
-        raw = await request.read()
+        return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise ErrorReply(413, f"the request body exceeds max_request_size "
                          f"({request.app[STATE_KEY].config.max_request_size} bytes)") from None
+
+
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    raw = await _read_body(request)
     try:
         return decode_body(raw)
     except HandlerError as exc:

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.model.model_config import ModelConfig
-from handlers.base_handler import Context
+from handlers.base_handler import BaseHandler, Context
+from handlers.custom_handler import CustomHandlerError
+from handlers.llm_handler import ENGINE_WORKERS
 from server.archives import LoadedArchive, check_name, load_archive
 from server.workers import WorkerPool
 
@@ -68,7 +70,7 @@ class ModelVersion:
     job_queue_size: int
     loaded_at_startup: bool = False
     max_model_len: int | None = None
-    extras: dict[str, Any] = field(default_factory=dict)  # B's per-version objects
+    handler: BaseHandler | None = None  # a custom handler around the workers (/predictions)
     in_flight: int = 0
     _turn: int = 0
     registered_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
@@ -210,12 +212,15 @@ class ModelRegistry:
             context = Context(model_name=name, model_dir=archive.model_dir,
                               manifest=archive.manifest, model_config=config,
                               system_properties={"device": config.device_type.value
-                                                 if config.device_type else "cpu"})
+                                                 if config.device_type else "cpu",
+                                                 "engine": ENGINE_WORKERS})
+            if archive.handler is not None:
+                await loop.run_in_executor(self._executor, _initialize_handler, archive.handler, context)
             entry = ModelVersion(
                 name=name, version=version, model_dir=archive.model_dir, context=context,
                 tokenizer=tokenizer, archive=archive, url=url, pool=None,  # type: ignore[arg-type]
                 min_workers=min_workers, max_workers=max_w, job_queue_size=queue,
-                loaded_at_startup=loaded_at_startup)
+                loaded_at_startup=loaded_at_startup, handler=archive.handler)
             entry.pool = WorkerPool(
                 f"{name}/{version}",
                 lambda worker_name, on_dead: self._make_engine(entry, worker_name, on_dead),
@@ -274,6 +279,14 @@ class ModelRegistry:
         if "minWorkers" in archive.config_keys or self.default_workers is None:
             return archive.model_config.min_workers
         return self.default_workers
+
+
+def _initialize_handler(handler: BaseHandler, context: Context) -> None:
+    try:
+        handler.initialize(context)
+    except Exception as exc:  # noqa: BLE001 -- their code: refuse the registration, say why
+        raise CustomHandlerError(f"the custom handler's initialize failed: "
+                                 f"{type(exc).__name__}: {exc}") from exc
 
 
 def _load_tokenizer(model_dir: Path):

@@ -1,20 +1,25 @@
 """The bodies each endpoint answers with, as `server.generation.Shaper`s: TorchServe-style
-/predictions (NDJSON when streamed) and OpenAI (SSE when streamed). The shapes themselves live
+/predictions (NDJSON when streamed), /predictions through a custom handler, and OpenAI (SSE when
+streamed). The shapes themselves live
 in handlers/ (`llm_output`, `openai_responses`); these adapters add where `timings` and `usage`
 go in a stream (on its last chunk) and what an error looks like."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from engine.outputs import RequestOutput
+from handlers.base_handler import BaseHandler, HandlerError
 from handlers.deltas import ChoiceDelta
 from handlers.llm_output import prediction_chunk, prediction_response, timings, usage
 from handlers.openai_responses import OpenAIFormatter
 from server.errors import ERROR_TYPES, error_body
+from server.generation import ErrorReply
 from server.streaming import StreamFormat
 
+logger = logging.getLogger(__name__)
 OPENAI_ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
     413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
@@ -50,6 +55,44 @@ class PredictionShaper:
 
     def error(self, code: int, message: str) -> dict[str, Any]:
         return {"id": self.request_id, "error": error_body(code, message, ERROR_TYPES.get(code))}
+
+
+@dataclass(slots=True)
+class HandlerShaper:
+    """/predictions through a custom handler: its `postprocess` shapes whole replies (a dict
+    reply gets `timings` added unless it has its own); streamed chunks keep the built-in shape."""
+
+    handler: BaseHandler
+    base: PredictionShaper
+    stream_format: StreamFormat = StreamFormat.NDJSON
+
+    def whole(self, out: RequestOutput, total_s: float) -> Any:
+        try:
+            bodies = self.handler.postprocess([out])
+        except HandlerError as exc:
+            raise ErrorReply.from_handler_error(exc) from None
+        except Exception as exc:  # noqa: BLE001 -- their code: answer 500 and say where
+            logger.exception("the custom handler's postprocess failed")
+            raise ErrorReply(500, f"the custom handler's postprocess failed: {type(exc).__name__}: {exc}") from None
+        if not isinstance(bodies, list) or len(bodies) != 1:
+            raise ErrorReply(500, "the custom handler's postprocess must return a list with one reply "
+                             f"per output, got {type(bodies).__name__}")
+        body = bodies[0]
+        if isinstance(body, dict):
+            body.setdefault("timings", timings(out, total_s))
+        return body
+
+    def opening(self, n: int) -> dict[str, Any] | None:
+        return self.base.opening(n)
+
+    def chunk(self, deltas: list[ChoiceDelta]) -> dict[str, Any]:
+        return self.base.chunk(deltas)
+
+    def closing(self, deltas: list[ChoiceDelta], out: RequestOutput, total_s: float) -> list[dict[str, Any]]:
+        return self.base.closing(deltas, out, total_s)
+
+    def error(self, code: int, message: str) -> dict[str, Any]:
+        return self.base.error(code, message)
 
 
 @dataclass(slots=True)

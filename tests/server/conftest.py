@@ -52,6 +52,24 @@ def model_store(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny random-weight Llama with the default model's tokenizer: workers start in seconds."""
+    transformers = pytest.importorskip("transformers")
+    import shutil
+
+    from engine.model.default_model import default_model_dir
+
+    model = tmp_path_factory.mktemp("tiny") / "model"
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2,
+                                      vocab_size=49152, max_position_embeddings=512)
+    transformers.LlamaForCausalLM(config).save_pretrained(model, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(default_model_dir() / name, model / name)
+    return model
+
+
+@pytest.fixture(scope="session")
 def archive_v2(model_store, tmp_path_factory) -> str:
     """`smollm2-v2.mar` in the same store: version 2.0 of model smollm2 (same weights)."""
     if not (model_store / ARCHIVE_V2).exists():

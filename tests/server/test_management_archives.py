@@ -4,7 +4,6 @@ nothing left registered; retried with back-off when asynchronous)."""
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -16,30 +15,21 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def tiny_archives(model_store, tmp_path_factory):
+def tiny_archives(model_store, tiny_model, tmp_path_factory):
     """Tiny random Llama archives in model_store/tiny/: one with a handler .py, one whose KV
     pool (2 blocks) cannot hold its max_model_len (the engine refuses to start)."""
-    transformers = pytest.importorskip("transformers")
     from engine.model.archive import write_archive
-    from engine.model.default_model import default_model_dir
 
     tmp = tmp_path_factory.mktemp("tiny")
-    model = tmp / "model"
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=2,
-                                      vocab_size=49152, max_position_embeddings=512)
-    transformers.LlamaForCausalLM(config).save_pretrained(model, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(default_model_dir() / name, model / name)
     handler = tmp / "my_handler.py"
     handler.write_text("def handle(data, context):\n    return data\n")
     broken = tmp / "model-config.yaml"
     # startupTimeout: a start that hangs instead of failing is still given up on quickly.
     broken.write_text("startupTimeout: 20\nhandler:\n  max_model_len: 256\n  num_kv_blocks: 2\n")
     dest = model_store / "tiny"
-    write_archive(model, dest, model_name="tinyhandler", version="1.0", handler=str(handler),
+    write_archive(tiny_model, dest, model_name="tinyhandler", version="1.0", handler=str(handler),
                   force=True)
-    write_archive(model, dest, model_name="tinybroken", version="1.0", config_file=broken,
+    write_archive(tiny_model, dest, model_name="tinybroken", version="1.0", config_file=broken,
                   force=True)
     return {"handler": "tiny/tinyhandler.mar", "broken": "tiny/tinybroken.mar"}
 
