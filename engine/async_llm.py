@@ -100,6 +100,7 @@ class AsyncLLM:
         self.info: EngineInfo | None = None
         self.stats = SchedulerStats()
         self.dead_reason: str | None = None
+        self.num_threads = config.num_threads  # torch threads the worker uses (None: its default)
         self._processor = OutputProcessor(tokenizer)
         self._lock = threading.Lock()  # guards the processor, timings and parents
         self._queues: dict[str, asyncio.Queue] = {}  # request id -> its consumer (loop side)
@@ -220,6 +221,15 @@ class AsyncLLM:
         queue = self._queues.get(request_id)
         if queue is not None and final is not None:
             queue.put_nowait(final)
+
+    def set_num_threads(self, num_threads: int) -> None:
+        """Resize the worker's torch thread pool (from its next step on)."""
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        if not self.is_ready:
+            raise EngineDeadError(f"{self.name} is not running")
+        self._client.set_num_threads(num_threads)
+        self.num_threads = num_threads
 
     def interrupt(self, request_id: str, error: BaseException) -> None:
         """Make the request's iterator raise `error` at its next step; leaving it aborts the

@@ -21,6 +21,7 @@ from engine.core_messages import (
     EngineCoreRequest,
     EngineFailure,
     EngineInfo,
+    SetThreads,
     Shutdown,
     make_event_decoder,
 )
@@ -45,6 +46,10 @@ class EngineCoreClient(abc.ABC):
 
     @abc.abstractmethod
     def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    @abc.abstractmethod
+    def set_num_threads(self, num_threads: int) -> None:
+        """Torch threads of the engine from its next step on."""
 
     @abc.abstractmethod
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
@@ -72,6 +77,9 @@ class InprocClient(EngineCoreClient):
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.core.abort_requests(request_ids)
+
+    def set_num_threads(self, num_threads: int) -> None:
+        self.core.set_num_threads(num_threads)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         outputs = self.core.step() if self.core.has_unfinished_requests() else []
@@ -161,6 +169,9 @@ class MPClient(EngineCoreClient):
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
             self._send(AbortRequests(list(request_ids)))
+
+    def set_num_threads(self, num_threads: int) -> None:
+        self._send(SetThreads(num_threads))
 
     def _send(self, msg) -> None:
         with self._send_lock:

@@ -30,7 +30,14 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-EngineCoreInput = EngineCoreRequest | AbortRequests | Shutdown
+class SetThreads(msgspec.Struct, tag="threads"):
+    """Use this many torch threads from the next step on (the front end rebalances the cores
+    when workers come and go)."""
+
+    num_threads: int
+
+
+EngineCoreInput = EngineCoreRequest | AbortRequests | Shutdown | SetThreads
 
 
 class EngineInfo(msgspec.Struct, tag="ready"):

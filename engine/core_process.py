@@ -26,6 +26,7 @@ from engine.core_messages import (
     EngineCoreRequest,
     EngineFailure,
     EngineInfo,
+    SetThreads,
     Shutdown,
     make_input_decoder,
 )
@@ -145,6 +146,8 @@ class EngineCoreProc:
                 return True
             if isinstance(msg, AbortRequests):
                 core.abort_requests(msg.request_ids)
+            elif isinstance(msg, SetThreads):
+                core.set_num_threads(msg.num_threads)
             elif isinstance(msg, EngineCoreRequest):
                 self._add_request(core, msg)
             try:

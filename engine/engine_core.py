@@ -38,7 +38,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+            self.set_num_threads(config.num_threads)
         model_dir = Path(config.model) if config.model_verified else resolve_model_dir(config.model)
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{model_dir} is not a model directory (no config.json)")
@@ -123,8 +123,15 @@ class EngineCore:
             prefix_cache_queries=kv.num_queried_tokens,
             prefix_cache_hits=kv.num_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            num_threads=torch.get_num_threads(),
             kv_offload=self.kv_offload_stats(),
         )
+
+    def set_num_threads(self, n: int) -> None:
+        """Torch intra-op threads for the following steps."""
+        if n < 1:
+            raise ValueError(f"num_threads must be >= 1, got {n}")
+        torch.set_num_threads(n)
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, execute, update. Returns the news of every request that got a token."""

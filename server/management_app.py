@@ -117,7 +117,7 @@ def describe(entry: ModelVersion, is_default: bool) -> dict[str, Any]:
             "gpu": bool(engine is not None and str(engine.config.device).startswith("cuda")),
             "gpuUsage": "N/A",
             "restarts": slot.restarts,
-            "threads": engine.config.num_threads if engine is not None else None,
+            "threads": (engine.stats.num_threads or engine.num_threads) if engine is not None else None,
             "lastError": slot.last_error,
             "requestsInFlight": engine.num_unfinished if engine is not None and engine.is_ready else 0,
         })

@@ -13,6 +13,7 @@ A second signal skips the wait.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -169,8 +170,7 @@ class Server:
                      "(send 'Authorization: Bearer <key>')")
         else:
             self.out("pagedserve: token authorization is OFF (--disable-token-auth)")
-        if self.snapshot:
-            registry.on_change = self._save_snapshot
+        registry.on_change = self._on_registry_change
         await self._restore(restored)
         for model, archive in opened:
             await self._register_startup(archive, model.url, model.name)
@@ -223,6 +223,28 @@ class Server:
         # The registry opened and verified the archive (custom handler rules included).
         config = EngineConfig(model=str(entry.model_dir), model_verified=True, **options)
         return AsyncLLM(config, entry.tokenizer, name=worker_name, on_dead=on_dead)
+
+    def _on_registry_change(self) -> None:
+        self._save_snapshot()
+        self._rebalance_threads()
+
+    def _rebalance_threads(self) -> None:
+        """Share the cores among the ready workers again when their number changed: a worker
+        sized for fewer neighbours would oversubscribe the cores. Workers whose threads are
+        configured (worker_threads, or num_threads in a model-config) keep them."""
+        from engine.async_llm import EngineDeadError
+
+        if self.config.worker_threads is not None or self.state is None:
+            return
+        registry = self.state.registry
+        share = worker_threads(None, registry.total_workers())
+        for version in registry.all_versions():
+            if version.model_config.engine_options().get("num_threads") is not None:
+                continue
+            for engine in version.workers():
+                if engine.num_threads != share:
+                    with contextlib.suppress(EngineDeadError):  # found dead: restarted sized anew
+                        engine.set_num_threads(share)
 
     def _save_snapshot(self) -> None:
         if self.snapshot is None or self.state is None:

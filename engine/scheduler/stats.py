@@ -14,6 +14,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # cumulative, in prompt tokens looked up
     prefix_cache_hits: int = 0  # cumulative, in prompt tokens found
     num_preemptions: int = 0  # cumulative
+    num_threads: int = 0  # torch intra-op threads the engine steps with
     # KV offload counters (engine.kv_offload.stats.KVOffloadStats.as_dict()); None when off.
     kv_offload: dict | None = None
 
