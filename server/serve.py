@@ -185,13 +185,24 @@ class Server:
             try:
                 path = resolve_url(e.url, store, self.config.allowed_urls)
                 archive = await registry.open(path)
-                entry = await registry.register(
-                    archive, url=e.url, name=e.name, initial_workers=e.min_workers,
-                    max_workers=e.max_workers, synchronous=True, make_default=e.default)
+                try:
+                    entry = await registry.register(
+                        archive, url=e.url, name=e.name, initial_workers=e.min_workers,
+                        max_workers=e.max_workers, synchronous=True, make_default=e.default)
+                except WorkerStartFailed as exc:
+                    # Registered all the same: its workers keep retrying with back-off
+                    # (describe shows lastError) rather than the registration being lost.
+                    logger.error("snapshot: workers of %s %s failed to start (%s); retrying in "
+                                 "the background", e.name, e.version, exc)
+                    entry = await registry.register(
+                        archive, url=e.url, name=e.name, initial_workers=e.min_workers,
+                        max_workers=e.max_workers, synchronous=False, make_default=e.default)
                 entry.loaded_at_startup = True
                 self.out(f"pagedserve: restored {e.name} {e.version} from the snapshot")
             except (OSError, ValueError, RuntimeError) as exc:
-                logger.error("snapshot: could not restore %s %s: %s", e.name, e.version, exc)
+                logger.error("snapshot: could not restore %s %s: %s; it stays in the snapshot "
+                             "for the next start", e.name, e.version, exc)
+                self.snapshot.carried.append(e)
 
     async def _register_startup(self, archive: LoadedArchive, url: str, name: str | None) -> None:
         try:

@@ -2,7 +2,10 @@
 
 The file holds, per model version: name, version, archive URL, min/max workers and whether it
 is the default version. It is rewritten atomically (temporary file + rename) whenever the
-registry changes, and read back at start.
+registry changes, and read back at start. An entry that could not be restored (its archive
+gone or unreadable) is carried over into every later save, so that a start with a missing or
+broken archive loses no registration: fix the archive and restart. Starting once with `--ncs`
+(no restore) drops what is not registered.
 """
 
 from __future__ import annotations
@@ -46,10 +49,14 @@ class Snapshotter:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path).expanduser().absolute()
+        self.carried: list[SnapshotEntry] = []  # entries not restored, kept for the next start
         self._last: str | None = None
 
     def save(self, registry: ModelRegistry) -> None:
-        text = json.dumps({"format": FORMAT, "models": [asdict(e) for e in entries_of(registry)]},
+        entries = entries_of(registry)
+        registered = {(e.name, e.version) for e in entries}
+        entries += [e for e in self.carried if (e.name, e.version) not in registered]
+        text = json.dumps({"format": FORMAT, "models": [asdict(e) for e in entries]},
                           indent=2) + "\n"
         if text == self._last:
             return

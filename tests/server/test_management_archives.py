@@ -1,9 +1,11 @@
 """Registration of archives that must not serve: handler code without --allow-custom-handlers
 (400, nothing started) and an engine configuration that cannot start (500 when synchronous,
-nothing left registered; retried with back-off when asynchronous)."""
+nothing left registered; retried with back-off when asynchronous), and snapshot entries of
+such archives, which are kept rather than lost."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -99,3 +101,32 @@ def test_unregister_and_scale_down_while_workers_start(mgmt):
     assert r.status == 200, r.text
     assert mgmt.predict(MODEL).status == 200
     assert mgmt.delete("management", f"/models/{MODEL}").status == 200
+
+
+def test_snapshot_entries_that_cannot_be_restored_are_not_lost(server_factory, tiny_archives, tmp_path):
+    """A missing archive and a refused one stay in the snapshot for the next start; a version
+    whose workers cannot start is registered anyway, its workers retrying in the background."""
+    workdir = tmp_path / "srv"
+    workdir.mkdir()
+    entries = [
+        {"name": "tinybroken", "version": "1.0", "url": tiny_archives["broken"], "min_workers": 1,
+         "max_workers": 1, "default": True},
+        {"name": "gone", "version": "1.0", "url": "tiny/gone.mar", "min_workers": 1, "max_workers": 1,
+         "default": True},
+        {"name": "tinyhandler", "version": "1.0", "url": tiny_archives["handler"], "min_workers": 1,
+         "max_workers": 1, "default": True},
+    ]
+    (workdir / "snapshot.json").write_text(json.dumps({"format": 1, "models": entries}))
+    server = server_factory(workdir=workdir, start=False).spawn()
+    server.wait_for(lambda: "pagedserve: ready" in server.log_text(), what="start finished")
+    server.read_keys()
+
+    assert [m["modelName"] for m in server.get("management", "/models").json()["models"]] == ["tinybroken"]
+    [w] = server.get("management", "/models/tinybroken").json()[0]["workers"]
+    assert w["status"] in ("STARTING", "RESTARTING")
+    server.wait_for(lambda: server.get("management", "/models/tinybroken").json()[0]["workers"][0]["lastError"],
+                    timeout=60, what="the start failure recorded")
+    log = server.log_text()
+    assert "could not restore gone 1.0" in log and "could not restore tinyhandler 1.0" in log
+    saved = json.loads((workdir / "snapshot.json").read_text())["models"]
+    assert sorted(e["name"] for e in saved) == ["gone", "tinybroken", "tinyhandler"]
