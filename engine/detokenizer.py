@@ -4,8 +4,11 @@ Text is decoded the vLLM way: each new token decodes a small window of the outpu
 (``prefix_offset`` .. end) and the text of ``prefix_offset .. read_offset`` is cut off the front,
 so the cost per token does not grow with the sequence length, and tokenizer quirks that depend on
 the neighbouring token (sentencepiece leading spaces, byte-fallback pieces) come out as in a full
-``decode``. Offsets only move when the window decodes to complete characters, so ``read_offset``
-always sits on a character boundary and the decoded text is the concatenation of the windows.
+``decode``. The window starts on the last few prompt tokens, so the first generated token is
+decoded in context too: a sentencepiece "▁Paris" after a prompt gives " Paris", as in
+``decode(prompt + output)``, where alone it would lose its space. Offsets only move when the
+window decodes to complete characters, so ``read_offset`` always sits on a character boundary
+and the decoded text is the concatenation of the windows.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 _REPLACEMENT_CHAR = "\ufffd"
+PROMPT_CONTEXT_TOKENS = 5  # prompt tokens the first window starts with (vLLM uses 5 too)
 
 
 @dataclass(slots=True)
 class _DecodeState:
     """Where the decode window stands within the output tokens."""
 
+    # Offsets index the window sequence: prompt context tokens, then the output tokens.
     prefix_offset: int = 0  # first token of the window (context for the read text)
     read_offset: int = 0  # first token whose text is not yet in ``text``
     text: str = ""  # decoded text of output[:read_offset] (complete characters only)
@@ -39,7 +44,8 @@ class _StopState:
 class IncrementalDetokenizer:
     """Turn generated token ids into text one step at a time and detect stop strings.
 
-    ``output_text`` is ``tokenizer.decode(output_token_ids)`` (complete characters only until
+    ``output_text`` is what the output tokens add to the decoded prompt, i.e.
+    ``decode(prompt + output)`` less ``decode(prompt)`` (complete characters only until
     ``finish()``), cut right before a matched stop string (or right after it with
     ``include_stop_str_in_output``). Stop strings are searched in the generated text only;
     ``prompt_token_ids`` are kept for the caller but never enter the output text.
@@ -63,7 +69,11 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.include_stop_str_in_output = include_stop_str_in_output
         self._ids: list[int] = []
-        self._decode = _DecodeState()
+        context = self.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]
+        if context and self._decode_ids(context).endswith(_REPLACEMENT_CHAR):
+            context = []  # the prompt ends inside a character: no clean cut after it
+        self._seq: list[int] = list(context)  # context + output tokens: what windows index
+        self._decode = _DecodeState(read_offset=len(context))
         self._stops = list(stop)
         self._stop = _StopState()
 
@@ -99,6 +109,7 @@ class IncrementalDetokenizer:
         start = len(self._decode.text)
         for token_id in new_token_ids:
             self._ids.append(token_id)
+            self._seq.append(token_id)
             self._decode_step(flush=False)
         return self._check_stop(start)
 
@@ -139,10 +150,11 @@ class IncrementalDetokenizer:
     def _decode_step(self, *, flush: bool) -> None:
         """Decode the window after the last token; advance offsets on complete characters."""
         state = self._decode
-        if state.read_offset == len(self._ids):
+        seq = self._seq
+        if state.read_offset == len(seq):
             return
-        prefix_text = self._decode_ids(self._ids[state.prefix_offset : state.read_offset])
-        full_text = self._decode_ids(self._ids[state.prefix_offset :])
+        prefix_text = self._decode_ids(seq[state.prefix_offset : state.read_offset])
+        full_text = self._decode_ids(seq[state.prefix_offset :])
         # An incomplete UTF-8 sequence at the end decodes to U+FFFD: wait for more tokens.
         if len(full_text) <= len(prefix_text) or (
             full_text.endswith(_REPLACEMENT_CHAR) and not flush
@@ -150,7 +162,7 @@ class IncrementalDetokenizer:
             return
         state.text += full_text[len(prefix_text) :]
         state.prefix_offset = state.read_offset
-        state.read_offset = len(self._ids)
+        state.read_offset = len(seq)
 
     def _check_stop(self, start: int) -> str | None:
         """Search stop strings in text appended after ``start`` (plus an overlap before it)."""
