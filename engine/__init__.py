@@ -5,4 +5,4 @@ from engine.llm import LLM
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]

@@ -9,7 +9,12 @@ import torch
 from engine.attention.backend import select_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
-from engine.model.loader import allocate_kv_caches, kv_cache_bytes_per_block, load_model, select_fused_ops
+from engine.model.loader import (
+    allocate_kv_caches,
+    kv_cache_bytes_per_block,
+    load_model,
+    select_fused_ops,
+)
 from engine.sampler import Sampler
 from engine.sampling_metadata import SamplingMetadata
 from engine.sampling_params import SamplingParams

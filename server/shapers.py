@@ -71,7 +71,7 @@ class HandlerShaper:
             bodies = self.handler.postprocess([out])
         except HandlerError as exc:
             raise ErrorReply.from_handler_error(exc) from None
-        except Exception as exc:  # noqa: BLE001 -- their code: answer 500 and say where
+        except Exception as exc:
             logger.exception("the custom handler's postprocess failed")
             raise ErrorReply(500, f"the custom handler's postprocess failed: {type(exc).__name__}: {exc}") from None
         if not isinstance(bodies, list) or len(bodies) != 1:

@@ -30,8 +30,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from engine.model.archive_manifest import (
-    CONVERT_HINT, MANIFEST_PATH, ArchiveError, is_pickle_weights, resolve_handler,
-    validate_manifest)
+    CONVERT_HINT,
+    MANIFEST_PATH,
+    ArchiveError,
+    is_pickle_weights,
+    resolve_handler,
+    validate_manifest,
+)
 from engine.model.llama_spec import architecture_of
 from engine.model.model_config import ModelConfigError, load_model_config
 

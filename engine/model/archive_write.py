@@ -23,8 +23,16 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from engine.model.archive_manifest import (
-    ARCHIVER_VERSION, BUILTIN_HANDLER, CONVERT_HINT, CREATED_ON_FORMAT, MANIFEST_DIR, MANIFEST_PATH,
-    ArchiveFormat, check_model_name, is_pickle_weights)
+    ARCHIVER_VERSION,
+    BUILTIN_HANDLER,
+    CONVERT_HINT,
+    CREATED_ON_FORMAT,
+    MANIFEST_DIR,
+    MANIFEST_PATH,
+    ArchiveFormat,
+    check_model_name,
+    is_pickle_weights,
+)
 from engine.model.llama_spec import architecture_of
 
 CHUNK_BYTES = 1 << 20

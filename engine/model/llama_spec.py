@@ -77,9 +77,7 @@ class LlamaSpec:
         head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // num_heads
         attention_bias = bool(cfg.get("attention_bias", False))
         sliding = None
-        if arch == "MistralForCausalLM":
-            sliding = cfg.get("sliding_window")
-        elif arch == "Qwen2ForCausalLM" and (
+        if arch == "MistralForCausalLM" or arch == "Qwen2ForCausalLM" and (
             cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or ())
         ):
             sliding = cfg.get("sliding_window")

@@ -19,7 +19,12 @@ import pytest
 
 from engine.model import archive_write
 from engine.model.archive import (
-    MANIFEST_PATH, ArchiveError, OpenedArchive, open_archive, write_archive)
+    MANIFEST_PATH,
+    ArchiveError,
+    OpenedArchive,
+    open_archive,
+    write_archive,
+)
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
           "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -29,8 +34,8 @@ MODEL_CONFIG_YAML = b"minWorkers: 1\nmaxWorkers: 1\nhandler:\n  max_model_len: 1
 
 def model_files() -> dict[str, bytes]:
     """A small model directory's files (the weights need not be a loadable model here)."""
-    from safetensors.numpy import save
     import numpy as np
+    from safetensors.numpy import save
 
     weights = save({"model.embed_tokens.weight": np.arange(64 * 32, dtype=np.float32).reshape(64, 32)})
     return {"config.json": json.dumps(CONFIG).encode(), "model.safetensors": weights,

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from engine.config import PrefixCacheHash
-from engine.kv_cache.hashing import get_hash_fn, hash_block, hash_request_blocks, root_hash
+from engine.kv_cache.hashing import (
+    get_hash_fn,
+    hash_block,
+    hash_request_blocks,
+    root_hash,
+)
 
 KINDS = list(PrefixCacheHash)
 

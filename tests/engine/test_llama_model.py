@@ -13,7 +13,12 @@ from safetensors.torch import load_file, save_file
 
 from engine.attention.backend import select_backend
 from engine.attention.metadata import AttentionMetadata
-from engine.model.loader import allocate_kv_caches, kv_cache_bytes_per_block, load_model, select_fused_ops
+from engine.model.loader import (
+    allocate_kv_caches,
+    kv_cache_bytes_per_block,
+    load_model,
+    select_fused_ops,
+)
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48

@@ -10,7 +10,13 @@ import pytest
 from engine.config import EngineConfig
 from engine.model.archive import ArchiveError, open_archive, write_archive
 from engine.model.model_config import (
-    FRONTEND_KEYS, HANDLER_KEYS, DeviceType, ModelConfig, ModelConfigError, load_model_config)
+    FRONTEND_KEYS,
+    HANDLER_KEYS,
+    DeviceType,
+    ModelConfig,
+    ModelConfigError,
+    load_model_config,
+)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "config" / "model-config.yaml"
 

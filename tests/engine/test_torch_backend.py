@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_paged_attention import load_cpu_kernels
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend, group_decodes
+from kernels.cpu_paged_attention import load_cpu_kernels
 
 BLOCK_SIZE, NUM_BLOCKS, HEADS, KV_HEADS, HEAD_DIM = 16, 64, 6, 2, 8
 
