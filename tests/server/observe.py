@@ -3,7 +3,9 @@ port, a model version's worker, and the events of an SSE or NDJSON stream."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import re
 
 import aiohttp
@@ -64,3 +66,23 @@ async def read_events(resp: aiohttp.ClientResponse, sse: bool):
                 yield b"[DONE]"
                 continue
         yield json.loads(line)
+
+
+def stream_and_signal(server: ServerProcess, body: dict, *, after: int, pid: int, sig: int,
+                      timeout: float = 60.0) -> list:
+    """Stream `body` from /v1/completions, send `sig` to `pid` once `after` events arrived, and
+    return every event of the stream (it must open with 200)."""
+    headers = {"Authorization": f"Bearer {server.keys['inference']}"}
+
+    async def run() -> list:
+        async with aiohttp.ClientSession(headers=headers) as session, session.post(
+                server.url("inference", "/v1/completions"), json={**body, "stream": True}) as resp:
+            assert resp.status == 200
+            events = []
+            async for event in read_events(resp, sse=True):
+                events.append(event)
+                if len(events) == after:
+                    os.kill(pid, sig)
+            return events
+
+    return asyncio.run(asyncio.wait_for(run(), timeout))

@@ -5,7 +5,6 @@ some of which hang up mid-stream, get no 5xx, and afterwards every KV block is f
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import signal
 import time
@@ -31,23 +30,9 @@ def worker(server) -> dict:
 
 def test_kill_9_mid_stream_ends_the_stream_with_an_error(server):
     before = worker(server)
-    headers = {"Authorization": f"Bearer {server.keys['inference']}"}
-
-    async def run():
-        async with aiohttp.ClientSession(headers=headers) as session:
-            body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True,
-                    "stream": True}
-            async with session.post(server.url("inference", "/v1/completions"), json=body) as resp:
-                assert resp.status == 200
-                events = []
-                async for event in read_events(resp, sse=True):
-                    events.append(event)
-                    if len(events) == 3:
-                        os.kill(before["pid"], signal.SIGKILL)
-                return events
-
     started = time.monotonic()
-    events = asyncio.run(run())
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True}
+    events = observe.stream_and_signal(server, body, after=3, pid=before["pid"], sig=signal.SIGKILL)
     assert time.monotonic() - started < 30  # no hang: the death is noticed within seconds
     assert events[-1] != b"[DONE]"
     error = events[-1]["error"]

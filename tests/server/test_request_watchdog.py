@@ -8,18 +8,15 @@ response_timeout=1. A worker stopped with SIGSTOP stands for an engine that give
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import socket
 import time
 
-import aiohttp
 import pytest
 
 from tests.server import observe
 from tests.server.conftest import ARCHIVE, MODEL
-from tests.server.observe import read_events
 
 pytestmark = pytest.mark.slow
 QUICK = "2.0"  # the version with response_timeout=1
@@ -57,22 +54,9 @@ def test_whole_reply_past_response_timeout_is_504_and_aborted(server):
 
 def test_stream_with_an_overdue_chunk_ends_with_a_504_event(server):
     pid = observe.worker(server, MODEL, QUICK)["pid"]
-    headers = {"Authorization": f"Bearer {server.keys['inference']}"}
-
-    async def run():
-        async with aiohttp.ClientSession(headers=headers) as session:
-            body = {"model": f"{MODEL}@{QUICK}", **LONG, "stream": True}
-            async with session.post(server.url("inference", "/v1/completions"), json=body) as resp:
-                assert resp.status == 200
-                events = []
-                async for event in read_events(resp, sse=True):
-                    events.append(event)
-                    if len(events) == 2:
-                        os.kill(pid, signal.SIGSTOP)  # the engine stalls mid-stream
-                return events
-
-    try:
-        events = asyncio.run(asyncio.wait_for(run(), timeout=60))
+    try:  # the engine stalls mid-stream
+        events = observe.stream_and_signal(server, {"model": f"{MODEL}@{QUICK}", **LONG},
+                                           after=2, pid=pid, sig=signal.SIGSTOP)
     finally:
         os.kill(pid, signal.SIGCONT)
     assert events[-1] != b"[DONE]"
