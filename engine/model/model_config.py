@@ -2,8 +2,9 @@
 
 The top level holds the frontend keys that apply to pagedserve (workers, timeouts, device,
 parallelism, queue size); the `handler:` mapping holds engine options, named exactly as the
-fields of `EngineConfig`. Unknown keys are errors, so a typo never silently falls back to a
-default. `config/model-config.yaml` documents every key with its default.
+fields of `EngineConfig`, plus `options:`, a free-form mapping for the archive's own (custom)
+handler. Unknown keys are errors, so a typo never silently falls back to a default.
+`config/model-config.yaml` documents every key with its default.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class _T(enum.Enum):
     SIZE = "a byte count or a size string such as 2GiB"
     OPT_MAPPING = "a mapping of keys or null"
 
+
+HANDLER_OPTIONS_KEY = "options"  # handler.options: settings for a custom handler, not the engine
 
 # Engine options allowed under `handler:` (EngineConfig fields; `model` and `device` are not
 # per-archive settings: the archive is the model and deviceType picks the device).
@@ -138,7 +141,12 @@ class ModelConfig:
 
     def engine_options(self) -> dict[str, Any]:
         """The handler's engine options, as keyword arguments for `EngineConfig` / `LLM`."""
-        return dict(self.handler)
+        return {k: v for k, v in self.handler.items() if k != HANDLER_OPTIONS_KEY}
+
+    @property
+    def handler_options(self) -> dict[str, Any]:
+        """`handler.options`: free-form settings a custom handler reads in `initialize`."""
+        return dict(self.handler.get(HANDLER_OPTIONS_KEY) or {})
 
     def resolved(self) -> dict[str, Any]:
         """Every setting with defaults filled in (engine options as EngineConfig resolves them),
@@ -147,11 +155,12 @@ class ModelConfig:
         for key, name in _FRONTEND_KEYS.items():
             value = getattr(self, name)
             out[key] = value.value if isinstance(value, enum.Enum) else value
-        engine = EngineConfig(model=_PLACEHOLDER_MODEL, **self.handler)
+        engine = EngineConfig(model=_PLACEHOLDER_MODEL, **self.engine_options())
         handler = {}
         for key in HANDLER_KEYS:
             value = getattr(engine, key)
             handler[key] = value.value if isinstance(value, enum.Enum) else value
+        handler[HANDLER_OPTIONS_KEY] = self.handler_options
         out["handler"] = handler
         return out
 
@@ -190,12 +199,17 @@ def _coerce(source: str, key: str, enum_cls: type[enum.Enum], value: Any) -> Any
 
 def _check_handler(source: str, options: dict[str, Any]) -> None:
     """Check each option's type, then its value by building an EngineConfig with it alone (so
-    the error names the key), then all together."""
+    the error names the key), then all together. `options` is the custom handler's business."""
+    options = dict(options)
+    custom = options.pop(HANDLER_OPTIONS_KEY, None)
+    if not _has_type(_T.OPT_MAPPING, custom):
+        raise ModelConfigError(f"{source}: handler.{HANDLER_OPTIONS_KEY}={custom!r}: must be "
+                               f"{_T.OPT_MAPPING.value} (settings for a custom handler)")
     for key, value in options.items():
         kind = HANDLER_KEYS.get(key) if isinstance(key, str) else None
         if kind is None:
             raise ModelConfigError(f"{source}: unknown key handler.{key}; allowed keys: "
-                                   f"{', '.join(HANDLER_KEYS)}")
+                                   f"{', '.join([*HANDLER_KEYS, HANDLER_OPTIONS_KEY])}")
         if not _has_type(kind, value):
             raise ModelConfigError(f"{source}: handler.{key}={value!r}: must be {kind.value}")
         if kind in (_T.INT, _T.OPT_INT) and value is not None and value < (0 if key == "seed" else 1):

@@ -12,6 +12,7 @@ from engine.model.archive import ArchiveError, open_archive, write_archive
 from engine.model.model_config import (
     FRONTEND_KEYS,
     HANDLER_KEYS,
+    HANDLER_OPTIONS_KEY,
     DeviceType,
     ModelConfig,
     ModelConfigError,
@@ -78,8 +79,18 @@ def test_documented_example_covers_every_key_with_its_default():
     config = load_model_config(EXAMPLE)
     assert config.resolved() == ModelConfig().resolved()
     text = EXAMPLE.read_text()
-    for key in (*FRONTEND_KEYS, *HANDLER_KEYS):
+    for key in (*FRONTEND_KEYS, *HANDLER_KEYS, HANDLER_OPTIONS_KEY):
         assert f"{key}:" in text, key
+
+
+def test_handler_options_are_for_the_handler_not_the_engine(tmp_path):
+    config = load_model_config(write(tmp_path, "handler:\n  max_num_seqs: 4\n  options:\n"
+                                               "    greeting: hi\n    max_num_seqs: any\n"))
+    assert config.handler_options == {"greeting": "hi", "max_num_seqs": "any"}
+    assert config.engine_options() == {"max_num_seqs": 4}
+    assert config.resolved()["handler"]["options"] == {"greeting": "hi", "max_num_seqs": "any"}
+    with pytest.raises(ModelConfigError, match=r"handler.options=\['x'\]: must be a mapping"):
+        load_model_config(write(tmp_path, "handler:\n  options: [x]\n"))
 
 
 @pytest.mark.parametrize("text, message", [

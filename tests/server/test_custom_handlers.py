@@ -22,7 +22,7 @@ class PlainText(LLMHandler):
 
     def initialize(self, context):
         super().initialize(context)
-        self.label = f"plain:{context.model_name}"
+        self.label = f"{context.model_config.handler_options['label']}:{context.model_name}"
 
     def parse(self, request):
         text = bytes(request["body"]).decode()
@@ -48,9 +48,10 @@ def archives(model_store, tiny_model, tmp_path_factory):
     (tmp / "plain_handler.py").write_text(HANDLER)
     (tmp / "plain_settings.py").write_text("MAX_TOKENS = 5\n")
     (tmp / "fn_handler.py").write_text("def handle(data, context):\n    return data\n")
+    (tmp / "model-config.yaml").write_text("handler:\n  max_num_seqs: 8\n  options:\n    label: txt\n")
     dest = model_store / "custom"
-    write_archive(tiny_model, dest, model_name="plain", version="1.0",
-                  handler=str(tmp / "plain_handler.py"), extra_files=[tmp / "plain_settings.py"], force=True)
+    write_archive(tiny_model, dest, model_name="plain", version="1.0", handler=str(tmp / "plain_handler.py"),
+                  extra_files=[tmp / "plain_settings.py"], config_file=tmp / "model-config.yaml", force=True)
     write_archive(tiny_model, dest, model_name="fnhandler", version="1.0",
                   handler=str(tmp / "fn_handler.py"), force=True)
     return {"plain": "custom/plain.mar", "function": "custom/fnhandler.mar"}
@@ -71,7 +72,8 @@ def test_preprocess_and_postprocess_wrap_the_workers(server):
     r = post_text(server, "Once upon a time")
     assert r.status == 200, r.text
     body = r.json()
-    assert body["handler"] == "plain:plain" and body["tokens"] == 5  # settings from an extra file
+    # The label comes from model-config.yaml's handler.options, MAX_TOKENS from an extra file.
+    assert body["handler"] == "txt:plain" and body["tokens"] == 5
     assert isinstance(body["completion"], str) and body["timings"]["total_s"] > 0
     assert r.headers.get("x-request-id")
 
