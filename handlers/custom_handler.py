@@ -53,7 +53,7 @@ def load_custom_handler(path: Path, handler_spec: str) -> BaseHandler:
                                  "abstract; subclass handlers.LLMHandler to inherit them")
     try:
         return found()
-    except Exception as exc:
+    except Exception as exc:  # their code: refuse the archive and say why
         raise CustomHandlerError(f"handler {handler_spec!r}: {found.__name__}() failed: "
                                  f"{type(exc).__name__}: {exc}") from exc
 
@@ -70,7 +70,7 @@ def _import(path: Path):
     sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except Exception as exc:  # their code: refuse the archive and say why
         sys.modules.pop(name, None)
         raise CustomHandlerError(f"the handler file {path.name} failed to import: "
                                  f"{type(exc).__name__}: {exc}") from exc

@@ -173,7 +173,7 @@ async def _custom_preprocess(request: web.Request, state: ServerState, handler: 
                                              [{"body": raw, "headers": headers}])
     except HandlerError as exc:
         raise ErrorReply.from_handler_error(exc) from None
-    except Exception as exc:
+    except Exception as exc:  # their code: answer 500 and say where
         logger.exception("the custom handler's preprocess failed")
         raise ErrorReply(500, f"the custom handler's preprocess failed: {type(exc).__name__}: {exc}") from None
     parsed = results[0] if isinstance(results, list) and len(results) == 1 else results

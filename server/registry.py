@@ -284,7 +284,7 @@ class ModelRegistry:
 def _initialize_handler(handler: BaseHandler, context: Context) -> None:
     try:
         handler.initialize(context)
-    except Exception as exc:
+    except Exception as exc:  # their code: refuse the registration and say why
         raise CustomHandlerError(f"the custom handler's initialize failed: "
                                  f"{type(exc).__name__}: {exc}") from exc
 

@@ -1,8 +1,8 @@
 """The bodies each endpoint answers with, as `server.generation.Shaper`s: TorchServe-style
-/predictions (NDJSON when streamed), /predictions through a custom handler, and OpenAI (SSE when
-streamed). The shapes themselves live
-in handlers/ (`llm_output`, `openai_responses`); these adapters add where `timings` and `usage`
-go in a stream (on its last chunk) and what an error looks like."""
+/predictions (NDJSON when streamed), /predictions through a custom handler, and OpenAI (SSE
+when streamed). The shapes themselves live in handlers/ (`llm_output`, `openai_responses`);
+these adapters add where `timings` and `usage` go in a stream (on its last chunk) and what an
+error looks like."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ class HandlerShaper:
             bodies = self.handler.postprocess([out])
         except HandlerError as exc:
             raise ErrorReply.from_handler_error(exc) from None
-        except Exception as exc:
+        except Exception as exc:  # their code: answer 500 and say where
             logger.exception("the custom handler's postprocess failed")
             raise ErrorReply(500, f"the custom handler's postprocess failed: {type(exc).__name__}: {exc}") from None
         if not isinstance(bodies, list) or len(bodies) != 1:
