@@ -129,8 +129,6 @@ class EngineCore:
 
     def set_num_threads(self, n: int) -> None:
         """Torch intra-op threads for the following steps."""
-        if n < 1:
-            raise ValueError(f"num_threads must be >= 1, got {n}")
         torch.set_num_threads(n)
 
     def step(self) -> list[EngineCoreOutput]:

@@ -148,12 +148,12 @@ async def predictions(request: web.Request) -> web.StreamResponse:
 async def _predict(request: web.Request, state: ServerState, started: float) -> web.StreamResponse:
     version = _resolve(request, state, request.match_info["model"], request.match_info.get("version"))
     handler = version.handler
-    shaper = PredictionShaper(version.name, request[REQUEST_ID_KEY])
     if handler is None:
         body = await _read_json(request)
+        shaper = PredictionShaper(version.name, request[REQUEST_ID_KEY])
     else:  # a custom handler reads any body: JSON or not is its call
         raw = await _read_body(request)
-        shaper = HandlerShaper(handler, shaper)
+        shaper = HandlerShaper(version.name, request[REQUEST_ID_KEY], handler=handler)
     with version.admit():
         if handler is None:
             parsed = _handler_call(parse_predictions_body, body)

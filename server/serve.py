@@ -224,9 +224,7 @@ class Server:
         from engine.model.model_config import DeviceType
 
         options = entry.model_config.engine_options()
-        if options.get("num_threads") is None:
-            options["num_threads"] = worker_threads(self.config.worker_threads,
-                                                    self.state.registry.total_workers())
+        options["num_threads"] = self._worker_threads(entry)
         if self.config.kv_offload is not None and "kv_offload" not in options:
             options["kv_offload"] = self.config.kv_offload
         if entry.model_config.device_type is DeviceType.GPU:
@@ -239,23 +237,27 @@ class Server:
         self._save_snapshot()
         self._rebalance_threads()
 
+    def _worker_threads(self, entry: ModelVersion) -> int:
+        """Torch threads for a worker of `entry`: its model-config's num_threads, else the
+        server's worker_threads, else an even share of the cores among all workers."""
+        configured = entry.model_config.engine_options().get("num_threads")
+        if configured is not None:
+            return configured
+        return worker_threads(self.config.worker_threads, self.state.registry.total_workers())
+
     def _rebalance_threads(self) -> None:
-        """Share the cores among the ready workers again when their number changed: a worker
-        sized for fewer neighbours would oversubscribe the cores. Workers whose threads are
-        configured (worker_threads, or num_threads in a model-config) keep them."""
+        """Size the ready workers again when their number changed: a worker sized for fewer
+        neighbours would oversubscribe the cores."""
         from engine.async_llm import EngineDeadError
 
-        if self.config.worker_threads is not None or self.state is None:
+        if self.state is None:
             return
-        registry = self.state.registry
-        share = worker_threads(None, registry.total_workers())
-        for version in registry.all_versions():
-            if version.model_config.engine_options().get("num_threads") is not None:
-                continue
+        for version in self.state.registry.all_versions():
+            threads = self._worker_threads(version)
             for engine in version.workers():
-                if engine.num_threads != share:
+                if engine.num_threads != threads:
                     with contextlib.suppress(EngineDeadError):  # found dead: restarted sized anew
-                        engine.set_num_threads(share)
+                        engine.set_num_threads(threads)
 
     def _save_snapshot(self) -> None:
         if self.snapshot is None or self.state is None:

@@ -7,7 +7,7 @@ error looks like."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.outputs import RequestOutput
@@ -58,13 +58,11 @@ class PredictionShaper:
 
 
 @dataclass(slots=True)
-class HandlerShaper:
+class HandlerShaper(PredictionShaper):
     """/predictions through a custom handler: its `postprocess` shapes whole replies (a dict
     reply gets `timings` added unless it has its own); streamed chunks keep the built-in shape."""
 
-    handler: BaseHandler
-    base: PredictionShaper
-    stream_format: StreamFormat = StreamFormat.NDJSON
+    handler: BaseHandler = field(kw_only=True)
 
     def whole(self, out: RequestOutput, total_s: float) -> Any:
         try:
@@ -81,18 +79,6 @@ class HandlerShaper:
         if isinstance(body, dict):
             body.setdefault("timings", timings(out, total_s))
         return body
-
-    def opening(self, n: int) -> dict[str, Any] | None:
-        return self.base.opening(n)
-
-    def chunk(self, deltas: list[ChoiceDelta]) -> dict[str, Any]:
-        return self.base.chunk(deltas)
-
-    def closing(self, deltas: list[ChoiceDelta], out: RequestOutput, total_s: float) -> list[dict[str, Any]]:
-        return self.base.closing(deltas, out, total_s)
-
-    def error(self, code: int, message: str) -> dict[str, Any]:
-        return self.base.error(code, message)
 
 
 @dataclass(slots=True)

@@ -77,9 +77,10 @@ class LlamaSpec:
         head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // num_heads
         attention_bias = bool(cfg.get("attention_bias", False))
         sliding = None
-        if arch == "MistralForCausalLM" or arch == "Qwen2ForCausalLM" and (
+        qwen2_sliding = arch == "Qwen2ForCausalLM" and bool(
             cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or ())
-        ):
+        )
+        if arch == "MistralForCausalLM" or qwen2_sliding:
             sliding = cfg.get("sliding_window")
         return cls(
             architecture=arch,
