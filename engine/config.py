@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.attention.backend import BACKEND_NAMES
 from engine.kv_offload.config import KVOffloadConfig
 
 
@@ -97,6 +98,8 @@ class EngineConfig:
     prefix_cache_hash: str | PrefixCacheHash = PrefixCacheHash.SHA256
     scheduling_policy: str | SchedulingPolicy = SchedulingPolicy.FCFS
     seed: int = 0
+    # "auto" (Triton on CUDA, torch on CPU), "torch" or "triton": engine.attention.backend
+    attention_backend: str = "auto"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     # True when `model` is a directory the caller already opened and verified (the server's
     # extracted archive): the engine loads it as it is, without re-hashing or re-checking it.
@@ -129,6 +132,9 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.attention_backend not in BACKEND_NAMES:
+            raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, "
+                             f"got {self.attention_backend!r}")
         if not str(self.device).startswith(("cpu", "cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         self.kv_offload_config = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -14,12 +15,15 @@ from engine.kv_cache.hashing import get_hash_fn
 from engine.kv_cache.manager import KVCacheManager
 from engine.model.model_source import resolve_model_dir
 from engine.model_runner import ModelRunner
-from engine.request import Request, RequestStatus, validate_prompt
-from engine.scheduler.output import EngineCoreOutput
+from engine.request import FinishReason, Request, RequestStatus, validate_prompt
+from engine.scheduler.output import EngineCoreOutput, SchedulerOutput
 from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.stats import SchedulerStats
+from engine.structured_output import StructuredOutputManager, check_grammar
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_S = 0.05  # an idle step waits this long for a grammar compile to finish
 
 
 def read_eos_token_ids(model_dir: Path, hf_config: dict) -> frozenset[int]:
@@ -79,6 +83,8 @@ class EngineCore:
                 config.kv_offload_config, self.runner.kv_caches, config.block_size,
                 model_fingerprint(model_dir, config.torch_dtype),
             )
+        self.structured_output = StructuredOutputManager(str(model_dir), self.vocab_size, self.eos_token_ids)
+        self._compiling: dict[str, Request] = {}  # requests whose grammar is not ready yet
         self.scheduler = Scheduler(
             self.kv_manager,
             config.max_num_batched_tokens,
@@ -91,11 +97,16 @@ class EngineCore:
     def validate_request(self, request: Request) -> None:
         """Raise ValueError for input the engine must refuse (before anything is allocated)."""
         validate_prompt(request.prompt_token_ids, self.max_model_len, self.vocab_size)
+        if request.sampling_params.structured_outputs is not None:
+            check_grammar(request.sampling_params.structured_outputs)
 
     def add_request(self, request: Request) -> None:
         self.validate_request(request)
         request.eos_token_ids = self.eos_token_ids
         self.scheduler.add_request(request)
+        self.structured_output.add_request(request)
+        if request.grammar is not None:
+            self._compiling[request.request_id] = request
 
     def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         self.scheduler.finish_requests(request_ids, status)
@@ -108,6 +119,7 @@ class EngineCore:
         tier finishes its queued disk writes and LMCache is destroyed. Idempotent."""
         if self.kv_offload is not None:
             self.kv_offload.close()
+        self.structured_output.shutdown()
 
     def kv_offload_stats(self) -> dict | None:
         """KV offload counters (engine.kv_offload.stats.KVOffloadStats as a dict), None if off."""
@@ -132,9 +144,39 @@ class EngineCore:
         torch.set_num_threads(n)
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule, execute, update. Returns the news of every request that got a token."""
+        """Schedule, execute, update. Returns the news of every request that got a token, and
+        of every request whose grammar failed to compile."""
+        failed = self._fail_broken_grammars() if self._compiling else []
         scheduler_output = self.scheduler.schedule()
+        self._add_grammar_bitmask(scheduler_output)
         runner_output = self.runner.execute_model(scheduler_output)
         if self.kv_offload is not None:  # before update_from_output frees finished requests
             self.kv_offload.store_computed(scheduler_output, self.scheduler.requests, self.kv_manager.get_block_ids)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        if scheduler_output.is_empty and self._compiling:
+            # Nothing can run until a grammar is ready: wait for one instead of spinning.
+            self.structured_output.wait_for_compiles(list(self._compiling.values()), GRAMMAR_WAIT_S)
+        return failed + self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _fail_broken_grammars(self) -> list[EngineCoreOutput]:
+        """End the requests whose grammar failed or timed out; forget the ready ones."""
+        now = time.monotonic()
+        outputs = []
+        for req_id, request in list(self._compiling.items()):
+            if request.is_finished or request.grammar.poll(now):
+                del self._compiling[req_id]
+            elif request.grammar.error is not None:
+                del self._compiling[req_id]
+                self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+                outputs.append(EngineCoreOutput(req_id, [], finish_reason=FinishReason.ABORT,
+                                                stop_reason=request.grammar.error))
+        return outputs
+
+    def _add_grammar_bitmask(self, so: SchedulerOutput) -> None:
+        """Bitmask rows for the constrained requests that sample this step (those whose
+        scheduled tokens reach their newest token)."""
+        requests = self.scheduler.requests
+        sampling = [requests[r] for r in so.num_scheduled_tokens
+                    if requests[r].grammar is not None and requests[r].num_computed_tokens == requests[r].num_tokens]
+        made = self.structured_output.bitmask(sampling)
+        if made is not None:
+            so.grammar_bitmask, so.grammar_rows = made

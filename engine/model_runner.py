@@ -19,6 +19,7 @@ from engine.sampler import Sampler
 from engine.sampling_metadata import SamplingMetadata
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import Logprobs, ModelRunnerOutput, SchedulerOutput
+from engine.structured_output import apply_bitmask
 
 
 @dataclass(slots=True)
@@ -48,7 +49,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.vocab_size = int(hf_config["vocab_size"])
         self.eos_token_ids = eos_token_ids
-        self.backend = select_backend(self.device)
+        self.backend = select_backend(self.device, config.attention_backend)
         self.model = load_model(
             model_dir, self.dtype, self.device, self.backend,
             max_model_len=max_model_len, fused_ops=select_fused_ops(self.device, self.dtype),
@@ -98,6 +99,10 @@ class ModelRunner:
         if not sample_ids:
             return ModelRunnerOutput({})
         logits = self.model.compute_logits(hidden[sample_rows])
+        if so.grammar_bitmask is not None:
+            constrained = [(i, so.grammar_rows[r]) for i, r in enumerate(sample_ids) if r in so.grammar_rows]
+            if constrained:
+                apply_bitmask(logits, so.grammar_bitmask[[row for _, row in constrained]], [i for i, _ in constrained])
         states = [self.requests[r] for r in sample_ids]
         sampling_meta = SamplingMetadata.build(
             [s.sampling_params for s in states],

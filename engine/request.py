@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache.hashing import BlockHash
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -83,6 +84,8 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     block_hashes: list[BlockHash] = field(default_factory=list)
+    # The structured-output grammar (engine.structured_output.GrammarState), if constrained.
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

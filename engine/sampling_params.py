@@ -5,6 +5,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.structured_output import (
+    StructuredOutputsParams,
+    structured_outputs_from_dict,
+)
+
 _GREEDY_EPS = 1e-5
 
 
@@ -32,6 +37,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (plus the sampled one)
     skip_special_tokens: bool = True
+    # Constrain the output to a JSON schema, any JSON, a regex, a choice or a grammar (xgrammar;
+    # vLLM's name and fields).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,6 +85,10 @@ class SamplingParams:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids entry", t, minimum=0)
+        self.structured_outputs = structured_outputs_from_dict(self.structured_outputs)
+        if self.structured_outputs is not None and self.min_tokens:
+            # A complete grammar allows only the stop token, which min_tokens would forbid.
+            raise ValueError("min_tokens cannot be combined with structured output")
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -3,9 +3,10 @@
 Plain validation, field by field, with messages that name the field. Three kinds of fields:
 supported ones map to `SamplingParams`; fields OpenAI accepts that change nothing here (`user`,
 `store`, `metadata`, ...) are ignored; fields OpenAI accepts that this server cannot honour
-(`tools`, `logit_bias`, `echo`, `suffix`, JSON response formats, ...) are refused with a 400 that
-says so; anything else is an unknown field and refused, as OpenAI does. `null` means "not given".
-vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, ...) are accepted.
+(`tools`, `logit_bias`, `echo`, `suffix`, ...) are refused with a 400 that says so; anything else is an unknown field and refused, as OpenAI does. `null` means "not given".
+vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, ...) are accepted, and so is
+structured output: OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's
+`structured_outputs` and its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`.
 """
 
 from __future__ import annotations
@@ -58,11 +59,15 @@ _SAMPLING_TYPES: dict[str, tuple[type, ...]] = {
 # Accepted by OpenAI, no effect here.
 _IGNORED = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
                       "safety_identifier"})
-_COMMON = frozenset({"model", "stream", "stream_options", "stop", "stop_token_ids", "max_tokens"}) | set(_SAMPLING_TYPES)
+# Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_STRUCTURED_FIELDS = frozenset({"response_format", "structured_outputs", *_GUIDED})
+_COMMON = (frozenset({"model", "stream", "stream_options", "stop", "stop_token_ids", "max_tokens"})
+           | set(_SAMPLING_TYPES) | _STRUCTURED_FIELDS)
 _COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "best_of", "echo", "suffix", "logit_bias"}
 _CHAT_FIELDS = _COMMON | {
     "messages", "logprobs", "top_logprobs", "max_completion_tokens", "logit_bias", "tools", "tool_choice",
-    "functions", "function_call", "response_format", "modalities", "audio", "prediction", "reasoning_effort",
+    "functions", "function_call", "modalities", "audio", "prediction", "reasoning_effort",
     "web_search_options", "add_generation_prompt",
 }
 
@@ -100,9 +105,6 @@ def parse_chat_request(body: dict[str, Any]) -> OpenAIRequest:
     for name in ("tool_choice", "function_call"):
         _refuse_if(body.get(name) not in (None, "none"), name, f"'{name}' is not supported (no tools)")
     _refuse_if(body.get("reasoning_effort") is not None, "reasoning_effort", "'reasoning_effort' is not supported")
-    fmt = body.get("response_format")
-    _refuse_if(fmt is not None and fmt != {"type": "text"}, "response_format",
-               "only response_format {\"type\": \"text\"} is supported")
     modalities = body.get("modalities")
     _refuse_if(modalities is not None and modalities != ["text"], "modalities", "only the 'text' modality is supported")
     if "messages" not in body:
@@ -192,7 +194,44 @@ def _sampling_params(body: dict[str, Any], *, max_tokens: int | None, logprobs: 
         if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
             raise HandlerError("'stop_token_ids' must be a list of integers")
         fields["stop_token_ids"] = stop_ids
+    structured = _structured_outputs(body)
+    if structured is not None:
+        fields["structured_outputs"] = structured
     return make_sampling_params({**fields, "max_tokens": max_tokens, "logprobs": logprobs})
+
+
+def _structured_outputs(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The one structured-output constraint the body asks for, as StructuredOutputsParams fields."""
+    given = sorted(name for name in _STRUCTURED_FIELDS if name in body)
+    fmt = body.get("response_format")
+    if fmt == {"type": "text"}:
+        given.remove("response_format")
+    if len(given) > 1:
+        raise HandlerError(f"give one structured-output field, not {', '.join(given)}", param=given[1])
+    if not given:
+        return None
+    name = given[0]
+    if name in _GUIDED:
+        return {_GUIDED[name]: body[name]}
+    if name == "structured_outputs":
+        if not isinstance(body[name], dict):
+            raise HandlerError("'structured_outputs' must be an object", param=name)
+        return body[name]
+    return _response_format(fmt)
+
+
+def _response_format(fmt: Any) -> dict[str, Any]:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise HandlerError("response_format json_schema needs 'json_schema': {'name': ..., 'schema': {...}}",
+                               param="response_format")
+        return {"json": spec["schema"]}
+    raise HandlerError("response_format must be {'type': 'text'}, {'type': 'json_object'} or "
+                       "{'type': 'json_schema', 'json_schema': {...}}", param="response_format")
 
 
 def _stream_fields(body: dict[str, Any]) -> tuple[bool, bool]:

@@ -32,6 +32,7 @@ from aiohttp import web
 from engine.async_llm import AsyncLLM, EngineDeadError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_output import check_grammar
 from handlers.base_handler import HandlerError
 from handlers.deltas import ChoiceDelta, DeltaTracker
 from handlers.llm_input import PromptSpec, check_fits, render_prompt
@@ -143,14 +144,24 @@ class Prepared:
     params: SamplingParams
 
 
+def _render_and_check(tokenizer, spec: PromptSpec, params: SamplingParams) -> tuple[str | None, list[int]]:
+    """Tokenize, and parse the structured-output constraint (milliseconds for a big schema):
+    off the event loop, before a worker is bothered."""
+    if params.structured_outputs is not None:
+        check_grammar(params.structured_outputs)
+    return render_prompt(tokenizer, spec)
+
+
 async def prepare(state: ServerState, version: ModelVersion, spec: PromptSpec,
                   params: SamplingParams) -> Prepared:
     """Tokenize (in the thread pool), pick the least loaded worker, apply the length rules."""
     loop = asyncio.get_running_loop()
     try:
-        text, token_ids = await loop.run_in_executor(state.executor, render_prompt, version.tokenizer, spec)
+        text, token_ids = await loop.run_in_executor(state.executor, _render_and_check, version.tokenizer, spec, params)
     except HandlerError as exc:
         raise ErrorReply.from_handler_error(exc) from None
+    except ValueError as exc:  # a grammar xgrammar cannot parse
+        raise ErrorReply(400, str(exc)) from None
     worker = version.pick_worker()
     info = worker.info
     try:
@@ -181,6 +192,9 @@ async def respond(request: web.Request, state: ServerState, version: ModelVersio
                 raise ErrorReply(503, f"the worker died before answering: {exc}", {"Retry-After": "1"}) from None
             except RequestTimeout as exc:
                 raise ErrorReply(504, str(exc)) from None
+            refusal = _refusal(first)
+            if refusal is not None:
+                raise ErrorReply(400, refusal)
             if stream:
                 return await _stream(request, state, version, outputs, first, shaper, job.params,
                                      started, watchdog)
@@ -190,6 +204,15 @@ async def respond(request: web.Request, state: ServerState, version: ModelVersio
         return web.Response(status=CLIENT_CLOSED)
     finally:
         watchdog.stop()
+
+
+def _refusal(out: RequestOutput) -> str | None:
+    """Why the worker refused the request before generating anything (its grammar failed to
+    compile or timed out, or the engine's own checks caught it), or None."""
+    for completion in out.outputs:
+        if completion.finish_reason == "abort" and not completion.token_ids and isinstance(completion.stop_reason, str):
+            return completion.stop_reason
+    return None
 
 
 async def _next(outputs) -> RequestOutput:

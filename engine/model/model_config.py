@@ -83,6 +83,7 @@ HANDLER_KEYS: dict[str, _T] = {
     "prefix_cache_hash": _T.STR,
     "scheduling_policy": _T.STR,
     "seed": _T.INT,
+    "attention_backend": _T.STR,
     "num_threads": _T.OPT_INT,
     # {cpu_size_gb, disk_path, disk_size_gb, chunk_size}: engine.kv_offload.config
     "kv_offload": _T.OPT_MAPPING,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 
@@ -38,6 +40,10 @@ class SchedulerOutput:
     # Requests the runner must forget (finished, aborted or preempted since the last step).
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Structured output: one allowed-token bitmask row (xgrammar's packed int32 layout) per
+    # constrained request that samples this step, and the row of each request id.
+    grammar_bitmask: torch.Tensor | None = None
+    grammar_rows: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

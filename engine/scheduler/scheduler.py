@@ -22,6 +22,13 @@ if TYPE_CHECKING:
     from engine.kv_offload.manager import KVOffloadManager
 
 
+_FINISHED_STATUS = {
+    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+    FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+}
+
+
 class Scheduler:
     """Each step maps request ids to a number of tokens to compute.
 
@@ -132,9 +139,15 @@ class Scheduler:
             )
             i += 1
 
-        # 2. Waiting requests, unless this step already had to preempt.
+        # 2. Waiting requests, unless this step already had to preempt. A request whose grammar
+        # is still compiling stays waiting, in its place, without holding up the others.
+        not_ready: list[Request] = []
+        now = time.monotonic()
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if request.grammar is not None and not request.grammar.poll(now):
+                not_ready.append(self.waiting.pop())
+                continue
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_external = self.kv_offload.lookup(request, num_hit_tokens) if self.kv_offload else 0
             request.num_computed_tokens = num_hit_tokens + num_external
@@ -166,6 +179,9 @@ class Scheduler:
                     num_computed_tokens=request.num_computed_tokens,
                 )
             )
+
+        for request in reversed(not_ready):
+            self.waiting.prepend(request)
 
         output = SchedulerOutput(
             new_requests=new_reqs,
@@ -224,11 +240,15 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             request.append_output_token_ids(token_ids)
-            finish_reason = self._check_stop(request)
+            if request.grammar is not None and not all(request.grammar.accept(t) for t in token_ids):
+                # Cannot happen while the bitmask is applied; never continue off the grammar.
+                request.stop_reason = "the sampled token does not fit the grammar"
+                finish_reason = FinishReason.ABORT
+            else:
+                finish_reason = self._check_stop(request)
             if finish_reason is not None:
                 self.running.remove(request)
-                status = RequestStatus.FINISHED_STOPPED if finish_reason is FinishReason.STOP else RequestStatus.FINISHED_LENGTH
-                self._free(request, status)
+                self._free(request, _FINISHED_STATUS[finish_reason])
             logprobs = runner_output.logprobs.get(req_id)
             outputs.append(
                 EngineCoreOutput(
@@ -253,6 +273,8 @@ class Scheduler:
             if last in params.stop_token_ids:
                 request.stop_reason = last
                 return FinishReason.STOP
+        if request.grammar is not None and request.grammar.is_terminated:
+            return FinishReason.STOP  # the grammar is complete (even with ignore_eos)
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH
         if request.num_tokens >= self.max_model_len:

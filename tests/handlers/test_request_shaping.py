@@ -8,6 +8,7 @@ import pytest
 
 from engine.llm import load_tokenizer
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.structured_output import StructuredOutputsParams
 from handlers.base_handler import HandlerError
 from handlers.deltas import DeltaTracker, held_back
 from handlers.llm_input import (
@@ -111,7 +112,13 @@ def test_completion_refusals(body, words):
     ({"model": "m", "messages": []}, ["messages"]),
     ({"model": "m", "messages": CHAT, "tools": [{"type": "function"}]}, ["tools"]),
     ({"model": "m", "messages": CHAT, "tool_choice": "auto"}, ["tool_choice"]),
-    ({"model": "m", "messages": CHAT, "response_format": {"type": "json_object"}}, ["response_format"]),
+    ({"model": "m", "messages": CHAT, "response_format": {"type": "xml"}}, ["response_format"]),
+    ({"model": "m", "messages": CHAT, "response_format": {"type": "json_schema"}}, ["json_schema", "schema"]),
+    ({"model": "m", "messages": CHAT, "response_format": {"type": "json_object"}, "guided_regex": "a"},
+     ["one structured-output field", "guided_regex, response_format"]),
+    ({"model": "m", "messages": CHAT, "guided_choice": []}, ["choice", "non-empty list"]),
+    ({"model": "m", "messages": CHAT, "structured_outputs": {"json": {}, "regex": "a"}}, ["exactly one"]),
+    ({"model": "m", "messages": CHAT, "structured_outputs": "json"}, ["structured_outputs", "object"]),
     ({"model": "m", "messages": CHAT, "top_logprobs": 2}, ["logprobs"]),
     ({"model": "m", "messages": CHAT, "logprobs": 3}, ["logprobs"]),
     ({"model": "m", "messages": CHAT, "max_tokens": 3, "max_completion_tokens": 4}, ["disagree"]),
@@ -138,6 +145,23 @@ def test_openai_requests_map_to_sampling_params():
                                "top_logprobs": 3, "response_format": {"type": "text"}, "tool_choice": "none"})
     assert chat.params.max_tokens == 9 and chat.params.logprobs == 3 and chat.top_logprobs == 3
     assert parse_chat_request({"model": "m", "messages": CHAT}).params.max_tokens is None  # up to the context
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"},
+                                                                 "strict": True}}},
+     StructuredOutputsParams(json={"type": "object"})),
+    ({"guided_json": {"type": "string"}}, StructuredOutputsParams(json={"type": "string"})),
+    ({"guided_regex": "[0-9]+"}, StructuredOutputsParams(regex="[0-9]+")),
+    ({"guided_choice": ["a", "b"]}, StructuredOutputsParams(choice=["a", "b"])),
+    ({"guided_grammar": 'root ::= "x"'}, StructuredOutputsParams(grammar='root ::= "x"')),
+    ({"structured_outputs": {"regex": "a+"}}, StructuredOutputsParams(regex="a+")),
+    ({"response_format": {"type": "text"}, "guided_regex": "a"}, StructuredOutputsParams(regex="a")),
+])
+def test_structured_output_fields_map_to_one_constraint(extra, expected):
+    assert parse_chat_request({"model": "m", "messages": CHAT, **extra}).params.structured_outputs == expected
+    assert parse_completion_request({"model": "m", "prompt": "x", **extra}).params.structured_outputs == expected
 
 
 def _output(texts, finished=False, reasons=None, logprobs=None):

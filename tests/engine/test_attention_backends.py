@@ -1,12 +1,15 @@
-"""TorchAttentionBackend against a per-token float64 reference on a scrambled paged cache."""
+"""The attention backends (torch, torch with the CPU decode kernel, Triton in its interpreter)
+against a per-token float64 reference on a scrambled paged cache."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engine.attention.backend import select_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend, group_decodes
+from engine.config import EngineConfig
 from kernels.cpu_paged_attention import load_cpu_kernels
 
 BLOCK_SIZE, NUM_BLOCKS, HEADS, KV_HEADS, HEAD_DIM = 16, 64, 6, 2, 8
@@ -61,7 +64,13 @@ def _cpu_kernel_backend() -> TorchAttentionBackend:
     return TorchAttentionBackend(cpu_kernels=kernels)
 
 
-@pytest.mark.parametrize("make_backend", [TorchAttentionBackend, _cpu_kernel_backend], ids=["torch", "cpu-kernel"])
+def _triton_backend():
+    pytest.importorskip("triton")
+    return select_backend("cpu", "triton")  # Triton's interpreter (tests/conftest.py)
+
+
+@pytest.mark.parametrize("make_backend", [TorchAttentionBackend, _cpu_kernel_backend, _triton_backend],
+                         ids=["torch", "cpu-kernel", "triton"])
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_mixed_batch_matches_reference_across_layers(dtype, tol, make_backend):
     g = torch.Generator().manual_seed(0)
@@ -106,3 +115,22 @@ def test_rejects_mismatched_shapes():
         TorchAttentionBackend().forward(q[:2], kv[:2], kv[:2], cache, meta, 1.0)
     with pytest.raises(ValueError, match="dtype"):
         TorchAttentionBackend().forward(q.bfloat16(), kv.bfloat16(), kv.bfloat16(), cache, meta, 1.0)
+
+
+def test_backend_selection(monkeypatch):
+    assert select_backend("cpu").name == "torch"
+    assert select_backend("cpu", "torch").name == "torch"
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        select_backend("cpu", "flash")
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        select_backend("cpu", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert select_backend("cpu", "triton").name == "triton"
+
+
+def test_engine_config_checks_the_backend_name():
+    assert EngineConfig("m", attention_backend="triton").attention_backend == "triton"
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig("m", attention_backend="flash")

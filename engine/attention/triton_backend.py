@@ -1,0 +1,34 @@
+"""Paged attention through the Triton kernel (kernels.triton_paged_attention): the GPU path.
+
+New keys/values go into the cache with the same `index_copy_` as the torch backend; then one
+kernel launch attends every query token of the step (decodes, prefill chunks and whole prompts
+alike). On a CPU it runs only in Triton's interpreter, for tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.backend import AttentionBackend, check_shapes, write_kv_cache
+from engine.attention.metadata import AttentionMetadata
+from kernels.triton_paged_attention import paged_attention
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        check_shapes(query, key, value, kv_cache, meta)
+        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        return paged_attention(
+            query, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens_tensor,
+            meta.query_start_loc, meta.max_query_len, scale,
+        )
