@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from tests.server.conftest import ARCHIVE, MODEL
@@ -121,3 +124,37 @@ def test_versions_models_and_errors(server, client):
     bad_key = openai.OpenAI(base_url=server.url("inference", "/v1"), api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad_key.models.list()
+
+
+def test_structured_output(server, client):
+    pydantic = pytest.importorskip("pydantic")
+
+    class Person(pydantic.BaseModel):
+        name: str
+        age: int
+
+    ask = [{"role": "user", "content": "Describe a person named Ann who is 31 years old."}]
+    r = client.chat.completions.parse(model=MODEL, messages=ask, response_format=Person, max_tokens=40, temperature=0)
+    person = r.choices[0].message.parsed  # the SDK parsed the reply with the model class
+    assert isinstance(person, Person) and person.name and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=40, temperature=0, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": Person.model_json_schema()}}))
+    assert Person.model_validate_json(streamed)
+    any_json = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=40, temperature=0,
+                                              response_format={"type": "json_object"})
+    assert isinstance(json.loads(any_json.choices[0].message.content), dict)
+    choice = client.completions.create(model=MODEL, prompt="Is Paris in France? Answer:", max_tokens=5,
+                                       temperature=0, extra_body={"guided_choice": [" yes", " no"]})
+    assert choice.choices[0].text in {" yes", " no"}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=ask, extra_body={"guided_regex": "a(b"})
+    assert "invalid regex constraint" in err.value.message
+    # /predictions takes the SamplingParams field, as every other sampling field.
+    reply = server.post("inference", f"/predictions/{MODEL}", json={
+        "prompt": "My phone number is", "max_tokens": 12, "temperature": 0,
+        "structured_outputs": {"regex": " [0-9]{3}-[0-9]{4}"}})
+    assert reply.status == 200, reply.text
+    assert re.fullmatch(" [0-9]{3}-[0-9]{4}", reply.json()["choices"][0]["text"])
+    bad = server.post("inference", f"/predictions/{MODEL}", json={"prompt": "x", "structured_outputs": {"json": 3}})
+    assert bad.status == 400 and "JSON schema" in bad.json()["message"]
