@@ -115,7 +115,7 @@ class GrammarState:
     """One request's grammar: the compile in flight, then its matcher."""
 
     def __init__(self, future: concurrent.futures.Future, deadline: float) -> None:
-        self._future = future
+        self.future = future
         self._deadline = deadline
         self._matcher = None
         self.error: str | None = None
@@ -126,12 +126,12 @@ class GrammarState:
             return True
         if self.error is not None:
             return False
-        if not self._future.done():
+        if not self.future.done():
             if now > self._deadline:
                 self.error = "grammar compilation timed out"
             return False
         try:
-            compiled = self._future.result()
+            compiled = self.future.result()
         except Exception as exc:  # noqa: BLE001 -- xgrammar's errors become the request's error
             self.error = f"grammar compilation failed: {_message(exc)}"
             return False
@@ -200,19 +200,17 @@ class StructuredOutputManager:
 
     def wait_for_compiles(self, requests: list[Request], timeout: float) -> None:
         """Block up to `timeout` for one of these requests' compiles (nothing else to run)."""
-        futures = [r.grammar._future for r in requests if r.grammar is not None and r.grammar.pending]
+        futures = [r.grammar.future for r in requests if r.grammar is not None and r.grammar.pending]
         if futures:
             concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def bitmask(self, requests: list[Request]) -> tuple[torch.Tensor, dict[str, int]] | None:
-        """One row per request that samples this step and has a grammar: (bitmask, row of each)."""
-        constrained = [r for r in requests if r.grammar is not None]
-        if not constrained:
+        """One row per constrained request that samples this step: (bitmask, row of each)."""
+        if not requests:
             return None
-        xgr = _xgrammar()
-        bitmask = xgr.allocate_token_bitmask(len(constrained), self.vocab_size)
+        bitmask = _xgrammar().allocate_token_bitmask(len(requests), self.vocab_size)
         rows = {}
-        for row, request in enumerate(constrained):
+        for row, request in enumerate(requests):
             request.grammar.fill_bitmask(bitmask, row)
             rows[request.request_id] = row
         return bitmask, rows

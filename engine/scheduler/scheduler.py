@@ -22,11 +22,7 @@ if TYPE_CHECKING:
     from engine.kv_offload.manager import KVOffloadManager
 
 
-_FINISHED_STATUS = {
-    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
-    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
-    FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
-}
+_FINISHED_STATUS = {status.finish_reason: status for status in RequestStatus if status.is_finished}
 
 
 class Scheduler:
