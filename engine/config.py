@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from engine.attention.backend import BACKEND_NAMES
 from engine.kv_offload.config import KVOffloadConfig
+from engine.spec_decode.config import SpeculativeConfig
 
 
 class SchedulingPolicy(enum.Enum):
@@ -107,8 +108,12 @@ class EngineConfig:
     # Tiered KV offload through LMCache: {"cpu_size_gb", "disk_path", "disk_size_gb",
     # "chunk_size"} (engine.kv_offload.config); None = off. Normalised (defaults filled) here.
     kv_offload: dict | None = None
+    # Speculative decoding: {"method": "ngram", "num_speculative_tokens", "prompt_lookup_max",
+    # "prompt_lookup_min"} (engine.spec_decode.config); None = off. Normalised here.
+    speculative: dict | None = None
     torch_dtype: torch.dtype = field(init=False)
     kv_offload_config: KVOffloadConfig | None = field(init=False)
+    speculative_config: SpeculativeConfig | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.torch_dtype = resolve_dtype(self.dtype)
@@ -141,6 +146,10 @@ class EngineConfig:
         if self.kv_offload is not None:
             self.kv_offload_config = KVOffloadConfig.from_options(self.kv_offload, self.block_size)
             self.kv_offload = self.kv_offload_config.as_dict()
+        self.speculative_config = None
+        if self.speculative is not None:
+            self.speculative_config = SpeculativeConfig.from_options(self.speculative)
+            self.speculative = asdict(self.speculative_config)
 
     def resolve_max_model_len(self, model_max_positions: int) -> int:
         if self.max_model_len is None:

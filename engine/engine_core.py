@@ -19,6 +19,7 @@ from engine.request import FinishReason, Request, RequestStatus, validate_prompt
 from engine.scheduler.output import EngineCoreOutput, SchedulerOutput
 from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.stats import SchedulerStats
+from engine.spec_decode.ngram import NgramProposer, can_draft
 from engine.structured_output import StructuredOutputManager, check_grammar
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,9 @@ class EngineCore:
             )
         self.structured_output = StructuredOutputManager(str(model_dir), self.vocab_size, self.eos_token_ids)
         self._compiling: dict[str, Request] = {}  # requests whose grammar is not ready yet
+        spec = config.speculative_config
+        self.drafter = None if spec is None else NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.scheduler = Scheduler(
             self.kv_manager,
             config.max_num_batched_tokens,
@@ -136,6 +140,8 @@ class EngineCore:
             prefix_cache_hits=kv.num_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             num_threads=torch.get_num_threads(),
+            spec_draft_tokens=self.scheduler.num_draft_tokens,
+            spec_accepted_tokens=self.scheduler.num_accepted_tokens,
             kv_offload=self.kv_offload_stats(),
         )
 
@@ -155,7 +161,22 @@ class EngineCore:
         if scheduler_output.is_empty and self._compiling:
             # Nothing can run until a grammar is ready: wait for one instead of spinning.
             self.structured_output.wait_for_compiles(list(self._compiling.values()), GRAMMAR_WAIT_S)
-        return failed + self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.drafter is not None:
+            self._draft()
+        return failed + outputs
+
+    def _draft(self) -> None:
+        """Propose the next step's drafts for the running requests that are decoding."""
+        for request in self.scheduler.running:
+            params = request.sampling_params
+            if request.num_computed_tokens != request.num_tokens - 1 or not can_draft(params):
+                continue
+            # Kept drafts plus the target's own token must fit max_tokens and max_model_len.
+            room = self.max_model_len - request.num_tokens - 1
+            if params.max_tokens is not None:
+                room = min(room, params.max_tokens - request.num_output_tokens - 1)
+            request.spec_token_ids = self.drafter.propose(request.all_token_ids, room)
 
     def _fail_broken_grammars(self) -> list[EngineCoreOutput]:
         """End the requests whose grammar failed or timed out; forget the ready ones."""

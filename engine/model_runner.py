@@ -15,10 +15,11 @@ from engine.model.loader import (
     load_model,
     select_fused_ops,
 )
-from engine.sampler import Sampler
+from engine.sampler import Sampler, processed_probs
 from engine.sampling_metadata import SamplingMetadata
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingType
 from engine.scheduler.output import Logprobs, ModelRunnerOutput, SchedulerOutput
+from engine.spec_decode.rejection import rejection_sample, verify_greedy
 from engine.structured_output import apply_bitmask
 
 
@@ -93,12 +94,19 @@ class ModelRunner:
             return ModelRunnerOutput({})
         # Decodes first: the attention backend batches rows [0, num_decodes) together.
         order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
-        batch = self._prepare_inputs(order, so.num_scheduled_tokens)
-        input_ids, positions, meta, sample_rows, sample_ids = batch
+        batch = self._prepare_inputs(order, so.num_scheduled_tokens, so.scheduled_spec_tokens)
+        input_ids, positions, meta, sample_rows, sample_ids, spec_ids = batch
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if not sample_ids:
+        if not sample_ids and not spec_ids:
             return ModelRunnerOutput({})
         logits = self.model.compute_logits(hidden[sample_rows])
+        result = ModelRunnerOutput({})
+        if spec_ids:
+            # Rows [len(sample_ids), ...): k + 1 rows per drafted request, in spec_ids order.
+            self._verify_drafts(logits[len(sample_ids):], spec_ids, so.scheduled_spec_tokens, result)
+            logits = logits[: len(sample_ids)]
+        if not sample_ids:
+            return result
         if so.grammar_bitmask is not None:
             constrained = [(i, so.grammar_rows[r]) for i, r in enumerate(sample_ids) if r in so.grammar_rows]
             if constrained:
@@ -115,7 +123,6 @@ class ModelRunner:
         )
         out = self.sampler(logits, sampling_meta)
         sampled = out.sampled_token_ids.tolist()
-        result = ModelRunnerOutput({})
         for state, token in zip(states, sampled):
             state.token_ids.append(token)
             state.output_token_ids.append(token)
@@ -130,7 +137,30 @@ class ModelRunner:
                     result.logprobs[state.req_id] = [Logprobs(ids[row][: k + 1], lps[row][: k + 1], ranks[row])]
         return result
 
-    def _prepare_inputs(self, order: list[str], num_scheduled: dict[str, int]):
+    def _verify_drafts(self, logits: torch.Tensor, spec_ids: list[str], drafts: dict[str, list[int]],
+                       result: ModelRunnerOutput) -> None:
+        """Keep what the target model agrees with of each request's drafts, plus one token of its own."""
+        row = 0
+        for req_id in spec_ids:
+            state = self.requests[req_id]
+            k = len(drafts[req_id])
+            rows = logits[row : row + k + 1]
+            row += k + 1
+            params = state.sampling_params
+            if params.sampling_type is SamplingType.GREEDY:
+                tokens = verify_greedy(rows.max(dim=-1).indices.tolist(), drafts[req_id])
+            else:
+                meta = SamplingMetadata.build([params] * (k + 1), [()] * (k + 1), [()] * (k + 1),
+                                              [None] * (k + 1), self.eos_token_ids, self.vocab_size, self.device)
+                tokens = rejection_sample(processed_probs(rows.float(), meta), drafts[req_id], state.generator)
+            state.token_ids.extend(tokens)
+            state.output_token_ids.extend(tokens)
+            result.sampled_token_ids[req_id] = tokens
+
+    def _prepare_inputs(self, order: list[str], num_scheduled: dict[str, int], spec: dict[str, list[int]]):
+        """Flattened inputs of the step. Rows to sample: the last row of every request that
+        reaches its newest token (`sample_ids`, in order), then the k + 1 last rows of every
+        request with k drafts scheduled (`spec_ids`)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -139,22 +169,32 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
+        spec_rows: list[int] = []
+        spec_ids: list[str] = []
         max_blocks = 0
         for req_id in order:
             state = self.requests[req_id]
             n = num_scheduled[req_id]
             start = state.num_computed_tokens
             end = start + n
-            input_ids.extend(state.token_ids[start:end])
+            drafts = spec.get(req_id)
+            if drafts:  # the newest known token, then the drafts after it
+                if end != len(state.token_ids) + len(drafts):
+                    raise RuntimeError(f"{req_id}: {n} tokens scheduled from {start} do not end at its drafts")
+                input_ids.extend(state.token_ids[start:] + drafts)
+                spec_rows.extend(range(len(input_ids) - len(drafts) - 1, len(input_ids)))
+                spec_ids.append(req_id)
+            else:
+                input_ids.extend(state.token_ids[start:end])
+                if end == len(state.token_ids):  # reached the newest token: sample the next one
+                    sample_rows.append(len(input_ids) - 1)
+                    sample_ids.append(req_id)
             positions.extend(range(start, end))
             blocks = state.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(n)
             seq_lens.append(end)
             max_blocks = max(max_blocks, len(blocks))
-            if end == len(state.token_ids):  # reached the newest token: sample the next one
-                sample_rows.append(len(input_ids) - 1)
-                sample_ids.append(req_id)
         block_tables = torch.tensor(
             [b + [0] * (max_blocks - len(b)) for b in (self.requests[r].block_ids for r in order)],
             dtype=torch.int32,
@@ -180,6 +220,7 @@ class ModelRunner:
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),
             meta,
-            torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+            torch.tensor(sample_rows + spec_rows, dtype=torch.int64, device=dev),
             sample_ids,
+            spec_ids,
         )

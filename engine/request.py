@@ -86,6 +86,8 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     # The structured-output grammar (engine.structured_output.GrammarState), if constrained.
     grammar: GrammarState | None = None
+    # Speculative decoding: tokens drafted after the newest one, verified at the next step.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -68,14 +68,20 @@ class Sampler:
         greedy = None if meta.all_random else logits.max(dim=-1).indices
         if meta.all_greedy:
             return greedy
-        logits = logits / meta.temperature.unsqueeze(1)
-        if meta.min_p is not None:
-            logits = apply_min_p(logits, meta.min_p)
-        logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        drawn = random_sample(logits.softmax(dim=-1), meta.generators)
+        drawn = random_sample(processed_probs(logits, meta), meta.generators)
         if greedy is None:
             return drawn
         return torch.where(meta.greedy_mask, greedy, drawn)
+
+
+def processed_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution random rows draw from: temperature, min-p, top-k and top-p applied to
+    float32 logits (greedy rows of a mixed batch get a harmless temperature of 1)."""
+    logits = logits / meta.temperature.unsqueeze(1)
+    if meta.min_p is not None:
+        logits = apply_min_p(logits, meta.min_p)
+    logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+    return logits.softmax(dim=-1)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -122,6 +122,10 @@ class EngineCollector:
             "preemptions": CounterMetricFamily("pagedserve_preemptions",
                                                "Requests preempted (since the workers started)",
                                                labels=labels),
+            "spec_draft": CounterMetricFamily("pagedserve_spec_decode_draft_tokens",
+                                              "Speculative draft tokens verified", labels=labels),
+            "spec_accepted": CounterMetricFamily("pagedserve_spec_decode_accepted_tokens",
+                                                 "Speculative draft tokens kept", labels=labels),
         }
         offload = {
             key: CounterMetricFamily(f"pagedserve_kv_offload_{name}", doc, labels=labels + extra)
@@ -141,6 +145,8 @@ class EngineCollector:
             fams["free"].add_metric(key, sum(s.num_free_blocks for s in stats))
             fams["hit_rate"].add_metric(key, hits / queries if queries else 0.0)
             fams["preemptions"].add_metric(key, sum(s.num_preemptions for s in stats))
+            fams["spec_draft"].add_metric(key, sum(s.spec_draft_tokens for s in stats))
+            fams["spec_accepted"].add_metric(key, sum(s.spec_accepted_tokens for s in stats))
             offloads = [s.kv_offload for s in stats if s.kv_offload]
             if offloads:
                 total = {k: sum(o.get(k, 0) for o in offloads) for k in _OFFLOAD_FIELDS}

@@ -87,6 +87,8 @@ HANDLER_KEYS: dict[str, _T] = {
     "num_threads": _T.OPT_INT,
     # {cpu_size_gb, disk_path, disk_size_gb, chunk_size}: engine.kv_offload.config
     "kv_offload": _T.OPT_MAPPING,
+    # {method: ngram, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min}: engine.spec_decode.config
+    "speculative": _T.OPT_MAPPING,
 }
 
 

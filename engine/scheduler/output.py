@@ -44,6 +44,9 @@ class SchedulerOutput:
     # constrained request that samples this step, and the row of each request id.
     grammar_bitmask: torch.Tensor | None = None
     grammar_rows: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding: the draft tokens scheduled after each request's newest token (the
+    # request's num_scheduled_tokens counts them); the runner verifies them.
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -57,6 +57,9 @@ class Scheduler:
         # Ids the runner must forget at the next step.
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
+        # Speculative decoding: drafts verified, and how many of them the target kept.
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -101,6 +104,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
@@ -119,6 +123,7 @@ class Scheduler:
                 if victim.request_id in num_scheduled:
                     # Priority policy may pick a request scheduled earlier in this step.
                     budget += num_scheduled.pop(victim.request_id)
+                    spec_tokens.pop(victim.request_id, None)
                     cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
                     i -= 1
                 self._preempt(victim)
@@ -130,6 +135,9 @@ class Scheduler:
                 continue  # it preempted itself; running[i] is now the next request
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            num_drafts = num_new - (request.num_tokens - request.num_computed_tokens)
+            if num_drafts > 0:  # the budget may have cut some drafts
+                spec_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
             cached_reqs.append(
                 CachedRequestData(request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
             )
@@ -186,6 +194,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             finished_req_ids=self._finished_ids,
             preempted_req_ids=preempted,
+            scheduled_spec_tokens=spec_tokens,
         )
         self._finished_ids = set()
         # Tokens scheduled now count as computed: the next schedule() may run before outputs
@@ -208,7 +217,7 @@ class Scheduler:
         return loaded
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        remaining = request.num_tokens - request.num_computed_tokens
+        remaining = request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
         return max(0, min(remaining, budget, self.max_model_len - request.num_computed_tokens))
 
     def _pick_victim(self) -> Request:
@@ -221,6 +230,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -235,13 +245,28 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
-            request.append_output_token_ids(token_ids)
-            if request.grammar is not None and not all(request.grammar.accept(t) for t in token_ids):
-                # Cannot happen while the bitmask is applied; never continue off the grammar.
-                request.stop_reason = "the sampled token does not fit the grammar"
-                finish_reason = FinishReason.ABORT
-            else:
-                finish_reason = self._check_stop(request)
+            drafts = scheduler_output.scheduled_spec_tokens.get(req_id)
+            request.spec_token_ids = []
+            if drafts:
+                # token_ids = the drafts kept + one token of the target's: the rest were
+                # computed for nothing (their KV slots are rewritten later).
+                request.num_computed_tokens -= len(drafts) + 1 - len(token_ids)
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += len(token_ids) - 1
+            kept: list[int] = []
+            finish_reason = None
+            for token in token_ids:  # a stop in the middle drops what follows it
+                request.append_output_token_ids([token])
+                kept.append(token)
+                if request.grammar is not None and not request.grammar.accept(token):
+                    # Cannot happen while the bitmask is applied; never continue off the grammar.
+                    request.stop_reason = "the sampled token does not fit the grammar"
+                    finish_reason = FinishReason.ABORT
+                else:
+                    finish_reason = self._check_stop(request)
+                if finish_reason is not None:
+                    break
+            token_ids = kept
             if finish_reason is not None:
                 self.running.remove(request)
                 self._free(request, _FINISHED_STATUS[finish_reason])

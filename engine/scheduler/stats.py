@@ -15,6 +15,8 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # cumulative, in prompt tokens found
     num_preemptions: int = 0  # cumulative
     num_threads: int = 0  # torch intra-op threads the engine steps with
+    spec_draft_tokens: int = 0  # cumulative: draft tokens verified (speculative decoding)
+    spec_accepted_tokens: int = 0  # cumulative: of those, kept
     # KV offload counters (engine.kv_offload.stats.KVOffloadStats.as_dict()); None when off.
     kv_offload: dict | None = None
 

@@ -43,11 +43,13 @@ def check_pool_consistency(engine: EngineCore) -> None:
         assert block.block_hash == block_hash and block.token_ids is not None
 
 
-@pytest.mark.parametrize("caching", [True, False])
-def test_random_workload_leaves_every_block_free(tiny_model_dir, caching):
+@pytest.mark.parametrize(("caching", "speculative"), [(True, None), (False, None), (True, {"num_speculative_tokens": 3})],
+                         ids=["caching", "no-caching", "speculative"])
+def test_random_workload_leaves_every_block_free(tiny_model_dir, caching, speculative):
     engine = EngineCore(EngineConfig(
         model=str(tiny_model_dir), num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
         max_num_batched_tokens=24, max_num_seqs=6, enable_prefix_caching=caching, max_model_len=96,
+        speculative=speculative,
     ))
     rng = random.Random(1234)
     shared_prefix = [rng.randrange(64) for _ in range(12)]
@@ -79,6 +81,8 @@ def test_random_workload_leaves_every_block_free(tiny_model_dir, caching):
     engine.step()  # lets the runner forget the last finished requests
     assert len(finished) == submitted == 80
     assert engine.scheduler.num_preemptions > 0
+    if speculative:  # drafts were verified, some kept and some refused
+        assert 0 < engine.scheduler.num_accepted_tokens < engine.scheduler.num_draft_tokens
     pool = engine.kv_manager.pool
     assert pool.get_num_free_blocks() == NUM_BLOCKS
     assert all(b.ref_cnt == 0 for b in pool.blocks)

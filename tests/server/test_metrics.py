@@ -57,6 +57,7 @@ def test_requests_and_engine_figures(server):
     assert value(m, "pagedserve_workers_ready", model=MODEL) == 1
     assert 0 < value(m, "pagedserve_prefix_cache_hit_rate", model=MODEL) < 1
     assert value(m, "pagedserve_preemptions_total", model=MODEL) == 0
+    assert value(m, "pagedserve_spec_decode_draft_tokens_total", model=MODEL) == 0  # not configured
 
 
 def test_worker_threads_share_the_cores(server, monkeypatch):
