@@ -54,7 +54,10 @@ def reference(query, kv_cache, meta, scale):
 
 
 # Decode lengths 300 and 250 vs <= 12: the decodes run as two length groups, rows interleaved.
-MIXED = [(1, 300), (1, 12), (1, 5), (1, 250), (1, 7), (1, 17), (1, 3), (1, 11), (9, 9), (20, 57), (1, 40)]
+# (5, 45) and (2, 2) are short chunks (speculative verification, a tiny prompt): with the CPU
+# kernel they run as decode-kernel rows.
+MIXED = [(1, 300), (1, 12), (1, 5), (1, 250), (1, 7), (1, 17), (1, 3), (1, 11), (9, 9), (20, 57), (1, 40),
+         (5, 45), (2, 2)]
 
 
 def _cpu_kernel_backend() -> TorchAttentionBackend:
@@ -74,7 +77,7 @@ def _triton_backend():
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_mixed_batch_matches_reference_across_layers(dtype, tol, make_backend):
     g = torch.Generator().manual_seed(0)
-    # The last entry is a 1-token chunk after prefills: handled as a prefill, not a decode.
+    # (1, 40) is a 1-token chunk after prefills: handled as a prefill, not a decode.
     meta = make_meta(MIXED, g)
     assert meta.num_decodes == 8 and len(group_decodes(meta.seq_lens[:8])) == 2
     backend = make_backend()
