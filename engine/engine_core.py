@@ -195,6 +195,8 @@ class EngineCore:
     def _add_grammar_bitmask(self, so: SchedulerOutput) -> None:
         """Bitmask rows for the constrained requests that sample this step (those whose
         scheduled tokens reach their newest token)."""
+        if not self.structured_output.in_use:
+            return  # no constrained request yet: nothing to look at on this hot path
         requests = self.scheduler.requests
         sampling = [requests[r] for r in so.num_scheduled_tokens
                     if requests[r].grammar is not None and requests[r].num_computed_tokens == requests[r].num_tokens]

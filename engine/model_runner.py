@@ -140,19 +140,20 @@ class ModelRunner:
     def _verify_drafts(self, logits: torch.Tensor, spec_ids: list[str], drafts: dict[str, list[int]],
                        result: ModelRunnerOutput) -> None:
         """Keep what the target model agrees with of each request's drafts, plus one token of its own."""
+        argmax = logits.max(dim=-1).indices.tolist()  # one call for every greedy row
         row = 0
         for req_id in spec_ids:
             state = self.requests[req_id]
             k = len(drafts[req_id])
             rows = logits[row : row + k + 1]
-            row += k + 1
             params = state.sampling_params
             if params.sampling_type is SamplingType.GREEDY:
-                tokens = verify_greedy(rows.max(dim=-1).indices.tolist(), drafts[req_id])
+                tokens = verify_greedy(argmax[row : row + k + 1], drafts[req_id])
             else:
                 meta = SamplingMetadata.build([params] * (k + 1), [()] * (k + 1), [()] * (k + 1),
                                               [None] * (k + 1), self.eos_token_ids, self.vocab_size, self.device)
                 tokens = rejection_sample(processed_probs(rows.float(), meta), drafts[req_id], state.generator)
+            row += k + 1
             state.token_ids.extend(tokens)
             state.output_token_ids.extend(tokens)
             result.sampled_token_ids[req_id] = tokens

@@ -167,11 +167,13 @@ class StructuredOutputManager:
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._compiler = None
         self._compiler_lock = threading.Lock()
+        self.in_use = False  # set by the first constrained request: steps look for grammars from then on
 
     def add_request(self, request: Request) -> None:
         params = request.sampling_params.structured_outputs
         if params is None:
             return
+        self.in_use = True
         future = self._executor.submit(self._compile, params)
         request.grammar = GrammarState(future, time.monotonic() + self.timeout_s)
 

@@ -26,7 +26,6 @@ class AttentionBackend(abc.ABC):
 
     name: str = "abstract"
 
-    @abc.abstractmethod
     def forward(
         self,
         query: torch.Tensor,
@@ -40,6 +39,22 @@ class AttentionBackend(abc.ABC):
 
         Causal: the query token at position p of a sequence sees that sequence's tokens 0..p.
         """
+        check_shapes(query, key, value, kv_cache, meta)
+        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        return self.attend(query, key, value, kv_cache, meta, scale)
+
+    @abc.abstractmethod
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """The attention itself, with this step's key/value already in `kv_cache` (`key`/`value`
+        are there too, for a backend that reads a whole prompt's K/V without the cache)."""
 
 
 def write_kv_cache(

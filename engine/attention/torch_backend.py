@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionBackend, check_shapes, write_kv_cache
+from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from kernels.cpu_paged_attention import paged_decode_attention
 
@@ -178,7 +178,7 @@ class TorchAttentionBackend(AttentionBackend):
         # The compiled CPU decode kernel (kernels.cpu_paged_attention), or None for pure torch.
         self._cpu_kernels = cpu_kernels
 
-    def forward(
+    def attend(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
@@ -187,8 +187,6 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        check_shapes(query, key, value, kv_cache, meta)
-        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         num_decodes = meta.num_decodes
         if meta.num_seqs == 0:
             return torch.empty_like(query)

@@ -1,15 +1,15 @@
 """Paged attention through the Triton kernel (kernels.triton_paged_attention): the GPU path.
 
-New keys/values go into the cache with the same `index_copy_` as the torch backend; then one
-kernel launch attends every query token of the step (decodes, prefill chunks and whole prompts
-alike). On a CPU it runs only in Triton's interpreter, for tests.
+After the base class has written the step's keys/values into the cache, one kernel launch
+attends every query token of the step (decodes, prefill chunks and whole prompts alike). On a
+CPU it runs only in Triton's interpreter, for tests.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.attention.backend import AttentionBackend, check_shapes, write_kv_cache
+from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from kernels.triton_paged_attention import paged_attention
 
@@ -17,7 +17,7 @@ from kernels.triton_paged_attention import paged_attention
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
-    def forward(
+    def attend(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
@@ -26,8 +26,6 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        check_shapes(query, key, value, kv_cache, meta)
-        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         return paged_attention(
             query, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens_tensor,
             meta.query_start_loc, meta.max_query_len, scale,
