@@ -60,6 +60,10 @@ class ServerConfig:
     snapshot_path: str | None = "snapshot.json"  # None: no snapshots
     restore_snapshot: bool = True
     allow_custom_handlers: bool = False
+    allow_insecure: bool = False  # start with auth off on a non-loopback address
+    header_read_timeout: float = 30.0  # seconds to deliver a request's headers
+    body_read_timeout: float = 120.0  # seconds to deliver a body after its headers
+    max_connections: int = 512  # open connections per port
     kv_offload: Any = None  # passed through to the engine's EngineConfig when set
 
     def __post_init__(self) -> None:
@@ -68,7 +72,8 @@ class ServerConfig:
                 parse_address(getattr(self, key))
             except ValueError as exc:
                 raise ServerConfigError(f"{key}: {exc}") from None
-        for key in ("job_queue_size", "max_request_size", "max_response_size", "frontend_threads"):
+        for key in ("job_queue_size", "max_request_size", "max_response_size", "frontend_threads",
+                    "max_connections"):
             _check_int(key, getattr(self, key), optional=False)
         for key in ("default_workers_per_model", "worker_threads"):
             _check_int(key, getattr(self, key), optional=True)
@@ -76,12 +81,18 @@ class ServerConfig:
                 or self.drain_grace < 0:
             raise ServerConfigError(f"drain_grace={self.drain_grace!r}: must be a number of "
                                     "seconds >= 0")
+        for key in ("header_read_timeout", "body_read_timeout"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 < value <= 86400:
+                raise ServerConfigError(f"{key}={value!r}: must be a number of seconds in "
+                                        "(0, 86400]")
         for key in ("load_models", "allowed_urls"):
             value = getattr(self, key)
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise ServerConfigError(f"{key}={value!r}: must be a list of strings")
         for key in ("enable_model_api", "disable_token_auth", "allow_custom_handlers",
-                    "restore_snapshot"):
+                    "restore_snapshot", "allow_insecure"):
             if not isinstance(getattr(self, key), bool):
                 raise ServerConfigError(f"{key}={getattr(self, key)!r}: must be true or false")
         for key in ("model_store", "key_file"):
@@ -100,9 +111,11 @@ class ServerConfig:
 
 FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
 _LIST_KEYS = ("load_models", "allowed_urls")
-_BOOL_KEYS = ("enable_model_api", "disable_token_auth", "allow_custom_handlers", "restore_snapshot")
+_BOOL_KEYS = ("enable_model_api", "disable_token_auth", "allow_custom_handlers", "restore_snapshot",
+              "allow_insecure")
 _INT_KEYS = ("default_workers_per_model", "job_queue_size", "max_request_size",
-             "max_response_size", "frontend_threads", "worker_threads")
+             "max_response_size", "frontend_threads", "worker_threads", "max_connections")
+_SECONDS_KEYS = ("drain_grace", "header_read_timeout", "body_read_timeout")
 
 
 def load_server_config(path: str | Path | None = None, env: Mapping[str, str] | None = None,
@@ -176,7 +189,7 @@ def _parse_env(name: str, key: str, text: str) -> Any:
             return int(text)
         except ValueError:
             raise ServerConfigError(f"{name}={text!r}: must be an integer") from None
-    if key == "drain_grace":
+    if key in _SECONDS_KEYS:
         try:
             return float(text)
         except ValueError:
