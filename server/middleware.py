@@ -106,9 +106,10 @@ async def _answer(request: web.Request, reply: ErrorReply, shape: Shape) -> web.
     stream = request.get(OPEN_STREAM_KEY)
     if stream is None:
         return web.json_response(body, status=reply.code, headers=reply.headers)
-    # The headers (200) went out already: end the stream with an error event in its format.
+    # The headers (200) went out already: end the stream with an error event in its format
+    # (`{"error": ...}` as an NDJSON line or an SSE event).
     request[STATUS_KEY] = reply.code
-    await stream.fail(body)
+    await stream.fail(body if "error" in body else {"error": body})
     return stream.response
 
 

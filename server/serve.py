@@ -336,7 +336,9 @@ class Server:
                 self.out(f"pagedserve: aborting {state.drain.in_flight} request(s) still in flight")
         for runner in reversed(self.runners):
             await runner.cleanup()
-        self.out("pagedserve: stopped")
+        if self.runners:
+            self.out("pagedserve: stopped")
+        self.runners.clear()
 
 
 async def serve(config: ServerConfig) -> int:

@@ -14,6 +14,7 @@ share one (module-scoped fixtures).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from collections.abc import Coroutine
@@ -42,7 +43,11 @@ class InProcessServer(HttpApi):
 
     def call(self, coro: Coroutine, timeout: float = 120.0) -> Any:
         """Run `coro` on the server's loop and return its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        return self.submit(coro).result(timeout)
+
+    def submit(self, coro: Coroutine) -> concurrent.futures.Future:
+        """Start `coro` on the server's loop; its future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def start(self, ready: bool = True, timeout: float = START_TIMEOUT_S) -> InProcessServer:
         self.thread.start()
