@@ -23,9 +23,10 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 KEEPALIVE_TIMEOUT_S = 75.0  # aiohttp's run_app default (AppRunner's own is an hour)
+_REFUSED_BODY = b'{"code": 503, "type": "ServiceUnavailableException", "message": "too many connections"}'
 REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-           b"Retry-After: 1\r\nConnection: close\r\nContent-Length: 89\r\n\r\n"
-           b'{"code": 503, "type": "ServiceUnavailableException", "message": "too many connections"}')
+           b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+           % (len(_REFUSED_BODY), _REFUSED_BODY))
 
 
 class BodyReadTimeout(Exception):
