@@ -18,9 +18,11 @@ ARCHIVE_V2 = "smollm2-v2.mar"
 # Small and fast for a shared 2-core machine: bf16, a 64 MiB KV pool (182 blocks of 16 tokens).
 TINY = "tiny"
 TINY_ARCHIVE = "tiny.mar"
+TINY_ARCHIVE_V2 = "tiny-v2.mar"
 TINY_MODEL_CONFIG = """\
 minWorkers: 1
 maxWorkers: 2
+startupTimeout: 300
 handler:
   dtype: float32
   max_model_len: 256
@@ -148,6 +150,9 @@ def tiny_store(tmp_path_factory, tiny_model) -> Path:
     config = tmp_path_factory.mktemp("tiny-config") / "model-config.yaml"
     config.write_text(TINY_MODEL_CONFIG)
     write_archive(tiny_model, store, model_name=TINY, version="1.0", config_file=config)
+    v2 = write_archive(tiny_model, tmp_path_factory.mktemp("tiny-v2"), model_name=TINY,
+                       version="2.0", config_file=config)
+    v2.rename(store / TINY_ARCHIVE_V2)  # version 2.0 of "tiny" (same weights)
     return store
 
 
@@ -158,10 +163,13 @@ InProcessFactory = Callable[..., InProcessServer]
 def inprocess_factory(tmp_path_factory, tiny_store, archive_cache) -> Iterator[InProcessFactory]:
     """`inprocess_factory(**config)` -> a started in-process server over `tiny_store` (workers
     are real engine processes on the tiny model; one thread each; no snapshot unless asked);
-    every one is stopped at the end of the module."""
+    every one is stopped at the end of the module. The workers take the engine's plain torch
+    path (PAGEDSERVE_DISABLE_CPU_KERNELS): the C++ kernels are not what these tests are about,
+    and loading them costs each worker seconds on a busy machine."""
     servers: list[InProcessServer] = []
     mp = pytest.MonkeyPatch()
     mp.setenv("PAGEDSERVE_ARCHIVE_DIR", str(archive_cache))
+    mp.setenv("PAGEDSERVE_DISABLE_CPU_KERNELS", "1")
 
     def make(*, ready: bool = True, **settings) -> InProcessServer:
         workdir = tmp_path_factory.mktemp("inprocess")

@@ -6,7 +6,6 @@ such archives, which are kept rather than lost."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -89,7 +88,8 @@ def test_unregister_and_scale_down_while_workers_start(mgmt):
     for _ in range(2):
         r = mgmt.post("management", f"/models?url={ARCHIVE}&initial_workers=2")
         assert r.status == 202, r.text
-        time.sleep(1.0)  # the worker processes exist and are loading the model
+        mgmt.wait_for(lambda: len(_workers_of(mgmt.proc.pid)) == 2, timeout=60,
+                      what="both worker processes loading the model")
         r = mgmt.put("management", f"/models/{MODEL}?min_worker=1")
         assert r.status == 202, r.text
         r = mgmt.delete("management", f"/models/{MODEL}")
