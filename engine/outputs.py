@@ -1,8 +1,24 @@
-"""What the offline API (and later the server) hands back per request, vLLM-shaped."""
+"""What the engine hands back per request, vLLM-shaped: the offline API returns these, and the
+server shapes them into replies.
+
+The protocol is typed: a finished completion has a `FinishReason`; `stop_reason` is only ever
+the stop token id or stop string that ended it; an engine that ended a request early because of
+an error (a grammar that failed to compile or timed out, a prompt the worker refused) says so in
+`error`, with finish reason ABORT. Unknown values are None, never 0 or -1.
+"""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class FinishReason(enum.StrEnum):
+    """Why a completion ended (equal to its string value, which the replies carry)."""
+
+    STOP = "stop"  # EOS, a stop token, a stop string or a complete grammar
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"  # aborted by the caller, or ended by an engine error (see `error`)
 
 
 @dataclass(slots=True)
@@ -17,9 +33,10 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string, if one ended it
     logprobs: list[dict[int, TokenLogprob]] | None = None
+    error: str | None = None  # why the engine ended it early (finish_reason ABORT)
 
     @property
     def finished(self) -> bool:
@@ -36,3 +53,12 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_external_cached_tokens: int = 0  # prompt tokens restored from the KV offload tiers
     metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def refusal(self) -> str | None:
+        """The engine's error for a request it ended before generating anything (a grammar that
+        failed to compile or timed out, a prompt the worker refused), else None."""
+        for completion in self.outputs:
+            if completion.error is not None and not completion.token_ids:
+                return completion.error
+        return None

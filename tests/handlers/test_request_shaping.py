@@ -6,17 +6,13 @@ from __future__ import annotations
 
 import pytest
 
+from engine.inputs import render_prompt
 from engine.llm import load_tokenizer
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.structured_output import StructuredOutputsParams
 from handlers.base_handler import HandlerError
 from handlers.deltas import DeltaTracker, held_back
-from handlers.llm_input import (
-    check_fits,
-    decode_body,
-    parse_predictions_body,
-    render_prompt,
-)
+from handlers.llm_input import decode_body, parse_predictions_body
 from handlers.openai_protocol import (
     Endpoint,
     parse_chat_request,
@@ -70,17 +66,6 @@ def test_predictions_body_and_chat_template(tokenizer):
     assert ids == tokenizer.encode(text, add_special_tokens=False)
     ids_only = parse_predictions_body({"prompt": [1, 2, 3]})
     assert render_prompt(tokenizer, ids_only.prompt) == (None, [1, 2, 3])
-
-
-def test_length_rules():
-    params = parse_predictions_body({"prompt": "x", "max_tokens": 10}).params
-    check_fits([1] * 90, params, max_model_len=100)
-    with pytest.raises(HandlerError, match="max_tokens=10 is too large.*at most 9"):
-        check_fits([1] * 91, params, max_model_len=100)
-    with pytest.raises(HandlerError, match="max_model_len"):
-        check_fits([1] * 100, params, max_model_len=100)
-    with pytest.raises(HandlerError, match="out of range"):
-        check_fits([5, 99], params, max_model_len=100, vocab_size=50)
 
 
 @pytest.mark.parametrize("body, words", [
