@@ -2,9 +2,9 @@
 
 `prepare` picks a worker and runs the engine's prepare step (engine.inputs: tokenize, chat
 template, validate against that worker's limits) off the event loop; `respond` runs the request
-on the worker and answers whole (JSON) or streamed (SSE / NDJSON). A `Shaper` decides what the bodies look like
-(/predictions or OpenAI); this module decides when they are sent and what happens when things
-go wrong:
+on the worker and answers whole (JSON) or streamed (SSE / NDJSON). A `Shaper` decides what the
+bodies look like (/predictions or OpenAI); this module decides when they are sent and what
+happens when things go wrong:
 
 - an error before the first byte (the engine refuses the prompt, the worker is dead) is an
   ordinary JSON error reply with its status;
@@ -165,8 +165,6 @@ async def respond(request: web.Request, state: ServerState, version: ModelVersio
         async with contextlib.aclosing(outputs):
             try:
                 first = await _next(outputs)
-            except InvalidInput as exc:  # the worker changed under us (restarted with other limits)
-                raise ErrorReply(400, str(exc), param=exc.field) from None
             except EngineDeadError as exc:
                 raise ErrorReply(503, f"the worker died before answering: {exc}", {"Retry-After": "1"}) from None
             except RequestTimeout as exc:
