@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from engine.attention.backend import BACKEND_NAMES
+from engine.attention.selector import BACKEND_NAMES
 from engine.kv_offload.config import KVOffloadConfig
 from engine.spec_decode.config import SpeculativeConfig
 
