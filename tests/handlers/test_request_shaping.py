@@ -8,7 +8,7 @@ import pytest
 
 from engine.llm import load_tokenizer
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.structured_output import StructuredOutputsParams
+from engine.structured_output_params import StructuredOutputsParams
 from handlers.base_handler import HandlerError
 from handlers.deltas import DeltaTracker, held_back
 from handlers.llm_input import (
