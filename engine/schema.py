@@ -130,4 +130,5 @@ def _prefix(path: str | None) -> str:
 
 
 def _kind(types: str) -> str:
-    return " or ".join(_KINDS.get(t, t) for t in types.split(" | "))
+    kinds = [_KINDS.get(t, t) for t in types.split(" | ")]
+    return kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} or {kinds[-1]}"

@@ -227,6 +227,8 @@ def _check_handler(source: str, options: dict[str, Any]) -> None:
         try:
             EngineConfig(model=_PLACEHOLDER_MODEL, **{key: value})
         except ValueError as exc:
+            if str(exc).startswith(f"{key}."):  # already names the nested key
+                raise ModelConfigError(f"{source}: handler.{exc}") from None
             raise ModelConfigError(f"{source}: handler.{key}: {_strip_key(str(exc), key, value)}") from None
     try:
         EngineConfig(model=_PLACEHOLDER_MODEL, **engine_options)
@@ -236,7 +238,7 @@ def _check_handler(source: str, options: dict[str, Any]) -> None:
 
 def _strip_key(message: str, key: str, value: Any) -> str:
     """EngineConfig's messages often start with the key, which the caller already names."""
-    for prefix in (f"{key}={value!r}: ", f"{key}: ", f"{key} ", f"{key}."):
+    for prefix in (f"{key}={value!r}: ", f"{key}: ", f"{key} "):
         if message.startswith(prefix):
             return message[len(prefix):]
     return message
