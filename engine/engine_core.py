@@ -19,7 +19,8 @@ from engine.scheduler.output import EngineCoreOutput, SchedulerOutput
 from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.stats import SchedulerStats
 from engine.spec_decode.ngram import NgramProposer, can_draft
-from engine.structured_output import StructuredOutputManager, check_grammar
+from engine.structured_output import StructuredOutputManager
+from engine.structured_output_params import check_grammar
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from aiohttp import web
 from engine.async_llm import AsyncLLM, EngineDeadError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.structured_output import check_grammar
+from engine.structured_output_params import check_grammar
 from handlers.base_handler import HandlerError
 from handlers.deltas import ChoiceDelta, DeltaTracker
 from handlers.llm_input import PromptSpec, check_fits, render_prompt
