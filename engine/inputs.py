@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output_params import check_grammar
 
 
 class InvalidInput(ValueError):
@@ -110,8 +111,6 @@ def prepare_input(tokenizer: Any, spec: PromptSpec, params: SamplingParams, limi
     """Parse the structured-output constraint (if any), render and validate one request.
     CPU-bound (a big JSON schema takes milliseconds): the server runs it in a thread."""
     if params.structured_outputs is not None:
-        from engine.structured_output import check_grammar  # loads torch: only when constrained
-
         try:
             check_grammar(params.structured_outputs)
         except ValueError as exc:

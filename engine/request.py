@@ -5,11 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.kv_cache.hashing import BlockHash
 from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
-from engine.structured_output import GrammarState
+
+if TYPE_CHECKING:  # the grammar module works on requests; a request only holds its state
+    from engine.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):

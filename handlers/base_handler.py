@@ -2,7 +2,7 @@
 `initialize(context)` once, then per batch `preprocess` (raw requests -> what to generate) and
 `postprocess` (finished outputs -> reply bodies). Generating in between is not the handler's:
 the server's engine workers do it (with streaming, timeouts and aborts), or, without a server,
-an offline `LLM` through `handle_batch`."""
+an offline `LLM` through `handlers.llm_handler.handle_batch`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from engine.inputs import InvalidInput
 from engine.model.model_config import ModelConfig
 
 if TYPE_CHECKING:
-    from engine.llm import LLM
     from engine.outputs import RequestOutput
     from handlers.llm_input import ParsedBody
 
@@ -68,28 +67,3 @@ class BaseHandler(abc.ABC):
     @abc.abstractmethod
     def postprocess(self, outputs: list[RequestOutput]) -> list[Any]:
         """One reply body per finished output."""
-
-
-def handle_batch(handler: BaseHandler, llm: LLM, requests: list[dict[str, Any]]) -> list[Any]:
-    """TorchServe's `handle` without a server: preprocess, prepare and generate with an offline
-    `LLM`, postprocess. A refused request gets its error body in place; the others still run."""
-    from handlers.llm_input import ParsedBody
-
-    results: list[Any] = []
-    for parsed in handler.preprocess(requests):
-        try:
-            if isinstance(parsed, HandlerError):
-                raise parsed
-            if not isinstance(parsed, ParsedBody):
-                raise HandlerError(f"preprocess must return a ParsedBody per request, got {type(parsed).__name__}",
-                                   code=500)
-            if parsed.stream:
-                raise HandlerError("'stream' needs the server; the in-process handler answers whole", param="stream")
-            results.append(llm.prepare(parsed.prompt, parsed.params))
-        except InvalidInput as exc:
-            results.append(HandlerError.from_invalid_input(exc))
-        except HandlerError as exc:
-            results.append(exc)
-    valid = [r for r in results if not isinstance(r, HandlerError)]
-    replies = iter(handler.postprocess(llm.run(valid)) if valid else [])
-    return [r.to_response() if isinstance(r, HandlerError) else next(replies) for r in results]

@@ -15,12 +15,16 @@ one, is called around the workers (see handlers.custom_handler).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from engine.inputs import InvalidInput
 from engine.outputs import RequestOutput
 from handlers.base_handler import BaseHandler, HandlerError
 from handlers.llm_input import ParsedBody, decode_body, parse_predictions_body
 from handlers.llm_output import prediction_response
+
+if TYPE_CHECKING:
+    from engine.llm import LLM
 
 # system_properties["engine"] in the Context the server gives its handlers: its engine workers
 # generate (a custom handler may read it; nothing here depends on it).
@@ -42,3 +46,26 @@ class LLMHandler(BaseHandler):
 
     def postprocess(self, outputs: list[RequestOutput]) -> list[dict[str, Any]]:
         return [prediction_response(self.context.model_name, out) for out in outputs]
+
+
+def handle_batch(handler: BaseHandler, llm: LLM, requests: list[dict[str, Any]]) -> list[Any]:
+    """TorchServe's `handle` without a server: preprocess, prepare and generate with an offline
+    `LLM`, postprocess. A refused request gets its error body in place; the others still run."""
+    results: list[Any] = []
+    for parsed in handler.preprocess(requests):
+        try:
+            if isinstance(parsed, HandlerError):
+                raise parsed
+            if not isinstance(parsed, ParsedBody):
+                raise HandlerError(f"preprocess must return a ParsedBody per request, got {type(parsed).__name__}",
+                                   code=500)
+            if parsed.stream:
+                raise HandlerError("'stream' needs the server; the in-process handler answers whole", param="stream")
+            results.append(llm.prepare(parsed.prompt, parsed.params))
+        except InvalidInput as exc:
+            results.append(HandlerError.from_invalid_input(exc))
+        except HandlerError as exc:
+            results.append(exc)
+    valid = [r for r in results if not isinstance(r, HandlerError)]
+    replies = iter(handler.postprocess(llm.run(valid)) if valid else [])
+    return [r.to_response() if isinstance(r, HandlerError) else next(replies) for r in results]

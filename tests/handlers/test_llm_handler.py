@@ -10,7 +10,7 @@ import pytest
 from engine import LLM
 from engine.model.archive import open_archive, write_archive
 from handlers import BUILTIN_HANDLERS, Context
-from handlers.base_handler import handle_batch
+from handlers.llm_handler import handle_batch
 
 pytestmark = pytest.mark.slow
 
