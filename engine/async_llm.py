@@ -20,7 +20,7 @@ from engine.core_client import EngineDeadError, EngineStartError, MPClient
 from engine.core_messages import EngineInfo
 from engine.inputs import EngineInput, InputLimits, validate_input
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
+from engine.outputs import RequestMetrics, RequestOutput
 from engine.scheduler.stats import SchedulerStats
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineInfo", "EngineStartError", "SchedulerStats"]
@@ -45,20 +45,12 @@ class _Timing:
             self.itl_s.append(now - self.last_token_time)
         self.last_token_time = now
 
-    def as_metrics(self, finished_time: float) -> dict:
+    def as_metrics(self, finished_time: float) -> RequestMetrics:
+        """A request never scheduled counts as scheduled on arrival; one that produced no token
+        (aborted, refused) as having its first token when it finished."""
         scheduled = self.first_scheduled_time if self.first_scheduled_time is not None else self.arrival_time
         first_token = self.first_token_time if self.first_token_time is not None else finished_time
-        return {
-            "arrival_time": self.arrival_time,
-            "first_scheduled_time": scheduled,
-            "first_token_time": first_token,
-            "finished_time": finished_time,
-            "queued_s": max(0.0, scheduled - self.arrival_time),
-            "prefill_s": max(0.0, first_token - scheduled),
-            "decode_s": max(0.0, finished_time - first_token),
-            "ttft_s": max(0.0, first_token - self.arrival_time),
-            "itl_s": list(self.itl_s),
-        }
+        return RequestMetrics(self.arrival_time, scheduled, first_token, finished_time, list(self.itl_s))
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:
@@ -67,7 +59,7 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
         replace(c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else list(c.logprobs))
         for c in out.outputs
     ]
-    return replace(out, outputs=outputs, metrics=dict(out.metrics))
+    return replace(out, outputs=outputs)  # metrics are set once, on the finished output
 
 
 class AsyncLLM:
@@ -268,7 +260,7 @@ class AsyncLLM:
                 if timing is not None:
                     timing.on_tokens(now)
                     if out.finished:
-                        out.metrics.update(timing.as_metrics(now))
+                        out.metrics = timing.as_metrics(now)
                 deliveries.append(_snapshot(out))
             for child_id in to_abort:
                 self._parents.pop(child_id, None)

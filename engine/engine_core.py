@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.inputs import InputLimits, validate_input
 from engine.kv_cache.hashing import get_hash_fn
 from engine.kv_cache.manager import KVCacheManager
 from engine.model.model_source import resolve_model_dir
 from engine.model_runner import ModelRunner
-from engine.inputs import InputLimits, validate_input
 from engine.request import FinishReason, Request, RequestStatus
 from engine.scheduler.output import EngineCoreOutput, SchedulerOutput
 from engine.scheduler.scheduler import Scheduler

@@ -44,6 +44,34 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
+class RequestMetrics:
+    """When a request went through its phases (time.monotonic(), one clock host-wide) and how
+    long each took, in seconds. The server's workers measure these; offline outputs have none."""
+
+    arrival_time: float
+    first_scheduled_time: float
+    first_token_time: float
+    finished_time: float
+    itl_s: list[float] = field(default_factory=list)  # gaps between successive outputs
+
+    @property
+    def queued_s(self) -> float:
+        return max(0.0, self.first_scheduled_time - self.arrival_time)
+
+    @property
+    def prefill_s(self) -> float:
+        return max(0.0, self.first_token_time - self.first_scheduled_time)
+
+    @property
+    def decode_s(self) -> float:
+        return max(0.0, self.finished_time - self.first_token_time)
+
+    @property
+    def ttft_s(self) -> float:
+        return max(0.0, self.first_token_time - self.arrival_time)
+
+
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -52,7 +80,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_external_cached_tokens: int = 0  # prompt tokens restored from the KV offload tiers
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: RequestMetrics | None = None  # set on the finished output of a worker's request
 
     @property
     def refusal(self) -> str | None:

@@ -15,7 +15,8 @@ def timings(out: RequestOutput, total_s: float | None = None) -> dict[str, Any]:
     """Per-request timings from the engine's metrics (seconds; None where unknown) and the
     prompt tokens served from the prefix cache (and restored from the KV offload tiers).
     `total_s` is the front end's own measure."""
-    record: dict[str, Any] = {key: _rounded(out.metrics.get(key)) for key in TIMING_KEYS}
+    m = out.metrics
+    record: dict[str, Any] = {key: None if m is None else _rounded(getattr(m, key)) for key in TIMING_KEYS}
     record["cached_prompt_tokens"] = out.num_cached_tokens
     record["offloaded_prompt_tokens"] = out.num_external_cached_tokens  # restored from LMCache
     if total_s is not None:

@@ -11,10 +11,11 @@ from engine.core_messages import EngineCoreOutputs, EngineCoreRequest, make_even
 from engine.inputs import EngineInput
 from engine.llm import load_tokenizer
 from engine.output_processor import OutputProcessor
-from engine.outputs import FinishReason
+from engine.outputs import FinishReason, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import EngineCoreOutput
 from engine.scheduler.stats import SchedulerStats
+from handlers.llm_output import timings
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +85,14 @@ def test_abort_marks_unfinished_choices(tokenizer):
     assert [c.finish_reason for c in out.outputs] == [FinishReason.LENGTH, FinishReason.ABORT]
     assert out.finished and out.refusal is None
     assert processor.abort_request("a") == ["1_a"]
+
+
+def test_metrics_are_a_record_or_none():
+    m = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0, finished_time=13.0)
+    assert (m.queued_s, m.prefill_s, m.ttft_s, m.decode_s) == (0.5, 0.5, 1.0, 2.0)
+    out = RequestOutput("r", None, [1, 2], [], finished=True, metrics=m)
+    assert timings(out, 3.5) == {"queued_s": 0.5, "prefill_s": 0.5, "decode_s": 2.0, "ttft_s": 1.0,
+                                 "cached_prompt_tokens": 0, "offloaded_prompt_tokens": 0, "total_s": 3.5}
+    offline = RequestOutput("r", None, [1, 2], [], finished=True)  # no worker measured it
+    assert offline.metrics is None
+    assert timings(offline)["ttft_s"] is None and timings(offline)["queued_s"] is None

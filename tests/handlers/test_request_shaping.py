@@ -8,7 +8,7 @@ import pytest
 
 from engine.inputs import render_prompt
 from engine.llm import load_tokenizer
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from engine.structured_output_params import StructuredOutputsParams
 from handlers.base_handler import HandlerError
 from handlers.deltas import DeltaTracker, held_back
@@ -153,7 +153,8 @@ def _output(texts, finished=False, reasons=None, logprobs=None):
     outs = [CompletionOutput(i, t, list(range(len(t))), (reasons or [None] * len(texts))[i],
                              logprobs=logprobs) for i, t in enumerate(texts)]
     return RequestOutput("r", "p", [1, 2, 3], outs, finished=finished, num_cached_tokens=2,
-                         metrics={"queued_s": 0.01, "prefill_s": 0.02, "decode_s": 0.3, "ttft_s": 0.03})
+                         metrics=RequestMetrics(arrival_time=1.0, first_scheduled_time=1.01,
+                                                first_token_time=1.03, finished_time=1.33))
 
 
 def test_deltas_hold_back_possible_stop_strings():
