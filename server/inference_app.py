@@ -250,6 +250,6 @@ def _handler_call(parse: Callable[[dict[str, Any]], Any], body: dict[str, Any]) 
 async def _read_json(request: web.Request) -> dict[str, Any]:
     raw = await request.read()  # too large (413), unreadable (400), too slow (408): middleware
     try:
-        return decode_body(raw)
+        return decode_body(raw, request.app[STATE_KEY].config.max_request_size)
     except HandlerError as exc:
         raise ErrorReply.from_handler_error(exc) from None
