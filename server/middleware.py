@@ -54,7 +54,8 @@ def as_reply(request: web.Request, exc: BaseException, codes: ExceptionCodes) ->
     if isinstance(exc, BodyReadTimeout):
         return ErrorReply(408, str(exc))
     if isinstance(exc, RequestPayloadError):  # e.g. a body that does not follow its Content-Encoding
-        return ErrorReply(400, f"the request body cannot be read: {exc}")
+        reason = " ".join(str(exc).rpartition("message:")[2].split())  # aiohttp's "400, message: ..."
+        return ErrorReply(400, f"the request body cannot be read: {reason}")
     if isinstance(exc, web.HTTPException):
         template = HTTP_MESSAGES.get(exc.status)
         message = (template.format(method=request.method, path=request.path, text=exc.text)
