@@ -39,7 +39,12 @@ from server.auth import auth_middleware
 from server.errors import error_body
 from server.generation import MODEL_KEY, REQUEST_ID_KEY, ErrorReply, prepare, respond
 from server.middleware import drain_middleware, error_middleware
-from server.registry import ModelNotFoundError, ModelVersion, NoWorkerError, QueueFullError
+from server.registry import (
+    ModelNotFoundError,
+    ModelVersion,
+    NoWorkerError,
+    QueueFullError,
+)
 from server.shapers import HandlerShaper, OpenAIShaper, PredictionShaper, openai_error
 from server.state import STATE_KEY, ServerState
 

@@ -45,7 +45,6 @@ from server.state import STATE_KEY, ServerState
 from server.workers import WorkerStartFailed
 
 
-
 async def _register_params(request: web.Request) -> RegisterParams:
     """The query string, or a JSON body (TorchServe accepts both)."""
     params: dict[str, Any] = dict(request.query)

@@ -81,7 +81,7 @@ def error_middleware(shape: Shape, codes: ExceptionCodes, observe: Observe):
                 response = await handler(request)
             except (asyncio.CancelledError, ConnectionError):
                 raise
-            except Exception as exc:  # noqa: BLE001 - every error is answered here
+            except Exception as exc:
                 reply = as_reply(request, exc, codes)
                 if reply is None:
                     logger.exception("request %s (%s %s) failed", request_id, request.method,

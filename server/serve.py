@@ -35,7 +35,13 @@ from server.connections import ConnectionLimits, GuardedAppRunner
 from server.inference_app import build_inference_app
 from server.management_app import build_management_app
 from server.metrics import ServerMetrics, build_metrics_app
-from server.registry import ConflictError, EngineBuilder, ModelRegistry, ModelVersion, worker_threads
+from server.registry import (
+    ConflictError,
+    EngineBuilder,
+    ModelRegistry,
+    ModelVersion,
+    worker_threads,
+)
 from server.snapshot import Snapshotter
 from server.state import ServerState
 from server.workers import WorkerStartFailed

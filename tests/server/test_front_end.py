@@ -194,7 +194,7 @@ def test_drain_refuses_new_requests_by_route_then_waits_for_the_last_one(inproce
     stopping.result(120)  # the drain's event fired: no 600 s wait
     assert "aborting" not in srv.log_text()
     srv.wait_for(lambda: not _alive(pid), 30, what="the worker stopped by the lifecycle")
-    assert srv.state.executor._shutdown  # noqa: SLF001 - the thread pool is closed too
+    assert srv.state.executor._shutdown
 
 
 # -- no auth on a public address (finding 12) --------------------------------------------------
