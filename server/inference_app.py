@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -49,6 +50,7 @@ from server.shapers import HandlerShaper, OpenAIShaper, PredictionShaper, openai
 from server.state import STATE_KEY, ServerState
 
 OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "models"})
+OPENAI_PATH = re.compile(r"(/predictions/[^/]+/[^/]+)?/v1(/.*)?")  # /v1/... of a version too
 HEALTH_PATHS = frozenset({"/ping", "/live", "/ready"})
 EXCEPTION_CODES = (((QueueFullError, NoWorkerError), 503),)
 routes = web.RouteTableDef()
@@ -76,15 +78,15 @@ def _endpoint(request: web.Request) -> str | None:
     return name.removesuffix("_version") if name else None
 
 
-def is_openai_route(request: web.Request) -> bool:
+def _is_openai_route(request: web.Request) -> bool:
     endpoint = _endpoint(request)
     if endpoint is not None:
         return endpoint in OPENAI_ENDPOINTS
-    return "/v1/" in request.path + "/"  # no route matched: judged by the path
+    return OPENAI_PATH.fullmatch(request.path) is not None  # no route matched: judged by the path
 
 
 def _shape(request: web.Request, code: int, message: str, param: str | None) -> dict[str, Any]:
-    if not is_openai_route(request):
+    if not _is_openai_route(request):
         return error_body(code, message)
     body = openai_error(code, message, param)
     error = body["error"]
