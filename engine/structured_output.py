@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.constraint_limits import check_constraint_size
+
 if TYPE_CHECKING:
     from engine.request import Request
 
@@ -96,7 +98,9 @@ def _message(exc: Exception) -> str:
 
 
 def check_grammar(params: StructuredOutputsParams) -> None:
-    """Parse the constraint without a tokenizer (about a millisecond); GrammarError if invalid."""
+    """Parse the constraint without a tokenizer (about a millisecond); GrammarError if invalid,
+    ConstraintTooLarge (a ValueError) if over a size or nesting bound (checked first)."""
+    check_constraint_size(params)
     xgr = _xgrammar()
     try:
         if params.json is not None:

@@ -32,10 +32,10 @@ from aiohttp import web
 from engine.async_llm import AsyncLLM, EngineDeadError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.structured_output import check_grammar
 from handlers.base_handler import HandlerError
 from handlers.deltas import ChoiceDelta, DeltaTracker
-from handlers.llm_input import PromptSpec, check_fits, render_prompt
+from handlers.llm_input import PromptSpec, check_fits
+from server.limits import LimitRefused, known_max_model_len
 from server.registry import ModelVersion
 from server.state import ServerState
 from server.streaming import (
@@ -144,23 +144,22 @@ class Prepared:
     params: SamplingParams
 
 
-def _render_and_check(tokenizer, spec: PromptSpec, params: SamplingParams) -> tuple[str | None, list[int]]:
-    """Tokenize, and parse the structured-output constraint (milliseconds for a big schema):
-    off the event loop, before a worker is bothered."""
-    if params.structured_outputs is not None:
-        check_grammar(params.structured_outputs)
-    return render_prompt(tokenizer, spec)
-
-
 async def prepare(state: ServerState, version: ModelVersion, spec: PromptSpec,
-                  params: SamplingParams) -> Prepared:
-    """Tokenize (in the thread pool), pick the least loaded worker, apply the length rules."""
+                  params: SamplingParams, *, client: str = "") -> Prepared:
+    """Check the structured-output constraint (its own bounded pool, per `client` share) and
+    tokenize (the thread pool; a prompt that cannot fit is refused first), pick the least
+    loaded worker, apply the length rules."""
     loop = asyncio.get_running_loop()
     try:
-        text, token_ids = await loop.run_in_executor(state.executor, _render_and_check, version.tokenizer, spec, params)
+        if params.structured_outputs is not None:
+            await state.limits.grammar.check(client, params.structured_outputs)
+        text, token_ids = await loop.run_in_executor(state.executor, state.limits.prompts.tokenize,
+                                                      version.tokenizer, spec, known_max_model_len(version))
+    except LimitRefused as exc:
+        raise ErrorReply(exc.code, str(exc), exc.headers) from None
     except HandlerError as exc:
         raise ErrorReply.from_handler_error(exc) from None
-    except ValueError as exc:  # a grammar xgrammar cannot parse
+    except ValueError as exc:  # a grammar xgrammar cannot parse, or one over a size bound
         raise ErrorReply(400, str(exc)) from None
     worker = version.pick_worker()
     info = worker.info
