@@ -1,14 +1,15 @@
 """Size and nesting bounds on a structured-output constraint, checked before xgrammar sees it.
 
 xgrammar's parse of a JSON schema grows roughly with the cube of its nesting depth (arrays nested
-300 deep take seconds, 900 deep over 30 s), and a compile costs more than the parse. A few cheap
-structural checks refuse such constraints up front, each with a message naming the limit:
+300 deep take seconds, 900 deep over 30 s), and a compile costs more than the parse. The
+declaration (engine/structured_output_params.py) bounds each text's length and the number of
+choices; these cheap structural checks add what a length bound cannot see, each with a message
+naming the limit:
 
-- a JSON schema, regex or EBNF grammar (or the choices together) of at most MAX_CONSTRAINT_CHARS
-  characters, and at most MAX_CHOICES choices;
 - a JSON schema nested at most MAX_SCHEMA_DEPTH objects/arrays deep (a typical schema stays under
   20; depth 64 parses in a few tens of milliseconds);
-- a regex or grammar with groups nested at most MAX_GROUP_DEPTH deep.
+- a regex or grammar with groups nested at most MAX_GROUP_DEPTH deep;
+- the choices of a choice constraint at most MAX_CHOICE_CHARS characters together.
 
 The scans are linear in the text and never recurse, so they are safe on any input. The server
 still runs the parse itself with a time limit (server/limits.py): these bounds make it cheap,
@@ -20,8 +21,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-MAX_CONSTRAINT_CHARS = 65_536
-MAX_CHOICES = 1_024
+MAX_CHOICE_CHARS = 65_536
 MAX_SCHEMA_DEPTH = 64
 MAX_GROUP_DEPTH = 64
 
@@ -40,7 +40,6 @@ class ConstraintTooLarge(ValueError):
 def check_constraint_size(params: Any) -> None:
     """Refuse a StructuredOutputsParams whose constraint is over a size or nesting bound."""
     if params.json is not None:
-        _check_chars("JSON schema", params.json)
         depth = _depth(params.json, _JSON_TOKENS, "[{")
         if depth > MAX_SCHEMA_DEPTH:
             raise ConstraintTooLarge(f"the JSON schema is nested {depth} levels deep; at most "
@@ -50,23 +49,13 @@ def check_constraint_size(params: Any) -> None:
     elif params.grammar is not None:
         _check_groups("grammar", params.grammar, _EBNF_TOKENS)
     elif params.choice is not None:
-        if len(params.choice) > MAX_CHOICES:
-            raise ConstraintTooLarge(f"structured output choice has {len(params.choice)} entries; "
-                                     f"at most {MAX_CHOICES} are allowed")
         total = sum(len(c) for c in params.choice)
-        if total > MAX_CONSTRAINT_CHARS:
+        if total > MAX_CHOICE_CHARS:
             raise ConstraintTooLarge(f"the structured output choices have {total} characters "
-                                     f"together; at most {MAX_CONSTRAINT_CHARS} are allowed")
-
-
-def _check_chars(what: str, text: str) -> None:
-    if len(text) > MAX_CONSTRAINT_CHARS:
-        raise ConstraintTooLarge(f"the {what} has {len(text)} characters; at most "
-                                 f"{MAX_CONSTRAINT_CHARS} are allowed")
+                                     f"together; at most {MAX_CHOICE_CHARS} are allowed")
 
 
 def _check_groups(what: str, text: str, tokens: re.Pattern[str]) -> None:
-    _check_chars(what, text)
     depth = _depth(text, tokens, "(")
     if depth > MAX_GROUP_DEPTH:
         raise ConstraintTooLarge(f"the {what} nests groups {depth} deep; at most "

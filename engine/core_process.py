@@ -174,7 +174,9 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     exit_code = 0
     try:
         from engine.engine_core import EngineCore  # heavy: torch and the model code
+        from engine.process_setup import configure_engine_process
 
+        configure_engine_process(config)  # this process is the engine's: threads, seed, malloc
         core = EngineCore(config)
         proc.outputs.put(
             EngineInfo(

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 
-from engine.attention.torch_backend import tune_glibc_malloc
 from engine.config import EngineConfig
 from engine.kv_cache.hashing import get_hash_fn
 from engine.kv_cache.manager import KVCacheManager
@@ -20,7 +19,8 @@ from engine.scheduler.output import EngineCoreOutput, SchedulerOutput
 from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.stats import SchedulerStats
 from engine.spec_decode.ngram import NgramProposer, can_draft
-from engine.structured_output import StructuredOutputManager, check_grammar
+from engine.structured_output import StructuredOutputManager
+from engine.structured_output_params import check_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +38,12 @@ def read_eos_token_ids(model_dir: Path, hf_config: dict) -> frozenset[int]:
 
 
 class EngineCore:
-    """One engine: requests in, per-step outputs out. No threads, no sockets."""
+    """One engine: requests in, per-step outputs out. No threads, no sockets, and no process-wide
+    settings (torch threads, seed, malloc): the process's owner applies those with
+    `engine.process_setup.configure_engine_process` before it builds the engine."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.num_threads is not None:
-            self.set_num_threads(config.num_threads)
         model_dir = Path(config.model) if config.model_verified else resolve_model_dir(config.model)
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{model_dir} is not a model directory (no config.json)")
@@ -54,9 +54,6 @@ class EngineCore:
             int(self.hf_config.get("max_position_embeddings", 2048))
         )
         self.eos_token_ids = read_eos_token_ids(model_dir, self.hf_config)
-        torch.manual_seed(config.seed)
-        if self.config.device == "cpu":
-            tune_glibc_malloc()  # process-wide; large temporaries stay on the heap
         self.runner = ModelRunner(config, str(model_dir), self.hf_config, self.eos_token_ids, self.max_model_len)
         # A request alone must always fit the pool, or it would wait forever.
         pool_tokens = self.runner.num_blocks * config.block_size

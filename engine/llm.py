@@ -12,6 +12,7 @@ from engine.core_messages import EngineCoreRequest
 from engine.engine_core import EngineCore
 from engine.output_processor import OutputProcessor, child_sampling_params
 from engine.outputs import RequestOutput
+from engine.process_setup import configure_engine_process
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -31,6 +32,7 @@ class LLM:
 
     def __init__(self, model: str | Path, **engine_options) -> None:
         self.config = EngineConfig(model=str(model), **engine_options)
+        configure_engine_process(self.config)  # an offline LLM owns its process: threads, seed, malloc
         self.engine = EngineCore(self.config)  # `model` may be a directory or an archive
         self.client = InprocClient(self.engine)  # the same interface as a worker process's client
         self.tokenizer = load_tokenizer(self.engine.model_dir)

@@ -3,11 +3,13 @@ logprobs, and fan-in of the `n` child requests of one prompt."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+
+import msgspec
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, child_seed
 from engine.scheduler.output import EngineCoreOutput, Logprobs
 
 
@@ -17,7 +19,7 @@ def child_request_id(parent_id: str, index: int) -> str:
 
 def child_sampling_params(params: SamplingParams, index: int) -> SamplingParams:
     """Child i of an n-way request: n=1, and seed+i so children differ but stay reproducible."""
-    return replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+    return msgspec.structs.replace(params, n=1, seed=child_seed(params.seed, index))
 
 
 @dataclass(slots=True)

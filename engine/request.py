@@ -5,10 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.kv_cache.hashing import BlockHash
 from engine.sampling_params import SamplingParams
-from engine.structured_output import GrammarState
+
+if TYPE_CHECKING:  # the grammar module works on requests; a request only holds its state
+    from engine.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):

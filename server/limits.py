@@ -34,7 +34,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from engine.structured_output import StructuredOutputsParams, check_grammar
+from engine.structured_output_params import StructuredOutputsParams, check_grammar
 from handlers.base_handler import HandlerError
 from handlers.llm_input import PromptSpec, render_prompt
 

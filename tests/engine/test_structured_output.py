@@ -13,7 +13,8 @@ import pytest
 import xgrammar as xgr
 
 from engine import LLM, SamplingParams
-from engine.structured_output import GrammarError, GrammarState, StructuredOutputsParams, check_grammar
+from engine.structured_output import GrammarState
+from engine.structured_output_params import GrammarError, StructuredOutputsParams, check_grammar
 from tests.engine.test_scheduler import make_scheduler, step
 from tests.engine.kv_helpers import make_request
 
@@ -32,9 +33,9 @@ def test_params_take_exactly_one_constraint():
         StructuredOutputsParams(regex="a", choice=["a"])
     with pytest.raises(ValueError, match="not valid JSON"):
         StructuredOutputsParams(json="{nope")
-    with pytest.raises(ValueError, match="non-empty list"):
+    with pytest.raises(ValueError, match="choice: must not be empty"):
         StructuredOutputsParams(choice=[])
-    with pytest.raises(ValueError, match="non-empty string"):
+    with pytest.raises(ValueError, match="regex: must not be empty"):
         StructuredOutputsParams(regex="")
 
 

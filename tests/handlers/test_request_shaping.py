@@ -8,7 +8,7 @@ import pytest
 
 from engine.llm import load_tokenizer
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.structured_output import StructuredOutputsParams
+from engine.structured_output_params import StructuredOutputsParams
 from handlers.base_handler import HandlerError
 from handlers.deltas import DeltaTracker, held_back
 from handlers.llm_input import (
@@ -85,7 +85,7 @@ def test_length_rules():
 
 @pytest.mark.parametrize("body, words", [
     ({"model": "m"}, ["prompt", "required"]),
-    ({"model": "m", "prompt": "x", "frobnicate": 1}, ["unrecognized", "frobnicate"]),
+    ({"model": "m", "prompt": "x", "frobnicate": 1}, ["unknown field", "frobnicate"]),
     ({"model": "m", "prompt": "x", "echo": True}, ["echo"]),
     ({"model": "m", "prompt": "x", "suffix": "y"}, ["suffix"]),
     ({"model": "m", "prompt": "x", "logit_bias": {"1": 5}}, ["logit_bias"]),
@@ -116,13 +116,13 @@ def test_completion_refusals(body, words):
     ({"model": "m", "messages": CHAT, "response_format": {"type": "json_schema"}}, ["json_schema", "schema"]),
     ({"model": "m", "messages": CHAT, "response_format": {"type": "json_object"}, "guided_regex": "a"},
      ["one structured-output field", "guided_regex, response_format"]),
-    ({"model": "m", "messages": CHAT, "guided_choice": []}, ["choice", "non-empty list"]),
+    ({"model": "m", "messages": CHAT, "guided_choice": []}, ["guided_choice", "must not be empty"]),
     ({"model": "m", "messages": CHAT, "structured_outputs": {"json": {}, "regex": "a"}}, ["exactly one"]),
     ({"model": "m", "messages": CHAT, "structured_outputs": "json"}, ["structured_outputs", "object"]),
     ({"model": "m", "messages": CHAT, "top_logprobs": 2}, ["logprobs"]),
     ({"model": "m", "messages": CHAT, "logprobs": 3}, ["logprobs"]),
     ({"model": "m", "messages": CHAT, "max_tokens": 3, "max_completion_tokens": 4}, ["disagree"]),
-    ({"model": "m", "messages": CHAT, "prompt": "x"}, ["unrecognized", "prompt"]),
+    ({"model": "m", "messages": CHAT, "prompt": "x"}, ["unknown field", "prompt"]),
     ({"model": "m", "messages": CHAT, "presence_penalty": 3}, ["presence_penalty"]),
 ])
 def test_chat_refusals(body, words):

@@ -40,10 +40,10 @@ def rss_mb(pid: int) -> float:
 def test_deep_schemas_are_refused_naming_the_limit_and_plain_requests_pass(server):
     """Four 700-deep schemas (each held a tokenization thread for minutes) and a plain request
     at once: the schemas get 400 naming the depth limit, the plain request its answer."""
-    attack = {"prompt": PROMPT, "max_tokens": 4, "structured_outputs": {"json": nested_array_schema(700)}}
+    # As JSON text: the body's own nesting bound (64) does not see inside a string.
+    attack = {"prompt": PROMPT, "max_tokens": 4, "structured_outputs": {"json": json.dumps(nested_array_schema(700))}}
     chat_attack = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                   "response_format": {"type": "json_schema", "json_schema": {
-                       "name": "deep", "schema": nested_array_schema(700)}}}
+                   "guided_json": json.dumps(nested_array_schema(700))}
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         attacks = [pool.submit(server.post, "inference", f"/predictions/{MODEL}", json=attack) for _ in range(3)]
         attacks.append(pool.submit(server.post, "inference", "/v1/chat/completions", json=chat_attack))
