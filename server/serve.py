@@ -298,6 +298,7 @@ class Server:
             await runner.cleanup()
         if state is not None:
             state.executor.shutdown(wait=False, cancel_futures=True)
+            state.limits.shutdown()
         self.out("pagedserve: stopped")
 
 
