@@ -57,6 +57,8 @@ class ServerConfig:
     frontend_threads: int = 4  # thread pool for tokenization and archive work
     worker_threads: int | None = None  # torch threads per worker; None: cores / total workers
     drain_grace: float = 30.0  # seconds SIGTERM waits for in-flight requests before aborting
+    # A worker silent this long (no step output, no idle heartbeat) is stalled: restarted.
+    worker_heartbeat_timeout: float = 30.0
     snapshot_path: str | None = "snapshot.json"  # None: no snapshots
     restore_snapshot: bool = True
     allow_custom_handlers: bool = False
@@ -76,6 +78,11 @@ class ServerConfig:
                 or self.drain_grace < 0:
             raise ServerConfigError(f"drain_grace={self.drain_grace!r}: must be a number of "
                                     "seconds >= 0")
+        timeout = self.worker_heartbeat_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+                or not 2 <= timeout <= 86_400:
+            raise ServerConfigError(f"worker_heartbeat_timeout={timeout!r}: must be a number of "
+                                    "seconds from 2 to 86400 (workers send one every second)")
         for key in ("load_models", "allowed_urls"):
             value = getattr(self, key)
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -176,7 +183,7 @@ def _parse_env(name: str, key: str, text: str) -> Any:
             return int(text)
         except ValueError:
             raise ServerConfigError(f"{name}={text!r}: must be an integer") from None
-    if key == "drain_grace":
+    if key in ("drain_grace", "worker_heartbeat_timeout"):
         try:
             return float(text)
         except ValueError:

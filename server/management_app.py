@@ -7,7 +7,6 @@ Registration and unregistration answer 405 unless the model API is enabled
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import time
@@ -27,6 +26,7 @@ from server.registry import (
     ModelNotFoundError,
     ModelVersion,
     NoWorkerError,
+    SaveFailedError,
 )
 from server.state import STATE_KEY, ServerState
 from server.workers import WorkerStartFailed
@@ -235,20 +235,14 @@ async def scale_model(request: web.Request) -> web.Response:
     _check_known(params, SCALE_PARAMS)
     entry = state.registry.resolve(request.match_info["model"], request.match_info.get("version"))
     min_w = _int_param(params, "min_worker", entry.min_workers)
-    max_w = _int_param(params, "max_worker", max(min_w, entry.max_workers))
-    if max_w < min_w:
-        raise BadParam(f"max_worker={max_w} must not be smaller than min_worker={min_w}")
+    max_w = _int_param(params, "max_worker", None)  # None: the version's maxWorkers
     synchronous = _bool_param(params, "synchronous", False)
     timeout = _int_param(params, "timeout", None, minimum=-1)
-    work = asyncio.ensure_future(
-        state.registry.scale(entry, min_w, max_w, synchronous=synchronous))
+    done = await state.registry.scale(entry, min_w, max_w, synchronous=synchronous,
+                                      timeout=timeout)
     if not synchronous:
-        await work  # returns once new workers are starting / removed ones are unloading
         return _status("Processing worker updates...", 202)
-    try:
-        await asyncio.wait_for(asyncio.shield(work),
-                               None if timeout is None or timeout < 0 else timeout)
-    except asyncio.TimeoutError:
+    if not done:
         return _status(f"Workers are still being scaled to {min_w} after {timeout}s; "
                        "processing worker updates...", 202)
     return _status(f"Workers scaled to {min_w} for model: {entry.name}, version: {entry.version}")
@@ -302,6 +296,8 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
         return error_response(500, f"Failed to start workers: {exc}")
     except NoWorkerError as exc:
         return error_response(503, str(exc))
+    except SaveFailedError as exc:
+        return error_response(exc.status, str(exc))
     except (BadParam, ArchiveError, ModelConfigError, ValueError, FileExistsError) as exc:
         return error_response(400, str(exc))
     except web.HTTPException as exc:
