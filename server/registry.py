@@ -75,7 +75,7 @@ class SaveFailedError(RuntimeError):
     """The change could not be saved and was undone: 507 when the disk is full, else 500."""
 
     def __init__(self, cause: OSError) -> None:
-        super().__init__(f"{cause}; the change was not made")
+        super().__init__(f"{cause.strerror or cause}; the change was not made")
         self.status = 507 if cause.errno in NO_SPACE else 500
 
 
@@ -396,7 +396,7 @@ class ModelRegistry:
             except OSError as exc:
                 if undo is None:
                     logger.error("%s; the live registry has moved on and the saved one is "
-                                 "behind until the next save", exc)
+                                 "behind until the next save", exc.strerror or exc)
                 else:
                     undo()
                     raise SaveFailedError(exc) from exc
