@@ -79,7 +79,7 @@ class SaveFailedError(RuntimeError):
         self.status = 507 if cause.errno in NO_SPACE else 500
 
 
-def check_model_name(name: object, what: str = "model_name") -> str:
+def check_model_name(name: object, what: str = "model name") -> str:
     """A model name usable in URLs; ValueError naming the rule otherwise."""
     return _check_name(name, what, NAME_PATTERN, "start with a letter")
 

@@ -5,8 +5,8 @@ keeps its id and start time across restarts. When a worker dies (`on_dead`), or 
 in the background fails to start, its slot starts it again after an exponential back-off
 (0.5 s, 1 s, 2 s, ... capped), counted in consecutive failures; a worker that stayed up for
 `STABLE_AFTER_S` resets the count. A stalled worker (silent past its heartbeat timeout, see
-`engine.core_client`) is killed and counts as dead. Other slots never notice. A synchronous start (register or
-scale with synchronous=true) does not retry: its caller reports the failure.
+`engine.core_client`) is killed and counts as dead. Other slots never notice. A synchronous
+start (register or scale with synchronous=true) does not retry: its caller reports the failure.
 Scaling down picks idle workers first and lets their requests finish before stopping them.
 """
 

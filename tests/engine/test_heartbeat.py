@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import time
 
@@ -17,21 +16,9 @@ from engine.async_llm import AsyncLLM, EngineDeadError
 from engine.config import EngineConfig
 from engine.llm import load_tokenizer
 from engine.sampling_params import SamplingParams
+from tests.server.conftest import tiny_model  # noqa: F401 -- the tiny random-weight model fixture
 
 HEARTBEAT_TIMEOUT_S = 3.0
-
-
-@pytest.fixture(scope="module")
-def tiny_model(default_model_dir, tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
-    model = tmp_path_factory.mktemp("tiny") / "model"
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=2,
-                                      vocab_size=49152, max_position_embeddings=512)
-    transformers.LlamaForCausalLM(config).save_pretrained(model, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_dir / name, model / name)
-    return model
 
 
 def _worker(model, deaths: list) -> AsyncLLM:

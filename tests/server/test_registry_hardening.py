@@ -99,7 +99,7 @@ def test_names_outside_the_rule_are_refused_naming_it(name):
 
 def test_registration_refuses_a_name_that_could_never_be_unregistered(tiny_store, tmp_path):
     async def scenario(registry, snapshot, archives):
-        with pytest.raises(ValueError, match="model_name 'aaaa"):
+        with pytest.raises(ValueError, match="model name 'aaaa"):
             await registry.register(archives["tiny.mar"], url="tiny.mar", name="a" * 10_000,
                                     initial_workers=0)
         assert registry.models == {}
@@ -331,7 +331,8 @@ def test_names_worker_counts_and_timeouts_are_400s_naming_the_rule(full):
     assert r.status == 400 and "min_worker=6 must not exceed maxWorkers=2" in r.text, r.text
     r = full.put("management", f"/models/tiny/1.0?min_worker=1&synchronous=true&timeout={10**400}")
     assert r.status == 400 and "timeout=" in r.text, r.text
-    r = full.post("management", f"/models?url=tiny-v2.mar&initial_workers=0&response_timeout={10**30}")
+    r = full.post("management",
+                  f"/models?url=tiny-v2.mar&initial_workers=0&response_timeout={10**30}")
     assert r.status == 400 and "response_timeout" in r.text, r.text
     [desc] = full.get("management", "/models/tiny/all").json()
     assert (desc["minWorkers"], desc["maxWorkers"], len(desc["workers"])) == (1, 2, 1)
