@@ -240,6 +240,23 @@ def test_key_file_is_never_written_through_a_planted_link(tmp_path):
         [target.name, key_file.name, planted.name])
 
 
+def test_a_link_planted_at_the_exact_temporary_name_is_not_opened(tmp_path, monkeypatch):
+    """Even a guessed temporary name is safe: O_EXCL|O_NOFOLLOW refuses the planted link and
+    the next random name is used."""
+    names = iter(["guessed", "fresh"])
+    monkeypatch.setattr("server.safe_write.secrets.token_hex", lambda n: next(names))
+    target = tmp_path / "victim.txt"
+    target.write_text("precious\n")
+    planted = tmp_path / f".key_file.json.tmp-{os.getpid()}-guessed"
+    planted.symlink_to(target)
+    keys = ApiKeys.generate()
+    write_key_file(tmp_path / "key_file.json", keys)
+    assert target.read_text() == "precious\n" and planted.is_symlink()
+    assert json.loads((tmp_path / "key_file.json").read_text()) == keys.to_json()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [planted.name, "key_file.json", "victim.txt"])
+
+
 def test_key_file_replaces_a_link_at_its_own_name_instead_of_following_it(tmp_path):
     target = tmp_path / "victim.txt"
     target.write_text("precious\n")
