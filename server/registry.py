@@ -34,6 +34,7 @@ from handlers.base_handler import BaseHandler, Context
 from handlers.custom_handler import CustomHandlerError
 from handlers.llm_handler import ENGINE_WORKERS
 from server.archives import LoadedArchive, load_archive
+from server.management_params import MAX_TIMEOUT_S, MAX_WORKERS
 from server.safe_write import NO_SPACE
 from server.workers import WorkerPool
 
@@ -47,8 +48,6 @@ MAX_NAME_LENGTH = 128  # a name must fit in a URL path, well under the 8 KiB hea
 # \Z, not $: "$" would accept a trailing newline.
 NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_.\-]*\Z"
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*\Z"
-MAX_WORKERS = 128  # per version
-MAX_TIMEOUT_S = 86_400  # response_timeout, and how long a synchronous scale may wait
 
 
 class ModelNotFoundError(LookupError):
@@ -100,16 +99,17 @@ def _check_name(value: object, what: str, pattern: str, start: str) -> str:
 def check_worker_counts(min_workers: int, max_workers: int, limit_name: str = "max_worker") -> None:
     """min <= max <= MAX_WORKERS; ValueError naming both otherwise."""
     if min_workers < 0:
-        raise ValueError(f"min_worker={min_workers}: must be >= 0")
+        raise ValueError(f"min_worker: must be >= 0, got {min_workers}")
     if min_workers > max_workers:
-        raise ValueError(f"min_worker={min_workers} must not exceed {limit_name}={max_workers}")
+        raise ValueError(f"min_worker: {min_workers} must not exceed {limit_name}: {max_workers}")
     if max_workers > MAX_WORKERS:
-        raise ValueError(f"max_worker={max_workers}: at most {MAX_WORKERS} workers per version")
+        raise ValueError(f"max_worker: must be <= {MAX_WORKERS} (workers per version), "
+                         f"got {max_workers}")
 
 
 def check_timeout(what: str, seconds: float | None) -> None:
     if seconds is not None and seconds > MAX_TIMEOUT_S:
-        raise ValueError(f"{what}={seconds}: must be at most {MAX_TIMEOUT_S} seconds")
+        raise ValueError(f"{what}: must be <= {MAX_TIMEOUT_S} seconds, got {seconds}")
 
 
 @dataclass(slots=True, eq=False)

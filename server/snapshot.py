@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
-from server.registry import MAX_NAME_LENGTH, MAX_WORKERS, NAME_PATTERN, VERSION_PATTERN
+from server.management_params import MAX_WORKERS
+from server.registry import MAX_NAME_LENGTH, NAME_PATTERN, VERSION_PATTERN
 from server.safe_write import write_atomically
 
 if TYPE_CHECKING:

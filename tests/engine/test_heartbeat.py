@@ -14,6 +14,7 @@ import pytest
 
 from engine.async_llm import AsyncLLM, EngineDeadError
 from engine.config import EngineConfig
+from engine.inputs import EngineInput
 from engine.llm import load_tokenizer
 from engine.sampling_params import SamplingParams
 from tests.server.conftest import tiny_model  # noqa: F401 -- the tiny random-weight model fixture
@@ -40,13 +41,13 @@ def test_a_stopped_worker_is_killed_and_its_requests_fail(tiny_model):
             while time.monotonic() < idle_until:
                 await asyncio.sleep(0.2)
             assert worker.is_ready and not deaths
-            outs = [o async for o in worker.generate("r0", [1, 2, 3], params)]
+            outs = [o async for o in worker.generate("r0", EngineInput(None, [1, 2, 3], params))]
             assert outs[-1].finished
 
             pid = worker.pid
             os.kill(pid, signal.SIGSTOP)
             with pytest.raises(EngineDeadError, match="stalled, killed") as failed:
-                async for _ in worker.generate("r1", [1, 2, 3], params):
+                async for _ in worker.generate("r1", EngineInput(None, [1, 2, 3], params)):
                     pass
             assert "worker_heartbeat_timeout 3 s" in str(failed.value)
             assert deaths == [worker] and not worker.is_ready

@@ -111,14 +111,14 @@ def test_registration_refuses_a_name_that_could_never_be_unregistered(tiny_store
 # -- finding 8 and 5: worker counts and timeouts ------------------------------------------------
 def test_worker_counts_stay_within_the_versions_maximum(tiny_store, tmp_path):
     async def scenario(registry, snapshot, archives):
-        with pytest.raises(ValueError, match="initial_workers|min_worker=3 must not exceed the "
-                                             "archive's maxWorkers=2"):
+        with pytest.raises(ValueError, match="min_worker: 3 must not exceed the archive's "
+                                             "maxWorkers: 2"):
             await registry.register(archives["tiny.mar"], url="tiny.mar", initial_workers=3)
         entry = await registry.register(archives["tiny.mar"], url="tiny.mar", initial_workers=0)
         assert (entry.min_workers, entry.max_workers) == (0, 2)
-        with pytest.raises(ValueError, match="min_worker=6 must not exceed maxWorkers=2"):
+        with pytest.raises(ValueError, match="min_worker: 6 must not exceed maxWorkers: 2"):
             await registry.scale(entry, 6, synchronous=True)
-        with pytest.raises(ValueError, match="min_worker=3 must not exceed max_worker=2"):
+        with pytest.raises(ValueError, match="min_worker: 3 must not exceed max_worker: 2"):
             await registry.scale(entry, 3, 2, synchronous=True)
         assert (entry.min_workers, entry.max_workers, entry.pool.size) == (0, 2, 0)
         assert await registry.scale(entry, 0, 5, synchronous=True)  # an explicit new maximum
@@ -130,15 +130,15 @@ def test_worker_counts_stay_within_the_versions_maximum(tiny_store, tmp_path):
 
 def test_huge_timeouts_are_refused_naming_them(tiny_store, tmp_path):
     async def scenario(registry, snapshot, archives):
-        with pytest.raises(ValueError, match="response_timeout=1000000000000000000000: must be "
-                                             "at most 86400 seconds"):
+        with pytest.raises(ValueError, match="response_timeout: must be <= 86400 seconds, got "
+                                             "1000000000000000000000"):
             await registry.register(archives["tiny.mar"], url="tiny.mar", initial_workers=0,
                                     response_timeout=10**21)
         assert registry.models == {}
         entry = await registry.register(archives["tiny.mar"], url="tiny.mar", initial_workers=0,
                                         response_timeout=86_400)
         assert entry.model_config.response_timeout == 86_400
-        with pytest.raises(ValueError, match="timeout=.*: must be at most 86400 seconds"):
+        with pytest.raises(ValueError, match="timeout: must be <= 86400 seconds, got 1000"):
             await registry.scale(entry, 0, synchronous=True, timeout=10**400)
         assert await registry.scale(entry, 0, synchronous=True, timeout=-1)
 
@@ -345,9 +345,10 @@ def test_names_worker_counts_and_timeouts_are_400s_naming_the_rule(full):
                                                  "initial_workers": 0})
     assert r.status == 400 and "at most 128 characters" in r.json()["message"], r.text
     r = full.put("management", "/models/tiny/1.0?min_worker=6")
-    assert r.status == 400 and "min_worker=6 must not exceed maxWorkers=2" in r.text, r.text
+    assert r.status == 400 and "min_worker: 6 must not exceed" in r.text, r.text
+    assert "maxWorkers" in r.text and ": 2" in r.text
     r = full.put("management", f"/models/tiny/1.0?min_worker=1&synchronous=true&timeout={10**400}")
-    assert r.status == 400 and "timeout=" in r.text, r.text
+    assert r.status == 400 and "timeout" in r.text, r.text
     r = full.post("management",
                   f"/models?url=tiny-v2.mar&initial_workers=0&response_timeout={10**30}")
     assert r.status == 400 and "response_timeout" in r.text, r.text
