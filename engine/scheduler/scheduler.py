@@ -200,7 +200,7 @@ class Scheduler:
 
     def _admit(self, request: Request, plan: _StepPlan) -> bool:
         """Schedule the head of the waiting queue from its longest cached prefix (prefix cache,
-        then the offload tiers); False, changing nothing, when the pool lacks the blocks."""
+        then the offload tiers); False when the pool lacks the blocks (it stays at the head)."""
         hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
         num_external = self.kv_offload.lookup(request, num_hit_tokens) if self.kv_offload else 0
         request.num_computed_tokens = num_hit_tokens + num_external
