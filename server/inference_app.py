@@ -293,6 +293,6 @@ async def _read_body(request: web.Request) -> bytes:
 async def _read_json(request: web.Request) -> dict[str, Any]:
     raw = await _read_body(request)
     try:
-        return decode_body(raw)
+        return decode_body(raw, request.app[STATE_KEY].config.max_request_size)
     except HandlerError as exc:
         raise ErrorReply.from_handler_error(exc) from None

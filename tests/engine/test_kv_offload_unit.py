@@ -58,7 +58,7 @@ def test_model_config_handler_kv_offload():
     assert ModelConfig().resolved()["handler"]["kv_offload"] is None
     with pytest.raises(ModelConfigError, match=r"handler\.kv_offload\.cpu_size_gb=0: must be a positive"):
         ModelConfig(handler={"kv_offload": {"cpu_size_gb": 0}})
-    with pytest.raises(ModelConfigError, match=r"handler\.kv_offload=3: must be a mapping of keys or null"):
+    with pytest.raises(ModelConfigError, match=r"handler\.kv_offload: must be an object or null, got 3"):
         ModelConfig(handler={"kv_offload": 3})
 
 
