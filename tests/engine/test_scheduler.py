@@ -17,7 +17,7 @@ def step(sched, tokens: dict[str, int] | None = None):
     """One schedule + a fake model output: every request that reached its end samples `tokens`."""
     out = sched.schedule()
     sampled = {}
-    for req_id, n in out.num_scheduled_tokens.items():
+    for req_id in out.num_scheduled_tokens:
         req = sched.requests[req_id]
         if req.num_computed_tokens == req.num_tokens:
             sampled[req_id] = [(tokens or {}).get(req_id, 7)]
