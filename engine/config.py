@@ -15,7 +15,7 @@ from typing import Annotated
 import torch
 from msgspec import Meta
 
-from engine.attention.backend import BACKEND_NAMES
+from engine.attention.selector import BACKEND_NAMES
 from engine.kv_offload.config import KVOffloadConfig
 from engine.spec_decode.config import SpeculativeConfig
 

@@ -254,13 +254,13 @@ class Scheduler:
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_tokens += len(token_ids) - 1
             kept: list[int] = []
-            finish_reason = None
+            finish_reason = error = None
             for token in token_ids:  # a stop in the middle drops what follows it
                 request.append_output_token_ids([token])
                 kept.append(token)
                 if request.grammar is not None and not request.grammar.accept(token):
                     # Cannot happen while the bitmask is applied; never continue off the grammar.
-                    request.stop_reason = "the sampled token does not fit the grammar"
+                    error = "the sampled token does not fit the grammar"
                     finish_reason = FinishReason.ABORT
                 else:
                     finish_reason = self._check_stop(request)
@@ -278,6 +278,7 @@ class Scheduler:
                     new_logprobs=logprobs,
                     finish_reason=finish_reason,
                     stop_reason=request.stop_reason,
+                    error=error,
                     num_cached_tokens=request.num_cached_tokens,
                     num_external_cached_tokens=request.num_external_cached_tokens,
                     first_scheduled_time=request.first_scheduled_time,
