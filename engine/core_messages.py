@@ -20,7 +20,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     prompt_token_ids: list[TokenId]
     sampling_params: SamplingParams
     priority: int = 0
-    arrival_time: float = 0.0  # time.monotonic() in the front end; 0 = on arrival in the engine
+    arrival_time: float | None = None  # time.monotonic() in the front end; None = on arrival in the engine
     cache_salt: str | None = None
 
 

@@ -161,7 +161,7 @@ class EngineCoreProc:
         except ValueError as exc:
             # The front end validates first; if it still gets here, end the request, not the worker.
             logger.warning("refused request %s: %s", msg.request_id, exc)
-            refusal = EngineCoreOutput(msg.request_id, [], finish_reason=FinishReason.ABORT, stop_reason=str(exc))
+            refusal = EngineCoreOutput(msg.request_id, [], finish_reason=FinishReason.ABORT, error=str(exc))
             self.outputs.put(EngineCoreOutputs([refusal], core.make_stats(), time.monotonic()))
 
 

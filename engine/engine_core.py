@@ -10,11 +10,12 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.inputs import InputLimits, validate_input
 from engine.kv_cache.hashing import get_hash_fn
 from engine.kv_cache.manager import KVCacheManager
 from engine.model.model_source import resolve_model_dir
 from engine.model_runner import ModelRunner
-from engine.request import FinishReason, Request, RequestStatus, validate_prompt
+from engine.request import FinishReason, Request, RequestStatus
 from engine.scheduler.output import EngineCoreOutput, SchedulerOutput
 from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.stats import SchedulerStats
@@ -66,6 +67,9 @@ class EngineCore:
                 )
             logger.warning("max_model_len lowered to %d to fit the KV pool", pool_tokens)
             self.max_model_len = pool_tokens
+        # The engine lets max_tokens run past max_model_len (it ends with "length"); the server
+        # refuses such requests up front.
+        self.input_limits = InputLimits(self.max_model_len, self.vocab_size, max_tokens_must_fit=False)
         self.kv_manager = KVCacheManager(
             self.runner.num_blocks,
             config.block_size,
@@ -96,8 +100,9 @@ class EngineCore:
         )
 
     def validate_request(self, request: Request) -> None:
-        """Raise ValueError for input the engine must refuse (before anything is allocated)."""
-        validate_prompt(request.prompt_token_ids, self.max_model_len, self.vocab_size)
+        """Raise ValueError for input the engine must refuse (before anything is allocated): the
+        front ends' own checks (engine.inputs), applied again where the request lands."""
+        validate_input(request.prompt_token_ids, request.sampling_params, self.input_limits)
         if request.sampling_params.structured_outputs is not None:
             check_grammar(request.sampling_params.structured_outputs)
 
@@ -186,7 +191,7 @@ class EngineCore:
                 del self._compiling[req_id]
                 self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
                 outputs.append(EngineCoreOutput(req_id, [], finish_reason=FinishReason.ABORT,
-                                                stop_reason=request.grammar.error))
+                                                error=request.grammar.error))
         return outputs
 
     def _add_grammar_bitmask(self, so: SchedulerOutput) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from engine.stop_strings import StopStrings
 
 
@@ -25,9 +25,10 @@ class ChoiceDelta:
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, TokenLogprob]] | None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     text_offset: int = 0  # characters of this choice's text sent before this delta
+    error: str | None = None  # why the engine ended this choice early (with its finish_reason)
 
 
 @dataclass(slots=True)
@@ -69,6 +70,7 @@ class DeltaTracker:
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
                 text_offset=sent.chars,
+                error=c.error,
             )
             sent.chars, sent.tokens, sent.finished = end, len(c.token_ids), finished
             if c.logprobs is not None:

@@ -1,10 +1,9 @@
-"""Request bodies -> engine inputs, without an engine: the parsing half of the `llm` handler,
-shared by the in-process handler and the server's inference routes.
+"""Request bodies -> what to prepare, without an engine: the parsing half of the `llm` handler.
 
-Parsing is split in two so the server can do the cheap checks on the event loop and the
-tokenization (chat templates included) in a thread: `parse_predictions_body` converts the body
-to its declared schema (`PredictionsBody` for the prompt, `SamplingParams` for the rest);
-`render_prompt` tokenizes; `check_fits` applies the length rules. Every refusal is a
+`parse_predictions_body` converts a /predictions body to its declared schema (`PredictionsBody`
+for the prompt, `SamplingParams` for the rest) on the event loop and returns a `PromptSpec`
+(re-exported here for custom handlers) with the params; the prepare step that follows
+(tokenize, chat template, length rules) is the engine's, engine.inputs. Every refusal is a
 `HandlerError` (HTTP 400 by default) whose message and `param` name the field.
 """
 
@@ -13,15 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-import jinja2
 import msgspec
 
+from engine.inputs import PromptSpec
 from engine.sampling_params import SamplingParams, TokenId
 from engine.schema import SchemaError, convert
 from handlers.base_handler import HandlerError
 from handlers.json_body import decode_json_body
-
-SAMPLING_FIELDS = frozenset(f.name for f in msgspec.structs.fields(SamplingParams))
 
 TokenIds = Annotated[list[TokenId], msgspec.Meta(min_length=1)]
 
@@ -52,36 +49,12 @@ PREDICTIONS_FIELDS = frozenset(f.name for f in msgspec.structs.fields(Prediction
 
 
 @dataclass(slots=True)
-class PromptSpec:
-    """What to tokenize: exactly one of text, token ids or chat messages."""
-
-    text: str | None = None
-    token_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None
-    add_generation_prompt: bool = True
-
-    def __post_init__(self) -> None:
-        given = sum(x is not None for x in (self.text, self.token_ids, self.messages))
-        if given != 1:
-            raise ValueError("a PromptSpec holds exactly one of text, token_ids or messages")
-
-
-@dataclass(slots=True)
 class ParsedBody:
     """A /predictions body after field checks: the prompt to render plus sampling params."""
 
     prompt: PromptSpec
     params: SamplingParams
     stream: bool = False
-
-
-@dataclass(slots=True)
-class LLMInput:
-    """A request ready for the engine."""
-
-    prompt: str | None  # the text the token ids came from (None for a token-id prompt)
-    token_ids: list[int]
-    params: SamplingParams
 
 
 def decode_body(raw: Any, max_bytes: int | None = None) -> dict[str, Any]:
@@ -135,45 +108,3 @@ def message_text(content: str | list[dict[str, Any]], i: int) -> str:
                                f"{part.get('type')!r}", param=f"messages[{i}].content")
         texts.append(part["text"])
     return "".join(texts)
-
-
-def render_prompt(tokenizer: Any, spec: PromptSpec) -> tuple[str | None, list[int]]:
-    """Tokenize a prompt (chat messages through the model's chat template): (text, token ids).
-    CPU-bound: the server runs it in a thread."""
-    if spec.token_ids is not None:
-        return None, list(spec.token_ids)
-    if spec.messages is not None:
-        try:
-            text = tokenizer.apply_chat_template(
-                spec.messages, tokenize=False, add_generation_prompt=spec.add_generation_prompt
-            )
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:  # templates raise their own
-            raise HandlerError(f"the model's chat template refused the messages: {exc}") from None
-    else:
-        text = spec.text
-    return text, tokenizer.encode(text, add_special_tokens=False)
-
-
-def check_fits(token_ids: list[int], params: SamplingParams, max_model_len: int | None,
-               vocab_size: int | None = None) -> None:
-    """The length rules of an OpenAI-style server: a non-empty prompt shorter than max_model_len,
-    and prompt + max_tokens within max_model_len; token ids inside the vocabulary."""
-    if not token_ids:
-        raise HandlerError("the prompt must contain at least one token")
-    if vocab_size is not None:
-        bad = [t for t in token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise HandlerError(f"token ids out of range [0, {vocab_size}): {bad[:5]}")
-    if max_model_len is None:
-        return
-    if len(token_ids) >= max_model_len:
-        raise HandlerError(
-            f"the prompt has {len(token_ids)} tokens but max_model_len is {max_model_len}: "
-            f"at most {max_model_len - 1} prompt tokens fit"
-        )
-    if params.max_tokens is not None and len(token_ids) + params.max_tokens > max_model_len:
-        raise HandlerError(
-            f"max_tokens={params.max_tokens} is too large: the prompt has {len(token_ids)} tokens "
-            f"and max_model_len is {max_model_len}, so at most {max_model_len - len(token_ids)} "
-            "tokens can be generated"
-        )

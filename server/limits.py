@@ -34,9 +34,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from engine.inputs import PromptSpec, render_prompt
 from engine.structured_output_params import StructuredOutputsParams, check_grammar
 from handlers.base_handler import HandlerError
-from handlers.llm_input import PromptSpec, render_prompt
 
 GRAMMAR_THREADS = 2  # the pool that runs structured-output pre-checks
 PER_CLIENT_THREADS = 1  # of those, what one client's checks may hold at once

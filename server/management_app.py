@@ -7,7 +7,6 @@ Registration and unregistration answer 405 unless the model API is enabled
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from server.registry import (
     ModelNotFoundError,
     ModelVersion,
     NoWorkerError,
+    SaveFailedError,
 )
 from server.state import STATE_KEY, ServerState
 from server.workers import WorkerStartFailed
@@ -189,15 +189,12 @@ async def scale_model(request: web.Request) -> web.Response:
     params = read_params(request.query, ScaleParams)
     entry = state.registry.resolve(request.match_info["model"], request.match_info.get("version"))
     min_w, max_w = params.workers(entry.min_workers, entry.max_workers)
-    synchronous, timeout = params.synchronous, params.wait_s
-    work = asyncio.ensure_future(
-        state.registry.scale(entry, min_w, max_w, synchronous=synchronous))
+    synchronous = params.synchronous
+    done = await state.registry.scale(entry, min_w, max_w, synchronous=synchronous,
+                                      timeout=params.timeout)
     if not synchronous:
-        await work  # returns once new workers are starting / removed ones are unloading
         return _status("Processing worker updates...", 202)
-    try:
-        await asyncio.wait_for(asyncio.shield(work), timeout)
-    except asyncio.TimeoutError:
+    if not done:
         return _status(f"Workers are still being scaled to {min_w} after {params.timeout}s; "
                        "processing worker updates...", 202)
     return _status(f"Workers scaled to {min_w} for model: {entry.name}, version: {entry.version}")
@@ -251,6 +248,8 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
         return error_response(500, f"Failed to start workers: {exc}")
     except NoWorkerError as exc:
         return error_response(503, str(exc))
+    except SaveFailedError as exc:
+        return error_response(exc.status, str(exc))
     except (SchemaError, ArchiveError, ModelConfigError, ValueError, FileExistsError) as exc:
         return error_response(400, str(exc))
     except web.HTTPException as exc:

@@ -113,6 +113,7 @@ class KVOffloadManager:
         self.block_size = block_size
         self.chunk_size = config.chunk_size
         self.stats = KVOffloadStats()
+        self._last_fault_time: float | None = None  # time.perf_counter() of the latest fault
         self._builder = LMCacheEngineBuilder
         self._closed = False
         _, _, _, heads, head_dim = kv_caches[0].shape
@@ -395,7 +396,7 @@ class KVOffloadManager:
         logger.warning("KV offload: %s", message)
 
     def _has_fault_since(self, t: float) -> bool:
-        return getattr(self, "_last_fault_time", -1.0) >= t
+        return self._last_fault_time is not None and self._last_fault_time >= t
 
 
 def _request_configs(request) -> dict | None:
