@@ -1,6 +1,6 @@
 """Plain-request latency while issue 11's availability attacks run, against the same with none.
 
-A fresh `pagedserve serve` on loopback (one worker of the default model, bf16, max_model_len 2048,
+A fresh `pagedserve serve` on loopback (one 1-thread worker of the default model, bf16, max_model_len 2048,
 token auth off, responseTimeout 20 s so a held request cannot outlive its round) serves a
 plain client: one request at a time, `POST /predictions/bench` with a 4-token prompt and
 `max_tokens: 4`, greedy; its latency is the wall time of the whole reply. Attacks (issue 11):
@@ -193,7 +193,9 @@ def start_server(workdir: Path) -> tuple[subprocess.Popen, str, str]:
     import urllib.request
 
     ports = {api: free_port() for api in ("inference", "management", "metrics")}
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # One engine thread: on a shared 2-core machine a 2-thread worker's OpenMP threads stall
+    # whenever one of them is descheduled, which would swamp what the attacks do.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDSERVE_WORKER_THREADS": "1"}
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model-store", str(workdir / "store"),
            "--models", f"{MODEL_NAME}={MODEL_NAME}.mar", "--disable-token-auth",
            *(arg for api, port in ports.items() for arg in (f"--{api}-address", f"127.0.0.1:{port}"))]
