@@ -67,7 +67,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", default="", help="comma-separated mode labels to rerun; the other rows "
+                                               "are kept from the last results file")
     args = ap.parse_args()
+    only = [o.strip() for o in args.only.split(",") if o.strip()]
+    old = RESULTS / "quant_perplexity.json"
+    kept = json.loads(old.read_text())["rows"] if only and old.exists() else []
     plain = default_model_dir()
     text = TEXT.read_text()
     common = dict(num_kv_blocks=args.window // 16 + 1, max_model_len=args.window, num_threads=args.threads)
@@ -84,6 +89,8 @@ def main() -> None:
             ("Q4_1 GGUF served natively (int4 g32)", q41, dict(dtype="bfloat16")),
         ]
         tokens = None
+        if only:
+            cases = [c for c in cases if c[0] in only or c[0].startswith("bf16")]
         for label, model, opts in cases:
             t0 = time.perf_counter()
             llm = LLM(model, **common, **opts)
@@ -92,6 +99,8 @@ def main() -> None:
             rows.append({"mode": label, "ppl": ppl, "seconds": time.perf_counter() - t0})
             print(f"{label:40s} ppl {ppl:.4f}", flush=True)
             del llm
+    order = [label for label, _, _ in cases]
+    rows += [r for r in kept if r["mode"] not in order]
     base = next(r["ppl"] for r in rows if r["mode"].startswith("bf16"))
     for r in rows:
         r["vs_bf16_pct"] = 100 * (r["ppl"] / base - 1)
