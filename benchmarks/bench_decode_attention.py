@@ -32,11 +32,8 @@ import torch.nn.functional as F
 
 from engine.attention.backend import write_kv_cache
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.torch_backend import (
-    TorchAttentionBackend,
-    _build_decode_plan,
-    tune_glibc_malloc,
-)
+from engine.attention.torch_backend import TorchAttentionBackend, _build_decode_plan
+from engine.process_setup import tune_glibc_malloc
 
 
 def context_lengths(kind: str, batch: int, g: torch.Generator) -> list[int]:

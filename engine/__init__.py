@@ -1,8 +1,34 @@
-"""pagedserve's engine: paged KV cache, token-budget scheduler, model runner, offline API."""
+"""pagedserve's engine: paged KV cache, token-budget scheduler, model runner, offline API.
 
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+`from engine import LLM, SamplingParams` works, but importing the package (or any submodule,
+such as `engine.kv_cache.block_pool`) loads nothing else: the names below are imported on first
+access (PEP 562), so a light module never pays for torch, the model code or transformers.
+"""
+
+from __future__ import annotations
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from engine.llm import LLM
+
+        return LLM
+    if name == "EngineConfig":
+        from engine.config import EngineConfig
+
+        return EngineConfig
+    if name == "SamplingParams":
+        from engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    if name in ("CompletionOutput", "RequestOutput"):
+        from engine import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__ + ["__getattr__"])

@@ -13,18 +13,14 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
 from engine.core_client import EngineDeadError, EngineStartError, MPClient
-from engine.core_messages import EngineCoreRequest, EngineInfo
-from engine.output_processor import (
-    OutputProcessor,
-    child_sampling_params,
-)
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.request import validate_prompt
-from engine.sampling_params import SamplingParams
+from engine.core_messages import EngineInfo
+from engine.inputs import EngineInput, InputLimits, validate_input
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestMetrics, RequestOutput
 from engine.scheduler.stats import SchedulerStats
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineInfo", "EngineStartError", "SchedulerStats"]
@@ -37,52 +33,33 @@ POLL_S = 0.2  # how often the output thread checks that the worker is alive
 @dataclass(slots=True)
 class _Timing:
     arrival_time: float
-    first_scheduled_time: float = 0.0
-    first_token_time: float = 0.0
-    last_token_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
     itl_s: list[float] = field(default_factory=list)
 
     def on_tokens(self, now: float) -> None:
-        if not self.first_token_time:
+        if self.last_token_time is None:
             self.first_token_time = now
         else:
             self.itl_s.append(now - self.last_token_time)
         self.last_token_time = now
 
-    def as_metrics(self, finished_time: float) -> dict:
-        scheduled = self.first_scheduled_time or self.arrival_time
-        first_token = self.first_token_time or finished_time
-        return {
-            "arrival_time": self.arrival_time,
-            "first_scheduled_time": scheduled,
-            "first_token_time": first_token,
-            "finished_time": finished_time,
-            "queued_s": max(0.0, scheduled - self.arrival_time),
-            "prefill_s": max(0.0, first_token - scheduled),
-            "decode_s": max(0.0, finished_time - first_token),
-            "ttft_s": max(0.0, first_token - self.arrival_time),
-            "itl_s": list(self.itl_s),
-        }
+    def as_metrics(self, finished_time: float) -> RequestMetrics:
+        """A request never scheduled counts as scheduled on arrival; one that produced no token
+        (aborted, refused) as having its first token when it finished."""
+        scheduled = self.first_scheduled_time if self.first_scheduled_time is not None else self.arrival_time
+        first_token = self.first_token_time if self.first_token_time is not None else finished_time
+        return RequestMetrics(self.arrival_time, scheduled, first_token, finished_time, list(self.itl_s))
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:
     """A copy the event loop can hold while the output thread keeps updating the original."""
-    return RequestOutput(
-        out.request_id,
-        out.prompt,
-        out.prompt_token_ids,
-        [
-            CompletionOutput(
-                c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
-                None if c.logprobs is None else list(c.logprobs),
-            )
-            for c in out.outputs
-        ],
-        out.finished,
-        out.num_cached_tokens,
-        out.num_external_cached_tokens,
-        dict(out.metrics),
-    )
+    outputs = [
+        replace(c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else list(c.logprobs))
+        for c in out.outputs
+    ]
+    return replace(out, outputs=outputs)  # metrics are set once, on the finished output
 
 
 class AsyncLLM:
@@ -93,10 +70,13 @@ class AsyncLLM:
         *,
         name: str = "worker",
         on_dead: Callable[[AsyncLLM], None] | None = None,
+        heartbeat_timeout: float | None = None,
     ) -> None:
         self.config = config
         self.name = name
         self.on_dead = on_dead
+        # A worker silent this long is stalled: killed, its requests failed, on_dead called.
+        self.heartbeat_timeout = heartbeat_timeout
         self.info: EngineInfo | None = None
         self.stats = SchedulerStats()
         self.dead_reason: str | None = None
@@ -136,7 +116,7 @@ class AsyncLLM:
         self._loop = asyncio.get_running_loop()
         # Spawned from the loop's thread, not an executor thread: the worker's parent-death
         # signal fires when the thread that started it exits.
-        self._client = MPClient(self.config, self.name)
+        self._client = MPClient(self.config, self.name, heartbeat_timeout=self.heartbeat_timeout)
         try:
             self.info = await self._loop.run_in_executor(None, self._client.wait_ready, timeout)
         except BaseException as exc:
@@ -160,42 +140,40 @@ class AsyncLLM:
         self._fail_all(EngineDeadError(f"{self.name} was shut down"))
 
     # -- requests --------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    @property
+    def limits(self) -> InputLimits:
+        """What this worker's engine accepts, with the server's rule that max_tokens must fit."""
         if self.info is None:
             raise RuntimeError(f"{self.name} is not started")
-        if not isinstance(params, SamplingParams):
-            raise TypeError("params must be a SamplingParams")
-        validate_prompt(prompt_token_ids, self.info.max_model_len, self.info.vocab_size)
+        return InputLimits(self.info.max_model_len, self.info.vocab_size)
 
     async def generate(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
+        inp: EngineInput,
         *,
-        prompt: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        self.validate(prompt_token_ids, params)
+        """Generate for a prepared input (engine.inputs); cumulative outputs until finished.
+        InvalidInput (a ValueError) for input the engine would refuse, before it is queued."""
+        validate_input(inp.token_ids, inp.params, self.limits)
         if not self.is_ready:
             raise EngineDeadError(f"{self.name} is not running: {self.dead_reason or 'shutting down'}")
-        arrival = arrival_time or time.monotonic()
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            child_ids = self._processor.add_request(request_id, prompt, list(prompt_token_ids), params)
+            requests = self._processor.add_request(request_id, inp, priority=priority, arrival_time=arrival)
             self._timings[request_id] = _Timing(arrival)
-            for child_id in child_ids:
-                self._parents[child_id] = request_id
+            for request in requests:
+                self._parents[request.request_id] = request_id
         self._queues[request_id] = queue
         finished = False
         try:
             if self.is_dead:  # died between the check above and the registration
                 raise EngineDeadError(f"{self.name} died: {self.dead_reason}")
-            for i, child_id in enumerate(child_ids):
-                self._client.add_request(
-                    EngineCoreRequest(child_id, list(prompt_token_ids), child_sampling_params(params, i), priority, arrival)
-                )
+            for request in requests:
+                self._client.add_request(request)
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -213,7 +191,7 @@ class AsyncLLM:
                 self._timings.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request; its iterator ends with a finished output (finish_reason "abort")."""
+        """Abort a request; its iterator ends with a finished output (finish_reason ABORT)."""
         with self._lock:
             final = self._processor.mark_aborted(request_id)
             final = None if final is None else _snapshot(final)
@@ -275,7 +253,7 @@ class AsyncLLM:
             for eco in outputs:
                 parent = self._parents.get(eco.request_id)
                 timing = self._timings.get(parent) if parent else None
-                if timing is not None and eco.first_scheduled_time and not timing.first_scheduled_time:
+                if timing is not None and eco.first_scheduled_time is not None and timing.first_scheduled_time is None:
                     timing.first_scheduled_time = eco.first_scheduled_time
                 if eco.finished:
                     self._parents.pop(eco.request_id, None)
@@ -285,7 +263,7 @@ class AsyncLLM:
                 if timing is not None:
                     timing.on_tokens(now)
                     if out.finished:
-                        out.metrics.update(timing.as_metrics(now))
+                        out.metrics = timing.as_metrics(now)
                 deliveries.append(_snapshot(out))
             for child_id in to_abort:
                 self._parents.pop(child_id, None)

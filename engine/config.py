@@ -1,14 +1,21 @@
-"""Engine configuration: one dataclass, validated at construction."""
+"""Engine configuration: one dataclass, validated at construction.
+
+Its field annotations are the declaration model-config.yaml's `handler:` section is checked
+against (engine.model.model_config derives the keys and their types from them, with the bounds
+given here as `Annotated[..., msgspec.Meta(...)]`): a new field is a new key there.
+"""
 
 from __future__ import annotations
 
 import enum
 import re
 from dataclasses import asdict, dataclass, field
+from typing import Annotated
 
 import torch
+from msgspec import Meta
 
-from engine.attention.backend import BACKEND_NAMES
+from engine.attention.selector import BACKEND_NAMES
 from engine.kv_offload.config import KVOffloadConfig
 from engine.spec_decode.config import SpeculativeConfig
 
@@ -64,7 +71,7 @@ def _coerce_enum(enum_cls: type[enum.Enum], name: str, value: object) -> enum.En
         return enum_cls(value.value if isinstance(value, enum_cls) else value)
     except ValueError:
         allowed = [member.value for member in enum_cls]
-        raise ValueError(f"{name}={value!r}: choose one of {allowed}") from None
+        raise ValueError(f"{name}: choose one of {allowed}, got {value!r}") from None
 
 
 def resolve_dtype(value: str | torch.dtype) -> torch.dtype:
@@ -89,19 +96,19 @@ class EngineConfig:
     model: str
     dtype: str | torch.dtype = "float32"
     device: str = "cpu"
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
+    max_model_len: Annotated[int, Meta(ge=1)] | None = None  # default: the model's max_position_embeddings
+    block_size: Annotated[int, Meta(ge=1)] = 16
+    max_num_batched_tokens: Annotated[int, Meta(ge=1)] = 2048
+    max_num_seqs: Annotated[int, Meta(ge=1)] = 64
     kv_cache_memory: int | str = "1GiB"
-    num_kv_blocks: int | None = None
+    num_kv_blocks: Annotated[int, Meta(ge=2)] | None = None
     enable_prefix_caching: bool = True
     prefix_cache_hash: str | PrefixCacheHash = PrefixCacheHash.SHA256
     scheduling_policy: str | SchedulingPolicy = SchedulingPolicy.FCFS
-    seed: int = 0
+    seed: Annotated[int, Meta(ge=0)] = 0
     # "auto" (Triton on CUDA, torch on CPU), "torch" or "triton": engine.attention.backend
     attention_backend: str = "auto"
-    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    num_threads: Annotated[int, Meta(ge=1)] | None = None  # torch intra-op threads; None leaves torch's default
     # True when `model` is a directory the caller already opened and verified (the server's
     # extracted archive): the engine loads it as it is, without re-hashing or re-checking it.
     model_verified: bool = False

@@ -1,24 +1,26 @@
 """What crosses the socket between a front end and an engine-core process (msgpack via msgspec).
 
-Requests and outputs reuse the engine's own dataclasses (SamplingParams, EngineCoreOutput,
-SchedulerStats): msgspec encodes them as they are and re-validates SamplingParams on decode.
+Requests and outputs reuse the engine's own types (SamplingParams, EngineCoreOutput,
+SchedulerStats): msgspec encodes them as they are. A worker decodes SamplingParams with the very
+declaration the front end validated the request body against (types, bounds, cross-field rules),
+so a value one side accepts the other cannot refuse.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenId
 from engine.scheduler.output import EngineCoreOutput
 from engine.scheduler.stats import SchedulerStats
 
 
 class EngineCoreRequest(msgspec.Struct, tag="add"):
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[TokenId]
     sampling_params: SamplingParams
     priority: int = 0
-    arrival_time: float = 0.0  # time.monotonic() in the front end; 0 = on arrival in the engine
+    arrival_time: float | None = None  # time.monotonic() in the front end; None = on arrival in the engine
     cache_salt: str | None = None
 
 

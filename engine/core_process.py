@@ -161,7 +161,7 @@ class EngineCoreProc:
         except ValueError as exc:
             # The front end validates first; if it still gets here, end the request, not the worker.
             logger.warning("refused request %s: %s", msg.request_id, exc)
-            refusal = EngineCoreOutput(msg.request_id, [], finish_reason=FinishReason.ABORT, stop_reason=str(exc))
+            refusal = EngineCoreOutput(msg.request_id, [], finish_reason=FinishReason.ABORT, error=str(exc))
             self.outputs.put(EngineCoreOutputs([refusal], core.make_stats(), time.monotonic()))
 
 
@@ -174,7 +174,9 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     exit_code = 0
     try:
         from engine.engine_core import EngineCore  # heavy: torch and the model code
+        from engine.process_setup import configure_engine_process
 
+        configure_engine_process(config)  # this process is the engine's: threads, seed, malloc
         core = EngineCore(config)
         proc.outputs.put(
             EngineInfo(

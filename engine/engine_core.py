@@ -9,18 +9,19 @@ from pathlib import Path
 
 import torch
 
-from engine.attention.torch_backend import tune_glibc_malloc
 from engine.config import EngineConfig
+from engine.inputs import InputLimits, validate_input
 from engine.kv_cache.hashing import get_hash_fn
 from engine.kv_cache.manager import KVCacheManager
 from engine.model.model_source import resolve_model_dir
 from engine.model_runner import ModelRunner
-from engine.request import FinishReason, Request, RequestStatus, validate_prompt
+from engine.request import FinishReason, Request, RequestStatus
 from engine.scheduler.output import EngineCoreOutput, SchedulerOutput
 from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.stats import SchedulerStats
 from engine.spec_decode.ngram import NgramProposer, can_draft
-from engine.structured_output import StructuredOutputManager, check_grammar
+from engine.structured_output import StructuredOutputManager
+from engine.structured_output_params import check_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +39,12 @@ def read_eos_token_ids(model_dir: Path, hf_config: dict) -> frozenset[int]:
 
 
 class EngineCore:
-    """One engine: requests in, per-step outputs out. No threads, no sockets."""
+    """One engine: requests in, per-step outputs out. No threads, no sockets, and no process-wide
+    settings (torch threads, seed, malloc): the process's owner applies those with
+    `engine.process_setup.configure_engine_process` before it builds the engine."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.num_threads is not None:
-            self.set_num_threads(config.num_threads)
         model_dir = Path(config.model) if config.model_verified else resolve_model_dir(config.model)
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{model_dir} is not a model directory (no config.json)")
@@ -54,9 +55,6 @@ class EngineCore:
             int(self.hf_config.get("max_position_embeddings", 2048))
         )
         self.eos_token_ids = read_eos_token_ids(model_dir, self.hf_config)
-        torch.manual_seed(config.seed)
-        if self.config.device == "cpu":
-            tune_glibc_malloc()  # process-wide; large temporaries stay on the heap
         self.runner = ModelRunner(config, str(model_dir), self.hf_config, self.eos_token_ids, self.max_model_len)
         # A request alone must always fit the pool, or it would wait forever.
         pool_tokens = self.runner.num_blocks * config.block_size
@@ -69,6 +67,9 @@ class EngineCore:
                 )
             logger.warning("max_model_len lowered to %d to fit the KV pool", pool_tokens)
             self.max_model_len = pool_tokens
+        # The engine lets max_tokens run past max_model_len (it ends with "length"); the server
+        # refuses such requests up front.
+        self.input_limits = InputLimits(self.max_model_len, self.vocab_size, max_tokens_must_fit=False)
         self.kv_manager = KVCacheManager(
             self.runner.num_blocks,
             config.block_size,
@@ -99,8 +100,9 @@ class EngineCore:
         )
 
     def validate_request(self, request: Request) -> None:
-        """Raise ValueError for input the engine must refuse (before anything is allocated)."""
-        validate_prompt(request.prompt_token_ids, self.max_model_len, self.vocab_size)
+        """Raise ValueError for input the engine must refuse (before anything is allocated): the
+        front ends' own checks (engine.inputs), applied again where the request lands."""
+        validate_input(request.prompt_token_ids, request.sampling_params, self.input_limits)
         if request.sampling_params.structured_outputs is not None:
             check_grammar(request.sampling_params.structured_outputs)
 
@@ -189,7 +191,7 @@ class EngineCore:
                 del self._compiling[req_id]
                 self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
                 outputs.append(EngineCoreOutput(req_id, [], finish_reason=FinishReason.ABORT,
-                                                stop_reason=request.grammar.error))
+                                                error=request.grammar.error))
         return outputs
 
     def _add_grammar_bitmask(self, so: SchedulerOutput) -> None:

@@ -1,4 +1,7 @@
-"""Offline batch generation: `LLM(model=...).generate(prompts, params)`, like vLLM's."""
+"""Offline batch generation: `LLM(model=...).generate(prompts, params)`, like vLLM's.
+
+The same request path as the server's: prepare (engine.inputs) -> generate (the n-way fan-out in
+OutputProcessor.add_request, an in-process engine client) -> RequestOutputs."""
 
 from __future__ import annotations
 
@@ -8,11 +11,11 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.core_client import InprocClient
-from engine.core_messages import EngineCoreRequest
 from engine.engine_core import EngineCore
-from engine.output_processor import OutputProcessor, child_sampling_params
+from engine.inputs import EngineInput, PromptSpec, prepare_input
+from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.request import Request
+from engine.process_setup import configure_engine_process
 from engine.sampling_params import SamplingParams
 
 PromptType = str | Sequence[int]
@@ -31,6 +34,7 @@ class LLM:
 
     def __init__(self, model: str | Path, **engine_options) -> None:
         self.config = EngineConfig(model=str(model), **engine_options)
+        configure_engine_process(self.config)  # an offline LLM owns its process: threads, seed, malloc
         self.engine = EngineCore(self.config)  # `model` may be a directory or an archive
         self.client = InprocClient(self.engine)  # the same interface as a worker process's client
         self.tokenizer = load_tokenizer(self.engine.model_dir)
@@ -53,17 +57,10 @@ class LLM:
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = list(prompts)
-        if not prompts:
+        specs = [PromptSpec(text=p) if isinstance(p, str) else PromptSpec(token_ids=list(p)) for p in prompts]
+        if not specs:
             raise ValueError("no prompts given")
-        params_list = self._params_list(sampling_params, len(prompts))
-        items = []
-        for prompt in prompts:
-            if isinstance(prompt, str):
-                items.append((prompt, self.tokenizer.encode(prompt, add_special_tokens=False)))
-            else:
-                items.append((None, list(prompt)))
-        return self._run(items, params_list, priority)
+        return self._prepare_and_run(specs, sampling_params, priority)
 
     def chat(
         self,
@@ -75,52 +72,31 @@ class LLM:
         if not messages:
             raise ValueError("no messages given")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        items = []
-        for conv in conversations:
-            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
-            items.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
-        return self._run(items, self._params_list(sampling_params, len(items)))
+        specs = [PromptSpec(messages=conv, add_generation_prompt=add_generation_prompt) for conv in conversations]
+        return self._prepare_and_run(specs, sampling_params)
 
-    @staticmethod
-    def _params_list(params, n: int) -> list[SamplingParams]:
-        if params is None:
-            return [SamplingParams()] * n
-        if isinstance(params, SamplingParams):
-            return [params] * n
-        params = list(params)
-        if len(params) != n:
-            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
-        return params
+    def prepare(self, spec: PromptSpec, params: SamplingParams) -> EngineInput:
+        """The prepare step (tokenize, chat template, validate) for this engine; InvalidInput
+        (a ValueError naming the field) for a request it must refuse. Offline, as in vLLM,
+        max_tokens beyond max_model_len runs and ends with "length"."""
+        return prepare_input(self.tokenizer, spec, params, self.engine.input_limits)
 
-    def _run(
-        self,
-        items: list[tuple[str | None, list[int]]],
-        params_list: list[SamplingParams],
-        priority: Sequence[int] | None = None,
-    ) -> list[RequestOutput]:
-        engine = self.engine
-        priorities = list(priority) if priority is not None else [0] * len(items)
-        if len(priorities) != len(items) or not all(isinstance(p, int) for p in priorities):
-            raise ValueError(f"priority needs one integer per prompt ({len(items)})")
-        # Validate everything before submitting anything: a bad prompt leaves the engine untouched.
-        requests = []
-        for (_, token_ids), params in zip(items, params_list):
-            req = Request(f"check-{len(requests)}", token_ids, params)
-            engine.validate_request(req)
-            requests.append(req)
+    def run(self, inputs: Sequence[EngineInput], priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for prepared inputs until all finish; outputs keep input order."""
+        priorities = list(priority) if priority is not None else [0] * len(inputs)
+        if len(priorities) != len(inputs) or not all(isinstance(p, int) for p in priorities):
+            raise ValueError(f"priority needs one integer per prompt ({len(inputs)})")
         processor = OutputProcessor(self.tokenizer)
         order = []
-        for (text, token_ids), params, prio in zip(items, params_list, priorities):
+        for inp, prio in zip(inputs, priorities):
             req_id = f"offline-{next(self._counter)}"
             order.append(req_id)
-            for i, child_id in enumerate(processor.add_request(req_id, text, token_ids, params)):
-                self.client.add_request(
-                    EngineCoreRequest(child_id, list(token_ids), child_sampling_params(params, i), priority=prio)
-                )
+            for request in processor.add_request(req_id, inp, priority=prio):
+                self.client.add_request(request)
         finished: dict[str, RequestOutput] = {}
         try:
             while processor.num_unfinished:
-                if not engine.has_unfinished_requests():
+                if not self.engine.has_unfinished_requests():
                     raise RuntimeError("engine has no work left but requests are unfinished")
                 outputs, to_abort = processor.process_outputs(self.client.get_output().outputs)
                 self.client.abort_requests(to_abort)
@@ -133,3 +109,19 @@ class LLM:
             raise
         return [finished[r] for r in order]
 
+    def _prepare_and_run(self, specs: list[PromptSpec], params, priority: Sequence[int] | None = None,
+                         ) -> list[RequestOutput]:
+        # Prepare everything before submitting anything: a bad prompt leaves the engine untouched.
+        inputs = [self.prepare(spec, p) for spec, p in zip(specs, _params_list(params, len(specs)))]
+        return self.run(inputs, priority)
+
+
+def _params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params

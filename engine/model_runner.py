@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.backend import select_backend
+from engine.attention.selector import select_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
 from engine.model.loader import (

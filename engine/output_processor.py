@@ -1,13 +1,18 @@
 """Turns EngineCoreOutputs (token ids) into RequestOutputs (text): detokenization, stop strings,
-logprobs, and fan-in of the `n` child requests of one prompt."""
+logprobs, and the fan-out (`add_request`) and fan-in of the `n` child requests of one prompt.
+The offline `LLM` and the server's `AsyncLLM` both submit what `add_request` returns."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+import msgspec
+
+from engine.core_messages import EngineCoreRequest
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.inputs import EngineInput
+from engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams, child_seed
 from engine.scheduler.output import EngineCoreOutput, Logprobs
 
 
@@ -17,7 +22,7 @@ def child_request_id(parent_id: str, index: int) -> str:
 
 def child_sampling_params(params: SamplingParams, index: int) -> SamplingParams:
     """Child i of an n-way request: n=1, and seed+i so children differ but stay reproducible."""
-    return replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+    return msgspec.structs.replace(params, n=1, seed=child_seed(params.seed, index))
 
 
 @dataclass(slots=True)
@@ -39,16 +44,19 @@ class OutputProcessor:
         self._children: dict[str, tuple[str, _ChildState]] = {}
         self._parents: dict[str, _ParentState] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> list[str]:
-        """Register a request; returns the child request ids to submit to the engine."""
+    def add_request(self, request_id: str, inp: EngineInput, *, priority: int = 0,
+                    arrival_time: float | None = None) -> list[EngineCoreRequest]:
+        """Register a request and fan it out: returns the engine requests to submit, one per
+        child of an n-way request (one request, under `request_id` itself, when n == 1)."""
         if request_id in self._parents:
             raise ValueError(f"duplicate request id {request_id!r}")
-        out = RequestOutput(request_id, prompt, list(prompt_token_ids), [])
-        child_ids = []
+        params = inp.params
+        out = RequestOutput(request_id, inp.prompt, list(inp.token_ids), [])
+        requests = []
         for i in range(params.n):
             completion = CompletionOutput(index=i, text="", token_ids=[], logprobs=[] if params.logprobs is not None else None)
             detok = IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids,
+                self.tokenizer, inp.token_ids,
                 skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
@@ -56,9 +64,10 @@ class OutputProcessor:
             out.outputs.append(completion)
             child_id = child_request_id(request_id, i) if params.n > 1 else request_id
             self._children[child_id] = (request_id, _ChildState(i, detok, completion))
-            child_ids.append(child_id)
+            requests.append(EngineCoreRequest(child_id, list(inp.token_ids), child_sampling_params(params, i),
+                                              priority, arrival_time))
         self._parents[request_id] = _ParentState(out, params.n)
-        return child_ids
+        return requests
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns (request outputs that changed, child ids stopped by a stop string: abort them)."""
@@ -75,16 +84,16 @@ class OutputProcessor:
             completion.token_ids = child.detokenizer.output_token_ids
             if completion.logprobs is not None and eco.new_logprobs:
                 completion.logprobs.extend(self._convert_logprobs(lp) for lp in eco.new_logprobs)
-            finish_reason = eco.finish_reason.value if eco.finish_reason else None
-            stop_reason = eco.stop_reason
+            finish_reason, stop_reason = eco.finish_reason, eco.stop_reason
             if stop_str is not None:
                 if not eco.finished:
                     to_abort.append(eco.request_id)
-                finish_reason, stop_reason = "stop", stop_str
+                finish_reason, stop_reason = FinishReason.STOP, stop_str
             if finish_reason is not None:
                 child.detokenizer.finish()
                 completion.finish_reason = finish_reason
                 completion.stop_reason = stop_reason
+                completion.error = eco.error
                 del self._children[eco.request_id]
                 parent.num_unfinished -= 1
             completion.text = child.detokenizer.output_text
@@ -99,13 +108,13 @@ class OutputProcessor:
         return list(changed.values()), to_abort
 
     def mark_aborted(self, request_id: str) -> RequestOutput | None:
-        """Finish a request's output as aborted (its unfinished completions get "abort")."""
+        """Finish a request's output as aborted (its unfinished completions get ABORT)."""
         parent = self._parents.get(request_id)
         if parent is None:
             return None
         for completion in parent.output.outputs:
             if completion.finish_reason is None:
-                completion.finish_reason = "abort"
+                completion.finish_reason = FinishReason.ABORT
         parent.output.finished = True
         return parent.output
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.kv_cache.hashing import BlockHash
+from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
-from engine.structured_output import GrammarState
+
+if TYPE_CHECKING:  # the grammar module works on requests; a request only holds its state
+    from engine.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -32,31 +36,11 @@ class RequestStatus(enum.Enum):
         return _FINISH_REASONS.get(self)
 
 
-class FinishReason(enum.Enum):
-    STOP = "stop"  # EOS, a stop token or a stop string
-    LENGTH = "length"  # max_tokens or max_model_len
-    ABORT = "abort"
-
-
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
-
-
-def validate_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
-    """Raise ValueError for a prompt the engine must refuse (before anything is allocated)."""
-    if not prompt_token_ids:
-        raise ValueError("the prompt must contain at least one token")
-    if len(prompt_token_ids) >= max_model_len:
-        raise ValueError(
-            f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is "
-            f"{max_model_len}: at most {max_model_len - 1} prompt tokens fit"
-        )
-    bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"token ids out of range [0, {vocab_size}): {bad[:5]}")
 
 
 @dataclass(slots=True, eq=False)
@@ -78,9 +62,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = -1  # prefix-cache hit at first scheduling (-1: not scheduled yet)
-    num_external_cached_tokens: int = 0  # prompt tokens restored from KV offload (LMCache), first scheduling
-    first_scheduled_time: float = 0.0  # time.monotonic() when first scheduled (0: not yet)
+    # Set when the request is first scheduled (None until then): prompt tokens found in the
+    # prefix cache, prompt tokens restored from the KV offload tiers, and time.monotonic().
+    num_cached_tokens: int | None = None
+    num_external_cached_tokens: int | None = None
+    first_scheduled_time: float | None = None
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     block_hashes: list[BlockHash] = field(default_factory=list)

@@ -1,16 +1,39 @@
-"""Per-request sampling parameters (vLLM's names and meanings), validated at construction."""
+"""Per-request sampling parameters (vLLM's names and meanings), declared once as a msgspec
+Struct with a bound on every number.
+
+The same declaration checks a request three times over without being written three times: the
+server's front end converts request bodies to it (`engine.schema.convert`), the worker decodes it
+from the wire (`engine.core_messages.EngineCoreRequest`), and a SamplingParams built in Python
+is checked in `__post_init__`. The cross-field rules live in `__post_init__` too.
+"""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from typing import Annotated
 
-from engine.structured_output import (
-    StructuredOutputsParams,
-    structured_outputs_from_dict,
-)
+import msgspec
+from msgspec import Meta
+
+from engine.schema import SchemaError, check_fields
+from engine.structured_output_params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
+
+# The bounds (README "Inference API" documents them).
+MAX_N = 32  # choices per request, on every route
+MAX_TEMPERATURE = 100.0
+MAX_TOP_K = 1 << 20  # larger than any vocabulary; -1 and 0 both mean "off"
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_TOKENS = 1 << 20  # max_tokens and min_tokens (the model's max_model_len applies as well)
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOKEN_ID = (1 << 31) - 1
+SEED_RANGE = (-(1 << 63), 1 << 64)  # torch's generator seeds: [-2^63, 2^64)
+
+TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
+_StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class SamplingType(enum.Enum):
@@ -18,77 +41,54 @@ class SamplingType(enum.Enum):
     RANDOM = "random"
 
 
-@dataclass(slots=True)
-class SamplingParams:
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 (or -1) = disabled
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True):
+    """The declaration: every field's type and bounds (SamplingParams adds the rules between
+    fields). Booleans are strict: "yes" is not true."""
+
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
+    temperature: Annotated[float, Meta(ge=0, le=MAX_TEMPERATURE)] = 1.0  # finite: no NaN, no Infinity
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1, le=MAX_TOP_K)] = 0  # 0 (or -1) = disabled
+    min_p: Annotated[float, Meta(ge=0, le=1)] = 0.0
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Meta(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)] = 1.0
+    # [-2^63, 2^64), checked in __post_init__ (msgspec bounds stop at int64)
     seed: int | None = None
-    max_tokens: int | None = 16  # None = up to max_model_len
-    min_tokens: int = 0
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS)] | None = 16  # None = up to max_model_len
+    min_tokens: Annotated[int, Meta(ge=0, le=MAX_TOKENS)] = 0
     ignore_eos: bool = False
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    # One string or a list (kept as a list).
+    stop: _StopString | Annotated[list[_StopString], Meta(max_length=MAX_STOP_STRINGS)] = []
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None  # number of top logprobs per generated token (plus the sampled one)
+    # Number of top logprobs per generated token (plus the sampled one).
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     skip_special_tokens: bool = True
     # Constrain the output to a JSON schema, any JSON, a regex, a choice or a grammar (xgrammar;
     # vLLM's name and fields).
     structured_outputs: StructuredOutputsParams | None = None
 
+
+class SamplingParams(_SamplingFields):
+    """How to sample one request; a bad value raises ValueError (engine.schema.SchemaError)
+    naming the field, e.g. "max_tokens: must be >= 1, got 0"."""
+
     def __post_init__(self) -> None:
+        # Python callers may pass structured_outputs as a mapping: take the converted one.
+        self.structured_outputs = check_fields(self, _SamplingFields).structured_outputs
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        _check_int("n", self.n, minimum=1)
-        _check_number("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        _check_number("top_p", self.top_p)
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k, minimum=0)
-        _check_number("min_p", self.min_p)
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _check_number(name, value)
-            if not -2 <= value <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        _check_number("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.seed is not None:
-            _check_int("seed", self.seed, minimum=None)
-        if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, minimum=1)
-        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise SchemaError(f"seed: must be >= -2^63 and < 2^64, got {self.seed}", "seed")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
-            )
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0)
-            if self.logprobs > 20:
-                raise ValueError(f"logprobs must be <= 20, got {self.logprobs}")
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
-        for t in self.stop_token_ids:
-            _check_int("stop_token_ids entry", t, minimum=0)
-        self.structured_outputs = structured_outputs_from_dict(self.structured_outputs)
+            raise SchemaError(f"min_tokens: must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+                              "min_tokens")
         if self.structured_outputs is not None and self.min_tokens:
             # A complete grammar allows only the stop token, which min_tokens would forbid.
-            raise ValueError("min_tokens cannot be combined with structured output")
+            raise SchemaError("min_tokens: cannot be combined with structured output", "min_tokens")
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -103,15 +103,10 @@ class SamplingParams:
         )
 
 
-def _check_number(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if value != value:  # NaN
-        raise ValueError(f"{name} must not be NaN")
-
-
-def _check_int(name: str, value: object, minimum: int | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+def child_seed(seed: int | None, index: int) -> int | None:
+    """Child i of an n-way request samples with seed+i (wrapped into SEED_RANGE: torch reads a
+    seed modulo 2^64, so the wrap changes nothing but keeps the value valid)."""
+    if seed is None:
+        return None
+    low, high = SEED_RANGE
+    return (seed + index - low) % (high - low) + low

@@ -1,8 +1,8 @@
-"""Structured output through xgrammar: generation constrained to a JSON schema, any JSON
-object, a regular expression, one of a list of strings, or an EBNF grammar.
+"""Structured output through xgrammar, the engine side: generation constrained to a JSON
+schema, any JSON object, a regular expression, one of a list of strings, or an EBNF grammar.
 
-- `StructuredOutputsParams` (on SamplingParams) says which constraint; `check_grammar` parses it
-  without a tokenizer, so a bad schema is refused before the request reaches a worker.
+- `engine.structured_output_params` holds the request side: `StructuredOutputsParams` (on
+  SamplingParams) says which constraint; `check_grammar` parses it without a tokenizer.
 - In the engine core, `StructuredOutputManager` compiles each request's grammar on a worker
   thread (asynchronously, cached by xgrammar, time-limited); the scheduler leaves a request
   waiting until its grammar is ready. Each step the manager fills one bitmask row per
@@ -14,101 +14,19 @@ object, a regular expression, one of a list of strings, or an EBNF grammar.
 from __future__ import annotations
 
 import concurrent.futures
-import json
-import re
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
+
+from engine.structured_output_params import StructuredOutputsParams, xgrammar_message, xgrammar_module
 
 if TYPE_CHECKING:
     from engine.request import Request
 
 COMPILE_TIMEOUT_S = 30.0
 ANY_OBJECT_SCHEMA = '{"type": "object"}'
-_XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[time] file.cc:123: " before messages
-
-
-class GrammarError(ValueError):
-    """A constraint xgrammar cannot parse or compile; the message says why."""
-
-
-@dataclass(slots=True)
-class StructuredOutputsParams:
-    """Exactly one constraint. `json` is a JSON schema (an object, or its JSON text)."""
-
-    json: str | dict | None = None
-    json_object: bool = False
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None  # EBNF (xgrammar's dialect, GBNF-like), with a `root` rule
-
-    def __post_init__(self) -> None:
-        if isinstance(self.json, dict):
-            self.json = json.dumps(self.json)
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
-        if self.json_object:
-            given.append("json_object")
-        if len(given) != 1:
-            raise ValueError("structured_outputs takes exactly one of json, json_object, regex, choice or "
-                             f"grammar; got {', '.join(given) or 'none'}")
-        if self.json is not None:
-            if not isinstance(self.json, str):
-                raise ValueError("a JSON schema must be an object or its JSON text")
-            try:
-                schema = json.loads(self.json)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
-            if not isinstance(schema, (dict, bool)):
-                raise ValueError("a JSON schema must be an object")
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"structured output {name} must be a non-empty string")
-        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
-                                        or not all(isinstance(c, str) and c for c in self.choice)):
-            raise ValueError("structured output choice must be a non-empty list of non-empty strings")
-
-    @property
-    def kind(self) -> str:
-        for name in ("json", "regex", "choice", "grammar"):
-            if getattr(self, name) is not None:
-                return name
-        return "json_object"
-
-    def choice_grammar(self) -> str:
-        """The EBNF grammar that matches exactly one of the choices."""
-        return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
-
-
-def _xgrammar():
-    try:
-        import xgrammar
-    except ImportError as exc:  # pragma: no cover - xgrammar is a dependency
-        raise GrammarError("structured output needs the xgrammar package") from exc
-    return xgrammar
-
-
-def _message(exc: Exception) -> str:
-    return _XGRAMMAR_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
-
-
-def check_grammar(params: StructuredOutputsParams) -> None:
-    """Parse the constraint without a tokenizer (about a millisecond); GrammarError if invalid."""
-    xgr = _xgrammar()
-    try:
-        if params.json is not None:
-            xgr.Grammar.from_json_schema(params.json, any_whitespace=False)
-        elif params.regex is not None:
-            xgr.Grammar.from_regex(params.regex)
-        elif params.choice is not None:
-            xgr.Grammar.from_ebnf(params.choice_grammar())
-        elif params.grammar is not None:
-            xgr.Grammar.from_ebnf(params.grammar)
-    except RuntimeError as exc:
-        raise GrammarError(f"invalid {params.kind} constraint: {_message(exc)}") from None
 
 
 class GrammarState:
@@ -133,9 +51,9 @@ class GrammarState:
         try:
             compiled = self.future.result()
         except Exception as exc:  # noqa: BLE001 -- xgrammar's errors become the request's error
-            self.error = f"grammar compilation failed: {_message(exc)}"
+            self.error = f"grammar compilation failed: {xgrammar_message(exc)}"
             return False
-        self._matcher = _xgrammar().GrammarMatcher(compiled)
+        self._matcher = xgrammar_module().GrammarMatcher(compiled)
         return True
 
     @property
@@ -192,7 +110,7 @@ class StructuredOutputManager:
             if self._compiler is None:
                 from transformers import AutoTokenizer
 
-                xgr = _xgrammar()
+                xgr = xgrammar_module()
                 tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
                 info = xgr.TokenizerInfo.from_huggingface(
                     tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None)
@@ -210,7 +128,7 @@ class StructuredOutputManager:
         """One row per constrained request that samples this step: (bitmask, row of each)."""
         if not requests:
             return None
-        bitmask = _xgrammar().allocate_token_bitmask(len(requests), self.vocab_size)
+        bitmask = xgrammar_module().allocate_token_bitmask(len(requests), self.vocab_size)
         rows = {}
         for row, request in enumerate(requests):
             request.grammar.fill_bitmask(bitmask, row)
@@ -223,19 +141,7 @@ class StructuredOutputManager:
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Forbid, in place, the tokens whose bit is 0 in `bitmask[i]` for logits row `rows[i]`."""
-    xgr = _xgrammar()
+    xgr = xgrammar_module()
     full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=bitmask.dtype)
     full[rows] = bitmask
     xgr.apply_token_bitmask_inplace(logits, full.to(logits.device), vocab_size=logits.shape[1], indices=rows)
-
-
-def structured_outputs_from_dict(value: Any) -> StructuredOutputsParams | None:
-    """StructuredOutputsParams from a mapping (JSON bodies, msgspec); None stays None."""
-    if value is None or isinstance(value, StructuredOutputsParams):
-        return value
-    if not isinstance(value, dict):
-        raise ValueError("structured_outputs must be an object")
-    unknown = set(value) - {"json", "json_object", "regex", "choice", "grammar"}
-    if unknown:
-        raise ValueError(f"structured_outputs has unknown field(s) {sorted(unknown)}")
-    return StructuredOutputsParams(**value)

@@ -1,9 +1,9 @@
 """TorchServe-style handlers: the contract (`base_handler`) and the built-in `llm` handler."""
 
 from handlers.base_handler import BaseHandler, Context, HandlerError
-from handlers.llm_handler import LLMHandler
+from handlers.llm_handler import LLMHandler, handle_batch
 
 # Handlers shipped with pagedserve, by the name an archive's manifest gives.
 BUILTIN_HANDLERS: dict[str, type[BaseHandler]] = {"llm": LLMHandler}
 
-__all__ = ["BUILTIN_HANDLERS", "BaseHandler", "Context", "HandlerError", "LLMHandler"]
+__all__ = ["BUILTIN_HANDLERS", "BaseHandler", "Context", "HandlerError", "LLMHandler", "handle_batch"]

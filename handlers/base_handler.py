@@ -1,14 +1,22 @@
-"""The handler contract, TorchServe's: initialize(context), then per batch
-preprocess -> inference -> postprocess (wrapped by handle)."""
+"""The handler contract, TorchServe's reduced to what runs around an LLM engine:
+`initialize(context)` once, then per batch `preprocess` (raw requests -> what to generate) and
+`postprocess` (finished outputs -> reply bodies). Generating in between is not the handler's:
+the server's engine workers do it (with streaming, timeouts and aborts), or, without a server,
+an offline `LLM` through `handlers.llm_handler.handle_batch`."""
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from engine.inputs import InvalidInput
 from engine.model.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine.outputs import RequestOutput
+    from handlers.llm_input import ParsedBody
 
 
 @dataclass(slots=True)
@@ -30,14 +38,18 @@ class HandlerError(ValueError):
         self.code = code
         self.param = param  # the request field at fault, when one is (OpenAI's error `param`)
 
+    @classmethod
+    def from_invalid_input(cls, exc: InvalidInput) -> HandlerError:
+        """The engine's refusal of a prepared request, as a 400 naming the field."""
+        return cls(str(exc), 400, param=exc.field)
+
     def to_response(self) -> dict[str, Any]:
         kind = "BadRequest" if self.code == 400 else "InternalServerError"
         return {"code": self.code, "type": kind, "message": str(self)}
 
 
 class BaseHandler(abc.ABC):
-    """One instance per worker. `handle` takes a batch of TorchServe-style requests
-    (dicts with a "body" or "data" entry) and returns one response per request, in order."""
+    """One instance per model version (the server shares it between the version's workers)."""
 
     def __init__(self) -> None:
         self.initialized = False
@@ -48,18 +60,10 @@ class BaseHandler(abc.ABC):
         self.initialized = True
 
     @abc.abstractmethod
-    def preprocess(self, requests: list[dict[str, Any]]) -> list[Any]:
-        """Turn raw requests into model inputs (a HandlerError in place of a bad request)."""
+    def preprocess(self, requests: list[dict[str, Any]]) -> list[ParsedBody | HandlerError]:
+        """One `ParsedBody` (or a HandlerError in its place) per raw request (`{"body": ...,
+        "headers": {...}}`)."""
 
     @abc.abstractmethod
-    def inference(self, inputs: list[Any]) -> list[Any]:
-        """Run the model on the valid inputs; errors pass through in place."""
-
-    @abc.abstractmethod
-    def postprocess(self, outputs: list[Any]) -> list[dict[str, Any]]:
-        """Turn model outputs into response bodies."""
-
-    def handle(self, requests: list[dict[str, Any]], context: Context) -> list[dict[str, Any]]:
-        if not self.initialized:
-            self.initialize(context)
-        return self.postprocess(self.inference(self.preprocess(requests)))
+    def postprocess(self, outputs: list[RequestOutput]) -> list[Any]:
+        """One reply body per finished output."""

@@ -4,6 +4,8 @@ The engine hands back a cumulative `RequestOutput` each time a request changes. 
 only what is new. Text that may still turn into a stop string (a suffix of the text that is a
 proper prefix of a stop string) is held back until it is settled, so a client never sees text
 that the final answer does not contain: the streamed deltas concatenate to the final text.
+The check looks only at the text's last characters (engine/stop_strings.py), so its cost per
+chunk does not grow with the output or the number of stop strings.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.outputs import FinishReason, RequestOutput, TokenLogprob
+from engine.stop_strings import StopStrings
 
 
 @dataclass(slots=True)
@@ -22,9 +25,10 @@ class ChoiceDelta:
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, TokenLogprob]] | None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     text_offset: int = 0  # characters of this choice's text sent before this delta
+    error: str | None = None  # why the engine ended this choice early (with its finish_reason)
 
 
 @dataclass(slots=True)
@@ -39,8 +43,12 @@ class _Sent:
 class DeltaTracker:
     """Remembers what was sent per choice; `update` returns the deltas of a new output."""
 
-    stop: Sequence[str] = ()
+    stop: Sequence[str] | StopStrings = ()
     _sent: dict[int, _Sent] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stop, StopStrings):
+            self.stop = StopStrings(self.stop)  # sorted once for the whole stream
 
     def update(self, out: RequestOutput) -> list[ChoiceDelta]:
         deltas = []
@@ -62,6 +70,7 @@ class DeltaTracker:
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
                 text_offset=sent.chars,
+                error=c.error,
             )
             sent.chars, sent.tokens, sent.finished = end, len(c.token_ids), finished
             if c.logprobs is not None:
@@ -71,12 +80,7 @@ class DeltaTracker:
         return deltas
 
 
-def held_back(text: str, stop: Sequence[str]) -> int:
+def held_back(text: str, stop: Sequence[str] | StopStrings) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-    longest = 0
-    for s in stop:
-        for k in range(min(len(s) - 1, len(text)), longest, -1):
-            if text.endswith(s[:k]):
-                longest = k
-                break
-    return longest
+    matcher = stop if isinstance(stop, StopStrings) else StopStrings(stop)
+    return matcher.held_back(text)

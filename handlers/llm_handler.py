@@ -1,53 +1,37 @@
-"""The built-in `llm` handler: JSON request bodies -> engine requests -> JSON response bodies.
+"""The built-in `llm` handler: JSON request bodies -> what to generate -> JSON reply bodies.
 
 A body holds `prompt` (text or token ids) or `messages` (a chat, rendered with the model's chat
 template), plus sampling fields named as in `SamplingParams` (OpenAI/vLLM names). Unknown fields,
 wrong types and invalid values are refused per request with a 400-style error; the other
 requests of the batch still run.
 
-The three steps split where the server needs them:
 - `preprocess` only checks bodies (raw request -> `ParsedBody`): no model, no tokenizer;
-- `inference` is the in-process path: it tokenizes, checks lengths and generates with an
-  offline `LLM`, built by `initialize` unless the context says the server's engine workers do
-  inference (`system_properties["engine"] == "workers"`);
 - `postprocess` turns each finished `RequestOutput` into the /predictions reply.
-The server runs a custom handler's `preprocess` and `postprocess` around its workers (see
-handlers.custom_handler); for the built-in handler it calls the same parsing and shaping code
-(`handlers.llm_input`, `handlers.llm_output`) directly.
+Generating in between is the server's workers' (or, in-process, `handle_batch` with an offline
+`LLM`). The server's built-in /predictions route calls the same parsing and shaping code
+(`handlers.llm_input`, `handlers.llm_output`); a custom handler, usually a subclass of this
+one, is called around the workers (see handlers.custom_handler).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engine import LLM
+from engine.inputs import InvalidInput
 from engine.outputs import RequestOutput
-from engine.request import Request
-from handlers.base_handler import BaseHandler, Context, HandlerError
-from handlers.llm_input import (
-    LLMInput,
-    ParsedBody,
-    check_fits,
-    decode_body,
-    parse_predictions_body,
-    render_prompt,
-)
+from handlers.base_handler import BaseHandler, HandlerError
+from handlers.llm_input import ParsedBody, decode_body, parse_predictions_body
 from handlers.llm_output import prediction_response
 
-ENGINE_WORKERS = "workers"  # system_properties["engine"] when the server's workers generate
+if TYPE_CHECKING:
+    from engine.llm import LLM
+
+# system_properties["engine"] in the Context the server gives its handlers: its engine workers
+# generate (a custom handler may read it; nothing here depends on it).
+ENGINE_WORKERS = "workers"
 
 
 class LLMHandler(BaseHandler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.llm: LLM | None = None
-
-    def initialize(self, context: Context) -> None:
-        if context.system_properties.get("engine") != ENGINE_WORKERS:
-            self.llm = LLM(context.model_dir, **context.model_config.engine_options())
-        super().initialize(context)
-
-    # -- preprocess ------------------------------------------------------------------------
     def preprocess(self, requests: list[dict[str, Any]]) -> list[ParsedBody | HandlerError]:
         return [self.parse(request) for request in requests]
 
@@ -60,44 +44,28 @@ class LLMHandler(BaseHandler):
         except (ValueError, TypeError) as exc:
             return HandlerError(str(exc))
 
-    # -- inference (in-process) ------------------------------------------------------------
-    def inference(self, inputs: list[ParsedBody | HandlerError]) -> list[RequestOutput | HandlerError]:
-        if self.llm is None:
-            raise RuntimeError("this handler was initialized for the server's engine workers, "
-                               "which do its inference")
-        ready = [self._prepare(x) if isinstance(x, ParsedBody) else x for x in inputs]
-        valid = [x for x in ready if isinstance(x, LLMInput)]
-        outputs = iter(
-            self.llm.generate([x.token_ids for x in valid], [x.params for x in valid]) if valid else []
-        )
-        results: list[RequestOutput | HandlerError] = []
-        for x in ready:
-            if isinstance(x, HandlerError):
-                results.append(x)
-            else:
-                out = next(outputs)
-                out.prompt = x.prompt
-                results.append(out)
-        return results
+    def postprocess(self, outputs: list[RequestOutput]) -> list[dict[str, Any]]:
+        return [prediction_response(self.context.model_name, out) for out in outputs]
 
-    def _prepare(self, parsed: ParsedBody) -> LLMInput | HandlerError:
+
+def handle_batch(handler: BaseHandler, llm: LLM, requests: list[dict[str, Any]]) -> list[Any]:
+    """TorchServe's `handle` without a server: preprocess, prepare and generate with an offline
+    `LLM`, postprocess. A refused request gets its error body in place; the others still run."""
+    results: list[Any] = []
+    for parsed in handler.preprocess(requests):
         try:
+            if isinstance(parsed, HandlerError):
+                raise parsed
+            if not isinstance(parsed, ParsedBody):
+                raise HandlerError(f"preprocess must return a ParsedBody per request, got {type(parsed).__name__}",
+                                   code=500)
             if parsed.stream:
-                raise HandlerError("'stream' needs the server; the in-process handler answers whole")
-            prompt, token_ids = render_prompt(self.llm.tokenizer, parsed.prompt)
-            engine = self.llm.engine
-            check_fits(token_ids, parsed.params, engine.max_model_len, engine.vocab_size)
-            # Same checks the engine applies, before anything is queued.
-            engine.validate_request(Request("check", token_ids, parsed.params))
-            return LLMInput(prompt, token_ids, parsed.params)
+                raise HandlerError("'stream' needs the server; the in-process handler answers whole", param="stream")
+            results.append(llm.prepare(parsed.prompt, parsed.params))
+        except InvalidInput as exc:
+            results.append(HandlerError.from_invalid_input(exc))
         except HandlerError as exc:
-            return exc
-        except (ValueError, TypeError) as exc:
-            return HandlerError(str(exc))
-
-    # -- postprocess -----------------------------------------------------------------------
-    def postprocess(self, outputs: list[RequestOutput | HandlerError]) -> list[dict[str, Any]]:
-        return [
-            out.to_response() if isinstance(out, HandlerError) else prediction_response(self.context.model_name, out)
-            for out in outputs
-        ]
+            results.append(exc)
+    valid = [r for r in results if not isinstance(r, HandlerError)]
+    replies = iter(handler.postprocess(llm.run(valid)) if valid else [])
+    return [r.to_response() if isinstance(r, HandlerError) else next(replies) for r in results]

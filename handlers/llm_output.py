@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from handlers.deltas import ChoiceDelta
 
 TIMING_KEYS = ("queued_s", "prefill_s", "decode_s", "ttft_s")
@@ -15,7 +15,8 @@ def timings(out: RequestOutput, total_s: float | None = None) -> dict[str, Any]:
     """Per-request timings from the engine's metrics (seconds; None where unknown) and the
     prompt tokens served from the prefix cache (and restored from the KV offload tiers).
     `total_s` is the front end's own measure."""
-    record: dict[str, Any] = {key: _rounded(out.metrics.get(key)) for key in TIMING_KEYS}
+    m = out.metrics
+    record: dict[str, Any] = {key: None if m is None else _rounded(getattr(m, key)) for key in TIMING_KEYS}
     record["cached_prompt_tokens"] = out.num_cached_tokens
     record["offloaded_prompt_tokens"] = out.num_external_cached_tokens  # restored from LMCache
     if total_s is not None:
@@ -40,17 +41,8 @@ def prediction_response(model: str, out: RequestOutput, request_id: str | None =
     body: dict[str, Any] = {"model": model}
     if request_id is not None:
         body["id"] = request_id
-    body["choices"] = [
-        {
-            "index": c.index,
-            "text": c.text,
-            "token_ids": c.token_ids,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-            "logprobs": logprobs_list(c.logprobs),
-        }
-        for c in out.outputs
-    ]
+    body["choices"] = [_choice(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs, c.error)
+                       for c in out.outputs]
     body["usage"] = usage(out)
     body["timings"] = timings(out, total_s)
     return body
@@ -61,18 +53,20 @@ def prediction_chunk(model: str, request_id: str, deltas: list[ChoiceDelta]) -> 
     return {
         "id": request_id,
         "model": model,
-        "choices": [
-            {
-                "index": d.index,
-                "text": d.text,
-                "token_ids": d.token_ids,
-                "finish_reason": d.finish_reason,
-                "stop_reason": d.stop_reason,
-                "logprobs": logprobs_list(d.logprobs),
-            }
-            for d in deltas
-        ],
+        "choices": [_choice(d.index, d.text, d.token_ids, d.finish_reason, d.stop_reason, d.logprobs, d.error)
+                    for d in deltas],
     }
+
+
+def _choice(index: int, text: str, token_ids: list[int], finish_reason: FinishReason | None,
+            stop_reason: int | str | None, logprobs: list[dict[int, TokenLogprob]] | None,
+            error: str | None) -> dict[str, Any]:
+    """One choice of a reply or a stream chunk; `error` only when the engine ended it early."""
+    choice = {"index": index, "text": text, "token_ids": token_ids, "finish_reason": finish_reason,
+              "stop_reason": stop_reason, "logprobs": logprobs_list(logprobs)}
+    if error is not None:
+        choice["error"] = error
+    return choice
 
 
 def logprobs_list(entries: list[dict[int, TokenLogprob]] | None) -> list[dict[str, Any]] | None:

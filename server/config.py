@@ -1,24 +1,32 @@
-"""Server configuration: one dataclass; defaults < YAML file < PAGEDSERVE_* environment < CLI.
+"""Server configuration, declared once (`ServerConfig`, a msgspec Struct with its bounds);
+defaults < YAML file < PAGEDSERVE_* environment < CLI.
 
 Every key of `config/server-config.yaml` is a field of `ServerConfig`. Unknown keys in the file
 are errors naming the key (a typo never falls back silently to a default); the environment is
-read only for known keys (`PAGEDSERVE_<KEY>` upper-cased), since other PAGEDSERVE_* variables
-belong to the engine (cache folders, kernel switches).
+read only for known keys (`PAGEDSERVE_<KEY>` upper-cased, parsed by the field's declared type),
+since other PAGEDSERVE_* variables belong to the engine (cache folders, kernel switches).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import yaml
+from msgspec import Meta
+
+from engine.schema import SchemaError, check_fields, convert
 
 ENV_PREFIX = "PAGEDSERVE_"
 MAX_CONFIG_BYTES = 1 << 20
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+_NULL = ("", "none", "null")
+
+_Positive = Annotated[int, Meta(ge=1)]
+_Path = Annotated[str, Meta(min_length=1)]
 
 
 class ServerConfigError(ValueError):
@@ -34,75 +42,60 @@ def parse_address(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-@dataclass(slots=True)
-class ServerConfig:
-    """Everything `pagedserve serve` needs besides the archives themselves."""
+class _ServerFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The declaration: every setting's type, bound and default."""
 
     inference_address: str = "127.0.0.1:8080"
     management_address: str = "127.0.0.1:8081"
     metrics_address: str = "127.0.0.1:8082"
-    model_store: str = "model_store"
+    model_store: _Path = "model_store"
     # Archives registered at start: "NAME=ARCHIVE", "ARCHIVE" (name from the manifest), "all"
     # (every archive in the store) or "default" (the bundled model, archived into the store).
-    load_models: list[str] = field(default_factory=list)
+    load_models: list[str] = []
     enable_model_api: bool = False
     disable_token_auth: bool = False
-    key_file: str = "key_file.json"
+    key_file: _Path = "key_file.json"
     # Regular expressions a registration URL must match in full; empty: files inside the store.
-    allowed_urls: list[str] = field(default_factory=list)
-    default_workers_per_model: int | None = None  # None: the archive's minWorkers
-    job_queue_size: int = 100  # per model version, unless its model-config sets jobQueueSize
-    max_request_size: int = 6_553_500  # bytes (TorchServe's default)
-    max_response_size: int = 6_553_500
-    frontend_threads: int = 4  # thread pool for tokenization and archive work
-    worker_threads: int | None = None  # torch threads per worker; None: cores / total workers
-    drain_grace: float = 30.0  # seconds SIGTERM waits for in-flight requests before aborting
-    snapshot_path: str | None = "snapshot.json"  # None: no snapshots
+    allowed_urls: list[str] = []
+    default_workers_per_model: _Positive | None = None  # None: the archive's minWorkers
+    job_queue_size: _Positive = 100  # per model version, unless its model-config sets jobQueueSize
+    max_request_size: _Positive = 6_553_500  # bytes (TorchServe's default)
+    max_response_size: _Positive = 6_553_500
+    frontend_threads: _Positive = 4  # thread pool for tokenization and archive work
+    worker_threads: _Positive | None = None  # torch threads per worker; None: cores / total workers
+    drain_grace: Annotated[float, Meta(ge=0)] = 30.0  # seconds SIGTERM waits for in-flight requests
+    # Seconds a worker may stay silent (it sends a heartbeat every second while idle, its outputs
+    # every step while busy) before it counts as stalled: killed and restarted.
+    worker_heartbeat_timeout: Annotated[float, Meta(ge=2, le=86_400)] = 30.0
+    snapshot_path: _Path | None = "snapshot.json"  # None: no snapshots
     restore_snapshot: bool = True
     allow_custom_handlers: bool = False
-    kv_offload: Any = None  # passed through to the engine's EngineConfig when set
+    kv_offload: dict[str, Any] | None = None  # passed through to the engine's EngineConfig when set
+
+
+class ServerConfig(_ServerFields, kw_only=True):
+    """Everything `pagedserve serve` needs besides the archives themselves."""
 
     def __post_init__(self) -> None:
+        try:
+            check_fields(self, _ServerFields)
+        except SchemaError as exc:
+            raise ServerConfigError(str(exc)) from None
         for key in ("inference_address", "management_address", "metrics_address"):
             try:
                 parse_address(getattr(self, key))
             except ValueError as exc:
                 raise ServerConfigError(f"{key}: {exc}") from None
-        for key in ("job_queue_size", "max_request_size", "max_response_size", "frontend_threads"):
-            _check_int(key, getattr(self, key), optional=False)
-        for key in ("default_workers_per_model", "worker_threads"):
-            _check_int(key, getattr(self, key), optional=True)
-        if isinstance(self.drain_grace, bool) or not isinstance(self.drain_grace, (int, float)) \
-                or self.drain_grace < 0:
-            raise ServerConfigError(f"drain_grace={self.drain_grace!r}: must be a number of "
-                                    "seconds >= 0")
-        for key in ("load_models", "allowed_urls"):
-            value = getattr(self, key)
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise ServerConfigError(f"{key}={value!r}: must be a list of strings")
-        for key in ("enable_model_api", "disable_token_auth", "allow_custom_handlers",
-                    "restore_snapshot"):
-            if not isinstance(getattr(self, key), bool):
-                raise ServerConfigError(f"{key}={getattr(self, key)!r}: must be true or false")
-        for key in ("model_store", "key_file"):
-            if not isinstance(getattr(self, key), str) or not getattr(self, key):
-                raise ServerConfigError(f"{key}={getattr(self, key)!r}: must be a path")
-        if self.snapshot_path is not None and not isinstance(self.snapshot_path, str):
-            raise ServerConfigError(f"snapshot_path={self.snapshot_path!r}: must be a path or null")
 
     @property
     def model_store_path(self) -> Path:
         return Path(self.model_store).expanduser().absolute()
 
     def replace(self, **changes: Any) -> ServerConfig:
-        return dataclasses.replace(self, **changes)
+        return msgspec.structs.replace(self, **changes)
 
 
-FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
-_LIST_KEYS = ("load_models", "allowed_urls")
-_BOOL_KEYS = ("enable_model_api", "disable_token_auth", "allow_custom_handlers", "restore_snapshot")
-_INT_KEYS = ("default_workers_per_model", "job_queue_size", "max_request_size",
-             "max_response_size", "frontend_threads", "worker_threads")
+FIELDS = {f.name: f for f in msgspec.structs.fields(ServerConfig)}
 
 
 def load_server_config(path: str | Path | None = None, env: Mapping[str, str] | None = None,
@@ -117,7 +110,14 @@ def load_server_config(path: str | Path | None = None, env: Mapping[str, str] | 
         if key not in FIELDS:
             raise ServerConfigError(f"unknown setting {key!r}")
         values[key] = value
-    return ServerConfig(**values)
+    return _convert(values)
+
+
+def _convert(values: Mapping[str, Any]) -> ServerConfig:
+    try:
+        return convert(dict(values), ServerConfig)
+    except SchemaError as exc:
+        raise ServerConfigError(str(exc)) from None
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -142,55 +142,44 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             raise ServerConfigError(f"{path}: unknown key {key!r}; allowed keys: "
                                     f"{', '.join(FIELDS)}")
     try:
-        ServerConfig(**data)
+        _convert(data)
     except ServerConfigError as exc:
         raise ServerConfigError(f"{path}: {exc}") from None
     return dict(data)
 
 
 def read_env(env: Mapping[str, str]) -> dict[str, Any]:
-    """Known keys from PAGEDSERVE_<KEY>; lists are comma-separated, booleans true/false/1/0."""
+    """Known keys from PAGEDSERVE_<KEY>, read by the field's declared type: lists are
+    comma-separated, booleans true/false/yes/no/on/off/1/0, null/none/"" for an optional value."""
     values: dict[str, Any] = {}
-    for key in FIELDS:
+    for key, info in FIELDS.items():
         name = ENV_PREFIX + key.upper()
         if name in env:
-            values[key] = _parse_env(name, key, env[name])
+            value = _parse_env(info.type, env[name].strip())
+            try:
+                convert({key: value}, _ServerFields, strict=False)
+            except SchemaError as exc:
+                raise ServerConfigError(f"{name}={env[name]!r}: {exc}") from None
+            values[key] = msgspec.convert(value, info.type, strict=False)
     return values
 
 
-def _parse_env(name: str, key: str, text: str) -> Any:
-    text = text.strip()
-    if key in _LIST_KEYS:
-        return [part.strip() for part in text.split(",") if part.strip()]
-    if key in _BOOL_KEYS:
-        lowered = text.lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off", ""):
-            return False
-        raise ServerConfigError(f"{name}={text!r}: must be true or false")
-    if key in _INT_KEYS:
-        if key in ("default_workers_per_model", "worker_threads") and text.lower() in ("", "none", "null"):
-            return None
-        try:
-            return int(text)
-        except ValueError:
-            raise ServerConfigError(f"{name}={text!r}: must be an integer") from None
-    if key == "drain_grace":
-        try:
-            return float(text)
-        except ValueError:
-            raise ServerConfigError(f"{name}={text!r}: must be a number of seconds") from None
-    if key == "snapshot_path" and text.lower() in ("", "none", "null"):
+def _parse_env(declared: Any, text: str) -> Any:
+    """Text -> the shape of the declared type; the bounds are checked by the caller."""
+    kinds = _kinds(msgspec.inspect.type_info(declared))
+    if "null" in kinds and text.lower() in _NULL:
         return None
-    if key == "kv_offload":
+    if "list" in kinds:
+        return [part.strip() for part in text.split(",") if part.strip()]
+    if "bool" in kinds and text.lower() in _TRUE + _FALSE:
+        return text.lower() in _TRUE
+    if "dict" in kinds:
         return yaml.safe_load(text)
     return text
 
 
-def _check_int(key: str, value: Any, *, optional: bool) -> None:
-    if optional and value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        what = "a positive integer or null" if optional else "a positive integer"
-        raise ServerConfigError(f"{key}={value!r}: must be {what}")
+def _kinds(info: msgspec.inspect.Type) -> set[str]:
+    if isinstance(info, msgspec.inspect.UnionType):
+        return set().union(*(_kinds(t) for t in info.types))
+    return {{msgspec.inspect.NoneType: "null", msgspec.inspect.ListType: "list", msgspec.inspect.BoolType: "bool",
+             msgspec.inspect.DictType: "dict"}.get(type(info), "other")}

@@ -1,9 +1,10 @@
 """One generation request, from a checked body to the bytes on the wire.
 
-`prepare` tokenizes off the event loop and picks a worker; `respond` runs the request on it and
-answers whole (JSON) or streamed (SSE / NDJSON). A `Shaper` decides what the bodies look like
-(/predictions or OpenAI); this module decides when they are sent and what happens when things
-go wrong:
+`prepare` picks a worker and runs the engine's prepare step (engine.inputs: tokenize, chat
+template, validate against that worker's limits) off the event loop; `respond` runs the request
+on the worker and answers whole (JSON) or streamed (SSE / NDJSON). A `Shaper` decides what the
+bodies look like (/predictions or OpenAI); this module decides when they are sent and what
+happens when things go wrong:
 
 - an error before the first byte (the engine refuses the prompt, the worker is dead) is an
   ordinary JSON error reply with its status;
@@ -30,12 +31,18 @@ import msgspec
 from aiohttp import web
 
 from engine.async_llm import AsyncLLM, EngineDeadError
+from engine.inputs import (
+    EngineInput,
+    InputLimits,
+    InvalidInput,
+    PromptSpec,
+    validate_input,
+)
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.structured_output import check_grammar
 from handlers.base_handler import HandlerError
 from handlers.deltas import ChoiceDelta, DeltaTracker
-from handlers.llm_input import PromptSpec, check_fits, render_prompt
+from server.limits import LimitRefused, PromptBounds
 from server.registry import ModelVersion
 from server.state import ServerState
 from server.streaming import (
@@ -139,64 +146,61 @@ class Shaper(Protocol):
 @dataclass(slots=True)
 class Prepared:
     worker: AsyncLLM
-    prompt: str | None
-    token_ids: list[int]
-    params: SamplingParams
-
-
-def _render_and_check(tokenizer, spec: PromptSpec, params: SamplingParams) -> tuple[str | None, list[int]]:
-    """Tokenize, and parse the structured-output constraint (milliseconds for a big schema):
-    off the event loop, before a worker is bothered."""
-    if params.structured_outputs is not None:
-        check_grammar(params.structured_outputs)
-    return render_prompt(tokenizer, spec)
+    input: EngineInput
 
 
 async def prepare(state: ServerState, version: ModelVersion, spec: PromptSpec,
-                  params: SamplingParams) -> Prepared:
-    """Tokenize (in the thread pool), pick the least loaded worker, apply the length rules."""
+                  params: SamplingParams, *, client: str = "") -> Prepared:
+    """The engine's prepare step (engine.inputs) with the front end's bounds: the
+    structured-output constraint is checked on its own bounded pool (a per-`client` share, a
+    time limit), then, in the thread pool, a prompt that cannot fit is refused before it is
+    tokenized, and the length rules of the least loaded worker apply."""
+    try:
+        if params.structured_outputs is not None:
+            await state.limits.grammar.check(client, params.structured_outputs)
+    except LimitRefused as exc:
+        raise ErrorReply(exc.code, str(exc), exc.headers) from None
+    except ValueError as exc:  # a constraint xgrammar cannot parse, or one over a size bound
+        raise ErrorReply(400, str(exc), param="structured_outputs") from None
+    worker = version.pick_worker()
     loop = asyncio.get_running_loop()
     try:
-        text, token_ids = await loop.run_in_executor(state.executor, _render_and_check, version.tokenizer, spec, params)
+        inp = await loop.run_in_executor(state.executor, _bounded_prepare, state.limits.prompts,
+                                         version.tokenizer, spec, params, worker.limits)
+    except InvalidInput as exc:
+        raise ErrorReply(400, str(exc), param=exc.field) from None
     except HandlerError as exc:
         raise ErrorReply.from_handler_error(exc) from None
-    except ValueError as exc:  # a grammar xgrammar cannot parse
-        raise ErrorReply(400, str(exc)) from None
-    worker = version.pick_worker()
-    info = worker.info
-    try:
-        check_fits(token_ids, params, info.max_model_len if info else version.max_model_len,
-                   info.vocab_size if info else None)
-        worker.validate(token_ids, params)
-    except HandlerError as exc:
-        raise ErrorReply.from_handler_error(exc) from None
-    except ValueError as exc:
-        raise ErrorReply(400, str(exc)) from None
-    return Prepared(worker, text, token_ids, params)
+    return Prepared(worker, inp)
+
+
+def _bounded_prepare(bounds: PromptBounds, tokenizer, spec: PromptSpec, params: SamplingParams,
+                     limits: InputLimits) -> EngineInput:
+    """`engine.inputs.prepare_input` minus the constraint check (done on its own pool), with
+    the prompt's character bound before tokenizing."""
+    text, token_ids = bounds.tokenize(tokenizer, spec, limits.max_model_len)
+    validate_input(token_ids, params, limits)
+    return EngineInput(text, token_ids, params)
 
 
 async def respond(request: web.Request, state: ServerState, version: ModelVersion, job: Prepared,
                   shaper: Shaper, *, stream: bool, started: float) -> web.StreamResponse:
     request_id = request[REQUEST_ID_KEY]
-    outputs = job.worker.generate(request_id, job.token_ids, job.params, prompt=job.prompt,
-                                  arrival_time=started)
+    outputs = job.worker.generate(request_id, job.input, arrival_time=started)
     watchdog = Watchdog(request, job.worker, request_id, version.model_config.response_timeout,
                         per_chunk=stream)
     try:
         async with contextlib.aclosing(outputs):
             try:
                 first = await _next(outputs)
-            except ValueError as exc:  # the engine refused the request after all
-                raise ErrorReply(400, str(exc)) from None
             except EngineDeadError as exc:
                 raise ErrorReply(503, f"the worker died before answering: {exc}", {"Retry-After": "1"}) from None
             except RequestTimeout as exc:
                 raise ErrorReply(504, str(exc)) from None
-            refusal = _refusal(first)
-            if refusal is not None:
-                raise ErrorReply(400, refusal)
+            if first.refusal is not None:  # a grammar that failed to compile, a refused prompt
+                raise ErrorReply(400, first.refusal)
             if stream:
-                return await _stream(request, state, version, outputs, first, shaper, job.params,
+                return await _stream(request, state, version, outputs, first, shaper, job.input.params,
                                      started, watchdog)
             return await _collect(request, state, version, outputs, first, shaper, started)
     except ConnectionError:  # the client went away; leaving the `async with` aborted the request
@@ -204,15 +208,6 @@ async def respond(request: web.Request, state: ServerState, version: ModelVersio
         return web.Response(status=CLIENT_CLOSED)
     finally:
         watchdog.stop()
-
-
-def _refusal(out: RequestOutput) -> str | None:
-    """Why the worker refused the request before generating anything (its grammar failed to
-    compile or timed out, or the engine's own checks caught it), or None."""
-    for completion in out.outputs:
-        if completion.finish_reason == "abort" and not completion.token_ids and isinstance(completion.stop_reason, str):
-            return completion.stop_reason
-    return None
 
 
 async def _next(outputs) -> RequestOutput:

@@ -159,7 +159,7 @@ async def _predict(request: web.Request, state: ServerState, started: float) -> 
             parsed = _handler_call(parse_predictions_body, body)
         else:
             parsed = await _custom_preprocess(request, state, handler, raw)
-        job = await prepare(state, version, parsed.prompt, parsed.params)
+        job = await prepare(state, version, parsed.prompt, parsed.params, client=request.remote or "")
         return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
 
 
@@ -213,7 +213,7 @@ async def _openai(request: web.Request, state: ServerState, started: float,
         version = _resolve(request, state, *split_model(asked))
     with version.admit():
         parsed = _handler_call(parse, body)
-        job = await prepare(state, version, parsed.prompt, parsed.params)
+        job = await prepare(state, version, parsed.prompt, parsed.params, client=request.remote or "")
         prefix = "chatcmpl-" if request.match_info.route.name.startswith("chat") else "cmpl-"
         formatter = OpenAIFormatter(parsed, prefix + request[REQUEST_ID_KEY], asked, int(time.time()))
         return await respond(request, state, version, job, OpenAIShaper(formatter),
@@ -293,6 +293,6 @@ async def _read_body(request: web.Request) -> bytes:
 async def _read_json(request: web.Request) -> dict[str, Any]:
     raw = await _read_body(request)
     try:
-        return decode_body(raw)
+        return decode_body(raw, request.app[STATE_KEY].config.max_request_size)
     except HandlerError as exc:
         raise ErrorReply.from_handler_error(exc) from None

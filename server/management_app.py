@@ -7,8 +7,6 @@ Registration and unregistration answer 405 unless the model API is enabled
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import time
 from pathlib import Path
@@ -18,76 +16,43 @@ from aiohttp import web
 
 from engine.model.archive_manifest import ArchiveError
 from engine.model.model_config import ModelConfigError
+from engine.schema import SchemaError
+from handlers.base_handler import HandlerError
+from handlers.json_body import decode_json_body
 from server.archives import ArchiveNotFoundError, UrlNotAllowedError, resolve_url
 from server.auth import auth_middleware
 from server.errors import error_response
+from server.management_params import (
+    MAX_PAGE,
+    ListParams,
+    RegisterParams,
+    ScaleParams,
+    UnregisterParams,
+    read_params,
+)
 from server.registry import (
     ConflictError,
     ForbiddenError,
     ModelNotFoundError,
     ModelVersion,
     NoWorkerError,
+    SaveFailedError,
 )
 from server.state import STATE_KEY, ServerState
 from server.workers import WorkerStartFailed
 
-REGISTER_PARAMS = frozenset({"url", "model_name", "initial_workers", "synchronous",
-                             "response_timeout", "batch_size", "max_batch_delay", "runtime"})
-SCALE_PARAMS = frozenset({"min_worker", "max_worker", "synchronous", "timeout",
-                          "number_gpu"})
-MAX_PAGE = 1000
 
 
-class BadParam(ValueError):
-    """A malformed parameter (400); the message names it."""
-
-
-# -- parameters ---------------------------------------------------------------------------
-def _int_param(params: dict[str, Any], name: str, default: int | None, minimum: int = 0) -> int | None:
-    value = params.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        number = int(value) if not isinstance(value, bool) else None
-    except (TypeError, ValueError):
-        number = None
-    if number is None or number < minimum:
-        raise BadParam(f"Parameter {name} must be an integer >= {minimum}, got {value!r}")
-    return number
-
-
-def _bool_param(params: dict[str, Any], name: str, default: bool) -> bool:
-    value = params.get(name)
-    if value is None or value == "":
-        return default
-    if isinstance(value, bool):
-        return value
-    text = str(value).lower()
-    if text in ("true", "1", "yes"):
-        return True
-    if text in ("false", "0", "no"):
-        return False
-    raise BadParam(f"Parameter {name} must be true or false, got {value!r}")
-
-
-def _check_known(params: dict[str, Any], allowed: frozenset[str]) -> None:
-    unknown = sorted(set(params) - allowed)
-    if unknown:
-        raise BadParam(f"Unknown parameter(s) {unknown}; allowed: {sorted(allowed)}")
-
-
-async def _register_params(request: web.Request) -> dict[str, Any]:
+async def _register_params(request: web.Request) -> RegisterParams:
+    """The query string, or a JSON body (TorchServe accepts both)."""
     params: dict[str, Any] = dict(request.query)
     body = await request.read()
     if body.strip():
         try:
-            data = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BadParam(f"the request body is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise BadParam("the request body must be a JSON object")
-        params.update(data)
-    return params
+            params.update(decode_json_body(body))
+        except HandlerError as exc:
+            raise SchemaError(str(exc), exc.param) from None
+    return read_params(params, RegisterParams)
 
 
 # -- describing ---------------------------------------------------------------------------
@@ -162,9 +127,8 @@ def _model_api_disabled() -> web.Response:
 # -- routes -------------------------------------------------------------------------------
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    limit = _int_param(request.query, "limit", 100, minimum=1)
-    start = _int_param(request.query, "next_page_token", 0, minimum=0)
-    limit = min(limit, MAX_PAGE)
+    params = read_params(request.query, ListParams)
+    start, limit = params.next_page_token, min(params.limit, MAX_PAGE)
     models = state.registry.sorted_models()
     page = models[start:start + limit]
     body: dict[str, Any] = {"models": [
@@ -179,24 +143,15 @@ async def register_model(request: web.Request) -> web.Response:
     if not state.config.enable_model_api:
         return _model_api_disabled()
     params = await _register_params(request)
-    _check_known(params, REGISTER_PARAMS)
-    url = params.get("url")
-    if not isinstance(url, str) or not url.strip():
-        raise BadParam("Parameter url is required")
-    name = params.get("model_name")
-    if name is not None and (not isinstance(name, str) or not name):
-        raise BadParam(f"Parameter model_name must be a non-empty string, got {name!r}")
-    initial = _int_param(params, "initial_workers", None)
-    synchronous = _bool_param(params, "synchronous", False)
-    timeout = _int_param(params, "response_timeout", None, minimum=1)
-    if _int_param(params, "batch_size", 1, minimum=1) != 1:
-        raise BadParam("Parameter batch_size: pagedserve batches continuously inside the "
-                       "engine; only batch_size=1 is accepted")
+    url, synchronous = params.url, params.synchronous
+    if not url.strip():
+        raise SchemaError("url: is required", "url")
     path = resolve_url(url, state.config.model_store_path, state.config.allowed_urls)
     archive = await state.registry.open(path)
     entry = await state.registry.register(
-        archive, url=_display_url(url, path, state.config.model_store_path), name=name,
-        initial_workers=initial, synchronous=synchronous, response_timeout=timeout)
+        archive, url=_display_url(url, path, state.config.model_store_path), name=params.model_name,
+        initial_workers=params.initial_workers, synchronous=synchronous,
+        response_timeout=params.response_timeout)
     n = entry.min_workers
     message = f'Model "{entry.name}" Version: {entry.version} registered with {n} initial workers'
     if n == 0:
@@ -231,25 +186,16 @@ async def describe_model(request: web.Request) -> web.Response:
 
 async def scale_model(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    params = dict(request.query)
-    _check_known(params, SCALE_PARAMS)
+    params = read_params(request.query, ScaleParams)
     entry = state.registry.resolve(request.match_info["model"], request.match_info.get("version"))
-    min_w = _int_param(params, "min_worker", entry.min_workers)
-    max_w = _int_param(params, "max_worker", max(min_w, entry.max_workers))
-    if max_w < min_w:
-        raise BadParam(f"max_worker={max_w} must not be smaller than min_worker={min_w}")
-    synchronous = _bool_param(params, "synchronous", False)
-    timeout = _int_param(params, "timeout", None, minimum=-1)
-    work = asyncio.ensure_future(
-        state.registry.scale(entry, min_w, max_w, synchronous=synchronous))
+    min_w, max_w = params.workers(entry.min_workers, entry.max_workers)
+    synchronous = params.synchronous
+    done = await state.registry.scale(entry, min_w, max_w, synchronous=synchronous,
+                                      timeout=params.timeout)
     if not synchronous:
-        await work  # returns once new workers are starting / removed ones are unloading
         return _status("Processing worker updates...", 202)
-    try:
-        await asyncio.wait_for(asyncio.shield(work),
-                               None if timeout is None or timeout < 0 else timeout)
-    except asyncio.TimeoutError:
-        return _status(f"Workers are still being scaled to {min_w} after {timeout}s; "
+    if not done:
+        return _status(f"Workers are still being scaled to {min_w} after {params.timeout}s; "
                        "processing worker updates...", 202)
     return _status(f"Workers scaled to {min_w} for model: {entry.name}, version: {entry.version}")
 
@@ -265,7 +211,7 @@ async def unregister_model(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     if not state.config.enable_model_api:
         return _model_api_disabled()
-    _check_known(dict(request.query), frozenset({"synchronous", "timeout"}))
+    read_params(request.query, UnregisterParams)
     entry = await state.registry.unregister(request.match_info["model"],
                                             request.match_info.get("version"))
     return _status(f'Model "{entry.name}" version: {entry.version} unregistered')
@@ -302,7 +248,9 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
         return error_response(500, f"Failed to start workers: {exc}")
     except NoWorkerError as exc:
         return error_response(503, str(exc))
-    except (BadParam, ArchiveError, ModelConfigError, ValueError, FileExistsError) as exc:
+    except SaveFailedError as exc:
+        return error_response(exc.status, str(exc))
+    except (SchemaError, ArchiveError, ModelConfigError, ValueError, FileExistsError) as exc:
         return error_response(400, str(exc))
     except web.HTTPException as exc:
         if exc.status == 404:

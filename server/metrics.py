@@ -60,20 +60,18 @@ class ServerMetrics:
 
     def observe_output(self, model: str, output: RequestOutput) -> None:
         """Record a request's final output: its timings and token counts."""
-        m = output.metrics or {}
-        if m.get("queued_s") is not None:
-            self.queue_time.labels(model).observe(max(0.0, m["queued_s"]))
-        if m.get("ttft_s") is not None:
-            self.ttft.labels(model).observe(max(0.0, m["ttft_s"]))
-        for gap in m.get("itl_s") or ():
-            self.itl.labels(model).observe(max(0.0, gap))
+        m = output.metrics
+        if m is not None:
+            self.queue_time.labels(model).observe(m.queued_s)
+            self.ttft.labels(model).observe(m.ttft_s)
+            for gap in m.itl_s:
+                self.itl.labels(model).observe(max(0.0, gap))
         num_out = sum(len(c.token_ids) for c in output.outputs)
         self.prompt_tokens.labels(model).inc(len(output.prompt_token_ids))
         self.generation_tokens.labels(model).inc(num_out)
-        decode = m.get("decode_s")
         per_seq = max((len(c.token_ids) for c in output.outputs), default=0)
-        if decode is not None and per_seq > 1:
-            self.tpot.labels(model).observe(max(0.0, decode) / (per_seq - 1))
+        if m is not None and per_seq > 1:
+            self.tpot.labels(model).observe(m.decode_s / (per_seq - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

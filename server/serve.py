@@ -170,11 +170,13 @@ class Server:
                      "(send 'Authorization: Bearer <key>')")
         else:
             self.out("pagedserve: token authorization is OFF (--disable-token-auth)")
-        registry.on_change = self._on_registry_change
+        registry.on_change = self._rebalance_threads
         await self._restore(restored)
         for model, archive in opened:
             await self._register_startup(archive, model.url, model.name)
         self._save_snapshot()
+        if self.snapshot is not None:  # from now on each change is saved before it is made
+            registry.persist = lambda: self.snapshot.save(registry)
         registry.startup_done = True
         self.out(f"pagedserve: ready ({len(registry.all_versions())} model version(s) registered)")
 
@@ -202,7 +204,7 @@ class Server:
             except (OSError, ValueError, RuntimeError) as exc:
                 logger.error("snapshot: could not restore %s %s: %s; it stays in the snapshot "
                              "for the next start", e.name, e.version, exc)
-                self.snapshot.carried.append(e)
+                self.snapshot.carry(e)
 
     async def _register_startup(self, archive: LoadedArchive, url: str, name: str | None) -> None:
         try:
@@ -231,11 +233,8 @@ class Server:
             options["device"] = "cuda"
         # The registry opened and verified the archive (custom handler rules included).
         config = EngineConfig(model=str(entry.model_dir), model_verified=True, **options)
-        return AsyncLLM(config, entry.tokenizer, name=worker_name, on_dead=on_dead)
-
-    def _on_registry_change(self) -> None:
-        self._save_snapshot()
-        self._rebalance_threads()
+        return AsyncLLM(config, entry.tokenizer, name=worker_name, on_dead=on_dead,
+                        heartbeat_timeout=self.config.worker_heartbeat_timeout)
 
     def _worker_threads(self, entry: ModelVersion) -> int:
         """Torch threads for a worker of `entry`: its model-config's num_threads, else the
@@ -298,6 +297,7 @@ class Server:
             await runner.cleanup()
         if state is not None:
             state.executor.shutdown(wait=False, cancel_futures=True)
+            state.limits.shutdown()
         self.out("pagedserve: stopped")
 
 

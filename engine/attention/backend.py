@@ -1,4 +1,4 @@
-"""The attention-backend interface and backend selection.
+"""The attention-backend interface (backend selection: `engine.attention.selector`).
 
 A backend owns one step of paged attention for one layer: it stores the step's new keys/values
 in the layer's KV cache and attends every query token to its own sequence's context. The
@@ -8,7 +8,6 @@ contract for the batch layout is `engine.attention.metadata.AttentionMetadata`.
 from __future__ import annotations
 
 import abc
-import os
 
 import torch
 
@@ -84,46 +83,3 @@ def check_shapes(
         raise ValueError(f"query has {num_tokens} tokens, metadata says {meta.num_tokens}")
     if not (query.dtype == key.dtype == value.dtype == kv_cache.dtype):
         raise ValueError("query, key, value and kv_cache must share one dtype")
-
-
-BACKEND_NAMES = ("auto", "torch", "triton")
-
-
-def select_backend(device: str | torch.device, name: str = "auto") -> AttentionBackend:
-    """The attention backend `name` for `device`.
-
-    "auto": the Triton kernel on CUDA (when triton is installed), the torch backend (with the
-    compiled CPU decode kernel where it builds) on CPU. "triton" on a CPU needs Triton's
-    interpreter (TRITON_INTERPRET=1 before anything imports the kernels): slow, for tests.
-    """
-    device = torch.device(device)
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"no attention backend for device type {device.type!r}")
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
-    if name == "triton" or (name == "auto" and device.type == "cuda" and _triton_installed()):
-        return _triton_backend(device)
-    from engine.attention.torch_backend import TorchAttentionBackend
-
-    if device.type == "cpu":
-        from kernels.cpu_paged_attention import load_cpu_kernels
-
-        return TorchAttentionBackend(cpu_kernels=load_cpu_kernels())
-    return TorchAttentionBackend()
-
-
-def _triton_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None
-
-
-def _triton_backend(device: torch.device) -> AttentionBackend:
-    if not _triton_installed():
-        raise ValueError("the triton attention backend needs the triton package")
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        raise ValueError("the triton attention backend runs on CUDA; on a CPU only in Triton's "
-                         "interpreter (set TRITON_INTERPRET=1; slow, for tests)")
-    from engine.attention.triton_backend import TritonAttentionBackend
-
-    return TritonAttentionBackend()

@@ -10,15 +10,13 @@ Prefills and prefill chunks run one sequence at a time with SDPA; with the compi
 chunks of at most SHORT_CHUNK_TOKENS tokens (speculative verification) run instead as one kernel
 row per token, together with the decodes.
 
-On glibc the speed can depend heavily on the allocator: call `tune_glibc_malloc()` once in the
-process that runs the model. Without it one process ran the batch-64 decode path in 24 ms
-instead of 2.5 ms (2 threads, page faults on every temporary); another showed no difference.
+On glibc the speed can depend heavily on the allocator: the process that runs the model tunes
+it once (`engine.process_setup.tune_glibc_malloc`). Without it one process ran the batch-64
+decode path in 24 ms instead of 2.5 ms (2 threads, page faults on every temporary); another showed no difference.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 from dataclasses import dataclass
 
 import torch
@@ -27,32 +25,6 @@ import torch.nn.functional as F
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from kernels.cpu_paged_attention import paged_decode_attention
-
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-
-
-def tune_glibc_malloc(
-    mmap_threshold: int = 32 * 1024 * 1024, trim_threshold: int = 16 * 1024**3
-) -> bool:
-    """Keep large temporaries on the heap instead of mmap/munmap + page faults on every call.
-
-    Same effect as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ in the environment; both must
-    be set (setting only the trim threshold was measured to be slower). Process-wide: call it
-    from the engine process, never at import. Returns False where mallopt is unavailable.
-    """
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, trim_threshold)
-    )
-
 
 # Decodes are split into groups of similar context length so that one long sequence does not
 # pad the whole batch to its length. A group costs a fixed overhead worth about this many padded

@@ -2,7 +2,9 @@
 
 A block's hash covers its parent block's hash, its token ids and extra keys (LoRA adapter id,
 per-request cache salt), so equal hashes mean equal prefixes: a block can be shared by any
-request whose prefix up to and including that block is identical.
+request whose prefix up to and including that block is identical. The one definition for the
+prefix cache and the KV offload tier (whose chunks are runs of blocks: see
+`engine.kv_offload.manager.chunk_hash`).
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Callable, Sequence
-from typing import NewType
+from typing import TYPE_CHECKING, NewType
 
-from engine.config import PrefixCacheHash
+if TYPE_CHECKING:
+    from engine.config import PrefixCacheHash
 
 BlockHash = NewType("BlockHash", bytes)
 HashFn = Callable[[bytes], bytes]
@@ -22,7 +25,7 @@ HashFn = Callable[[bytes], bytes]
 ROOT_SEED = b"pagedserve-prefix-cache-v1"
 
 
-def _sha256(data: bytes) -> bytes:
+def sha256(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
@@ -33,8 +36,9 @@ def _builtin(data: bytes) -> bytes:
     return hash(data).to_bytes(8, "little", signed=True)
 
 
-def get_hash_fn(kind: PrefixCacheHash) -> HashFn:
-    return {PrefixCacheHash.SHA256: _sha256, PrefixCacheHash.BUILTIN: _builtin}[kind]
+def get_hash_fn(kind: PrefixCacheHash | str) -> HashFn:
+    """The hash function of a `PrefixCacheHash` (or its value, e.g. "sha256")."""
+    return {"sha256": sha256, "builtin": _builtin}[getattr(kind, "value", kind)]
 
 
 def root_hash(hash_fn: HashFn) -> BlockHash:

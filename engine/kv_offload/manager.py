@@ -27,13 +27,13 @@ import threading
 import time
 import uuid
 import weakref
-from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine.kv_cache.hashing import BlockHash, hash_block, root_hash, sha256
 from engine.kv_offload.config import KVOffloadConfig
 from engine.kv_offload.disk import DiskBudget, check_writable
 from engine.kv_offload.stats import KVOffloadStats
@@ -44,7 +44,8 @@ CPU_BACKEND = "LocalCPUBackend"
 DISK_PLUGIN = "fs"
 DISK_BACKEND = f"RemoteBackend-{DISK_PLUGIN}"
 # Bump when the chunk layout or key scheme changes: old disk files then simply miss.
-LAYOUT_VERSION = "v1"
+# v2: chunk hashes are the prefix cache's block hashes (the first chunk chains from its root).
+LAYOUT_VERSION = "v2"
 
 
 def _quiet_lmcache_environment() -> None:
@@ -54,17 +55,18 @@ def _quiet_lmcache_environment() -> None:
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
 
-def chunk_hash(obj: tuple) -> bytes:
-    """LMCache's chunk-hash function, replaced: SHA-256 of (parent hash, token ids, extra keys).
+def chunk_hash(obj: tuple) -> BlockHash:
+    """LMCache's chunk-hash function, replaced by the prefix cache's `hash_block` with SHA-256.
 
-    LMCache falls back to Python's 64-bit `hash` without vLLM; SHA-256 keeps keys stable across
-    processes and makes a colliding prompt impractical to craft.
+    LMCache calls it with (parent, token ids, extra keys) and chains chunks through a 64-bit int:
+    the first 8 bytes of the previous chunk's hash, or 0 before the first chunk, which chains
+    from the prefix cache's seeded root instead. SHA-256 (LMCache falls back to Python's salted
+    64-bit `hash` without vLLM) keeps keys stable across processes and a colliding prompt
+    impractical to craft. The model, dtype and cache salt are in the key beside this hash.
     """
     prefix, tokens, extra = obj
-    payload = int(prefix).to_bytes(8, "big", signed=prefix < 0) + array("q", tokens).tobytes()
-    if extra:
-        payload += repr(extra).encode()
-    return hashlib.sha256(payload).digest()
+    parent = root_hash(sha256) if prefix == 0 else BlockHash(int(prefix).to_bytes(8, "big"))
+    return hash_block(sha256, parent, tokens, tuple(extra) or None)
 
 
 def model_fingerprint(model_dir: str | Path, dtype: torch.dtype) -> str:
@@ -111,6 +113,7 @@ class KVOffloadManager:
         self.block_size = block_size
         self.chunk_size = config.chunk_size
         self.stats = KVOffloadStats()
+        self._last_fault_time: float | None = None  # time.perf_counter() of the latest fault
         self._builder = LMCacheEngineBuilder
         self._closed = False
         _, _, _, heads, head_dim = kv_caches[0].shape
@@ -393,7 +396,7 @@ class KVOffloadManager:
         logger.warning("KV offload: %s", message)
 
     def _has_fault_since(self, t: float) -> bool:
-        return getattr(self, "_last_fault_time", -1.0) >= t
+        return self._last_fault_time is not None and self._last_fault_time >= t
 
 
 def _request_configs(request) -> dict | None:

@@ -1,25 +1,39 @@
 """model-config.yaml: TorchServe-style per-model settings, validated when an archive is opened.
 
 The top level holds the frontend keys that apply to pagedserve (workers, timeouts, device,
-parallelism, queue size); the `handler:` mapping holds engine options, named exactly as the
-fields of `EngineConfig`, plus `options:`, a free-form mapping for the archive's own (custom)
-handler. Unknown keys are errors, so a typo never silently falls back to a default.
-`config/model-config.yaml` documents every key with its default.
+parallelism, queue size), declared once in `ModelConfigFile` (TorchServe's camelCase names, with
+their bounds); the `handler:` mapping holds engine options, derived from the fields of
+`EngineConfig` (their names, types and bounds: a new EngineConfig field is a new key), plus
+`options:`, a free-form mapping for the archive's own (custom) handler. Unknown keys are errors,
+so a typo never silently falls back to a default. `config/model-config.yaml` documents every key
+with its default.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import yaml
+from msgspec import Meta
 
 from engine.config import EngineConfig
+from engine.schema import SchemaError, convert
 
 MAX_CONFIG_BYTES = 1 << 20  # a model-config.yaml is a few lines; refuse to parse a huge one
+MAX_WORKERS = 64
+MAX_TIMEOUT_S = 86_400
 _PLACEHOLDER_MODEL = "<model-config>"
+HANDLER_OPTIONS_KEY = "options"  # handler.options: settings for a custom handler, not the engine
+# EngineConfig fields that are not per-archive settings: the archive is the model, deviceType
+# picks the device, and the server says whether it verified the archive.
+_NOT_HANDLER_KEYS = frozenset({"model", "device", "model_verified"})
 
 
 class ModelConfigError(ValueError):
@@ -40,56 +54,62 @@ class ParallelType(str, enum.Enum):
     CUSTOM = "custom"
 
 
-# Frontend keys (TorchServe's camelCase names) -> dataclass field names.
-_FRONTEND_KEYS = {
-    "minWorkers": "min_workers",
-    "maxWorkers": "max_workers",
-    "responseTimeout": "response_timeout",
-    "startupTimeout": "startup_timeout",
-    "deviceType": "device_type",
-    "parallelType": "parallel_type",
-    "parallelLevel": "parallel_level",
-    "jobQueueSize": "job_queue_size",
-}
+_Workers = Annotated[int, Meta(ge=1, le=MAX_WORKERS)]
+_Seconds = Annotated[int, Meta(ge=1, le=MAX_TIMEOUT_S)]
+
+
+class ModelConfigFile(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+    """The declaration of the file's frontend keys (field min_workers is key minWorkers)."""
+
+    min_workers: _Workers = 1
+    max_workers: _Workers = 1
+    response_timeout: _Seconds = 120  # seconds
+    startup_timeout: _Seconds = 120  # seconds
+    device_type: str | None = None  # a DeviceType; None: the server's default device
+    parallel_type: str | None = None  # a ParallelType
+    parallel_level: Annotated[int, Meta(ge=1, le=MAX_WORKERS)] = 1
+    job_queue_size: Annotated[int, Meta(ge=1, le=1 << 20)] = 100
+    handler: dict[str, Any] | None = None
+
+
+# Frontend keys (TorchServe's camelCase names) -> field names.
+_FRONTEND_KEYS = {f.encode_name: f.name for f in msgspec.structs.fields(ModelConfigFile) if f.name != "handler"}
 FRONTEND_KEYS = tuple(_FRONTEND_KEYS)
-_POSITIVE_INT_KEYS = ("minWorkers", "maxWorkers", "responseTimeout", "startupTimeout",
-                      "parallelLevel", "jobQueueSize")
 
 
-class _T(enum.Enum):
-    """Accepted YAML types of a handler option (bool is never accepted as an int)."""
+def _yaml_type(hint: Any) -> Any:
+    """An EngineConfig annotation as a YAML file can hold it: enums and torch dtypes are named by
+    strings, dicts are mappings; bounds (`Annotated`) are kept."""
+    members = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+        else (hint,)
+    kept: list[Any] = []
+    for member in members:
+        base = typing.get_args(member)[0] if typing.get_origin(member) is Annotated else member
+        if base in (int, float, str, bool, type(None)):
+            kind = member
+        elif base is dict or typing.get_origin(base) is dict:
+            kind = dict[str, Any]
+        else:
+            kind = str
+        if kind not in kept:
+            kept.append(kind)
+    return typing.Union[tuple(kept)] if len(kept) > 1 else kept[0]
 
-    INT = "an integer"
-    OPT_INT = "an integer or null"
-    BOOL = "true or false"
-    STR = "a string"
-    SIZE = "a byte count or a size string such as 2GiB"
-    OPT_MAPPING = "a mapping of keys or null"
+
+def _handler_keys() -> dict[str, Any]:
+    hints = typing.get_type_hints(EngineConfig, include_extras=True)
+    return {f.name: _yaml_type(hints[f.name]) for f in dataclasses.fields(EngineConfig)
+            if f.init and f.name not in _NOT_HANDLER_KEYS}
 
 
-HANDLER_OPTIONS_KEY = "options"  # handler.options: settings for a custom handler, not the engine
-
-# Engine options allowed under `handler:` (EngineConfig fields; `model` and `device` are not
-# per-archive settings: the archive is the model and deviceType picks the device).
-HANDLER_KEYS: dict[str, _T] = {
-    "dtype": _T.STR,
-    "max_model_len": _T.OPT_INT,
-    "block_size": _T.INT,
-    "kv_cache_memory": _T.SIZE,
-    "num_kv_blocks": _T.OPT_INT,
-    "max_num_seqs": _T.INT,
-    "max_num_batched_tokens": _T.INT,
-    "enable_prefix_caching": _T.BOOL,
-    "prefix_cache_hash": _T.STR,
-    "scheduling_policy": _T.STR,
-    "seed": _T.INT,
-    "attention_backend": _T.STR,
-    "num_threads": _T.OPT_INT,
-    # {cpu_size_gb, disk_path, disk_size_gb, chunk_size}: engine.kv_offload.config
-    "kv_offload": _T.OPT_MAPPING,
-    # {method: ngram, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min}: engine.spec_decode.config
-    "speculative": _T.OPT_MAPPING,
-}
+# Engine options allowed under `handler:`, with the type each takes in the file.
+HANDLER_KEYS: dict[str, Any] = _handler_keys()
+HandlerSection = msgspec.defstruct(
+    "HandlerSection",
+    [(key, kind, None) for key, kind in HANDLER_KEYS.items()]
+    + [(HANDLER_OPTIONS_KEY, dict[str, Any] | None, None)],
+    forbid_unknown_fields=True,
+)
 
 
 @dataclass(slots=True)
@@ -108,13 +128,16 @@ class ModelConfig:
     source: str = "model-config.yaml"  # the file name used in error messages
 
     def __post_init__(self) -> None:
-        for key in _POSITIVE_INT_KEYS:
-            _check_positive_int(self.source, key, getattr(self, _FRONTEND_KEYS[key]))
+        values = {key: _plain(getattr(self, name)) for key, name in _FRONTEND_KEYS.items()}
+        try:
+            convert({**values, "handler": self.handler}, ModelConfigFile)
+        except SchemaError as exc:
+            raise ModelConfigError(f"{self.source}: {exc}") from None
         self.device_type = _coerce(self.source, "deviceType", DeviceType, self.device_type)
         self.parallel_type = _coerce(self.source, "parallelType", ParallelType, self.parallel_type)
         if self.min_workers > self.max_workers:
-            raise ModelConfigError(f"{self.source}: minWorkers={self.min_workers}: must not exceed "
-                                   f"maxWorkers={self.max_workers}")
+            raise ModelConfigError(f"{self.source}: minWorkers: must not exceed maxWorkers ({self.max_workers}), "
+                                   f"got {self.min_workers}")
         _check_handler(self.source, self.handler)
 
     @classmethod
@@ -125,22 +148,16 @@ class ModelConfig:
         if not isinstance(data, dict):
             raise ModelConfigError(f"{source}: the top level must be a mapping of keys, "
                                    f"got {type(data).__name__}")
-        allowed = [*_FRONTEND_KEYS, "handler"]
-        kwargs: dict[str, Any] = {}
-        for key, value in data.items():
-            if key == "handler":
-                if value is None:
-                    value = {}
-                if not isinstance(value, dict):
-                    raise ModelConfigError(f"{source}: handler: must be a mapping of engine "
-                                           f"options, got {type(value).__name__}")
-                kwargs["handler"] = dict(value)
-            elif key in _FRONTEND_KEYS:
-                kwargs[_FRONTEND_KEYS[key]] = value
-            else:
+        for key in data:
+            if key != "handler" and key not in _FRONTEND_KEYS:
                 raise ModelConfigError(f"{source}: unknown key {key!r}; allowed keys: "
-                                       f"{', '.join(allowed)}")
-        return cls(**kwargs, source=source)
+                                       f"{', '.join([*_FRONTEND_KEYS, 'handler'])}")
+        kwargs = {_FRONTEND_KEYS[k]: v for k, v in data.items() if k != "handler"}
+        handler = data.get("handler")
+        if handler is not None and not isinstance(handler, dict):
+            raise ModelConfigError(f"{source}: handler: must be a mapping of engine options, "
+                                   f"got {type(handler).__name__}")
+        return cls(**kwargs, handler=dict(handler or {}), source=source)
 
     def engine_options(self) -> dict[str, Any]:
         """The handler's engine options, as keyword arguments for `EngineConfig` / `LLM`."""
@@ -154,15 +171,9 @@ class ModelConfig:
     def resolved(self) -> dict[str, Any]:
         """Every setting with defaults filled in (engine options as EngineConfig resolves them),
         JSON-serialisable, keyed as in the YAML file."""
-        out: dict[str, Any] = {}
-        for key, name in _FRONTEND_KEYS.items():
-            value = getattr(self, name)
-            out[key] = value.value if isinstance(value, enum.Enum) else value
+        out: dict[str, Any] = {key: _plain(getattr(self, name)) for key, name in _FRONTEND_KEYS.items()}
         engine = EngineConfig(model=_PLACEHOLDER_MODEL, **self.engine_options())
-        handler = {}
-        for key in HANDLER_KEYS:
-            value = getattr(engine, key)
-            handler[key] = value.value if isinstance(value, enum.Enum) else value
+        handler = {key: _plain(getattr(engine, key)) for key in HANDLER_KEYS}
         handler[HANDLER_OPTIONS_KEY] = self.handler_options
         out["handler"] = handler
         return out
@@ -185,9 +196,8 @@ def load_model_config(path: str | Path) -> ModelConfig:
     return ModelConfig.from_dict(data, source=source)
 
 
-def _check_positive_int(source: str, key: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ModelConfigError(f"{source}: {key}={value!r}: must be a positive integer")
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, enum.Enum) else value
 
 
 def _coerce(source: str, key: str, enum_cls: type[enum.Enum], value: Any) -> Any:
@@ -197,58 +207,38 @@ def _coerce(source: str, key: str, enum_cls: type[enum.Enum], value: Any) -> Any
         return enum_cls(value)
     except ValueError:
         allowed = ", ".join(repr(m.value) for m in enum_cls)
-        raise ModelConfigError(f"{source}: {key}={value!r}: choose one of {allowed}") from None
+        raise ModelConfigError(f"{source}: {key}: choose one of {allowed}, got {value!r}") from None
 
 
 def _check_handler(source: str, options: dict[str, Any]) -> None:
-    """Check each option's type, then its value by building an EngineConfig with it alone (so
-    the error names the key), then all together. `options` is the custom handler's business."""
-    options = dict(options)
-    custom = options.pop(HANDLER_OPTIONS_KEY, None)
-    if not _has_type(_T.OPT_MAPPING, custom):
-        raise ModelConfigError(f"{source}: handler.{HANDLER_OPTIONS_KEY}={custom!r}: must be "
-                               f"{_T.OPT_MAPPING.value} (settings for a custom handler)")
-    for key, value in options.items():
-        kind = HANDLER_KEYS.get(key) if isinstance(key, str) else None
-        if kind is None:
-            raise ModelConfigError(f"{source}: unknown key handler.{key}; allowed keys: "
-                                   f"{', '.join([*HANDLER_KEYS, HANDLER_OPTIONS_KEY])}")
-        if not _has_type(kind, value):
-            raise ModelConfigError(f"{source}: handler.{key}={value!r}: must be {kind.value}")
-        if kind in (_T.INT, _T.OPT_INT) and value is not None and value < (0 if key == "seed" else 1):
-            what = "a non-negative integer" if key == "seed" else "a positive integer"
-            raise ModelConfigError(f"{source}: handler.{key}={value!r}: must be {what}")
+    """Check the options' types and bounds against the declaration derived from EngineConfig,
+    then each value by building an EngineConfig with it alone (so the error names the key),
+    then all together. `options` is the custom handler's business."""
+    unknown = [key for key in options if key not in HANDLER_KEYS and key != HANDLER_OPTIONS_KEY]
+    if unknown:
+        raise ModelConfigError(f"{source}: unknown key handler.{unknown[0]}; allowed keys: "
+                               f"{', '.join([*HANDLER_KEYS, HANDLER_OPTIONS_KEY])}")
+    try:
+        convert(options, HandlerSection)
+    except SchemaError as exc:
+        raise ModelConfigError(f"{source}: handler.{exc}") from None
+    engine_options = {k: v for k, v in options.items() if k != HANDLER_OPTIONS_KEY}
+    for key, value in engine_options.items():
         try:
             EngineConfig(model=_PLACEHOLDER_MODEL, **{key: value})
         except ValueError as exc:
-            if str(exc).startswith((f"{key}.", f"{key}:")):  # already names the nested key
+            if str(exc).startswith(f"{key}."):  # already names the nested key
                 raise ModelConfigError(f"{source}: handler.{exc}") from None
-            raise ModelConfigError(f"{source}: handler.{key}={value!r}: "
-                                   f"{_strip_key(str(exc), key, value)}") from None
+            raise ModelConfigError(f"{source}: handler.{key}: {_strip_key(str(exc), key, value)}") from None
     try:
-        EngineConfig(model=_PLACEHOLDER_MODEL, **options)
+        EngineConfig(model=_PLACEHOLDER_MODEL, **engine_options)
     except ValueError as exc:
         raise ModelConfigError(f"{source}: handler: {exc}") from None
 
 
-def _has_type(kind: _T, value: Any) -> bool:
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    if kind is _T.INT:
-        return is_int
-    if kind is _T.OPT_INT:
-        return value is None or is_int
-    if kind is _T.BOOL:
-        return isinstance(value, bool)
-    if kind is _T.STR:
-        return isinstance(value, str)
-    if kind is _T.OPT_MAPPING:
-        return value is None or isinstance(value, dict)
-    return is_int or isinstance(value, str)  # _T.SIZE
-
-
 def _strip_key(message: str, key: str, value: Any) -> str:
     """EngineConfig's messages often start with the key, which the caller already names."""
-    for prefix in (f"{key}={value!r}: ", f"{key} "):
+    for prefix in (f"{key}={value!r}: ", f"{key}: ", f"{key} "):
         if message.startswith(prefix):
             return message[len(prefix):]
     return message

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.request import FinishReason
+from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
 
 
@@ -72,16 +72,20 @@ class ModelRunnerOutput:
 
 @dataclass(slots=True)
 class EngineCoreOutput:
-    """Per-request news after a step: new tokens and, at the end, why it finished."""
+    """Per-request news after a step: new tokens and, at the end, why it finished.
+
+    `stop_reason` is the stop token id that ended the request, nothing else; an engine error
+    (a grammar that failed, a refused request) is `error`, with finish reason ABORT."""
 
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[Logprobs] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    error: str | None = None
     num_cached_tokens: int = 0
     num_external_cached_tokens: int = 0  # prompt tokens restored from KV offload (LMCache)
-    first_scheduled_time: float = 0.0  # time.monotonic() in the engine process (same clock host-wide)
+    first_scheduled_time: float | None = None  # time.monotonic() in the engine process (same clock host-wide)
 
     @property
     def finished(self) -> bool:

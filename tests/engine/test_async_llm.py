@@ -12,6 +12,7 @@ import pytest
 
 from engine.async_llm import AsyncLLM, EngineDeadError, EngineStartError
 from engine.config import EngineConfig
+from engine.inputs import EngineInput, InvalidInput
 from engine.llm import load_tokenizer
 from engine.sampling_params import SamplingParams
 
@@ -36,7 +37,7 @@ def _chat_ids(tokenizer, messages) -> list[int]:
 
 
 async def _collect(worker, request_id, token_ids, params):
-    outs = [out async for out in worker.generate(request_id, token_ids, params)]
+    outs = [out async for out in worker.generate(request_id, EngineInput(None, token_ids, params))]
     return outs
 
 
@@ -70,10 +71,11 @@ def test_worker_serves_streams_aborts_and_reports_death(default_model_dir, token
         texts = [o.outputs[0].text for o in outs]
         assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
         m = final.metrics
-        for key in ("queued_s", "prefill_s", "decode_s", "ttft_s"):
-            assert m[key] >= 0, key
-        assert m["arrival_time"] <= m["first_scheduled_time"] <= m["first_token_time"] <= m["finished_time"]
-        assert len(m["itl_s"]) == len(outs) - 1
+        assert all(o.metrics is None for o in outs[:-1])
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+        assert m.ttft_s == pytest.approx(m.queued_s + m.prefill_s)
+        assert m.decode_s == pytest.approx(m.finished_time - m.first_token_time)
+        assert len(m.itl_s) == len(outs) - 1
 
         # Concurrent requests, n=2 with a seed, a stop string; then a repeat hits the prefix cache.
         sampled = SamplingParams(temperature=1.0, n=2, seed=7, max_tokens=8)
@@ -90,14 +92,14 @@ def test_worker_serves_streams_aborts_and_reports_death(default_model_dir, token
         assert stop.text == "The capital of France is " and stop.finish_reason == "stop" and stop.stop_reason == "Paris"
 
         # Leaving a stream early aborts the request and frees its blocks; so does abort().
-        gen = worker.generate("early", ids, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+        gen = worker.generate("early", EngineInput(None, ids, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)))
         async for _ in gen:
             break
         await gen.aclose()
         seen = []
 
         async def consume():
-            async for out in worker.generate("ab", ids, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)):
+            async for out in worker.generate("ab", EngineInput(None, ids, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))):
                 seen.append(out)
 
         task = asyncio.create_task(consume())
@@ -110,13 +112,17 @@ def test_worker_serves_streams_aborts_and_reports_death(default_model_dir, token
         assert worker.num_unfinished == 0
 
         # Bad input is refused before it reaches the worker.
-        with pytest.raises(ValueError, match="max_model_len"):
+        with pytest.raises(InvalidInput, match="max_model_len") as info:
             await _collect(worker, "long", [1] * 600, SamplingParams())
-        with pytest.raises(ValueError, match="out of range"):
+        assert info.value.field == "prompt"
+        with pytest.raises(InvalidInput, match="out of range"):
             await _collect(worker, "vocab", [49152], SamplingParams())
+        with pytest.raises(InvalidInput, match="at most 12 tokens") as info:  # the server's rule
+            await _collect(worker, "room", [1] * 500, SamplingParams(max_tokens=13))
+        assert info.value.field == "max_tokens"
 
         # kill -9 during a stream: the stream fails within seconds, on_dead fires once.
-        stream = worker.generate("doomed", ids, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+        stream = worker.generate("doomed", EngineInput(None, ids, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)))
         await stream.__anext__()
         os.kill(worker.pid, signal.SIGKILL)
         started = time.monotonic()
@@ -136,7 +142,7 @@ def test_graceful_shutdown_fails_in_flight_requests(default_model_dir, tokenizer
     async def scenario():
         worker = AsyncLLM(_config(default_model_dir), tokenizer, name="w1")
         await worker.start()
-        stream = worker.generate("x", [1, 2, 3], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+        stream = worker.generate("x", EngineInput(None, [1, 2, 3], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)))
         await stream.__anext__()
         process = worker._client.process
         await worker.shutdown(timeout=10)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.backend import select_backend
+from engine.attention.selector import select_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend, group_decodes
 from engine.config import EngineConfig

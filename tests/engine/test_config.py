@@ -65,7 +65,7 @@ def test_max_model_len_cannot_exceed_the_model():
         ({"min_p": 2}, "min_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-        ({"n": 0}, "n must"),
+        ({"n": 0}, "n: must"),
         ({"logprobs": 21}, "logprobs"),
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),

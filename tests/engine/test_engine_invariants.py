@@ -6,8 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
-import transformers
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
@@ -16,18 +14,6 @@ from engine.sampling_params import SamplingParams
 
 NUM_BLOCKS = 40
 BLOCK_SIZE = 4
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 def check_pool_consistency(engine: EngineCore) -> None:

@@ -58,7 +58,7 @@ def test_model_config_handler_kv_offload():
     assert ModelConfig().resolved()["handler"]["kv_offload"] is None
     with pytest.raises(ModelConfigError, match=r"handler\.kv_offload\.cpu_size_gb=0: must be a positive"):
         ModelConfig(handler={"kv_offload": {"cpu_size_gb": 0}})
-    with pytest.raises(ModelConfigError, match=r"handler\.kv_offload=3: must be a mapping of keys or null"):
+    with pytest.raises(ModelConfigError, match=r"handler\.kv_offload: must be an object or null, got 3"):
         ModelConfig(handler={"kv_offload": 3})
 
 
@@ -244,5 +244,26 @@ def test_cache_salt_separates_keys(tmp_path):
         assert mgr.lookup(make_request(prompt, request_id="b", cache_salt="tenant-2"), 0) == 0
         assert mgr.lookup(make_request(prompt, request_id="c"), 0) == 0
         assert mgr.lookup(make_request(prompt, request_id="d", cache_salt="tenant-1"), 0) == 96
+    finally:
+        mgr.close()
+
+
+def test_chunk_keys_are_the_prefix_cache_block_hashes(tmp_path):
+    """LMCache's keys for a prompt come from the prefix cache's own `hash_block` (SHA-256): the
+    first chunk chains from its seeded root, later chunks from the previous hash's first 8
+    bytes (LMCache carries the chain as a 64-bit int). Model and salt stay in the key."""
+    from engine.kv_cache.hashing import BlockHash, hash_block, root_hash, sha256
+
+    kv = [torch.zeros(2, NB, BS, H, D) for _ in range(L)]
+    mgr = _manager(tmp_path, kv, disk=False)
+    try:
+        prompt = list(range(300, 300 + 2 * C))
+        keys = [key for _, _, key in mgr.engine.token_database.process_tokens(tokens=prompt)]
+        first = hash_block(sha256, root_hash(sha256), prompt[:C])
+        second = hash_block(sha256, BlockHash(first[:8]), prompt[C:])
+        assert [k.chunk_hash for k in keys] == [int.from_bytes(h[:8], "big") for h in (first, second)]
+        assert keys[0].model_name == "unit-model"
+        salted = mgr.engine.token_database.process_tokens(tokens=prompt, request_configs={"lmcache.tag.salt": "s"})
+        assert next(iter(salted))[2] != keys[0]
     finally:
         mgr.close()

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 
-from engine.attention.backend import select_backend
+from engine.attention.selector import select_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.model.loader import (
     allocate_kv_caches,

@@ -89,36 +89,36 @@ def test_handler_options_are_for_the_handler_not_the_engine(tmp_path):
     assert config.handler_options == {"greeting": "hi", "max_num_seqs": "any"}
     assert config.engine_options() == {"max_num_seqs": 4}
     assert config.resolved()["handler"]["options"] == {"greeting": "hi", "max_num_seqs": "any"}
-    with pytest.raises(ModelConfigError, match=r"handler.options=\['x'\]: must be a mapping"):
+    with pytest.raises(ModelConfigError, match=r"handler.options: must be an object or null, got \[\"x\"\]"):
         load_model_config(write(tmp_path, "handler:\n  options: [x]\n"))
 
 
 @pytest.mark.parametrize("text, message", [
-    ("handler:\n  max_num_seqs: 0\n", "model-config.yaml: handler.max_num_seqs=0: must be a positive integer"),
-    ("handler:\n  block_size: 24\n", "handler.block_size=24: must be a power of two"),
-    ("handler:\n  dtype: int8\n", "handler.dtype='int8': unsupported dtype"),
-    ("handler:\n  kv_cache_memory: lots\n", "handler.kv_cache_memory='lots': invalid size"),
-    ("handler:\n  num_kv_blocks: 1\n", "handler.num_kv_blocks=1: must be an integer >= 2"),
-    ("handler:\n  prefix_cache_hash: md5\n", "handler.prefix_cache_hash='md5': choose one of"),
-    ("handler:\n  scheduling_policy: lifo\n", "handler.scheduling_policy='lifo': choose one of"),
-    ("handler:\n  seed: -1\n", "handler.seed=-1: must be a non-negative integer"),
-    ("minWorkers: 0\n", "minWorkers=0: must be a positive integer"),
-    ("jobQueueSize: -5\n", "jobQueueSize=-5: must be a positive integer"),
-    ("minWorkers: 3\nmaxWorkers: 2\n", "minWorkers=3: must not exceed maxWorkers=2"),
-    ("deviceType: tpu\n", "deviceType='tpu': choose one of 'cpu', 'gpu'"),
-    ("parallelType: dp\n", "parallelType='dp': choose one of"),
+    ("handler:\n  max_num_seqs: 0\n", "model-config.yaml: handler.max_num_seqs: must be >= 1, got 0"),
+    ("handler:\n  block_size: 24\n", "handler.block_size: must be a power of two, got 24"),
+    ("handler:\n  dtype: int8\n", "handler.dtype: unsupported dtype 'int8'"),
+    ("handler:\n  kv_cache_memory: lots\n", "handler.kv_cache_memory: invalid size 'lots'"),
+    ("handler:\n  num_kv_blocks: 1\n", "handler.num_kv_blocks: must be >= 2, got 1"),
+    ("handler:\n  prefix_cache_hash: md5\n", "handler.prefix_cache_hash: choose one of ['sha256', 'builtin'], got 'md5'"),
+    ("handler:\n  scheduling_policy: lifo\n", "handler.scheduling_policy: choose one of ['fcfs', 'priority'], got 'lifo'"),
+    ("handler:\n  seed: -1\n", "handler.seed: must be >= 0, got -1"),
+    ("minWorkers: 0\n", "minWorkers: must be >= 1, got 0"),
+    ("jobQueueSize: -5\n", "jobQueueSize: must be >= 1, got -5"),
+    ("minWorkers: 3\nmaxWorkers: 2\n", "minWorkers: must not exceed maxWorkers (2), got 3"),
+    ("deviceType: tpu\n", "deviceType: choose one of 'cpu', 'gpu', got 'tpu'"),
+    ("parallelType: dp\n", "parallelType: choose one of"),
 ])
 def test_bad_value_names_key_and_value(tmp_path, text, message):
     _assert_refused(tmp_path, text, message)
 
 
 @pytest.mark.parametrize("text, message", [
-    ("handler:\n  max_num_seqs: '8'\n", "handler.max_num_seqs='8': must be an integer"),
-    ("handler:\n  enable_prefix_caching: 'yes'\n", "handler.enable_prefix_caching='yes': must be true or false"),
-    ("handler:\n  block_size: true\n", "handler.block_size=True: must be an integer"),
-    ("handler:\n  dtype: 16\n", "handler.dtype=16: must be a string"),
-    ("handler:\n  kv_cache_memory: [1]\n", "handler.kv_cache_memory=[1]: must be a byte count"),
-    ("responseTimeout: 1.5\n", "responseTimeout=1.5: must be a positive integer"),
+    ("handler:\n  max_num_seqs: '8'\n", "handler.max_num_seqs: must be an integer, got \"8\""),
+    ("handler:\n  enable_prefix_caching: 'yes'\n", "handler.enable_prefix_caching: must be true or false, got \"yes\""),
+    ("handler:\n  block_size: true\n", "handler.block_size: must be an integer, got true"),
+    ("handler:\n  dtype: 16\n", "handler.dtype: must be a string, got 16"),
+    ("handler:\n  kv_cache_memory: [1]\n", "handler.kv_cache_memory: must be an integer or a string, got [1]"),
+    ("responseTimeout: 1.5\n", "responseTimeout: must be an integer, got 1.5"),
     ("handler: [dtype]\n", "handler: must be a mapping"),
     ("- minWorkers\n", "the top level must be a mapping"),
 ])
@@ -161,6 +161,6 @@ def test_open_archive_refuses_invalid_model_config(tmp_path):
     (model / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
     config = write(tmp_path, "handler:\n  max_num_seqs: 0\n")
     out = write_archive(model, tmp_path / "store", model_name="m", version="1", config_file=config)
-    with pytest.raises(ArchiveError, match=r"handler\.max_num_seqs=0: must be a positive integer"):
+    with pytest.raises(ArchiveError, match=r"handler\.max_num_seqs: must be >= 1, got 0"):
         open_archive(out, tmp_path / "opened")
     assert not (tmp_path / "opened").exists()

@@ -13,7 +13,8 @@ import pytest
 import xgrammar as xgr
 
 from engine import LLM, SamplingParams
-from engine.structured_output import GrammarError, GrammarState, StructuredOutputsParams, check_grammar
+from engine.structured_output import GrammarState
+from engine.structured_output_params import GrammarError, StructuredOutputsParams, check_grammar
 from tests.engine.test_scheduler import make_scheduler, step
 from tests.engine.kv_helpers import make_request
 
@@ -32,9 +33,9 @@ def test_params_take_exactly_one_constraint():
         StructuredOutputsParams(regex="a", choice=["a"])
     with pytest.raises(ValueError, match="not valid JSON"):
         StructuredOutputsParams(json="{nope")
-    with pytest.raises(ValueError, match="non-empty list"):
+    with pytest.raises(ValueError, match="choice: must not be empty"):
         StructuredOutputsParams(choice=[])
-    with pytest.raises(ValueError, match="non-empty string"):
+    with pytest.raises(ValueError, match="regex: must not be empty"):
         StructuredOutputsParams(regex="")
 
 
@@ -95,7 +96,8 @@ def test_a_token_off_the_grammar_ends_the_request():
     a.grammar = GrammarState(future, deadline=time.monotonic() + 60)
     s.add_request(a)
     _, res = step(s)
-    assert res[0].finish_reason.value == "abort" and "does not fit the grammar" in res[0].stop_reason
+    assert res[0].finish_reason == "abort" and "does not fit the grammar" in res[0].error
+    assert res[0].stop_reason is None
     assert s.kv.pool.get_num_free_blocks() == 16
 
 
@@ -189,5 +191,5 @@ def test_compile_timeout_ends_the_request_with_its_reason(llm):
         release.set()
         blocker.result()
     assert out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == []
-    assert out.outputs[0].stop_reason == "grammar compilation timed out"
+    assert out.outputs[0].error == "grammar compilation timed out" and out.outputs[0].stop_reason is None
     assert not llm.engine.has_unfinished_requests()

@@ -7,8 +7,10 @@ import json
 
 import pytest
 
+from engine import LLM
 from engine.model.archive import open_archive, write_archive
 from handlers import BUILTIN_HANDLERS, Context
+from handlers.llm_handler import handle_batch
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +25,7 @@ handler:
 
 
 @pytest.fixture(scope="module")
-def handler_and_context(default_model_dir, tmp_path_factory):
+def handler_and_llm(default_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("handler")
     config = tmp / "model-config.yaml"
     config.write_bytes(MODEL_CONFIG)
@@ -34,11 +36,12 @@ def handler_and_context(default_model_dir, tmp_path_factory):
 
     context = Context("smollm2", opened.root, opened.manifest, load_model_config(opened.model_config))
     handler = BUILTIN_HANDLERS[opened.manifest["model"]["handler"]]()
-    return handler, context
+    handler.initialize(context)
+    return handler, LLM(context.model_dir, **context.model_config.engine_options())
 
 
-def test_batch_with_good_and_bad_requests(handler_and_context):
-    handler, context = handler_and_context
+def test_batch_with_good_and_bad_requests(handler_and_llm):
+    handler, llm = handler_and_llm
     batch = [
         {"body": json.dumps({"prompt": "1, 2, 3, 4,", "max_tokens": 8, "temperature": 0}).encode()},
         {"data": {"messages": [{"role": "user", "content": "What is 2 plus 2?"}], "max_tokens": 40, "temperature": 0}},
@@ -47,11 +50,12 @@ def test_batch_with_good_and_bad_requests(handler_and_context):
         {"body": {"prompt": "hi", "max_tokens": 4, "frobnicate": True}},
         {"body": {"prompt": "x " * 2000}},
         {"body": {"prompt": [1, 2, 3], "n": 2, "seed": 3, "max_tokens": 3}},
+        {"body": {"prompt": "hi", "stream": True}},
     ]
-    responses = handler.handle(batch, context)
-    assert handler.llm.engine.config.dtype == "float32"  # the model-config's handler section applied
+    responses = handle_batch(handler, llm, batch)
+    assert llm.engine.config.dtype == "float32"  # the model-config's handler section applied
     assert len(responses) == len(batch)
-    first, chat, bad_json, bad_temp, unknown, too_long, pair = responses
+    first, chat, bad_json, bad_temp, unknown, too_long, pair, stream = responses
     assert first["choices"][0]["text"].startswith(" 5, 6, 7") and first["choices"][0]["finish_reason"] == "length"
     assert first["usage"]["completion_tokens"] == 8 and first["model"] == "smollm2"
     assert "4" in chat["choices"][0]["text"] and chat["choices"][0]["finish_reason"] == "stop"
@@ -60,6 +64,7 @@ def test_batch_with_good_and_bad_requests(handler_and_context):
     assert unknown["code"] == 400 and "frobnicate" in unknown["message"]
     assert too_long["code"] == 400 and "max_model_len" in too_long["message"]
     assert [c["index"] for c in pair["choices"]] == [0, 1] and all(len(c["token_ids"]) == 3 for c in pair["choices"])
-    engine = handler.llm.engine
+    assert stream["code"] == 400 and "stream" in stream["message"]
+    engine = llm.engine
     assert not engine.has_unfinished_requests()
     assert engine.kv_manager.pool.get_num_free_blocks() == engine.runner.num_blocks

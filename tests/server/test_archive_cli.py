@@ -116,8 +116,8 @@ def test_invalid_config_file_is_refused(tmp_path, tiny_model):
     bad.write_text("handler:\n  max_num_seqs: 0\n")
     result = build(tiny_model, tmp_path, "default", "--config-file", str(bad))
     assert result.returncode != 0
-    assert ("pagedserve: error: model-config.yaml: handler.max_num_seqs=0: "
-            "must be a positive integer") in result.stderr
+    assert ("pagedserve: error: model-config.yaml: handler.max_num_seqs: "
+            "must be >= 1, got 0") in result.stderr
     assert not (tmp_path / "model_store").exists()
 
 

@@ -157,4 +157,4 @@ def test_structured_output(server, client):
     assert reply.status == 200, reply.text
     assert re.fullmatch(" [0-9]{3}-[0-9]{4}", reply.json()["choices"][0]["text"])
     bad = server.post("inference", f"/predictions/{MODEL}", json={"prompt": "x", "structured_outputs": {"json": 3}})
-    assert bad.status == 400 and "JSON schema" in bad.json()["message"]
+    assert bad.status == 400 and "structured_outputs.json" in bad.json()["message"]

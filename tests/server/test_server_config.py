@@ -49,7 +49,7 @@ def test_precedence_defaults_file_env_flags(tmp_path):
 
 @pytest.mark.parametrize("text, words", [
     ("inference_adress: 127.0.0.1:1\n", "unknown key 'inference_adress'"),
-    ("job_queue_size: 0\n", "job_queue_size=0"),
+    ("job_queue_size: 0\n", "job_queue_size: must be >= 1, got 0"),
     ("enable_model_api: 'yes'\n", "enable_model_api"),
     ("metrics_address: nowhere\n", "metrics_address"),
     ("load_models: a.mar\n", "load_models"),

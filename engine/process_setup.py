@@ -1,0 +1,59 @@
+"""Process-wide settings for a process that runs an engine: torch threads, torch's global RNG
+seed and glibc's malloc thresholds.
+
+They belong to the owner of the process, which calls `configure_engine_process` once before it
+builds its EngineCore: the worker process's main (`engine.core_process.run_engine_core`) and
+the offline `engine.llm.LLM`. Neither an import nor the EngineCore or an attention backend
+changes them, so an engine built inside another process (a test, a front end) leaves that
+process as it was.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def tune_glibc_malloc(
+    mmap_threshold: int = 32 * 1024 * 1024, trim_threshold: int = 16 * 1024**3
+) -> bool:
+    """Keep large temporaries on the heap instead of mmap/munmap + page faults on every call.
+
+    Same effect as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ in the environment; both must
+    be set (setting only the trim threshold was measured to be slower). Process-wide: called by
+    `configure_engine_process`, never at import. Returns False where mallopt is unavailable.
+    """
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, trim_threshold)
+    )
+
+
+def configure_engine_process(config: EngineConfig) -> None:
+    """Apply the engine's process-wide settings to the calling process.
+
+    `num_threads` (when set) becomes torch's intra-op thread count; `seed` seeds torch's global
+    RNG (the one draw shared by sampled rows without a per-request seed); on a CPU, glibc
+    malloc keeps large temporaries on the heap.
+    """
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    torch.manual_seed(config.seed)
+    if torch.device(config.device).type == "cpu":
+        tune_glibc_malloc()

@@ -1,0 +1,134 @@
+"""Declared schemas: msgspec Structs checked by `msgspec.convert`, with errors that name the
+field, the value and what is allowed, the same way everywhere ("max_tokens: must be >= 1, got 0",
+"unknown field 'foo'").
+
+Every request body, wire message and config file of the server is a Struct declared once, with
+its bounds as `Annotated[..., msgspec.Meta(...)]`; this module turns msgspec's own messages
+("Expected `int` >= 1 - at `$.max_tokens`") into that one format. `Struct.__init__` checks
+nothing, so a Struct built in Python calls `check_fields` from its `__post_init__`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, TypeVar
+
+import msgspec
+
+T = TypeVar("T")
+S = TypeVar("S", bound=msgspec.Struct)
+
+_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_GOT = re.compile(r"^Expected `(?P<want>[^`]+)`, got `(?P<got>[^`]+)`$")
+_BOUND = re.compile(r"^Expected `(?P<want>[^`]+)` (?P<op>>=|<=|>|<) (?P<limit>\S+)$")
+_LENGTH = re.compile(r"^Expected `(?P<want>[^`]+)` of length (?P<op>>=|<=) (?P<limit>\d+)$")
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>[^`]+)`$")
+_MISSING = re.compile(r"^Object missing required field `(?P<name>[^`]+)`$")
+_NAMED = re.compile(r"^(?P<name>[A-Za-z_][\w.\[\]]*): (?P<rest>.*)$", re.DOTALL)
+_PATH_PART = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+_KINDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
+          "array": "a list", "object": "an object", "null": "null"}
+_LENGTH_WORDS = {"str": "characters", "array": "items", "object": "keys"}
+_SIZE_WORDS = {">=": "at least", "<=": "at most"}
+MAX_SHOWN = 60  # characters of a refused value quoted back
+
+
+class SchemaError(ValueError):
+    """A value a schema refuses. `field` is its dotted path ("stop[3]", "structured_outputs.regex"),
+    None for the whole object; the message starts with it."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def convert(data: Any, schema: type[T], *, strict: bool = True) -> T:
+    """`msgspec.convert(data, schema)` with a `SchemaError` naming the field on refusal.
+    `strict=False` also reads numbers and booleans from strings (query strings, environment)."""
+    try:
+        return msgspec.convert(data, schema, strict=strict)
+    except msgspec.ValidationError as exc:
+        raise schema_error(exc, data) from None
+
+
+def check_fields(obj: msgspec.Struct, schema: type[S]) -> S:
+    """Check a Struct built in Python against `schema` (its declaration without `__post_init__`):
+    types and bounds, as decoding would. Returns the checked copy (nested mappings converted)."""
+    try:
+        data = msgspec.to_builtins(obj)
+    except (TypeError, ValueError) as exc:
+        raise SchemaError(f"{type(obj).__name__}: {exc}") from None
+    return convert(data, schema)
+
+
+def schema_error(exc: msgspec.ValidationError, data: Any = None) -> SchemaError:
+    """msgspec's message -> "field: must be ..., got VALUE" (the value read back from `data`)."""
+    match = _AT.match(str(exc))
+    message, path = match["msg"], _field_name(match["path"] or "")
+    value = _lookup(data, match["path"] or "")
+    if found := _UNKNOWN.match(message):
+        return SchemaError(f"{_prefix(path)}unknown field '{found['name']}'", _join(path, found["name"]))
+    if found := _MISSING.match(message):
+        name = _join(path, found["name"])
+        return SchemaError(f"{name}: is required", name)
+    if found := _GOT.match(message):
+        text = f"must be {_kind(found['want'])}{_got(value) or ', got ' + found['got']}"
+    elif found := _BOUND.match(message):
+        text = f"must be {found['op']} {found['limit']}{_got(value)}"
+    elif (found := _LENGTH.match(message)) and found["op"] == ">=" and found["limit"] == "1":
+        text = "must not be empty"
+    elif found := _LENGTH.match(message):
+        kind = found["want"].split(" ")[0]
+        size = f", got {len(value)}" if isinstance(value, (str, list, dict)) else ""
+        text = f"must have {_SIZE_WORDS[found['op']]} {found['limit']} {_LENGTH_WORDS.get(kind, 'items')}{size}"
+        if kind == "str":
+            text = f"must be {_SIZE_WORDS[found['op']]} {found['limit']} characters long{size}"
+    elif found := _NAMED.match(message):  # a __post_init__ message that names its own field
+        name = _join(path, found["name"])
+        return SchemaError(f"{name}: {found['rest']}", name)
+    else:
+        text = message[0].lower() + message[1:] if message else "invalid value"
+    return SchemaError(f"{_prefix(path)}{text}", path)
+
+
+def show(value: Any) -> str:
+    """A refused value as JSON, shortened."""
+    try:
+        text = json.dumps(value, ensure_ascii=True, default=repr)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."
+
+
+_MISSING_VALUE = object()
+
+
+def _got(value: Any) -> str:
+    return "" if value is _MISSING_VALUE else f", got {show(value)}"
+
+
+def _lookup(data: Any, path: str) -> Any:
+    for key, index in _PATH_PART.findall(path):
+        try:
+            data = data[int(index)] if index else data[key]
+        except (KeyError, IndexError, TypeError, ValueError):
+            return _MISSING_VALUE
+    return data
+
+
+def _field_name(path: str) -> str | None:
+    return path.removeprefix(".") or None
+
+
+def _join(path: str | None, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _prefix(path: str | None) -> str:
+    return f"{path}: " if path else ""
+
+
+def _kind(types: str) -> str:
+    kinds = [_KINDS.get(t, t) for t in types.split(" | ")]
+    return kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} or {kinds[-1]}"

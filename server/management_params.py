@@ -1,0 +1,84 @@
+"""The management API's parameters, one Struct per call, declared once with their bounds.
+
+Query strings and JSON bodies are converted alike (`strict=False` reads "3" and "true" from a
+query string); an empty value means "not given"; unknown parameters are refused. A refusal is a
+`SchemaError` (400 in the management app) naming the parameter: "timeout: must be <= 86400,
+got 99999999".
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from engine.schema import SchemaError, convert
+
+MAX_WORKERS = 64  # per model version
+MAX_TIMEOUT_S = 86_400  # one day: response_timeout at registration, scale/unregister timeouts
+MAX_PAGE = 1000  # models per page of GET /models
+_Workers = Annotated[int, Meta(ge=0, le=MAX_WORKERS)]
+_Seconds = Annotated[int, Meta(ge=1, le=MAX_TIMEOUT_S)]
+
+
+class RegisterParams(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /models (query string or JSON body)."""
+
+    url: Annotated[str, Meta(min_length=1, max_length=4096)]
+    model_name: Annotated[str, Meta(min_length=1)] | None = None  # checked by server.registry.check_model_name
+    initial_workers: _Workers | None = None
+    synchronous: bool = False
+    response_timeout: _Seconds | None = None
+    batch_size: Annotated[int, Meta(ge=1)] = 1
+    max_batch_delay: Annotated[int, Meta(ge=0, le=MAX_TIMEOUT_S * 1000)] | None = None  # accepted, unused
+    runtime: str | None = None  # accepted, unused
+
+    def __post_init__(self) -> None:
+        if self.batch_size != 1:
+            raise SchemaError("batch_size: pagedserve batches continuously inside the engine; only "
+                              f"batch_size=1 is accepted, got {self.batch_size}", "batch_size")
+
+
+class ScaleParams(msgspec.Struct, forbid_unknown_fields=True):
+    """PUT /models/{m}[/{v}]."""
+
+    min_worker: _Workers | None = None
+    max_worker: _Workers | None = None
+    synchronous: bool = False
+    timeout: Annotated[int, Meta(ge=-1, le=MAX_TIMEOUT_S)] | None = None  # -1 or none: wait for ever
+    number_gpu: Annotated[int, Meta(ge=0, le=MAX_WORKERS)] | None = None  # accepted, unused
+
+    def workers(self, current_min: int, current_max: int) -> tuple[int, int]:
+        """(min, max) after this call: an omitted bound keeps the version's own; min above max
+        is refused naming both."""
+        low = current_min if self.min_worker is None else self.min_worker
+        high = current_max if self.max_worker is None else self.max_worker
+        if low > high:
+            what = "max_worker" if self.max_worker is not None else "the version's maxWorkers (give max_worker to raise it)"
+            raise SchemaError(f"min_worker: {low} must not exceed {what}: {high}", "min_worker")
+        return low, high
+
+    @property
+    def wait_s(self) -> float | None:
+        return None if self.timeout is None or self.timeout < 0 else float(self.timeout)
+
+
+class UnregisterParams(msgspec.Struct, forbid_unknown_fields=True):
+    """DELETE /models/{m}[/{v}] (TorchServe's parameters, accepted)."""
+
+    synchronous: bool = False
+    timeout: Annotated[int, Meta(ge=-1, le=MAX_TIMEOUT_S)] | None = None
+
+
+class ListParams(msgspec.Struct, forbid_unknown_fields=True):
+    """GET /models."""
+
+    limit: Annotated[int, Meta(ge=1)] = 100  # more than MAX_PAGE gets MAX_PAGE
+    next_page_token: Annotated[int, Meta(ge=0, le=(1 << 31) - 1)] = 0
+
+
+def read_params(values: Any, schema: type[Any]) -> Any:
+    """Query-string (or JSON body) values -> the call's Struct; "" means not given."""
+    given = {k: v for k, v in dict(values).items() if v != ""}
+    return convert(given, schema, strict=False)
