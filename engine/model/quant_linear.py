@@ -27,6 +27,9 @@ from torch import nn
 INT4_GROUP_SIZES = (32, 64, 128)
 INT8_WEIGHT_ONLY_MAX_ROWS = 16  # mode int8: more rows quantize activations (torch._int_mm)
 INT4_KERNEL_MAX_ROWS = 32  # more rows de-quantize the weight for the call and use F.linear
+# The LM head (49152 x 576 here) sees at most one row per sequence: de-quantizing it per call
+# would cost far more than the weight-only kernel at any batch size, so it always uses the kernel.
+HEAD_WEIGHT_ONLY_MAX_ROWS = 1 << 62
 _INT4_BLOCK_N = 64  # output rows per block of the CPU int4 packed layout
 
 
@@ -141,7 +144,7 @@ class Int8Linear(_QuantBase):
 
     @classmethod
     def sharing(cls, qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                weight_only_max_rows: int = INT8_WEIGHT_ONLY_MAX_ROWS) -> Int8Linear:
+                weight_only_max_rows: int = HEAD_WEIGHT_ONLY_MAX_ROWS) -> Int8Linear:
         """A bias-free layer over existing int8 storage (the tied LM head over the embedding)."""
         with torch.device("meta"):
             layer = cls(qweight.shape[1], qweight.shape[0], False, dtype, weight_only_max_rows)
