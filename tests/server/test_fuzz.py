@@ -89,7 +89,10 @@ def worker_pid(server) -> int:
 def send(server: ServerProcess, method: str, api: str, path: str, body: bytes | None = None,
          headers: dict[str, str] | None = None, token: str | None = "right") -> Reply:
     """One request on a fresh connection, written in one piece (request line, headers and body
-    together); the whole reply (a stream to its end) is read."""
+    together); the whole reply (a stream to its end) is read. In one piece because a body sent
+    apart from its headers with a `Content-Encoding: deflate` that fails only at its end (b"1")
+    is never answered by aiohttp 3.14 (the handler's read waits for ever): a known finding,
+    reported, not what this suite should trip over at random."""
     hdrs = {"Host": "127.0.0.1", "Connection": "close", **(headers or {})}
     if token == "right":
         hdrs.update(server.auth_headers(api))
