@@ -70,10 +70,13 @@ class AsyncLLM:
         *,
         name: str = "worker",
         on_dead: Callable[[AsyncLLM], None] | None = None,
+        heartbeat_timeout: float | None = None,
     ) -> None:
         self.config = config
         self.name = name
         self.on_dead = on_dead
+        # A worker silent this long is stalled: killed, its requests failed, on_dead called.
+        self.heartbeat_timeout = heartbeat_timeout
         self.info: EngineInfo | None = None
         self.stats = SchedulerStats()
         self.dead_reason: str | None = None
@@ -113,7 +116,7 @@ class AsyncLLM:
         self._loop = asyncio.get_running_loop()
         # Spawned from the loop's thread, not an executor thread: the worker's parent-death
         # signal fires when the thread that started it exits.
-        self._client = MPClient(self.config, self.name)
+        self._client = MPClient(self.config, self.name, heartbeat_timeout=self.heartbeat_timeout)
         try:
             self.info = await self._loop.run_in_executor(None, self._client.wait_ready, timeout)
         except BaseException as exc:

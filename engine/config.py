@@ -118,6 +118,11 @@ class EngineConfig:
     # Speculative decoding: {"method": "ngram", "num_speculative_tokens", "prompt_lookup_max",
     # "prompt_lookup_min"} (engine.spec_decode.config); None = off. Normalised here.
     speculative: dict | None = None
+    # Quantized layers (engine.model.quant_spec): None loads the checkpoint as it is (quantized
+    # or not); "none", "int8", "int4" or "w8a8" asks for that mode (a quantized checkpoint
+    # refuses a different one). quant_group_size: int4's group size (32, 64 or 128).
+    quantization: str | None = None
+    quant_group_size: int = 32
     torch_dtype: torch.dtype = field(init=False)
     kv_offload_config: KVOffloadConfig | None = field(init=False)
     speculative_config: SpeculativeConfig | None = field(init=False)
@@ -149,6 +154,13 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if not str(self.device).startswith(("cpu", "cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.quantization is not None:
+            allowed = ("none", "int8", "int4", "w8a8")
+            if not isinstance(self.quantization, str) or self.quantization.lower() not in allowed:
+                raise ValueError(f"quantization must be one of {', '.join(allowed)}, got {self.quantization!r}")
+            self.quantization = self.quantization.lower()
+        if self.quant_group_size not in (32, 64, 128) or isinstance(self.quant_group_size, bool):
+            raise ValueError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size!r}")
         self.kv_offload_config = None
         if self.kv_offload is not None:
             self.kv_offload_config = KVOffloadConfig.from_options(self.kv_offload, self.block_size)

@@ -1,5 +1,9 @@
 """Clients of one engine core, behind one interface: in-process (the offline LLM) or a spawned
-worker process over ZeroMQ (the server)."""
+worker process over ZeroMQ (the server).
+
+The worker sends something at least every `core_process.HEARTBEAT_S` while it runs (each step's
+outputs, or an idle heartbeat); an MPClient with a `heartbeat_timeout` takes a worker silent for
+longer as stalled (stopped, or hung in a step), kills it and reports it dead."""
 
 from __future__ import annotations
 
@@ -36,6 +40,10 @@ class EngineStartError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The worker process died (or was shut down) while requests were in flight."""
+
+
+class EngineStalledError(EngineDeadError):
+    """The worker sent nothing for longer than its heartbeat timeout; it was killed."""
 
 
 class EngineCoreClient(abc.ABC):
@@ -97,7 +105,8 @@ class MPClient(EngineCoreClient):
     (ZeroMQ sockets must never be used by two threads at once).
     """
 
-    def __init__(self, config: EngineConfig, name: str = "engine-core") -> None:
+    def __init__(self, config: EngineConfig, name: str = "engine-core",
+                 heartbeat_timeout: float | None = None) -> None:
         self._ipc_dir = tempfile.mkdtemp(prefix="pagedserve-")
         input_address = f"ipc://{self._ipc_dir}/input"
         output_address = f"ipc://{self._ipc_dir}/output"
@@ -115,6 +124,8 @@ class MPClient(EngineCoreClient):
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = make_event_decoder()
         self._closed = False
+        self.heartbeat_timeout = heartbeat_timeout  # None: a silent worker is waited for
+        self.last_heard = time.monotonic()  # when the worker last sent anything
         self.info: EngineInfo | None = None
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
@@ -160,7 +171,9 @@ class MPClient(EngineCoreClient):
             if self._closed:
                 raise EngineDeadError("the worker is shut down")
             if self._output.poll(None if timeout is None else int(timeout * 1000)):
-                return self._output.recv()
+                frame = self._output.recv()
+                self.last_heard = time.monotonic()
+                return frame
             return None
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -184,7 +197,22 @@ class MPClient(EngineCoreClient):
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
         event = self._recv(timeout)
+        if event is None:
+            self._check_heartbeat()
         return event if isinstance(event, EngineCoreOutputs) else None
+
+    def _check_heartbeat(self) -> None:
+        """Kill the worker and raise EngineStalledError when it has been silent too long.
+
+        Called only when a poll found nothing: messages that are merely waiting in the socket
+        (the front end was slow to read, not the worker to write) always count as heard."""
+        silent = time.monotonic() - self.last_heard
+        if self.heartbeat_timeout is None or silent <= self.heartbeat_timeout:
+            return
+        self.process.kill()  # SIGKILL ends a stopped process too; its pid stays ours until joined
+        raise EngineStalledError(f"worker {self.pid} sent nothing for {silent:.1f} s "
+                                 f"(worker_heartbeat_timeout {self.heartbeat_timeout:g} s): "
+                                 "stalled, killed")
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the worker to exit; SIGKILL it after `timeout`. Idempotent."""

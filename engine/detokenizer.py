@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.stop_strings import StopStrings
+
 _REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens the first window starts with (vLLM uses 5 too)
 
@@ -60,10 +62,7 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
     ) -> None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
+        self._stops = StopStrings(stop)  # checks them: non-empty strings
         self._tokenizer = tokenizer
         self.prompt_token_ids = list(prompt_token_ids)
         self.skip_special_tokens = skip_special_tokens
@@ -74,7 +73,6 @@ class IncrementalDetokenizer:
             context = []  # the prompt ends inside a character: no clean cut after it
         self._seq: list[int] = list(context)  # context + output tokens: what windows index
         self._decode = _DecodeState(read_offset=len(context))
-        self._stops = list(stop)
         self._stop = _StopState()
 
     # -- public state ------------------------------------------------------------------------
@@ -132,7 +130,7 @@ class IncrementalDetokenizer:
         text = self.output_text
         end = len(text)
         if not self._stop.finished:
-            end -= self._stop_prefix_len(text)
+            end -= self._stops.held_back(text)
         end = max(end, self._stop.sent)
         delta = text[self._stop.sent : end]
         self._stop.sent = end
@@ -166,27 +164,12 @@ class IncrementalDetokenizer:
 
     def _check_stop(self, start: int) -> str | None:
         """Search stop strings in text appended after ``start`` (plus an overlap before it)."""
-        stop = self._stop
-        text = self._decode.text
-        best: tuple[int, str] | None = None
-        for s in self._stops:
-            idx = text.find(s, max(0, start - len(s) + 1))
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, s)
-        if best is None:
+        found = self._stops.find(self._decode.text, start)
+        if found is None:
             return None
-        idx, s = best
+        idx, s = found
+        stop = self._stop
         stop.matched = s
         stop.end = idx + len(s) if self.include_stop_str_in_output else idx
         stop.finished = True
         return s
-
-    def _stop_prefix_len(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-        longest = 0
-        for s in self._stops:
-            for k in range(min(len(s) - 1, len(text)), longest, -1):
-                if text.endswith(s[:k]):
-                    longest = k
-                    break
-        return longest

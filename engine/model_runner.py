@@ -15,6 +15,7 @@ from engine.model.loader import (
     load_model,
     select_fused_ops,
 )
+from engine.model.quant_spec import resolve_spec
 from engine.sampler import Sampler, processed_probs
 from engine.sampling_metadata import SamplingMetadata
 from engine.sampling_params import SamplingParams, SamplingType
@@ -54,6 +55,7 @@ class ModelRunner:
         self.model = load_model(
             model_dir, self.dtype, self.device, self.backend,
             max_model_len=max_model_len, fused_ops=select_fused_ops(self.device, self.dtype),
+            quant=resolve_spec(hf_config, config.quantization, config.quant_group_size, config.device),
         )
         self.bytes_per_block = kv_cache_bytes_per_block(hf_config, self.block_size, self.dtype)
         self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)

@@ -62,9 +62,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = -1  # prefix-cache hit at first scheduling (-1: not scheduled yet)
-    num_external_cached_tokens: int = 0  # prompt tokens restored from KV offload (LMCache), first scheduling
-    first_scheduled_time: float = 0.0  # time.monotonic() when first scheduled (0: not yet)
+    # Set when the request is first scheduled (None until then): prompt tokens found in the
+    # prefix cache, prompt tokens restored from the KV offload tiers, and time.monotonic().
+    num_cached_tokens: int | None = None
+    num_external_cached_tokens: int | None = None
+    first_scheduled_time: float | None = None
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     block_hashes: list[BlockHash] = field(default_factory=list)

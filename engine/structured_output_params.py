@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from engine.constraint_limits import check_constraint_size
 from engine.schema import SchemaError, check_fields
 
 MAX_CONSTRAINT_CHARS = 65_536  # a regex, a grammar or a JSON schema's text
@@ -88,7 +89,9 @@ def xgrammar_message(exc: Exception) -> str:
 
 
 def check_grammar(params: StructuredOutputsParams) -> None:
-    """Parse the constraint without a tokenizer (about a millisecond); GrammarError if invalid."""
+    """Parse the constraint without a tokenizer (about a millisecond); GrammarError if invalid,
+    ConstraintTooLarge (a ValueError) if nested too deep (checked first, see constraint_limits)."""
+    check_constraint_size(params)
     xgr = xgrammar_module()
     try:
         if params.json is not None:

@@ -4,6 +4,8 @@ The engine hands back a cumulative `RequestOutput` each time a request changes. 
 only what is new. Text that may still turn into a stop string (a suffix of the text that is a
 proper prefix of a stop string) is held back until it is settled, so a client never sees text
 that the final answer does not contain: the streamed deltas concatenate to the final text.
+The check looks only at the text's last characters (engine/stop_strings.py), so its cost per
+chunk does not grow with the output or the number of stop strings.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.outputs import FinishReason, RequestOutput, TokenLogprob
+from engine.stop_strings import StopStrings
 
 
 @dataclass(slots=True)
@@ -40,8 +43,12 @@ class _Sent:
 class DeltaTracker:
     """Remembers what was sent per choice; `update` returns the deltas of a new output."""
 
-    stop: Sequence[str] = ()
+    stop: Sequence[str] | StopStrings = ()
     _sent: dict[int, _Sent] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stop, StopStrings):
+            self.stop = StopStrings(self.stop)  # sorted once for the whole stream
 
     def update(self, out: RequestOutput) -> list[ChoiceDelta]:
         deltas = []
@@ -73,12 +80,7 @@ class DeltaTracker:
         return deltas
 
 
-def held_back(text: str, stop: Sequence[str]) -> int:
+def held_back(text: str, stop: Sequence[str] | StopStrings) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-    longest = 0
-    for s in stop:
-        for k in range(min(len(s) - 1, len(text)), longest, -1):
-            if text.endswith(s[:k]):
-                longest = k
-                break
-    return longest
+    matcher = stop if isinstance(stop, StopStrings) else StopStrings(stop)
+    return matcher.held_back(text)

@@ -20,8 +20,6 @@ from engine.schema import SchemaError, convert
 from handlers.base_handler import HandlerError
 from handlers.json_body import decode_json_body
 
-SAMPLING_FIELDS = frozenset(f.name for f in msgspec.structs.fields(SamplingParams))
-
 TokenIds = Annotated[list[TokenId], msgspec.Meta(min_length=1)]
 
 

@@ -31,13 +31,10 @@ from handlers.llm_input import (
     make_sampling_params,
 )
 
-# SamplingParams fields a body may set under their own names (max_tokens, logprobs and
-# structured output have route-specific forms, below).
-SAMPLING_FIELDS = frozenset({
-    "temperature", "top_p", "frequency_penalty", "presence_penalty", "seed", "n", "top_k", "min_p",
-    "repetition_penalty", "min_tokens", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-    "stop", "stop_token_ids",
-})
+# SamplingParams fields a body sets under their own names; max_tokens, logprobs and structured
+# output have route-specific forms (below).
+SAMPLING_FIELDS = frozenset(f.name for f in msgspec.structs.fields(SamplingParams)) - {
+    "max_tokens", "logprobs", "structured_outputs"}
 _Logprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 _MaxTokens = Annotated[int, Meta(ge=1, le=MAX_TOKENS)]
 _Text = Annotated[str, Meta(min_length=1)]

@@ -1,7 +1,8 @@
 """Shared build logic for the CPU C++ extensions (compiled once per machine with cpp_extension).
 
 Builds go to `$PAGEDSERVE_CACHE_DIR/torch_extensions` (default `~/.cache/pagedserve/...`), one
-directory per (source, flags, torch version, CPU) so a stale or foreign build is never loaded.
+directory per (source, flags, torch version, CPU, source and torch paths) so a stale or foreign
+build is never loaded.
 `PAGEDSERVE_DISABLE_CPU_KERNELS=1` turns every extension off (callers then use the torch path).
 """
 
@@ -31,6 +32,16 @@ def cpu_signature() -> bytes:
     return "\n".join(wanted).encode()
 
 
+def build_tag(source: Path, cflags: tuple[str, ...]) -> str:
+    """The build folder's key: the source, flags, torch version and CPU (-march=native: a build
+    is only valid on the CPU it was made for), and the source's and torch's paths, which
+    cpp_extension writes into build.ninja: without them two checkouts (or venvs) sharing one
+    cache would rebuild the extension for each other at every load."""
+    paths = f"{source.resolve()}:{Path(torch.__file__).parent}".encode()
+    key = source.read_bytes() + repr(cflags).encode() + torch.__version__.encode() + cpu_signature() + paths
+    return hashlib.sha256(key).hexdigest()[:10]
+
+
 def load_cpu_extension(name: str, source: Path, cflags: tuple[str, ...]):
     """Compile (first call on a machine, ~30-60 s) or load `source` as module `name`; None if unavailable.
 
@@ -40,9 +51,7 @@ def load_cpu_extension(name: str, source: Path, cflags: tuple[str, ...]):
         return None
     from torch.utils.cpp_extension import load
 
-    # -march=native: a build is only valid on the CPU it was made for, so the CPU is in the key.
-    key = source.read_bytes() + repr(cflags).encode() + torch.__version__.encode() + cpu_signature()
-    tag = hashlib.sha256(key).hexdigest()[:10]
+    tag = build_tag(source, cflags)
     build = build_dir() / f"{name}_{tag}"
     build.mkdir(parents=True, exist_ok=True)
     logger.info("loading the CPU extension %s (built once per machine, ~30-60 s)", name)

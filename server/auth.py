@@ -1,7 +1,8 @@
 """Token authorization, TorchServe's way: a key file with one key per API, `Bearer` tokens.
 
 `write_key_file` creates `key_file.json` (`{"management": {"key": ...}, "inference": {"key": ...}}`)
-with mode 0600, atomically; `auth_middleware(key)` refuses (raises `Unauthorized`) a request whose
+with mode 0600, atomically (`server.safe_write`); `auth_middleware(key)` refuses (raises
+`Unauthorized`) a request whose
 `Authorization: Bearer <token>` does not match, comparing in constant time.
 """
 
@@ -9,13 +10,14 @@ from __future__ import annotations
 
 import hmac
 import json
-import os
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
+
+from server.safe_write import write_atomically
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -34,21 +36,10 @@ class ApiKeys:
 
 
 def write_key_file(path: str | Path, keys: ApiKeys) -> Path:
-    """Write the keys to `path` with mode 0600 (never readable by others, even briefly)."""
-    path = Path(path).expanduser().absolute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # O_CREAT's mode is masked by the umask; make it exact
-        with os.fdopen(fd, "w") as f:
-            json.dump(keys.to_json(), f, indent=2)
-            f.write("\n")
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)
-    return path
+    """Write the keys to `path` with mode 0600 (never readable by others, even briefly), through
+    an O_EXCL|O_NOFOLLOW temporary file: a link planted in the folder is never written through."""
+    text = json.dumps(keys.to_json(), indent=2) + "\n"
+    return write_atomically(path, text.encode())
 
 
 def bearer_token(request: web.Request) -> str | None:

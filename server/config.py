@@ -64,6 +64,9 @@ class _ServerFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     frontend_threads: _Positive = 4  # thread pool for tokenization and archive work
     worker_threads: _Positive | None = None  # torch threads per worker; None: cores / total workers
     drain_grace: Annotated[float, Meta(ge=0)] = 30.0  # seconds SIGTERM waits for in-flight requests
+    # Seconds a worker may stay silent (it sends a heartbeat every second while idle, its outputs
+    # every step while busy) before it counts as stalled: killed and restarted.
+    worker_heartbeat_timeout: Annotated[float, Meta(ge=2, le=86_400)] = 30.0
     snapshot_path: _Path | None = "snapshot.json"  # None: no snapshots
     restore_snapshot: bool = True
     allow_custom_handlers: bool = False

@@ -31,11 +31,18 @@ import msgspec
 from aiohttp import web
 
 from engine.async_llm import AsyncLLM, EngineDeadError
-from engine.inputs import EngineInput, InvalidInput, PromptSpec, prepare_input
+from engine.inputs import (
+    EngineInput,
+    InputLimits,
+    InvalidInput,
+    PromptSpec,
+    validate_input,
+)
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from handlers.base_handler import HandlerError
 from handlers.deltas import ChoiceDelta, DeltaTracker
+from server.limits import LimitRefused, PromptBounds
 from server.registry import ModelVersion
 from server.state import ServerState
 from server.streaming import (
@@ -143,16 +150,37 @@ class Prepared:
 
 
 async def prepare(state: ServerState, version: ModelVersion, spec: PromptSpec,
-                  params: SamplingParams) -> Prepared:
-    """Pick the least loaded worker, then the engine's prepare step (parse the structured-output
-    constraint, tokenize, apply the length rules of that worker) in the thread pool."""
+                  params: SamplingParams, *, client: str = "") -> Prepared:
+    """The engine's prepare step (engine.inputs) with the front end's bounds: the
+    structured-output constraint is checked on its own bounded pool (a per-`client` share, a
+    time limit), then, in the thread pool, a prompt that cannot fit is refused before it is
+    tokenized, and the length rules of the least loaded worker apply."""
+    try:
+        if params.structured_outputs is not None:
+            await state.limits.grammar.check(client, params.structured_outputs)
+    except LimitRefused as exc:
+        raise ErrorReply(exc.code, str(exc), exc.headers) from None
+    except ValueError as exc:  # a constraint xgrammar cannot parse, or one over a size bound
+        raise ErrorReply(400, str(exc), param="structured_outputs") from None
     worker = version.pick_worker()
     loop = asyncio.get_running_loop()
     try:
-        inp = await loop.run_in_executor(state.executor, prepare_input, version.tokenizer, spec, params, worker.limits)
+        inp = await loop.run_in_executor(state.executor, _bounded_prepare, state.limits.prompts,
+                                         version.tokenizer, spec, params, worker.limits)
     except InvalidInput as exc:
         raise ErrorReply(400, str(exc), param=exc.field) from None
+    except HandlerError as exc:
+        raise ErrorReply.from_handler_error(exc) from None
     return Prepared(worker, inp)
+
+
+def _bounded_prepare(bounds: PromptBounds, tokenizer, spec: PromptSpec, params: SamplingParams,
+                     limits: InputLimits) -> EngineInput:
+    """`engine.inputs.prepare_input` minus the constraint check (done on its own pool), with
+    the prompt's character bound before tokenizing."""
+    text, token_ids = bounds.tokenize(tokenizer, spec, limits.max_model_len)
+    validate_input(token_ids, params, limits)
+    return EngineInput(text, token_ids, params)
 
 
 async def respond(request: web.Request, state: ServerState, version: ModelVersion, job: Prepared,

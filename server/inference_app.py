@@ -149,7 +149,7 @@ async def predictions(request: web.Request) -> web.StreamResponse:
             parsed = _handler_call(parse_predictions_body, body)
         else:
             parsed = await _custom_preprocess(request, state, handler, raw)
-        job = await prepare(state, version, parsed.prompt, parsed.params)
+        job = await prepare(state, version, parsed.prompt, parsed.params, client=request.remote or "")
         return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
 
 
@@ -205,7 +205,7 @@ async def _openai(request: web.Request, parse: Callable[[dict[str, Any]], OpenAI
         version = _resolve(request, state, *split_model(asked))
     with version.admit():
         parsed = _handler_call(parse, body)
-        job = await prepare(state, version, parsed.prompt, parsed.params)
+        job = await prepare(state, version, parsed.prompt, parsed.params, client=request.remote or "")
         prefix = "chatcmpl-" if request.match_info.route.name.startswith("chat") else "cmpl-"
         formatter = OpenAIFormatter(parsed, prefix + request[REQUEST_ID_KEY], asked, int(time.time()))
         return await respond(request, state, version, job, OpenAIShaper(formatter),

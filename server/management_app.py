@@ -8,9 +8,9 @@ Registration and unregistration answer 405 unless the model API is enabled
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import Callable, Iterable
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from server.registry import (
     ModelNotFoundError,
     ModelVersion,
     NoWorkerError,
+    SaveFailedError,
 )
 from server.state import STATE_KEY, ServerState
 from server.workers import WorkerStartFailed
@@ -191,15 +192,12 @@ async def scale_model(request: web.Request) -> web.Response:
     params = read_params(request.query, ScaleParams)
     entry = state.registry.resolve(request.match_info["model"], request.match_info.get("version"))
     min_w, max_w = params.workers(entry.min_workers, entry.max_workers)
-    synchronous, timeout = params.synchronous, params.wait_s
-    work = asyncio.ensure_future(
-        state.registry.scale(entry, min_w, max_w, synchronous=synchronous))
+    synchronous = params.synchronous
+    done = await state.registry.scale(entry, min_w, max_w, synchronous=synchronous,
+                                      timeout=params.timeout)
     if not synchronous:
-        await work  # returns once new workers are starting / removed ones are unloading
         return _status("Processing worker updates...", 202)
-    try:
-        await asyncio.wait_for(asyncio.shield(work), timeout)
-    except asyncio.TimeoutError:
+    if not done:
         return _status(f"Workers are still being scaled to {min_w} after {params.timeout}s; "
                        "processing worker updates...", 202)
     return _status(f"Workers scaled to {min_w} for model: {entry.name}, version: {entry.version}")
@@ -228,6 +226,7 @@ EXCEPTION_CODES = (
     ((ForbiddenError, UrlNotAllowedError), 403),
     (WorkerStartFailed, 500, "Failed to start workers: {}"),
     (NoWorkerError, 503),
+    (SaveFailedError, attrgetter("status")),  # 507 disk full, else 500; the change rolled back
     ((SchemaError, ArchiveError, ModelConfigError, ValueError, FileExistsError), 400),
 )
 ROUTES = [

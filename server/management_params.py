@@ -26,7 +26,7 @@ class RegisterParams(msgspec.Struct, forbid_unknown_fields=True):
     """POST /models (query string or JSON body)."""
 
     url: Annotated[str, Meta(min_length=1, max_length=4096)]
-    model_name: Annotated[str, Meta(min_length=1)] | None = None  # checked by server.archives.check_name
+    model_name: Annotated[str, Meta(min_length=1)] | None = None  # checked by server.registry.check_model_name
     initial_workers: _Workers | None = None
     synchronous: bool = False
     response_timeout: _Seconds | None = None

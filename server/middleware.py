@@ -34,7 +34,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Shape = Callable[[web.Request, int, str, "str | None"], dict[str, Any]]
 # observe(request, status, seconds): the request metrics
 Observe = Callable[[web.Request, int, float], None]
-# ((exception types, status[, message template with "{}" for the exception's text]), ...)
+# ((exception types, status or status(exc)[, message template with "{}" for the exception's text]), ...)
 ExceptionCodes = Sequence[tuple[Any, ...]]
 
 # aiohttp's own refusals (no route, wrong method, body too large) in words a client can act on.
@@ -64,6 +64,7 @@ def as_reply(request: web.Request, exc: BaseException, codes: ExceptionCodes) ->
         return ErrorReply(exc.status, message, headers)
     for types, code, *template in codes:
         if isinstance(exc, types):
+            code = code(exc) if callable(code) else code
             message = template[0].format(exc) if template else str(exc)
             return ErrorReply(code, message, {"Retry-After": "1"} if code == 503 else None)
     return None

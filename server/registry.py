@@ -4,15 +4,24 @@
 whose `pick_worker` routes to the least loaded ready worker and whose `admit` bounds the number
 of requests in flight (`jobQueueSize`). Registration opens the archive and loads the tokenizer
 off the event loop, then starts the version's workers (`server.workers.WorkerPool`).
+
+Every change (register, unregister, scale, set-default) is checked here, whoever asks (the
+management API or the snapshot restore): names and versions follow TorchServe's characters and
+`MAX_NAME_LENGTH`, worker counts stay within the version's maxWorkers, timeouts within
+`MAX_TIMEOUT_S`. Each change is then saved (`persist`, the snapshot) before it takes effect;
+when the save fails the change is undone and `SaveFailedError` raised, so that the live state and
+the saved one never differ.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -24,13 +33,21 @@ from engine.model.model_config import ModelConfig
 from handlers.base_handler import BaseHandler, Context
 from handlers.custom_handler import CustomHandlerError
 from handlers.llm_handler import ENGINE_WORKERS
-from server.archives import LoadedArchive, check_name, load_archive
+from server.archives import LoadedArchive, load_archive
+from server.management_params import MAX_TIMEOUT_S, MAX_WORKERS
+from server.safe_write import NO_SPACE
 from server.workers import WorkerPool
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
+
+MAX_NAME_LENGTH = 128  # a name must fit in a URL path, well under the 8 KiB header limit
+# TorchServe's characters; a name starts with a letter, a version with a letter or digit.
+# \Z, not $: "$" would accept a trailing newline.
+NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_.\-]*\Z"
+VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*\Z"
 
 
 class ModelNotFoundError(LookupError):
@@ -51,6 +68,48 @@ class ConflictError(RuntimeError):
 
 class ForbiddenError(RuntimeError):
     """An operation TorchServe forbids, e.g. removing the default version of a model (403)."""
+
+
+class SaveFailedError(RuntimeError):
+    """The change could not be saved and was undone: 507 when the disk is full, else 500."""
+
+    def __init__(self, cause: OSError) -> None:
+        super().__init__(f"{cause.strerror or cause}; the change was not made")
+        self.status = 507 if cause.errno in NO_SPACE else 500
+
+
+def check_model_name(name: object, what: str = "model name") -> str:
+    """A model name usable in URLs; ValueError naming the rule otherwise."""
+    return _check_name(name, what, NAME_PATTERN, "start with a letter")
+
+
+def check_version(version: object, what: str = "model version") -> str:
+    return _check_name(version, what, VERSION_PATTERN, "start with a letter or digit")
+
+
+def _check_name(value: object, what: str, pattern: str, start: str) -> str:
+    if (not isinstance(value, str) or len(value) > MAX_NAME_LENGTH
+            or not re.match(pattern, value)):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise ValueError(f"{what} {shown} is not allowed: it must {start}, hold only letters, "
+                         f"digits, '_', '-' and '.', and be at most {MAX_NAME_LENGTH} characters")
+    return value
+
+
+def check_worker_counts(min_workers: int, max_workers: int, limit_name: str = "max_worker") -> None:
+    """min <= max <= MAX_WORKERS; ValueError naming both otherwise."""
+    if min_workers < 0:
+        raise ValueError(f"min_worker: must be >= 0, got {min_workers}")
+    if min_workers > max_workers:
+        raise ValueError(f"min_worker: {min_workers} must not exceed {limit_name}: {max_workers}")
+    if max_workers > MAX_WORKERS:
+        raise ValueError(f"max_worker: must be <= {MAX_WORKERS} (workers per version), "
+                         f"got {max_workers}")
+
+
+def check_timeout(what: str, seconds: float | None) -> None:
+    if seconds is not None and seconds > MAX_TIMEOUT_S:
+        raise ValueError(f"{what}: must be <= {MAX_TIMEOUT_S} seconds, got {seconds}")
 
 
 @dataclass(slots=True, eq=False)
@@ -132,13 +191,17 @@ class ModelRegistry:
 
     def __init__(self, executor: Executor, make_engine: EngineBuilder, *,
                  allow_custom_handlers: bool = False, default_workers: int | None = None,
-                 job_queue_size: int = 100, on_change: Callable[[], None] | None = None) -> None:
+                 job_queue_size: int = 100, on_change: Callable[[], None] | None = None,
+                 persist: Callable[[], None] | None = None) -> None:
         self._executor = executor
         self._make_engine = make_engine
         self.allow_custom_handlers = allow_custom_handlers
         self.default_workers = default_workers
         self.job_queue_size = job_queue_size
-        self.on_change = on_change or (lambda: None)
+        self.on_change = on_change or (lambda: None)  # after any change, workers' included
+        # Saves the registry (the snapshot); raises OSError when it cannot. None: nothing saved.
+        self.persist = persist
+        self._background: set[asyncio.Task] = set()  # scalings a caller stopped waiting for
         self.models: dict[str, RegisteredModel] = {}
         self._worker_ids = itertools.count(9000)  # TorchServe numbers its workers from 9000
         self._lock = asyncio.Lock()  # registrations and removals, one at a time
@@ -191,10 +254,26 @@ class ModelRegistry:
                        ) -> ModelVersion:
         """Add a version and start its workers. With `synchronous`, return once they are ready
         (WorkerStartFailed: the version is removed again); otherwise they start in the
-        background. ConflictError if that version is registered already."""
-        name = check_name(name or archive.name)
-        version = archive.version
+        background. ConflictError if that version is registered already; ValueError for a bad
+        name, version, worker count or timeout; SaveFailedError when it could not be saved."""
+        name = check_model_name(name or archive.name)
+        version = check_version(archive.version)
         config = archive.model_config
+        min_workers = (initial_workers if initial_workers is not None
+                       else self._default_workers(archive))
+        if max_workers is not None:
+            check_worker_counts(min_workers, max_workers)
+            max_w = max_workers
+        elif "maxWorkers" in archive.config_keys and initial_workers is not None:
+            check_worker_counts(min_workers, config.max_workers, "the archive's maxWorkers")
+            max_w = config.max_workers
+        else:  # no maximum was set: it follows the number of workers asked for
+            max_w = max(config.max_workers, min_workers)
+            check_worker_counts(min_workers, max_w)
+        if response_timeout is not None:
+            check_timeout("response_timeout", response_timeout)
+            config = dataclasses.replace(config, response_timeout=response_timeout)
+        check_timeout("responseTimeout", config.response_timeout)
         async with self._lock:
             model = self.models.get(name)
             if model is not None and version in model.versions:
@@ -202,13 +281,8 @@ class ModelRegistry:
                                     f"{name}")
             loop = asyncio.get_running_loop()
             tokenizer = await loop.run_in_executor(self._executor, _load_tokenizer, archive.model_dir)
-            min_workers = (initial_workers if initial_workers is not None
-                           else self._default_workers(archive))
-            max_w = max(config.max_workers if max_workers is None else max_workers, min_workers)
             queue = (config.job_queue_size if "jobQueueSize" in archive.config_keys
                      else self.job_queue_size)
-            if response_timeout is not None:
-                config = _with_response_timeout(config, response_timeout)
             context = Context(model_name=name, model_dir=archive.model_dir,
                               manifest=archive.manifest, model_config=config,
                               system_properties={"device": config.device_type.value
@@ -227,10 +301,18 @@ class ModelRegistry:
                 lambda: str(next(self._worker_ids)), startup_timeout=float(config.startup_timeout),
                 on_change=self.on_change)
             model = self.models.setdefault(name, RegisteredModel(name))
+            old_default = model.default_version
             model.versions[version] = entry
             if model.default_version is None or make_default:
                 model.default_version = version
-            self.on_change()
+
+            def undo() -> None:
+                del model.versions[version]
+                model.default_version = old_default
+                if not model.versions:
+                    del self.models[name]
+
+            self._save(undo)
         try:
             await entry.pool.scale_to(min_workers, wait=synchronous)
         except Exception:
@@ -241,7 +323,9 @@ class ModelRegistry:
     async def unregister(self, name: str, version: str | None = None, *,
                          force: bool = False) -> ModelVersion:
         """Remove one version (the default one when `version` is None) and stop its workers.
-        The default version cannot go while others remain (ForbiddenError), as in TorchServe."""
+        The default version cannot go while others remain (ForbiddenError), as in TorchServe.
+        `force` (a registration taking itself back) skips that rule and removes the version
+        even when the save fails."""
         async with self._lock:
             entry = self.resolve(name, version)
             model = self.models[name]
@@ -249,27 +333,74 @@ class ModelRegistry:
                     and len(model.versions) > 1):
                 raise ForbiddenError(f"Can't remove default version: {entry.version} of model "
                                      f"{name}; set another default version first")
+            old_default = model.default_version
             del model.versions[entry.version]
             if not model.versions:
                 del self.models[name]
             elif model.default_version == entry.version:
                 model.default_version = max(model.versions, key=_version_key)
-            self.on_change()
+
+            def undo() -> None:
+                model.versions[entry.version] = entry
+                model.default_version = old_default
+                self.models[name] = model
+
+            self._save(None if force else undo)
         await entry.pool.shutdown()
         return entry
 
-    async def scale(self, entry: ModelVersion, min_workers: int, max_workers: int, *,
-                    synchronous: bool) -> None:
-        entry.min_workers = min_workers
-        entry.max_workers = max_workers
-        self.on_change()
-        await entry.pool.scale_to(min_workers, wait=synchronous)
+    async def scale(self, entry: ModelVersion, min_workers: int, max_workers: int | None = None,
+                    *, synchronous: bool, timeout: float | None = None) -> bool:
+        """Set the version's worker range and reach `min_workers`. `max_workers` None keeps the
+        version's maxWorkers, which `min_workers` must not exceed (ValueError naming both).
+        With `synchronous`, wait up to `timeout` seconds (None or < 0: no limit) for the workers;
+        False when that ran out (the scaling goes on)."""
+        max_w = entry.max_workers if max_workers is None else max_workers
+        check_worker_counts(min_workers, max_w,
+                            "max_worker" if max_workers is not None else "maxWorkers")
+        check_timeout("timeout", timeout)
+        old = (entry.min_workers, entry.max_workers)
+        entry.min_workers, entry.max_workers = min_workers, max_w
+
+        def undo() -> None:
+            entry.min_workers, entry.max_workers = old
+
+        self._save(undo)
+        work = asyncio.ensure_future(entry.pool.scale_to(min_workers, wait=synchronous))
+        self._background.add(work)
+        work.add_done_callback(self._background.discard)
+        if not synchronous:
+            await work  # new workers are starting, removed ones unloading
+            return True
+        try:
+            await asyncio.wait_for(asyncio.shield(work),
+                                   None if timeout is None or timeout < 0 else timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     def set_default(self, name: str, version: str) -> ModelVersion:
         entry = self.resolve(name, version)
-        self.models[name].default_version = entry.version
-        self.on_change()
+        model = self.models[name]
+        old_default = model.default_version
+        model.default_version = entry.version
+        self._save(lambda: setattr(model, "default_version", old_default))
         return entry
+
+    def _save(self, undo: Callable[[], None] | None) -> None:
+        """Persist a change just made in memory. If that fails, `undo` it and raise
+        SaveFailedError (`undo` None: keep it, and log that the snapshot is behind)."""
+        if self.persist is not None:
+            try:
+                self.persist()
+            except OSError as exc:
+                if undo is None:
+                    logger.error("%s; the live registry has moved on and the saved one is "
+                                 "behind until the next save", exc.strerror or exc)
+                else:
+                    undo()
+                    raise SaveFailedError(exc) from exc
+        self.on_change()
 
     async def shutdown(self) -> None:
         versions = self.all_versions()
@@ -293,12 +424,6 @@ def _load_tokenizer(model_dir: Path):
     from engine.llm import load_tokenizer
 
     return load_tokenizer(model_dir)
-
-
-def _with_response_timeout(config: ModelConfig, seconds: int) -> ModelConfig:
-    import dataclasses
-
-    return dataclasses.replace(config, response_timeout=seconds)
 
 
 def _version_key(version: str) -> tuple:

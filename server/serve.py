@@ -189,6 +189,7 @@ class Server:
             await asyncio.gather(startup, return_exceptions=True)
             await state.registry.shutdown()
             state.executor.shutdown(wait=False, cancel_futures=True)
+            state.limits.shutdown()
 
         apps = {"inference": build_inference_app(state, contexts=[lifecycle]),
                 "management": build_management_app(state),
@@ -211,7 +212,7 @@ class Server:
     async def _register_at_start(self, restored, opened) -> None:
         """The snapshot's models, then the `load_models` archives (the lifecycle's task)."""
         registry = self.state.registry
-        registry.on_change = self._on_registry_change
+        registry.on_change = self._rebalance_threads
         try:
             await self._restore(restored)
             for model, archive in opened:
@@ -219,6 +220,8 @@ class Server:
         except Exception:  # a bug: the server keeps serving what did register
             logger.exception("the startup registrations failed")
         self._save_snapshot()
+        if self.snapshot is not None:  # from now on each change is saved before it is made
+            registry.persist = lambda: self.snapshot.save(registry)
         registry.startup_done = True
         self.out(f"pagedserve: ready ({len(registry.all_versions())} model version(s) registered)")
 
@@ -246,7 +249,7 @@ class Server:
             except (OSError, ValueError, RuntimeError) as exc:
                 logger.error("snapshot: could not restore %s %s: %s; it stays in the snapshot "
                              "for the next start", e.name, e.version, exc)
-                self.snapshot.carried.append(e)
+                self.snapshot.carry(e)
 
     async def _register_startup(self, archive: LoadedArchive, url: str, name: str | None) -> None:
         try:
@@ -275,11 +278,8 @@ class Server:
             options["device"] = "cuda"
         # The registry opened and verified the archive (custom handler rules included).
         config = EngineConfig(model=str(entry.model_dir), model_verified=True, **options)
-        return AsyncLLM(config, entry.tokenizer, name=worker_name, on_dead=on_dead)
-
-    def _on_registry_change(self) -> None:
-        self._save_snapshot()
-        self._rebalance_threads()
+        return AsyncLLM(config, entry.tokenizer, name=worker_name, on_dead=on_dead,
+                        heartbeat_timeout=self.config.worker_heartbeat_timeout)
 
     def _worker_threads(self, entry: ModelVersion) -> int:
         """Torch threads for a worker of `entry`: its model-config's num_threads, else the

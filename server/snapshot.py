@@ -1,36 +1,48 @@
 """Snapshots of the registered models, so registrations survive a restart.
 
 The file holds, per model version: name, version, archive URL, min/max workers and whether it
-is the default version. It is rewritten atomically (temporary file + rename) whenever the
-registry changes, and read back at start. An entry that could not be restored (its archive
-gone or unreadable) is carried over into every later save, so that a start with a missing or
-broken archive loses no registration: fix the archive and restart. Starting once with `--ncs`
-(no restore) drops what is not registered.
+is the default version (one `SnapshotEntry`). The registry saves it before each change takes
+effect (`server.safe_write`: an O_EXCL|O_NOFOLLOW temporary file, fsync, rename, fsync of the
+folder), and a failed save undoes the change (`server.registry.SaveFailedError`). It is read
+back at start. An entry that could not be restored — malformed (a wrong type, a missing key, a
+bad name), its archive gone or unreadable — is logged as an error and carried over, exactly as
+it was written, into every later save, so that a start loses no registration: fix the entry or
+the archive and restart. Starting once with `--ncs` (no restore) drops what is not registered.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
+
+import msgspec
+
+from server.management_params import MAX_WORKERS
+from server.registry import MAX_NAME_LENGTH, NAME_PATTERN, VERSION_PATTERN
+from server.safe_write import write_atomically
 
 if TYPE_CHECKING:
     from server.registry import ModelRegistry
 
 logger = logging.getLogger(__name__)
 FORMAT = 1
+MAX_SNAPSHOT_BYTES = 64 << 20
+
+Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH)]
+Version = Annotated[str, msgspec.Meta(pattern=VERSION_PATTERN, max_length=MAX_NAME_LENGTH)]
+Workers = Annotated[int, msgspec.Meta(ge=0, le=MAX_WORKERS)]
 
 
-@dataclass(frozen=True, slots=True)
-class SnapshotEntry:
-    name: str
-    version: str
-    url: str
-    min_workers: int
-    max_workers: int
+class SnapshotEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One registered model version as the snapshot keeps it."""
+
+    name: Name
+    version: Version
+    url: Annotated[str, msgspec.Meta(min_length=1)]
+    min_workers: Workers
+    max_workers: Workers
     default: bool
 
 
@@ -44,39 +56,65 @@ def entries_of(registry: ModelRegistry) -> list[SnapshotEntry]:
     return out
 
 
+def _key(raw: Any) -> tuple[Any, Any] | None:
+    """(name, version) of a raw entry, when it has them."""
+    return (raw.get("name"), raw.get("version")) if isinstance(raw, dict) else None
+
+
 class Snapshotter:
     """Writes the registry's snapshot to `path` when its content changed."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path).expanduser().absolute()
-        self.carried: list[SnapshotEntry] = []  # entries not restored, kept for the next start
+        # Entries not restored at this start, as read (JSON values), kept for the next start.
+        self.carried: list[Any] = []
         self._last: str | None = None
 
+    def carry(self, entry: SnapshotEntry) -> None:
+        """Keep an entry that could not be restored in every later save."""
+        self.carried.append(msgspec.to_builtins(entry))
+
     def save(self, registry: ModelRegistry) -> None:
-        entries = entries_of(registry)
-        registered = {(e.name, e.version) for e in entries}
-        entries += [e for e in self.carried if (e.name, e.version) not in registered]
-        text = json.dumps({"format": FORMAT, "models": [asdict(e) for e in entries]},
-                          indent=2) + "\n"
+        """Write the registry's entries (and the carried ones not registered again). OSError,
+        naming the file, when it cannot be written; the file is then unchanged."""
+        entries: list[Any] = msgspec.to_builtins(entries_of(registry))
+        registered = {_key(e) for e in entries}
+        entries += [e for e in self.carried if _key(e) is None or _key(e) not in registered]
+        text = json.dumps({"format": FORMAT, "models": entries}, indent=2) + "\n"
         if text == self._last:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        try:
+            write_atomically(self.path, text.encode())
+        except OSError as exc:
+            raise OSError(exc.errno, f"could not save the snapshot {self.path}: "
+                                     f"{exc.strerror or exc}") from exc
         self._last = text
 
     def load(self) -> list[SnapshotEntry]:
-        """The saved entries; [] when there is no snapshot. A malformed file is an error."""
+        """The saved entries; [] when there is no snapshot. A malformed entry is logged and
+        carried (not returned); a file that is not a snapshot at all is a ValueError."""
         if not self.path.is_file():
             return []
         try:
-            data: Any = json.loads(self.path.read_text())
-            entries = [SnapshotEntry(**e) for e in data["models"]]
-        except (ValueError, KeyError, TypeError) as exc:
+            with open(self.path, "rb") as f:
+                raw = f.read(MAX_SNAPSHOT_BYTES + 1)
+            if len(raw) > MAX_SNAPSHOT_BYTES:
+                raise ValueError(f"larger than {MAX_SNAPSHOT_BYTES} bytes")
+            data: Any = json.loads(raw)
+            models = data.get("models") if isinstance(data, dict) else None
+            if not isinstance(models, list):
+                raise ValueError("no 'models' list")
+        except (OSError, ValueError, RecursionError) as exc:
             raise ValueError(f"snapshot {self.path} is malformed ({exc}); move it away to "
                              "start without it") from None
+        entries = []
+        for i, item in enumerate(models):
+            try:
+                entries.append(msgspec.convert(item, SnapshotEntry))
+            except msgspec.ValidationError as exc:
+                shown = json.dumps(item)
+                shown = shown if len(shown) <= 200 else shown[:197] + "..."
+                logger.error("snapshot %s: entry %d is malformed (%s): %s; skipped, and kept "
+                             "in the snapshot: correct or remove it", self.path, i, exc, shown)
+                self.carried.append(item)
         return entries

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from server.config import ServerConfig
+from server.limits import RequestLimits
 from server.metrics import ServerMetrics
 from server.registry import ModelRegistry
 
@@ -59,6 +60,7 @@ class ServerState:
     inference_key: str | None  # None: token authorization is off
     management_key: str | None
     executor: concurrent.futures.ThreadPoolExecutor  # tokenization etc. off the event loop
+    limits: RequestLimits = field(default_factory=RequestLimits)  # grammar checks, prompt bounds
     drain: Drain = field(default_factory=Drain)
 
     @property

@@ -4,8 +4,9 @@ Each worker is one engine-core process behind an `AsyncLLM`. A slot is a place f
 keeps its id and start time across restarts. When a worker dies (`on_dead`), or a worker started
 in the background fails to start, its slot starts it again after an exponential back-off
 (0.5 s, 1 s, 2 s, ... capped), counted in consecutive failures; a worker that stayed up for
-`STABLE_AFTER_S` resets the count. Other slots never notice. A synchronous start (register or
-scale with synchronous=true) does not retry: its caller reports the failure.
+`STABLE_AFTER_S` resets the count. A stalled worker (silent past its heartbeat timeout, see
+`engine.core_client`) is killed and counts as dead. Other slots never notice. A synchronous
+start (register or scale with synchronous=true) does not retry: its caller reports the failure.
 Scaling down picks idle workers first and lets their requests finish before stopping them.
 """
 
@@ -174,7 +175,7 @@ class WorkerPool:
         lived = time.monotonic() - slot.ready_since if slot.ready_since is not None else 0.0
         slot.failures = 1 if lived >= STABLE_AFTER_S else slot.failures + 1
         slot.restarts += 1
-        slot.last_error = f"worker process {engine.pid} died"
+        slot.last_error = engine.dead_reason or f"worker process {engine.pid} died"
         slot.status = WorkerStatus.RESTARTING
         slot.ready_since = None
         delay = backoff_delay(slot.failures)

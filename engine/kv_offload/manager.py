@@ -65,7 +65,7 @@ def chunk_hash(obj: tuple) -> BlockHash:
     impractical to craft. The model, dtype and cache salt are in the key beside this hash.
     """
     prefix, tokens, extra = obj
-    parent = root_hash(sha256) if prefix == 0 else BlockHash(int(prefix).to_bytes(8, "big"))
+    parent = root_hash(sha256) if prefix == 0 else BlockHash(int(prefix).to_bytes(8, "big", signed=prefix < 0))
     return hash_block(sha256, parent, tokens, tuple(extra) or None)
 
 
@@ -113,6 +113,7 @@ class KVOffloadManager:
         self.block_size = block_size
         self.chunk_size = config.chunk_size
         self.stats = KVOffloadStats()
+        self._last_fault_time: float | None = None  # time.perf_counter() of the latest fault
         self._builder = LMCacheEngineBuilder
         self._closed = False
         _, _, _, heads, head_dim = kv_caches[0].shape
@@ -395,7 +396,7 @@ class KVOffloadManager:
         logger.warning("KV offload: %s", message)
 
     def _has_fault_since(self, t: float) -> bool:
-        return getattr(self, "_last_fault_time", -1.0) >= t
+        return self._last_fault_time is not None and self._last_fault_time >= t
 
 
 def _request_configs(request) -> dict | None:

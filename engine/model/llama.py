@@ -23,6 +23,16 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.model.llama_spec import LlamaSpec, rope_inv_freq
+from engine.model.quant_linear import (
+    HEAD_WEIGHT_ONLY_MAX_ROWS,
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    QuantMethod,
+    make_quant_linear,
+    unpack_nibbles,
+)
+from engine.model.quant_spec import QUANT_LEAVES, QuantSpec
 from kernels.cpu_fused_ops import CpuFusedOps
 from kernels.cpu_packed_linear import PackedLinear
 
@@ -34,6 +44,7 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+_QUANT_LINEARS = (Int8Linear, Int4Linear)
 _UNFUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -161,6 +172,9 @@ class LlamaForCausalLM(nn.Module):
     `max_model_len` (default: the config's max_position_embeddings) bounds the RoPE table; a
     sliding window shorter than it is refused (the backends attend to the whole context).
     `fused_ops` (CPU, float32/bfloat16 only) replaces the elementwise glue with fused C++ ops.
+    `quant` swaps the projections, the embedding and the LM head for quantized layers (see
+    engine.model.quant_spec for which); they are filled by `load_weights` from full-precision
+    tensors (quantized one tensor at a time) or from a quantized checkpoint's tensors.
     """
 
     def __init__(
@@ -171,6 +185,7 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         max_model_len: int | None = None,
         fused_ops: CpuFusedOps | None = None,
+        quant: QuantSpec | None = None,
     ) -> None:
         super().__init__()
         spec = config if isinstance(config, LlamaSpec) else LlamaSpec.from_hf(config)
@@ -186,9 +201,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
             if not spec.tie_word_embeddings:
                 self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
+            if quant is not None and quant.method is not QuantMethod.NONE:
+                self._swap_quantized(quant)
         self.to_empty(device=self.device)
         self.requires_grad_(False)
-        self.packed_lm_head: PackedLinear | None = None  # set by pack_linear_weights()
+        # pack_linear_weights(), or (quantized, tied) an Int8Linear over the embedding's storage
+        self.packed_lm_head: PackedLinear | Int8Linear | None = None
         freqs = torch.arange(max_len, dtype=torch.float32, device=self.device)[:, None] * rope_inv_freq(spec).to(
             self.device
         )
@@ -224,18 +242,43 @@ class LlamaForCausalLM(nn.Module):
         them to float32 only when it needs to)."""
         if self.packed_lm_head is not None:
             return self.packed_lm_head(hidden)
+        if isinstance(self.lm_head, Int8Linear):
+            return self.lm_head(hidden)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)
 
-    def pack_linear_weights(self) -> None:
-        """Swap every projection and the LM head for a PackedLinear (bf16 on CPU, after the
-        weights are loaded): oneDNN then skips its per-call weight reorder."""
-        for layer in self.model.layers:
-            for parent, name in (
-                (layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj"),
+    def _projections(self) -> Iterable[tuple[str, nn.Module, str]]:
+        """(qualified name, parent module, attribute) of every decoder projection."""
+        for i, layer in enumerate(self.model.layers):
+            for part, parent, name in (
+                ("self_attn", layer.self_attn, "qkv_proj"), ("self_attn", layer.self_attn, "o_proj"),
+                ("mlp", layer.mlp, "gate_up_proj"), ("mlp", layer.mlp, "down_proj"),
             ):
+                yield f"model.layers.{i}.{part}.{name}", parent, name
+
+    def _swap_quantized(self, quant: QuantSpec) -> None:
+        """Replace (on the meta device, before allocation) the projections, the embedding and
+        an untied LM head by quantized layers; nothing full-precision is ever allocated for them."""
+        for qualified, parent, name in self._projections():
+            linear = getattr(parent, name)
+            method = quant.method_for(qualified)
+            if method is not QuantMethod.NONE:
+                setattr(parent, name, make_quant_linear(method, linear.in_features, linear.out_features,
+                                                        linear.bias is not None, self.dtype, quant.group_size))
+        emb = self.model.embed_tokens
+        self.model.embed_tokens = Int8Embedding(emb.num_embeddings, emb.embedding_dim, self.dtype)
+        if self.lm_head is not None:
+            self.lm_head = Int8Linear(self.lm_head.in_features, self.lm_head.out_features, False, self.dtype,
+                                      weight_only_max_rows=HEAD_WEIGHT_ONLY_MAX_ROWS)
+
+    def pack_linear_weights(self) -> None:
+        """Swap every bf16 projection and the LM head for a PackedLinear (CPU, after the
+        weights are loaded): oneDNN then skips its per-call weight reorder. Quantized layers stay."""
+        for _, parent, name in self._projections():
+            if isinstance(getattr(parent, name), nn.Linear):
                 setattr(parent, name, PackedLinear.from_linear(getattr(parent, name)))
+        if self.packed_lm_head is not None or isinstance(self.lm_head, Int8Linear):
+            return
         if self.lm_head is None:  # tied: the embedding keeps its plain table for lookups
             self.packed_lm_head = PackedLinear(self.model.embed_tokens.weight, None)
         else:
@@ -245,7 +288,9 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_names(self) -> set[str]:
         """The HF tensor names a checkpoint must provide (rotary inv_freq buffers never needed)."""
         names = set()
-        for name, _ in self.named_parameters():
+        quantized = [f"{m}.weight" for m, mod in self.named_modules()
+                     if isinstance(mod, (Int8Embedding, *_QUANT_LINEARS)) and mod is not self.packed_lm_head]
+        for name in [n for n, _ in self.named_parameters()] + quantized:
             module, leaf = name.rsplit(".", 1)
             parent, _, proj = module.rpartition(".")
             if proj not in _UNFUSED:
@@ -265,11 +310,22 @@ class LlamaForCausalLM(nn.Module):
         expected = self.checkpoint_names()
         seen: set[str] = set()
         unexpected: list[str] = []
+        pending: dict[str, dict[str, torch.Tensor]] = {}  # quantized tensors waiting for their parts
         for name, tensor in weights:
+            base, _, leaf = name.rpartition(".")
+            if leaf in QUANT_LEAVES:
+                name, parts = f"{base}.weight", pending.setdefault(f"{base}.weight", {})
+                parts[leaf] = tensor
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
                 continue
             if name not in expected:
                 unexpected.append(name)
+                continue
+            target = self._quant_target(name)
+            if target is not None:
+                if self._load_quantized(name, target, pending.get(name), tensor):
+                    pending.pop(name, None)
+                    seen.add(name)
                 continue
             dest = self._destination(name, params)
             if dest.shape != tensor.shape:
@@ -281,6 +337,59 @@ class LlamaForCausalLM(nn.Module):
         missing = expected - seen
         if missing:
             raise ValueError(f"tensors missing from checkpoint: {', '.join(sorted(missing)[:20])}")
+        emb = self.model.embed_tokens
+        if isinstance(emb, Int8Embedding) and self.lm_head is None:
+            self.packed_lm_head = Int8Linear.sharing(emb.qweight, emb.scale, self.dtype)
+
+    def _quant_target(self, name: str) -> tuple[nn.Module, int, int] | None:
+        """For an HF weight name held by a quantized layer: (layer, first row, row count)."""
+        module, leaf = name.rsplit(".", 1)
+        if leaf != "weight":
+            return None
+        parent, _, proj = module.rpartition(".")
+        fused, shard = _FUSED.get(proj, (proj, 0))
+        layer = self.get_submodule(f"{parent}.{fused}" if parent else fused)
+        if not isinstance(layer, (Int8Embedding, *_QUANT_LINEARS)):
+            return None
+        if fused not in self._shard_sizes:
+            return layer, 0, layer.qweight.shape[0] if isinstance(layer, Int8Embedding) else layer.out_features
+        sizes = self._shard_sizes[fused]
+        return layer, sum(sizes[:shard]), sizes[shard]
+
+    def _load_quantized(self, name: str, target: tuple[nn.Module, int, int],
+                        parts: dict[str, torch.Tensor] | None, tensor: torch.Tensor) -> bool:
+        """Fill rows of a quantized layer from a full-precision weight (quantized here) or from a
+        quantized checkpoint's parts once all have arrived; True when the rows are filled."""
+        layer, start, rows = target
+        needed = ("qweight", "scales", "offsets") if isinstance(layer, Int4Linear) else ("qweight", "scales")
+        if parts is None:  # a full-precision weight
+            if tensor.dim() != 2 or tensor.shape[0] != rows or not tensor.is_floating_point():
+                raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}, "
+                                 f"expected a floating-point weight of {rows} rows")
+            if isinstance(layer, Int8Embedding):
+                layer.set_weight(tensor)
+            else:
+                layer.quantize_rows(start, tensor)
+            return True
+        if not all(k in parts for k in needed):
+            return False
+        if set(parts) - set(needed):
+            raise ValueError(f"{name}: unexpected quantized parts {sorted(set(parts) - set(needed))} "
+                             f"for a {type(layer).__name__}")
+        q, scales = parts["qweight"], parts["scales"]
+        if q.shape[0] != rows:
+            raise ValueError(f"{name}.qweight has {q.shape[0]} rows, expected {rows}")
+        if isinstance(layer, Int8Embedding):
+            layer.set_quantized(q, scales)
+        elif isinstance(layer, Int4Linear):
+            if q.dtype != torch.uint8:
+                raise ValueError(f"{name}.qweight must be uint8 int4 codes for an int4 layer, got {q.dtype}")
+            layer.set_rows(start, unpack_nibbles(q), scales, parts["offsets"])
+        else:
+            if q.dtype != torch.int8:
+                raise ValueError(f"{name}.qweight must be int8 for an int8 layer, got {q.dtype}")
+            layer.set_rows(start, q, scales)
+        return True
 
     def _destination(self, name: str, params: dict[str, nn.Parameter]) -> torch.Tensor:
         module, leaf = name.rsplit(".", 1)

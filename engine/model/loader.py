@@ -18,6 +18,7 @@ from engine.attention.backend import AttentionBackend
 from engine.config import resolve_dtype
 from engine.model.llama import LlamaForCausalLM
 from engine.model.llama_spec import LlamaSpec
+from engine.model.quant_spec import QuantSpec
 from kernels.cpu_fused_ops import CpuFusedOps, load_fused_ops
 from kernels.cpu_packed_linear import packed_linear_supported
 
@@ -73,16 +74,19 @@ def load_model(
     backend: AttentionBackend,
     max_model_len: int | None = None,
     fused_ops: CpuFusedOps | None = None,
+    quant: QuantSpec | None = None,
 ) -> LlamaForCausalLM:
     """Build the model from `model_dir/config.json` and fill it from its safetensors files.
 
     Raises ValueError for an unsupported architecture/config, a missing or unexpected tensor,
-    a shape mismatch, or a directory with only pickle checkpoints.
+    a shape mismatch, or a directory with only pickle checkpoints. `quant` (see
+    `engine.model.quant_spec.resolve_spec`) loads quantized layers, tensor by tensor.
     """
     config = read_config(model_dir)
     files = safetensors_files(model_dir)
     model = LlamaForCausalLM(
-        config, resolve_dtype(dtype), device, backend, max_model_len=max_model_len, fused_ops=fused_ops
+        config, resolve_dtype(dtype), device, backend, max_model_len=max_model_len, fused_ops=fused_ops,
+        quant=quant,
     )
     model.load_weights(iter_safetensors(files))
     if model.dtype == torch.bfloat16 and model.device.type == "cpu" and packed_linear_supported():

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.config import SchedulingPolicy
+from engine.kv_cache.block import KVCacheBlock
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus
 from engine.scheduler.output import (
@@ -23,6 +25,29 @@ if TYPE_CHECKING:
 
 
 _FINISHED_STATUS = {status.finish_reason: status for status in RequestStatus if status.is_finished}
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What one schedule() call has decided so far, and the token budget it has left."""
+
+    budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
+
+    def schedule(self, req_id: str, num_tokens: int) -> None:
+        self.num_scheduled[req_id] = num_tokens
+        self.budget -= num_tokens
+
+    def unschedule(self, req_id: str) -> None:
+        """Take back a running request's share of this step (it is being preempted)."""
+        if req_id in self.num_scheduled:
+            self.budget += self.num_scheduled.pop(req_id)
+            self.spec_tokens.pop(req_id, None)
+            self.cached_requests = [c for c in self.cached_requests if c.req_id != req_id]
 
 
 class Scheduler:
@@ -102,106 +127,110 @@ class Scheduler:
 
     # -- scheduling ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        spec_tokens: dict[str, list[int]] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        preempted: set[str] = set()
-
-        # 1. Running requests, in order. A request that cannot get blocks preempts others.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = self._num_new_tokens(request, budget)
-            if num_new == 0:
-                i += 1
-                continue
-            new_blocks = self.kv.allocate_slots(request, num_new)
-            while new_blocks is None:
-                victim = self._pick_victim()
-                if victim.request_id in num_scheduled:
-                    # Priority policy may pick a request scheduled earlier in this step.
-                    budget += num_scheduled.pop(victim.request_id)
-                    spec_tokens.pop(victim.request_id, None)
-                    cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
-                    i -= 1
-                self._preempt(victim)
-                preempted.add(victim.request_id)
-                if victim is request:
-                    break
-                new_blocks = self.kv.allocate_slots(request, num_new)
-            if new_blocks is None:
-                continue  # it preempted itself; running[i] is now the next request
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            num_drafts = num_new - (request.num_tokens - request.num_computed_tokens)
-            if num_drafts > 0:  # the budget may have cut some drafts
-                spec_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
-            cached_reqs.append(
-                CachedRequestData(request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
-            )
-            i += 1
-
-        # 2. Waiting requests, unless this step already had to preempt. A request whose grammar
-        # is still compiling stays waiting, in its place, without holding up the others.
-        not_ready: list[Request] = []
-        now = time.monotonic()
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting.peek()
-            if request.grammar is not None and not request.grammar.poll(now):
-                not_ready.append(self.waiting.pop())
-                continue
-            hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_external = self.kv_offload.lookup(request, num_hit_tokens) if self.kv_offload else 0
-            request.num_computed_tokens = num_hit_tokens + num_external
-            num_new = self._num_new_tokens(request, budget)
-            new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks)
-            if new_blocks is None:
-                request.num_computed_tokens = 0
-                break
-            num_loaded = 0
-            if num_external:
-                num_loaded = self._load_external(request, num_hit_tokens, num_external, budget)
-                num_new = self._num_new_tokens(request, budget)
-            self.waiting.pop()
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
-                request.num_external_cached_tokens = num_loaded
-                request.first_scheduled_time = time.monotonic()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            new_reqs.append(
-                NewRequestData(
-                    req_id=request.request_id,
-                    token_ids=list(request.all_token_ids),
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    sampling_params=request.sampling_params,
-                    block_ids=self.kv.get_block_ids(request.request_id),
-                    num_computed_tokens=request.num_computed_tokens,
-                )
-            )
-
-        for request in reversed(not_ready):
-            self.waiting.prepend(request)
-
+        """Spend the token budget on the running requests, then (unless one had to be
+        preempted) on the waiting ones; returns what the runner computes this step."""
+        plan = _StepPlan(self.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
         output = SchedulerOutput(
-            new_requests=new_reqs,
-            cached_requests=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            new_requests=plan.new_requests,
+            cached_requests=plan.cached_requests,
+            num_scheduled_tokens=plan.num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - plan.budget,
             finished_req_ids=self._finished_ids,
-            preempted_req_ids=preempted,
-            scheduled_spec_tokens=spec_tokens,
+            preempted_req_ids=plan.preempted,
+            scheduled_spec_tokens=plan.spec_tokens,
         )
         self._finished_ids = set()
         # Tokens scheduled now count as computed: the next schedule() may run before outputs
         # arrive (the runner computes exactly what was scheduled).
-        for req_id, n in num_scheduled.items():
+        for req_id, n in plan.num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
         return output
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Running requests in order; one that cannot get blocks preempts others, or itself."""
+        for request in list(self.running):
+            if plan.budget <= 0:
+                return
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = self._num_new_tokens(request, plan.budget)
+            if num_new == 0:
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_new, plan)
+            if new_blocks is None:
+                continue  # it preempted itself
+            plan.schedule(request.request_id, num_new)
+            num_drafts = num_new - (request.num_tokens - request.num_computed_tokens)
+            if num_drafts > 0:  # the budget may have cut some drafts
+                plan.spec_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
+            plan.cached_requests.append(
+                CachedRequestData(request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
+            )
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> list[KVCacheBlock] | None:
+        """Blocks for `num_new` more tokens of a running request, preempting victims until they
+        fit. None when the request had to preempt itself (no other victim was left)."""
+        while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
+            victim = self._pick_victim()
+            plan.unschedule(victim.request_id)  # the priority policy may pick one scheduled earlier
+            self._preempt(victim)
+            plan.preempted.add(victim.request_id)
+            if victim is request:
+                return None
+        return new_blocks
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """Waiting requests in queue order while budget, sequence slots and blocks last. A
+        request whose grammar is still compiling stays waiting, in its place, without holding
+        up the others."""
+        not_ready: list[Request] = []
+        now = time.monotonic()
+        while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            if request.grammar is not None and not request.grammar.poll(now):
+                not_ready.append(self.waiting.pop())
+                continue
+            if not self._admit(request, plan):
+                break
+        for request in reversed(not_ready):
+            self.waiting.prepend(request)
+
+    def _admit(self, request: Request, plan: _StepPlan) -> bool:
+        """Schedule the head of the waiting queue from its longest cached prefix (prefix cache,
+        then the offload tiers); False when the pool lacks the blocks (it stays at the head)."""
+        hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+        num_external = self.kv_offload.lookup(request, num_hit_tokens) if self.kv_offload else 0
+        request.num_computed_tokens = num_hit_tokens + num_external
+        num_new = self._num_new_tokens(request, plan.budget)
+        if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
+            request.num_computed_tokens = 0
+            return False
+        num_loaded = 0
+        if num_external:
+            num_loaded = self._load_external(request, num_hit_tokens, num_external, plan.budget)
+            num_new = self._num_new_tokens(request, plan.budget)
+        self.waiting.pop()
+        if request.first_scheduled_time is None:
+            request.num_cached_tokens = num_hit_tokens
+            request.num_external_cached_tokens = num_loaded
+            request.first_scheduled_time = time.monotonic()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        plan.schedule(request.request_id, num_new)
+        plan.new_requests.append(
+            NewRequestData(
+                req_id=request.request_id,
+                token_ids=list(request.all_token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling_params=request.sampling_params,
+                block_ids=self.kv.get_block_ids(request.request_id),
+                num_computed_tokens=request.num_computed_tokens,
+            )
+        )
+        return True
 
     def _load_external(self, request: Request, start: int, num_tokens: int, budget: int) -> int:
         """Restore tokens [start, start + num_tokens) from the offload tiers into the request's
@@ -279,6 +308,7 @@ class Scheduler:
                     finish_reason=finish_reason,
                     stop_reason=request.stop_reason,
                     error=error,
+                    # Set at first scheduling: a request with a token has been scheduled.
                     num_cached_tokens=request.num_cached_tokens,
                     num_external_cached_tokens=request.num_external_cached_tokens,
                     first_scheduled_time=request.first_scheduled_time,

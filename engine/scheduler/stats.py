@@ -14,7 +14,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # cumulative, in prompt tokens looked up
     prefix_cache_hits: int = 0  # cumulative, in prompt tokens found
     num_preemptions: int = 0  # cumulative
-    num_threads: int = 0  # torch intra-op threads the engine steps with
+    num_threads: int | None = None  # torch intra-op threads the engine steps with (None: not reported yet)
     spec_draft_tokens: int = 0  # cumulative: draft tokens verified (speculative decoding)
     spec_accepted_tokens: int = 0  # cumulative: of those, kept
     # KV offload counters (engine.kv_offload.stats.KVOffloadStats.as_dict()); None when off.

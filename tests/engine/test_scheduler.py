@@ -17,7 +17,7 @@ def step(sched, tokens: dict[str, int] | None = None):
     """One schedule + a fake model output: every request that reached its end samples `tokens`."""
     out = sched.schedule()
     sampled = {}
-    for req_id, n in out.num_scheduled_tokens.items():
+    for req_id in out.num_scheduled_tokens:
         req = sched.requests[req_id]
         if req.num_computed_tokens == req.num_tokens:
             sampled[req_id] = [(tokens or {}).get(req_id, 7)]
@@ -99,7 +99,7 @@ def test_preempts_most_recent_when_blocks_run_out_and_recomputes():
     assert out.new_requests[0].token_ids == b.prompt_token_ids + [7, 7]
 
 
-def test_request_preempts_itself_when_alone_at_the_end():
+def test_request_needing_a_block_preempts_the_one_scheduled_last():
     s = make_scheduler(num_blocks=3, caching=False)
     a = make_request([1] * 8, request_id="a", max_tokens=30)
     b = make_request([2] * 3, request_id="b", max_tokens=30)
@@ -108,6 +108,44 @@ def test_request_preempts_itself_when_alone_at_the_end():
     step(s)  # a: 0,1  b: 2
     out, _ = step(s)  # a needs block 3 -> preempts b
     assert out.preempted_req_ids == {"b"} and out.num_scheduled_tokens == {"a": 1}
+
+
+def test_last_running_request_preempts_itself_and_is_recomputed_later():
+    """b is the last running request and needs a block while a holds the others: the victim is
+    b itself. It is not scheduled, waits while the pool is full, and comes back as a new
+    request with its generated token once a finishes."""
+    s = make_scheduler(num_blocks=3, caching=False)
+    a = make_request([1] * 6, request_id="a", max_tokens=3)
+    b = make_request([2] * 4, request_id="b", max_tokens=5)
+    s.add_request(a)
+    s.add_request(b)
+
+    out, res = step(s)  # a: blocks 0,1 (room for 8 tokens); b: block 2 (full)
+    assert out.num_scheduled_tokens == {"a": 6, "b": 4}
+    assert [(n.req_id, n.block_ids) for n in out.new_requests] == [("a", [0, 1]), ("b", [2])]
+    assert [r.request_id for r in res] == ["a", "b"]
+
+    out, res = step(s)  # a's 7th token fits its blocks; b's 5th needs a 2nd block: none is free
+    assert out.num_scheduled_tokens == {"a": 1} and out.preempted_req_ids == {"b"}
+    assert [(c.req_id, c.new_block_ids) for c in out.cached_requests] == [("a", [])]
+    assert out.new_requests == [] and [r.request_id for r in res] == ["a"]
+    assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
+    assert b.all_token_ids == [2, 2, 2, 2, 7]  # its sampled token is kept, to be recomputed
+    assert s.running == [a] and list(s.waiting) == [b] and s.num_preemptions == 1
+    assert s.kv.get_block_ids("b") == [] and s.kv.pool.free_queue.block_ids() == [2]
+
+    out, res = step(s)  # b needs 2 blocks, only block 2 is free: it waits; a finishes
+    assert out.num_scheduled_tokens == {"a": 1} and out.preempted_req_ids == set()
+    assert out.new_requests == [] and list(s.waiting) == [b]
+    assert res[0].request_id == "a" and res[0].finish_reason is FinishReason.LENGTH
+    assert s.kv.pool.free_queue.block_ids() == [2, 1, 0]  # a's blocks came back tail first
+
+    out, res = step(s)  # b resumes from scratch in the blocks at the head of the queue
+    assert out.finished_req_ids == {"a"}
+    assert out.num_scheduled_tokens == {"b": 5}
+    assert [(n.req_id, n.token_ids, n.block_ids, n.num_computed_tokens) for n in out.new_requests] == [
+        ("b", [2, 2, 2, 2, 7], [2, 1], 0)]
+    assert res[0].request_id == "b" and b.num_output_tokens == 2 and b.status is RequestStatus.RUNNING
 
 
 def test_prefix_cache_hit_is_counted_as_computed():

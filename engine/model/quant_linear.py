@@ -1,0 +1,278 @@
+"""Quantized linear layers for CPU inference: int8 and int4 weight-only, and W8A8.
+
+- `Int8Linear`: int8 weights, one float scale per output channel (symmetric). Few rows (decode)
+  run `aten._weight_int8pack_mm` (weight-only: activations stay in the model dtype), which loses
+  to bf16 from a few dozen rows on. Mode `int8` then de-quantizes the weight to the model dtype
+  for the call and uses `F.linear` (weights-only numerics everywhere: quantizing activations per
+  token cost 3.8 % perplexity on the default model); mode `w8a8` instead runs `torch._int_mm`
+  (VNNI int8 dot products) on activations quantized per token at run time, from 2 rows on.
+- `Int4Linear`: 4-bit codes in groups of 32/64/128 along the input, asymmetric (a scale and an
+  offset per group: `w = q * scale + offset`). Few rows run `aten._weight_int4pack_mm_for_cpu`;
+  many rows de-quantize the weight to the model dtype for that call and use `F.linear`.
+- `Int8Embedding`: the token table as int8 rows with a scale each; with tied embeddings the
+  LM head is an `Int8Linear` over the same storage.
+
+Each layer's `reference_weight()` is the float32 weight its kernels multiply by (scales rounded
+to the model dtype as the kernels use them): tests compare against `x @ reference_weight().T`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+INT4_GROUP_SIZES = (32, 64, 128)
+INT8_WEIGHT_ONLY_MAX_ROWS = 16  # mode int8: more rows quantize activations (torch._int_mm)
+INT4_KERNEL_MAX_ROWS = 32  # more rows de-quantize the weight for the call and use F.linear
+# The LM head (49152 x 576 here) sees at most one row per sequence: de-quantizing it per call
+# would cost far more than the weight-only kernel at any batch size, so it always uses the kernel.
+HEAD_WEIGHT_ONLY_MAX_ROWS = 1 << 62
+_INT4_BLOCK_N = 64  # output rows per block of the CPU int4 packed layout
+
+
+class QuantMethod(enum.Enum):
+    NONE = "none"
+    INT8 = "int8"
+    INT4 = "int4"
+    W8A8 = "w8a8"
+
+
+def cpu_has_vnni() -> bool:
+    """True where the CPU reports VNNI int8 dot products (avx512_vnni or avx_vnni) or AMX."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: `(q int8 [N, K] in -127..127, scale float32 [N])`."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of `group_size` inputs: `(codes uint8 [N, K] in 0..15, scale,
+    offset)` with float32 `scale`/`offset [N, K / group_size]`, `w ~ codes * scale + offset`."""
+    rows, cols = weight.shape
+    check_group_size(cols, group_size)
+    w = weight.float().reshape(rows, cols // group_size, group_size)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((high - low) / 15).clamp_min(1e-12)
+    codes = torch.round((w - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+    return codes.reshape(rows, cols), scale, low
+
+
+def check_group_size(in_features: int, group_size: int) -> None:
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if in_features % group_size:
+        raise ValueError(f"int4 group size {group_size} does not divide the layer's {in_features} "
+                         f"input features; choose one of "
+                         f"{[g for g in INT4_GROUP_SIZES if in_features % g == 0] or 'none: use int8'}")
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes `[N, K]` (0..15) -> `[N, K / 2]`, even inputs in the low nibble (storage form)."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+def _w8a8_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x [M, K]` quantized per row to int8 (symmetric), `torch._int_mm` with int32 sums, rescaled."""
+    xf = x.float()
+    x_scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
+    xq = torch.round(xf / x_scale).to(torch.int8)  # |x| / x_scale <= 127 by construction
+    return (torch._int_mm(xq, qweight.t()).float() * x_scale * scale).to(x.dtype)
+
+
+class _QuantBase(nn.Module):
+    """Shared by the quantized layers: shape check, rows view, bias, row-wise loading count."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.rows_loaded = 0
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
+        return x.reshape(-1, self.in_features).contiguous()
+
+    def _finish(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _check_range(self, start: int, rows: int) -> None:
+        if start < 0 or start + rows > self.out_features:
+            raise ValueError(f"rows {start}..{start + rows} outside {self.out_features} output features")
+
+    def _count(self, rows: int) -> None:
+        self.rows_loaded += rows
+        if self.rows_loaded == self.out_features:
+            self.finalize()
+
+    def finalize(self) -> None:
+        """Called once every output row is loaded: build the kernels' layouts."""
+
+    def quantize_rows(self, start: int, weight: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class Int8Linear(_QuantBase):
+    """int8 per-output-channel weights; see the module docstring for the kernels per row count."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 weight_only_max_rows: int = INT8_WEIGHT_ONLY_MAX_ROWS, quantize_activations: bool = False) -> None:
+        super().__init__(in_features, out_features, bias, dtype)
+        self.weight_only_max_rows, self.quantize_activations = weight_only_max_rows, quantize_activations
+        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scale", torch.empty(out_features, dtype=torch.float32))
+        self.register_buffer("kernel_scale", torch.empty(out_features, dtype=dtype))
+
+    @classmethod
+    def sharing(cls, qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                weight_only_max_rows: int = HEAD_WEIGHT_ONLY_MAX_ROWS) -> Int8Linear:
+        """A bias-free layer over existing int8 storage (the tied LM head over the embedding)."""
+        with torch.device("meta"):
+            layer = cls(qweight.shape[1], qweight.shape[0], False, dtype, weight_only_max_rows)
+        layer.qweight, layer.scale = qweight, scale
+        layer.kernel_scale = scale.to(dtype)
+        layer.rows_loaded = layer.out_features
+        return layer
+
+    def set_rows(self, start: int, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+        self._check_range(start, qweight.shape[0])
+        self.qweight[start:start + qweight.shape[0]].copy_(qweight)
+        self.scale[start:start + qweight.shape[0]].copy_(scale)
+        self._count(qweight.shape[0])
+
+    def quantize_rows(self, start: int, weight: torch.Tensor) -> None:
+        self.set_rows(start, *quantize_int8(weight))
+
+    def finalize(self) -> None:
+        self.kernel_scale.copy_(self.scale)
+
+    def reference_weight(self) -> torch.Tensor:
+        """What the weight-only paths multiply by (the W8A8 path uses the float32 scale)."""
+        return self.qweight.float() * self.kernel_scale.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self._rows(x)
+        if rows.shape[0] <= self.weight_only_max_rows:
+            out = torch.ops.aten._weight_int8pack_mm(rows.to(self.dtype), self.qweight, self.kernel_scale)
+        elif self.quantize_activations:
+            out = _w8a8_mm(rows, self.qweight, self.scale)
+        else:
+            out = F.linear(rows.to(self.dtype), self.qweight.to(self.dtype) * self.kernel_scale[:, None])
+        return self._finish(out.to(x.dtype), x)
+
+
+class Int4Linear(_QuantBase):
+    """int4 weights in groups along the input, asymmetric; see the module docstring."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 group_size: int = 32, kernel_max_rows: int = INT4_KERNEL_MAX_ROWS) -> None:
+        super().__init__(in_features, out_features, bias, dtype)
+        check_group_size(in_features, group_size)
+        if out_features % _INT4_BLOCK_N:
+            raise ValueError(f"int4 needs output features divisible by {_INT4_BLOCK_N}, got {out_features}; use int8")
+        self.group_size, self.kernel_max_rows = group_size, kernel_max_rows
+        groups = in_features // group_size
+        # Loading form (codes, float32 scale/offset), replaced by the kernel's layout in finalize.
+        self.register_buffer("codes", torch.empty(out_features, in_features, dtype=torch.uint8))
+        self.register_buffer("scale", torch.empty(out_features, groups, dtype=torch.float32))
+        self.register_buffer("offset", torch.empty(out_features, groups, dtype=torch.float32))
+        self.register_buffer("packed", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scales_and_zeros", torch.empty(groups, out_features, 2, dtype=dtype))
+
+    def set_rows(self, start: int, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> None:
+        rows = codes.shape[0]
+        self._check_range(start, rows)
+        if scale.shape != (rows, self.in_features // self.group_size):
+            raise ValueError(f"int4 scales of shape {tuple(scale.shape)} do not match group size "
+                             f"{self.group_size} over {self.in_features} inputs")
+        self.codes[start:start + rows].copy_(codes)
+        self.scale[start:start + rows].copy_(scale)
+        self.offset[start:start + rows].copy_(offset)
+        self._count(rows)
+
+    def quantize_rows(self, start: int, weight: torch.Tensor) -> None:
+        self.set_rows(start, *quantize_int4(weight, self.group_size))
+
+    def finalize(self) -> None:
+        # The kernel computes (q - 8) * scale + zero, so zero = offset + 8 * scale.
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes.to(torch.int32), 2)
+        zero = self.offset + 8 * self.scale
+        self.scales_and_zeros = torch.stack((self.scale, zero), dim=-1).transpose(0, 1).contiguous().to(self.dtype)
+        empty = torch.empty(0, dtype=torch.uint8)
+        self.codes, self.scale, self.offset = empty, empty.float(), empty.float()
+
+    def _kernel_codes(self) -> torch.Tensor:
+        """Codes `[N, K]` read back from the CPU packed layout: per block of 64 output rows,
+        `[K, 32]` bytes whose low nibbles are rows 0..31 and high nibbles rows 32..63."""
+        blocks = self.packed.view(self.out_features // _INT4_BLOCK_N, self.in_features, _INT4_BLOCK_N // 2)
+        codes = torch.cat((blocks & 0x0F, blocks >> 4), dim=2)
+        return codes.permute(0, 2, 1).reshape(self.out_features, self.in_features)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        groups = self.in_features // self.group_size
+        q = self._kernel_codes().view(self.out_features, groups, self.group_size).to(dtype) - 8
+        sz = self.scales_and_zeros.to(dtype).transpose(0, 1)  # [N, groups, 2]
+        return (q * sz[..., :1] + sz[..., 1:]).view(self.out_features, self.in_features)
+
+    def reference_weight(self) -> torch.Tensor:
+        return self.dequantized(torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self._rows(x).to(self.dtype)
+        if rows.shape[0] <= self.kernel_max_rows:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size,
+                                                             self.scales_and_zeros)
+        else:
+            out = F.linear(rows, self.dequantized(self.dtype))
+        return self._finish(out.to(x.dtype), x)
+
+
+class Int8Embedding(nn.Module):
+    """Token embedding stored as int8 rows with a float32 scale each (looked up, then scaled)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.register_buffer("qweight", torch.empty(num_embeddings, embedding_dim, dtype=torch.int8))
+        self.register_buffer("scale", torch.empty(num_embeddings, dtype=torch.float32))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.qweight[ids].float() * self.scale[ids, None]).to(self.dtype)
+
+    def set_weight(self, weight: torch.Tensor) -> None:
+        q, s = quantize_int8(weight)
+        self.set_quantized(q, s)
+
+    def set_quantized(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+        self.qweight.copy_(qweight)
+        self.scale.copy_(scale)
+
+
+def make_quant_linear(method: QuantMethod, in_features: int, out_features: int, bias: bool,
+                      dtype: torch.dtype, group_size: int) -> _QuantBase:
+    if method is QuantMethod.INT8:
+        return Int8Linear(in_features, out_features, bias, dtype)
+    if method is QuantMethod.W8A8:
+        return Int8Linear(in_features, out_features, bias, dtype, weight_only_max_rows=1, quantize_activations=True)
+    if method is QuantMethod.INT4:
+        return Int4Linear(in_features, out_features, bias, dtype, group_size)
+    raise ValueError(f"no quantized layer for {method.value}")

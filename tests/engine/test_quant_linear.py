@@ -1,0 +1,117 @@
+"""Quantized linear layers equal a plain-torch de-quantize-then-matmul reference.
+
+Shapes are the default model's (SmolLM2-135M: hidden 576, qkv 960, MLP 1536, vocab 49152).
+Tolerances: the weight-only paths multiply bf16 activations by `reference_weight()` (exactly,
+or rounded to bf16 when de-quantized for a large call), so they differ from the float32 reference
+by bf16 rounding and summation order: max |diff| <= 2 % of the output's max |value|. The W8A8 path also
+quantizes activations per row (int8, symmetric): <= 3 % of max |value|.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.quant_linear import (
+    INT8_WEIGHT_ONLY_MAX_ROWS,
+    INT4_KERNEL_MAX_ROWS,
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    QuantMethod,
+    make_quant_linear,
+    pack_nibbles,
+    quantize_int4,
+    quantize_int8,
+    unpack_nibbles,
+)
+
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out): qkv, o, gate_up, down
+
+
+def _weight(in_f: int, out_f: int) -> torch.Tensor:
+    return torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(in_f + out_f)) * 0.05
+
+
+def _loaded(method: QuantMethod, in_f: int, out_f: int, group: int = 32) -> torch.nn.Module:
+    layer = make_quant_linear(method, in_f, out_f, False, torch.bfloat16, group)
+    w = _weight(in_f, out_f)
+    layer.quantize_rows(0, w[: out_f // 3])  # loaded in two shards, like fused q|k|v
+    layer.quantize_rows(out_f // 3, w[out_f // 3:])
+    return layer
+
+
+def _check(layer, rows: int, tol: float) -> None:
+    x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    want = x.float() @ layer.reference_weight().T
+    got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert (got.float() - want).abs().max() <= tol * want.abs().max()
+
+
+@pytest.mark.parametrize("in_f,out_f", SHAPES)
+@pytest.mark.parametrize("rows", [1, INT8_WEIGHT_ONLY_MAX_ROWS, 64, 300])
+def test_int8_matches_reference(in_f, out_f, rows):
+    _check(_loaded(QuantMethod.INT8, in_f, out_f), rows, 0.02)
+
+
+@pytest.mark.parametrize("in_f,out_f", SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 64])
+def test_w8a8_matches_reference(in_f, out_f, rows):
+    _check(_loaded(QuantMethod.W8A8, in_f, out_f), rows, 0.02 if rows == 1 else 0.03)
+
+
+@pytest.mark.parametrize("in_f,out_f", SHAPES)
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("rows", [1, INT4_KERNEL_MAX_ROWS, 64])
+def test_int4_matches_reference(in_f, out_f, group, rows):
+    _check(_loaded(QuantMethod.INT4, in_f, out_f, group), rows, 0.02)
+
+
+def test_int4_group_128_on_a_layer_it_divides():
+    _check(_loaded(QuantMethod.INT4, 1536, 576, 128), 5, 0.02)
+
+
+def test_int4_reference_is_the_quantized_weight():
+    """The kernel's weight (scales in bf16) is the float32 quantization up to bf16 scale rounding."""
+    w = _weight(576, 960)
+    codes, scale, offset = quantize_int4(w, 32)
+    exact = (codes.float().view(960, -1, 32) * scale[..., None] + offset[..., None]).view(960, 576)
+    layer = _loaded(QuantMethod.INT4, 576, 960)
+    assert (layer.reference_weight() - exact).abs().max() <= 0.02 * w.abs().max()
+    assert (exact - w).abs().max() <= (scale.max() / 2) * 1.001  # round to nearest code
+
+
+def test_int8_quantization_error_is_half_a_step():
+    w = _weight(576, 960)
+    q, scale = quantize_int8(w)
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-7).all()
+
+
+def test_nibble_packing_round_trips():
+    codes = torch.randint(0, 16, (64, 96), dtype=torch.uint8)
+    assert torch.equal(unpack_nibbles(pack_nibbles(codes)), codes)
+
+
+def test_embedding_and_shared_head():
+    w = _weight(576, 640)
+    emb = Int8Embedding(640, 576, torch.bfloat16)
+    emb.set_weight(w)
+    ids = torch.tensor([0, 5, 639])
+    q, s = quantize_int8(w)
+    assert torch.equal(emb(ids), (q[ids].float() * s[ids, None]).bfloat16())
+    head = Int8Linear.sharing(emb.qweight, emb.scale, torch.bfloat16)
+    assert head.qweight.data_ptr() == emb.qweight.data_ptr()
+    _check(head, 3, 0.02)
+
+
+def test_bad_group_sizes_and_shapes_are_refused():
+    with pytest.raises(ValueError, match="group size 128 does not divide the layer's 576"):
+        Int4Linear(576, 960, False, torch.bfloat16, 128)
+    with pytest.raises(ValueError, match="must be one of"):
+        Int4Linear(576, 960, False, torch.bfloat16, 48)
+    with pytest.raises(ValueError, match="divisible by 64"):
+        Int4Linear(576, 100, False, torch.bfloat16, 32)
+    layer = Int8Linear(576, 64, False, torch.bfloat16)
+    with pytest.raises(ValueError, match="outside 64 output features"):
+        layer.quantize_rows(32, _weight(576, 64))
