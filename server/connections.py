@@ -8,6 +8,11 @@ the server's sockets).
 - `body_timeout`: the body must arrive within this many seconds of its headers; otherwise the
   route's read raises `BodyReadTimeout` (answered 408) and the connection is closed.
 - `max_connections`: a connection beyond the cap is answered 503 and closed at once.
+- A body that fails to decompress only at its end (`Content-Encoding: deflate` b"1"), arriving
+  in a later packet than its headers, makes aiohttp's parser queue the error as a NEW message
+  while the route still waits for the body; the handler instead fails that body's read with
+  `RequestPayloadError` (answered 400 naming the encoding), drops the error message and closes
+  the connection once the reply is sent.
 
 aiohttp has no such limits of its own; `GuardedAppRunner` is an `AppRunner` whose protocol
 objects (`GuardedRequestHandler`, a `RequestHandler`) keep the timers.
@@ -20,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 
 KEEPALIVE_TIMEOUT_S = 75.0  # aiohttp's run_app default (AppRunner's own is an hour)
 _REFUSED_BODY = b'{"code": 503, "type": "ServiceUnavailableException", "message": "too many connections"}'
@@ -52,6 +57,7 @@ class GuardedRequestHandler(RequestHandler):
         self._counted = False
         self._header_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._current: tuple[Any, Any] | None = None  # (message, payload) of the latest request
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self._limits.open >= self._limits.max_connections:
@@ -76,19 +82,46 @@ class GuardedRequestHandler(RequestHandler):
             self._arm_header_timer()  # the first byte of the next request on a kept-alive connection
         before = self._request_count
         super().data_received(data)
-        if self._request_count != before:  # headers complete: a request was parsed
-            self._cancel(self._header_timer)
-            self._header_timer = None
-            _, payload = self._messages[-1] if self._messages else (None, None)
-            if payload is not None and not payload.is_eof():
-                self._cancel(self._body_timer)
-                self._body_timer = self._loop.call_later(self._limits.body_timeout,
-                                                         self._body_overdue, payload)
+        if self._request_count == before or self._fail_unfinished_body(self._request_count - before):
+            return
+        # headers complete: a request was parsed
+        self._cancel(self._header_timer)
+        self._header_timer = None
+        self._current = self._messages[-1] if self._messages else None
+        _, payload = self._current or (None, None)
+        if payload is not None and not payload.is_eof():
+            self._cancel(self._body_timer)
+            self._body_timer = self._loop.call_later(self._limits.body_timeout,
+                                                     self._body_overdue, payload)
 
     async def finish_response(self, request, resp, start_time):  # type: ignore[override]
         self._cancel(self._body_timer)
         self._body_timer = None
         return await super().finish_response(request, resp, start_time)
+
+    def _fail_unfinished_body(self, new: int) -> bool:
+        """Whether the `new` messages just parsed include a parser error that belongs to the
+        current request's unfinished body; if so, that body's read fails instead (400) and the
+        error message is dropped (its reply would stall behind the route, then follow it)."""
+        message, payload = self._current or (None, None)
+        if payload is None or payload.is_eof():
+            return False
+        fresh = list(self._messages)[-new:]
+        errors = [item for item in fresh if isinstance(item[0], _ErrInfo)]
+        if not errors:
+            return False
+        for item in errors:
+            self._messages.remove(item)
+            self._request_count -= 1
+        if payload.exception() is None:
+            encoding = getattr(message, "compression", None)
+            reason = (f"not valid {encoding} data (Content-Encoding: {encoding})" if encoding
+                      else errors[0][0].message)
+            payload.set_exception(RequestPayloadError(reason))
+        self._cancel(self._body_timer)
+        self._body_timer = None
+        self.close()  # the parser's state is lost: no further request on this connection
+        return True
 
     def _arm_header_timer(self) -> None:
         self._cancel(self._header_timer)
