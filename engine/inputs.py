@@ -95,6 +95,9 @@ def validate_input(token_ids: list[int], params: SamplingParams, limits: InputLi
     bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
         raise InvalidInput(f"token ids out of range [0, {vocab_size}): {bad[:5]}", "prompt")
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise InvalidInput(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary "
+                           f"[0, {vocab_size})", "logit_bias")
     n, max_len = len(token_ids), limits.max_model_len
     if n >= max_len:
         raise InvalidInput(
