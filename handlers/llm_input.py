@@ -71,8 +71,21 @@ def convert_body(data: Any, schema: type[Any]) -> Any:
 
 
 def make_sampling_params(fields: dict[str, Any]) -> SamplingParams:
-    """SamplingParams from request fields; a bad value becomes a HandlerError naming it."""
+    """SamplingParams from request fields; a bad value becomes a HandlerError naming it.
+    `logit_bias` keys arrive as JSON object keys (strings) and are read as token ids."""
+    bias = fields.get("logit_bias")
+    if isinstance(bias, dict):
+        fields = {**fields, "logit_bias": {_token_id_key(key): value for key, value in bias.items()}}
     return convert_body(fields, SamplingParams)
+
+
+def _token_id_key(key: Any) -> Any:
+    if isinstance(key, str):
+        if not key.isascii() or not key.isdigit():
+            raise HandlerError(f"logit_bias: keys must be token ids (non-negative integers), got {key!r}",
+                               param="logit_bias")
+        return int(key)
+    return key
 
 
 def parse_predictions_body(body: dict[str, Any]) -> ParsedBody:

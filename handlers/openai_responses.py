@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.outputs import RequestOutput, TokenLogprob
@@ -21,12 +21,16 @@ def openai_usage(out: RequestOutput) -> dict[str, Any]:
 
 @dataclass(slots=True)
 class OpenAIFormatter:
-    """Shapes one request's answer: whole (`response`) or as stream chunks."""
+    """Shapes one request's answer: whole (`response`) or as stream chunks. Choice `index`
+    i * n + j is prompt i's choice j; with `echo`, each choice's text starts with its prompt's
+    text (`prompt_texts`, one per prompt; streamed: in the choice's first chunk)."""
 
     request: OpenAIRequest
     response_id: str
     model: str  # the name the client asked for
     created: int
+    prompt_texts: list[str] = field(default_factory=list)
+    _echoed: set[int] = field(default_factory=set)  # choices whose stream has sent the prompt
 
     @property
     def is_chat(self) -> bool:
@@ -41,7 +45,7 @@ class OpenAIFormatter:
                 choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
                                 "logprobs": logprobs, "finish_reason": c.finish_reason})
             else:
-                choices.append({"index": c.index, "text": c.text, "logprobs": logprobs,
+                choices.append({"index": c.index, "text": self._echo(c.index) + c.text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason})
         return {
             "id": self.response_id,
@@ -70,7 +74,9 @@ class OpenAIFormatter:
                 choices.append({"index": d.index, "delta": delta, "logprobs": logprobs,
                                 "finish_reason": d.finish_reason})
             else:
-                choices.append({"index": d.index, "text": d.text, "logprobs": logprobs,
+                echo = "" if d.index in self._echoed else self._echo(d.index)
+                self._echoed.add(d.index)
+                choices.append({"index": d.index, "text": echo + d.text, "logprobs": logprobs,
                                 "finish_reason": d.finish_reason})
         return self._chunk(choices)
 
@@ -91,6 +97,12 @@ class OpenAIFormatter:
         if self.request.include_usage:
             chunk["usage"] = None  # OpenAI sends null on every chunk but the usage chunk
         return chunk
+
+    def _echo(self, index: int) -> str:
+        """The prompt text choice `index` starts with ("" without echo)."""
+        if not self.request.echo:
+            return ""
+        return self.prompt_texts[index // self.request.params.n]
 
     # -- logprobs ----------------------------------------------------------------------------
     def _logprobs(self, entries: list[dict[int, TokenLogprob]] | None, text_offset: int) -> dict[str, Any] | None:

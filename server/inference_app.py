@@ -5,8 +5,9 @@ Routes (the OpenAI ones also under /predictions/{model}/{version}/v1/...):
   POST /predictions/{model}[/{version}]        JSON in, JSON out; "stream": true -> NDJSON chunks
                                                (a model with a custom handler: its preprocess
                                                reads the body, its postprocess writes the reply)
-  POST /v1/completions  /v1/chat/completions   OpenAI bodies; "stream": true -> SSE
-  GET  /v1/models
+  POST /v1/completions  /v1/chat/completions   OpenAI bodies; "stream": true -> SSE (a list of
+                                               prompts: one request per prompt, server.fanout)
+  GET  /v1/models  /v1/models/{id}
 
 Every reply carries `x-request-id`; every request is counted in the metrics (status, latency)
 by the outer middleware; token authorization sits inside it. Per request: resolve the version,
@@ -37,6 +38,7 @@ from handlers.openai_protocol import (
 from handlers.openai_responses import OpenAIFormatter
 from server.auth import auth_middleware
 from server.errors import error_response
+from server.fanout import FanOut
 from server.generation import (
     CLIENT_CLOSED,
     MODEL_KEY,
@@ -56,7 +58,7 @@ from server.shapers import HandlerShaper, OpenAIShaper, PredictionShaper, openai
 from server.state import STATE_KEY, ServerState
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "models"})
+OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "models", "model"})
 routes = web.RouteTableDef()
 logger = logging.getLogger(__name__)
 
@@ -213,9 +215,13 @@ async def _openai(request: web.Request, state: ServerState, started: float,
         version = _resolve(request, state, *split_model(asked))
     with version.admit():
         parsed = _handler_call(parse, body)
-        job = await prepare(state, version, parsed.prompt, parsed.params, client=request.remote or "")
+        jobs = [await prepare(state, version, spec, parsed.params, client=request.remote or "")
+                for spec in parsed.prompts]
+        job = jobs[0] if len(jobs) == 1 else FanOut(jobs, parsed.params.n).prepared()
         prefix = "chatcmpl-" if request.match_info.route.name.startswith("chat") else "cmpl-"
-        formatter = OpenAIFormatter(parsed, prefix + request[REQUEST_ID_KEY], asked, int(time.time()))
+        echoed = [j.input.prompt if j.input.prompt is not None else version.tokenizer.decode(j.input.token_ids)
+                  for j in jobs] if parsed.echo else []
+        formatter = OpenAIFormatter(parsed, prefix + request[REQUEST_ID_KEY], asked, int(time.time()), echoed)
         return await respond(request, state, version, job, OpenAIShaper(formatter),
                              stream=parsed.stream, started=started)
 
@@ -236,10 +242,24 @@ async def _list_models(request: web.Request, state: ServerState, started: float)
             if model.default_version in model.versions:
                 entries.append((model.name, model.versions[model.default_version]))
             entries += [(f"{model.name}@{v}", entry) for v, entry in sorted(model.versions.items())]
-    data = [{"id": name, "object": "model", "created": int(v.registered_at.timestamp()),
-             "owned_by": "pagedserve", "root": v.name, "version": v.version,
-             "max_model_len": _max_model_len(v)} for name, v in entries]
-    return web.json_response({"object": "list", "data": data})
+    return web.json_response({"object": "list", "data": [_model_entry(name, v) for name, v in entries]})
+
+
+@routes.get("/v1/models/{id}", name="model")
+async def model(request: web.Request) -> web.StreamResponse:
+    """One model by the id /v1/models lists (`name` or `name@version`); 404 if none."""
+    return await _guarded(request, "model", _retrieve_model)
+
+
+async def _retrieve_model(request: web.Request, state: ServerState, started: float) -> web.Response:
+    name = request.match_info["id"]
+    return web.json_response(_model_entry(name, _resolve(request, state, *split_model(name))))
+
+
+def _model_entry(name: str, version: ModelVersion) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": int(version.registered_at.timestamp()),
+            "owned_by": "pagedserve", "root": version.name, "version": version.version,
+            "max_model_len": _max_model_len(version)}
 
 
 def _max_model_len(version: ModelVersion) -> int | None:
@@ -256,7 +276,7 @@ async def _guarded(request: web.Request, endpoint: str,
     state = request.app[STATE_KEY]
     started = time.monotonic()
     try:
-        if state.draining and endpoint != "models":
+        if state.draining and endpoint not in ("models", "model"):
             raise ErrorReply(503, "the server is shutting down", {"Retry-After": "5"})
         return await run(request, state, started)
     except ErrorReply as exc:

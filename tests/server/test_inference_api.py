@@ -133,7 +133,7 @@ BAD_INPUT = [
     ("/v1/completions", {"model": "nosuchmodel", "prompt": "x"}, 404, ["nosuchmodel"]),
     ("/v1/completions", {"model": f"{MODEL}@9.9", "prompt": "x"}, 404, ["9.9"]),
     ("/v1/completions", {"prompt": "x"}, 400, ["model"]),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, ["echo"]),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400, ["echo"]),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, ["max_tokens"]),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "bogus": 1}, 400, ["bogus"]),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400, ["content"]),
