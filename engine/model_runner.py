@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.selector import select_backend
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.selector import select_backend
 from engine.config import EngineConfig
 from engine.logits_processors import apply_logit_bias
 from engine.model.loader import (

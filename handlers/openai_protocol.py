@@ -32,6 +32,7 @@ from handlers.llm_input import (
     convert_body,
     make_sampling_params,
 )
+from handlers.openai_tools import ToolChoice, ToolRequest, Tools, tool_request
 
 # SamplingParams fields a body sets under their own names; max_tokens, logprobs and structured
 # output have route-specific forms (below).
@@ -61,6 +62,7 @@ class OpenAIRequest:
     logprobs: bool = False  # answer with logprobs
     top_logprobs: int = 0  # alternatives per token (completions: the `logprobs` integer)
     echo: bool = False  # completions: each choice's text starts with its prompt
+    tools: ToolRequest | None = None  # chat: the tools offered (handlers.openai_tools)
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -109,7 +111,6 @@ class _OpenAIBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     store: Any = None
     metadata: Any = None
     service_tier: Any = None
-    parallel_tool_calls: Any = None
     prompt_cache_key: Any = None
     safety_identifier: Any = None
 
@@ -129,12 +130,13 @@ class ChatBody(_OpenAIBody, kw_only=True):
     top_logprobs: _Logprobs | None = None
     max_completion_tokens: _MaxTokens | None = None
     add_generation_prompt: bool = True
-    tools: Any = None
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
-    tool_choice: Any = None
     function_call: Any = None
     reasoning_effort: Any = None
     modalities: list[str] | None = None
@@ -161,9 +163,9 @@ def parse_completion_request(body: dict[str, Any]) -> OpenAIRequest:
 def parse_chat_request(body: dict[str, Any]) -> OpenAIRequest:
     """Check a /v1/chat/completions body."""
     req, sampling = _split(body, ChatBody)
-    _refuse_unsupported(req, ("tools", "functions", "audio", "prediction", "web_search_options"))
-    for name in ("tool_choice", "function_call"):
-        _refuse_if(getattr(req, name) not in (None, "none"), name, "not supported (no tools)")
+    _refuse_unsupported(req, ("functions", "audio", "prediction", "web_search_options"))
+    _refuse_if(req.function_call not in (None, "none"), "function_call", "not supported (use tools)")
+    tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
     _refuse_if(req.reasoning_effort is not None, "reasoning_effort", "not supported")
     _refuse_if(req.modalities is not None and req.modalities != ["text"], "modalities",
                "only [\"text\"] is supported")
@@ -176,9 +178,10 @@ def parse_chat_request(body: dict[str, Any]) -> OpenAIRequest:
                            "disagree; give one", param="max_tokens")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _sampling_params(req, sampling, max_tokens=max_tokens,
-                              logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                              tool_schema=None if tools is None else tools.constraint())
     return OpenAIRequest(Endpoint.CHAT, req.model, [spec], params, req.stream, _include_usage(req),
-                         logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
+                         logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, tools=tools)
 
 
 def split_model(name: str) -> tuple[str, str | None]:
@@ -229,9 +232,15 @@ def _completion_prompts(prompt: str | list[Any]) -> list[PromptSpec]:
 
 
 def _sampling_params(req: _OpenAIBody, sampling: dict[str, Any], *, max_tokens: int | None,
-                     logprobs: int | None) -> SamplingParams:
+                     logprobs: int | None, tool_schema: dict[str, Any] | None = None) -> SamplingParams:
+    """SamplingParams of a body; `tool_schema` (tool_choice required or a named function) is
+    the structured-output constraint, which the body may then not ask for itself."""
     fields = {**sampling, "max_tokens": max_tokens, "logprobs": logprobs}
     structured = _structured_outputs(req)
+    if tool_schema is not None:
+        _refuse_if(structured is not None, "tool_choice",
+                   "\"required\" or a named function cannot be combined with structured output")
+        structured = convert_body({"json": tool_schema}, StructuredOutputsParams)
     if structured is not None:
         fields["structured_outputs"] = structured
     return make_sampling_params(fields)

@@ -36,6 +36,7 @@ from handlers.openai_protocol import (
     split_model,
 )
 from handlers.openai_responses import OpenAIFormatter
+from handlers.openai_tools import ToolParser, tool_prompt
 from server.auth import auth_middleware
 from server.errors import error_response
 from server.fanout import FanOut
@@ -215,13 +216,16 @@ async def _openai(request: web.Request, state: ServerState, started: float,
         version = _resolve(request, state, *split_model(asked))
     with version.admit():
         parsed = _handler_call(parse, body)
-        jobs = [await prepare(state, version, spec, parsed.params, client=request.remote or "")
-                for spec in parsed.prompts]
+        template = getattr(version.tokenizer, "chat_template", None)
+        specs = [tool_prompt(spec, parsed.tools, template) if spec.messages is not None else spec
+                 for spec in parsed.prompts]
+        jobs = [await prepare(state, version, spec, parsed.params, client=request.remote or "") for spec in specs]
         job = jobs[0] if len(jobs) == 1 else FanOut(jobs, parsed.params.n).prepared()
         prefix = "chatcmpl-" if request.match_info.route.name.startswith("chat") else "cmpl-"
         echoed = [j.input.prompt if j.input.prompt is not None else version.tokenizer.decode(j.input.token_ids)
                   for j in jobs] if parsed.echo else []
-        formatter = OpenAIFormatter(parsed, prefix + request[REQUEST_ID_KEY], asked, int(time.time()), echoed)
+        formatter = OpenAIFormatter(parsed, prefix + request[REQUEST_ID_KEY], asked, int(time.time()), echoed,
+                                    ToolParser(version.model_config.tool_parser))
         return await respond(request, state, version, job, OpenAIShaper(formatter),
                              stream=parsed.stream, started=started)
 
