@@ -28,9 +28,15 @@ def add_archive_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--version", help="model version recorded in the manifest")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model-dir", help="a model directory (config.json, safetensors, tokenizer)")
-    source.add_argument("--gguf", help="a .gguf file, converted to safetensors first")
+    source.add_argument("--gguf", help="a .gguf file, converted to safetensors keeping its quantization "
+                                       "(Q4_0/Q4_1/Q4_K -> int4, others int8) unless --quantize says otherwise")
     source.add_argument("--default-model", action="store_true",
                         help="the bundled SmolLM2-135M-Instruct (no download)")
+    p.add_argument("--quantize", choices=["none", "int8", "int4", "w8a8"],
+                   help="quantize the weights at archive time (default: none, or a GGUF's own "
+                        "quantization; 'none' with --gguf de-quantizes it to float32)")
+    p.add_argument("--quant-group-size", type=int, default=32, choices=[32, 64, 128],
+                   help="int4 group size (default 32)")
     p.add_argument("--handler", default=BUILTIN_HANDLER,
                    help=f"{BUILTIN_HANDLER!r} (built in, the default) or a handler .py file")
     p.add_argument("--config-file", help="model-config.yaml (see config/model-config.yaml)")
@@ -70,18 +76,30 @@ def run_archive(args: argparse.Namespace) -> int:
 
 @contextmanager
 def _model_source(args: argparse.Namespace) -> Iterator[Path]:
-    """The model directory to archive; a GGUF is converted into a temporary one first."""
-    if args.model_dir:
-        yield Path(args.model_dir)
-    elif args.default_model:
-        from engine.model.default_model import default_model_dir
+    """The model directory to archive; a GGUF, or a model to quantize, is converted into a
+    temporary one first."""
+    with tempfile.TemporaryDirectory(prefix="pagedserve-convert-") as tmp:
+        if args.gguf and args.quantize is None:
+            from engine.model.quant_convert import convert_gguf_quantized
 
-        yield default_model_dir()
-    else:
-        from engine.model.convert import convert_model
+            yield convert_gguf_quantized(args.gguf, Path(tmp) / "model")
+            return
+        if args.model_dir:
+            plain = Path(args.model_dir)
+        elif args.default_model:
+            from engine.model.default_model import default_model_dir
 
-        with tempfile.TemporaryDirectory(prefix="pagedserve-convert-") as tmp:
-            yield convert_model(args.gguf, Path(tmp) / "model")
+            plain = default_model_dir()
+        else:
+            from engine.model.convert import convert_model
+
+            plain = convert_model(args.gguf, Path(tmp) / "plain")
+        if args.quantize in (None, "none"):
+            yield plain
+        else:
+            from engine.model.quant_convert import quantize_model_dir
+
+            yield quantize_model_dir(plain, Path(tmp) / "model", args.quantize, args.quant_group_size)
 
 
 @contextmanager

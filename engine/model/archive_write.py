@@ -34,6 +34,7 @@ from engine.model.archive_manifest import (
     is_pickle_weights,
 )
 from engine.model.llama_spec import architecture_of
+from engine.model.quant_spec import QuantSpec, checkpoint_spec
 
 CHUNK_BYTES = 1 << 20
 ProgressFn = Callable[[int, int], None]
@@ -94,8 +95,10 @@ def write_archive(model_dir: str | Path, export_path: str | Path, *, model_name:
         else:
             _add(sources, extra.name, extra)
     model: dict[str, Any] = {"modelName": model_name, "modelVersion": version, "handler": handler_name}
-    serialized = _check_model(sources)
+    serialized, quant = _check_model(sources)
     model["serializedFile"] = serialized
+    if quant is not None:  # pagedserve's extension: what the weights are quantized to
+        model["quantization"] = quant.record()
     if config_file is not None:
         model["configFile"] = Path(config_file).name
 
@@ -169,22 +172,25 @@ def _add_handler(sources: dict[str, _Source], handler: str) -> str:
     return path.name + sep + func
 
 
-def _check_model(sources: dict[str, _Source]) -> str:
-    """Refuse what open_archive would refuse; return the main weights file (serializedFile)."""
+def _check_model(sources: dict[str, _Source]) -> tuple[str, QuantSpec | None]:
+    """Refuse what open_archive would refuse; return the main weights file (serializedFile) and
+    the quantization config.json records."""
     pickled = sorted(name for name in sources if is_pickle_weights(name))
     if pickled:
         raise ValueError(f"weights in a pickle format ({', '.join(pickled)}); {CONVERT_HINT}")
     if "config.json" not in sources:
         raise ValueError("the model directory has no config.json")
     with open(sources["config.json"].path, "rb") as f:
-        architecture_of(json.load(f))  # ValueError names the architecture and what is supported
+        config = json.load(f)
+    architecture_of(config)  # ValueError names the architecture and what is supported
+    quant = checkpoint_spec(config)  # ValueError on a malformed record
     weights = sorted(name for name in sources if name.endswith(".safetensors") and "/" not in name)
     if not weights:
         raise ValueError("the model directory has no *.safetensors weights")
     for preferred in ("model.safetensors.index.json", "model.safetensors"):
         if preferred in sources:
-            return preferred
-    return weights[0]
+            return preferred, quant
+    return weights[0], quant
 
 
 def _manifest(model: dict[str, Any], hashes: dict[str, str]) -> bytes:

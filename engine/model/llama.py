@@ -24,6 +24,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.model.llama_spec import LlamaSpec, rope_inv_freq
 from engine.model.quant_linear import (
+    HEAD_WEIGHT_ONLY_MAX_ROWS,
     Int4Linear,
     Int8Embedding,
     Int8Linear,
@@ -268,7 +269,8 @@ class LlamaForCausalLM(nn.Module):
         emb = self.model.embed_tokens
         self.model.embed_tokens = Int8Embedding(emb.num_embeddings, emb.embedding_dim, self.dtype)
         if self.lm_head is not None:
-            self.lm_head = Int8Linear(self.lm_head.in_features, self.lm_head.out_features, False, self.dtype)
+            self.lm_head = Int8Linear(self.lm_head.in_features, self.lm_head.out_features, False, self.dtype,
+                                      weight_only_max_rows=HEAD_WEIGHT_ONLY_MAX_ROWS)
 
     def pack_linear_weights(self) -> None:
         """Swap every bf16 projection and the LM head for a PackedLinear (CPU, after the

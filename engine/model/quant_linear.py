@@ -1,11 +1,11 @@
 """Quantized linear layers for CPU inference: int8 and int4 weight-only, and W8A8.
 
 - `Int8Linear`: int8 weights, one float scale per output channel (symmetric). Few rows (decode)
-  run `aten._weight_int8pack_mm` (weight-only: activations stay in the model dtype); many rows
-  (prefill) run `torch._int_mm` on activations quantized per token at run time, because the
-  weight-only kernel loses to bf16 from a few dozen rows on, while VNNI int8 dot products beat it.
-  Mode `int8` switches at `INT8_WEIGHT_ONLY_MAX_ROWS`; mode `w8a8` quantizes activations from
-  2 rows on (one row gains nothing from it).
+  run `aten._weight_int8pack_mm` (weight-only: activations stay in the model dtype), which loses
+  to bf16 from a few dozen rows on. Mode `int8` then de-quantizes the weight to the model dtype
+  for the call and uses `F.linear` (weights-only numerics everywhere: quantizing activations per
+  token cost 3.8 % perplexity on the default model); mode `w8a8` instead runs `torch._int_mm`
+  (VNNI int8 dot products) on activations quantized per token at run time, from 2 rows on.
 - `Int4Linear`: 4-bit codes in groups of 32/64/128 along the input, asymmetric (a scale and an
   offset per group: `w = q * scale + offset`). Few rows run `aten._weight_int4pack_mm_for_cpu`;
   many rows de-quantize the weight to the model dtype for that call and use `F.linear`.
@@ -27,6 +27,9 @@ from torch import nn
 INT4_GROUP_SIZES = (32, 64, 128)
 INT8_WEIGHT_ONLY_MAX_ROWS = 16  # mode int8: more rows quantize activations (torch._int_mm)
 INT4_KERNEL_MAX_ROWS = 32  # more rows de-quantize the weight for the call and use F.linear
+# The LM head (49152 x 576 here) sees at most one row per sequence: de-quantizing it per call
+# would cost far more than the weight-only kernel at any batch size, so it always uses the kernel.
+HEAD_WEIGHT_ONLY_MAX_ROWS = 1 << 62
 _INT4_BLOCK_N = 64  # output rows per block of the CPU int4 packed layout
 
 
@@ -132,16 +135,16 @@ class Int8Linear(_QuantBase):
     """int8 per-output-channel weights; see the module docstring for the kernels per row count."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 weight_only_max_rows: int = INT8_WEIGHT_ONLY_MAX_ROWS) -> None:
+                 weight_only_max_rows: int = INT8_WEIGHT_ONLY_MAX_ROWS, quantize_activations: bool = False) -> None:
         super().__init__(in_features, out_features, bias, dtype)
-        self.weight_only_max_rows = weight_only_max_rows
+        self.weight_only_max_rows, self.quantize_activations = weight_only_max_rows, quantize_activations
         self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scale", torch.empty(out_features, dtype=torch.float32))
         self.register_buffer("kernel_scale", torch.empty(out_features, dtype=dtype))
 
     @classmethod
     def sharing(cls, qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                weight_only_max_rows: int = INT8_WEIGHT_ONLY_MAX_ROWS) -> Int8Linear:
+                weight_only_max_rows: int = HEAD_WEIGHT_ONLY_MAX_ROWS) -> Int8Linear:
         """A bias-free layer over existing int8 storage (the tied LM head over the embedding)."""
         with torch.device("meta"):
             layer = cls(qweight.shape[1], qweight.shape[0], False, dtype, weight_only_max_rows)
@@ -163,15 +166,17 @@ class Int8Linear(_QuantBase):
         self.kernel_scale.copy_(self.scale)
 
     def reference_weight(self) -> torch.Tensor:
-        """What the weight-only kernel multiplies by (the W8A8 path uses the float32 scale)."""
+        """What the weight-only paths multiply by (the W8A8 path uses the float32 scale)."""
         return self.qweight.float() * self.kernel_scale.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = self._rows(x)
         if rows.shape[0] <= self.weight_only_max_rows:
             out = torch.ops.aten._weight_int8pack_mm(rows.to(self.dtype), self.qweight, self.kernel_scale)
-        else:
+        elif self.quantize_activations:
             out = _w8a8_mm(rows, self.qweight, self.scale)
+        else:
+            out = F.linear(rows.to(self.dtype), self.qweight.to(self.dtype) * self.kernel_scale[:, None])
         return self._finish(out.to(x.dtype), x)
 
 
@@ -267,7 +272,7 @@ def make_quant_linear(method: QuantMethod, in_features: int, out_features: int, 
     if method is QuantMethod.INT8:
         return Int8Linear(in_features, out_features, bias, dtype)
     if method is QuantMethod.W8A8:
-        return Int8Linear(in_features, out_features, bias, dtype, weight_only_max_rows=1)
+        return Int8Linear(in_features, out_features, bias, dtype, weight_only_max_rows=1, quantize_activations=True)
     if method is QuantMethod.INT4:
         return Int4Linear(in_features, out_features, bias, dtype, group_size)
     raise ValueError(f"no quantized layer for {method.value}")

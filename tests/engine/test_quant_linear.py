@@ -1,9 +1,9 @@
 """Quantized linear layers equal a plain-torch de-quantize-then-matmul reference.
 
 Shapes are the default model's (SmolLM2-135M: hidden 576, qkv 960, MLP 1536, vocab 49152).
-Tolerances: the weight-only kernels multiply bf16 activations by exactly `reference_weight()`
-and accumulate in float32, so they differ from the float32 reference only by the final bf16
-rounding and summation order: max |diff| <= 2 % of the output's max |value|. The W8A8 path also
+Tolerances: the weight-only paths multiply bf16 activations by `reference_weight()` (exactly,
+or rounded to bf16 when de-quantized for a large call), so they differ from the float32 reference
+by bf16 rounding and summation order: max |diff| <= 2 % of the output's max |value|. The W8A8 path also
 quantizes activations per row (int8, symmetric): <= 3 % of max |value|.
 """
 
@@ -52,8 +52,7 @@ def _check(layer, rows: int, tol: float) -> None:
 @pytest.mark.parametrize("in_f,out_f", SHAPES)
 @pytest.mark.parametrize("rows", [1, INT8_WEIGHT_ONLY_MAX_ROWS, 64, 300])
 def test_int8_matches_reference(in_f, out_f, rows):
-    layer = _loaded(QuantMethod.INT8, in_f, out_f)
-    _check(layer, rows, 0.02 if rows <= INT8_WEIGHT_ONLY_MAX_ROWS else 0.03)
+    _check(_loaded(QuantMethod.INT8, in_f, out_f), rows, 0.02)
 
 
 @pytest.mark.parametrize("in_f,out_f", SHAPES)

@@ -1,0 +1,121 @@
+"""Perplexity of the default model under each quantization, on a fixed public-domain English text.
+
+Text: benchmarks/data/coriolanus_act1.txt, the first ~24,000 characters of Shakespeare's
+*Coriolanus* (public domain) as in the tinyshakespeare file of karpathy/char-rnn
+(data/tinyshakespeare/input.txt), cut at a blank line: 7,310 tokens with the model's tokenizer.
+
+The text is scored in non-overlapping windows of `--window` tokens (default 1024), each one
+prefill through the engine's own model and paged KV cache (so prefill-sized row counts pick each
+layer's large-row path: int8 quantizes activations there, int4 de-quantizes the weight).
+Perplexity = exp(mean negative log-likelihood of every token after the first of each window).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/quant_perplexity.py [--window 1024] [--threads 2]
+
+Writes benchmarks/results/quant_perplexity.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from engine import LLM
+from engine.attention.metadata import AttentionMetadata
+from engine.model.default_model import default_gguf_path, default_model_dir
+from engine.model.quant_convert import convert_gguf_quantized
+
+TEXT = Path(__file__).parent / "data" / "coriolanus_act1.txt"
+RESULTS = Path(__file__).parent / "results"
+
+
+def window_nll(llm: LLM, ids: list[int]) -> tuple[float, int]:
+    """Sum of -log p(token | prefix) over ids[1:], as one prefill of `ids`; and the count."""
+    runner = llm.engine.runner
+    n, block = len(ids), runner.block_size
+    blocks = torch.arange((n + block - 1) // block, dtype=torch.int32)
+    meta = AttentionMetadata(
+        num_seqs=1, num_tokens=n, query_lens=[n], seq_lens=[n],
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens_tensor=torch.tensor([n], dtype=torch.int32), block_tables=blocks[None],
+        slot_mapping=torch.arange(n, dtype=torch.int64), max_query_len=n, max_seq_len=n, num_decodes=0)
+    with torch.inference_mode():
+        hidden = runner.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta)
+        logits = runner.model.compute_logits(hidden[:-1]).float()
+        nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum")
+    return float(nll), n - 1
+
+
+def perplexity(llm: LLM, tokens: list[int], window: int) -> float:
+    total, count = 0.0, 0
+    for start in range(0, len(tokens) - 1, window):
+        chunk = tokens[start:start + window]
+        if len(chunk) < 2:
+            break
+        nll, n = window_nll(llm, chunk)
+        total, count = total + nll, count + n
+    return math.exp(total / count)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", default="", help="comma-separated mode labels to rerun; the other rows "
+                                               "are kept from the last results file")
+    args = ap.parse_args()
+    only = [o.strip() for o in args.only.split(",") if o.strip()]
+    old = RESULTS / "quant_perplexity.json"
+    kept = json.loads(old.read_text())["rows"] if only and old.exists() else []
+    plain = default_model_dir()
+    text = TEXT.read_text()
+    common = dict(num_kv_blocks=args.window // 16 + 1, max_model_len=args.window, num_threads=args.threads)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        q41 = convert_gguf_quantized(default_gguf_path(), Path(tmp) / "q41")
+        cases = [
+            ("float32 (reference)", plain, dict(dtype="float32")),
+            ("bf16 (`none`)", plain, dict(dtype="bfloat16", quantization="none")),
+            ("int8", plain, dict(dtype="bfloat16", quantization="int8")),
+            ("int4 g32", plain, dict(dtype="bfloat16", quantization="int4", quant_group_size=32)),
+            ("int4 g64", plain, dict(dtype="bfloat16", quantization="int4", quant_group_size=64)),
+            ("w8a8", plain, dict(dtype="bfloat16", quantization="w8a8")),
+            ("Q4_1 GGUF served natively (int4 g32)", q41, dict(dtype="bfloat16")),
+        ]
+        tokens = None
+        if only:
+            cases = [c for c in cases if c[0] in only or c[0].startswith("bf16")]
+        for label, model, opts in cases:
+            t0 = time.perf_counter()
+            llm = LLM(model, **common, **opts)
+            tokens = tokens or llm.tokenizer.encode(text, add_special_tokens=False)
+            ppl = perplexity(llm, tokens, args.window)
+            rows.append({"mode": label, "ppl": ppl, "seconds": time.perf_counter() - t0})
+            print(f"{label:40s} ppl {ppl:.4f}", flush=True)
+            del llm
+    order = [label for label, _, _ in cases]
+    rows += [r for r in kept if r["mode"] not in order]
+    base = next(r["ppl"] for r in rows if r["mode"].startswith("bf16"))
+    for r in rows:
+        r["vs_bf16_pct"] = 100 * (r["ppl"] / base - 1)
+    RESULTS.mkdir(exist_ok=True)
+    meta = {"tokens": len(tokens), "window": args.window, "threads": args.threads,
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "platform": platform.platform()}
+    (RESULTS / "quant_perplexity.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    lines = ["# Perplexity by quantization mode (default model, SmolLM2-135M-Instruct)", "",
+             f"{meta['tokens']} tokens of *Coriolanus* (benchmarks/data/coriolanus_act1.txt), windows of "
+             f"{args.window} tokens, {meta['when']}.", "",
+             "| mode | perplexity | vs bf16 |", "| --- | --- | --- |"]
+    lines += [f"| {r['mode']} | {r['ppl']:.3f} | {r['vs_bf16_pct']:+.2f} % |" for r in rows]
+    (RESULTS / "quant_perplexity.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

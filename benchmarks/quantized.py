@@ -1,0 +1,176 @@
+"""Quantized modes vs bf16 on the default model, paired rounds in one run.
+
+Measurements (issue 12), each in a fresh child process that reports its own memory:
+- decode: batch-1 decode tokens/s (a 32-token prompt, `--decode-tokens` generated; the rate is
+  (N - 1) / (time(N tokens) - time(1 token)), so prefill is excluded);
+- ttft: time to first token of a `--ttft-len`-token prompt (prefix caching off);
+- batch: `--batch-prompts` prompts of 200 tokens -> `--batch-output` tokens, output tokens/s;
+- memory: resident set after loading (VmRSS, the checkpoint's memory map already closed) and
+  peak (VmHWM) of the decode child; the bf16 weight bytes are counted from the model.
+Each round runs every mode once, in an order rotated every round; a mode's ratio is the median
+over rounds of (mode / bf16 of the same round).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/quantized.py [--rounds 5] [--modes int8,int4,w8a8]
+
+Writes benchmarks/results/quantized.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from _common import RESULTS, make_prompts, peak_rss_mib, run_phase
+
+
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _checkpoint_numel(model_dir) -> int:
+    from safetensors import safe_open
+
+    from engine.model.loader import safetensors_files
+
+    total = 0
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                shape = f.get_slice(name).get_shape()
+                total += math.prod(shape)
+    return total
+
+
+def _llm(args, mode: str, **opts):
+    from engine import LLM
+    from engine.model.default_model import default_model_dir
+
+    quant = None if mode == "bf16" else mode
+    return LLM(default_model_dir(), dtype="bfloat16", num_threads=args.threads, quantization=quant, **opts)
+
+
+def phase(args) -> dict:
+    from engine import SamplingParams
+
+    if args.phase == "decode":
+        llm = _llm(args, args.mode, num_kv_blocks=64, max_model_len=512)
+        rss = _rss_mib()
+        weight_bytes = 2 * _checkpoint_numel(llm.engine.model_dir)  # the model's weights in bf16
+        prompt = make_prompts(llm.tokenizer, 1, 32, seed=1)[0]
+        one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
+        many = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True, temperature=0)
+        llm.generate([prompt], many)  # warm-up
+        t0 = time.perf_counter()
+        llm.generate([prompt], one)
+        t1 = time.perf_counter()
+        llm.generate([prompt], many)
+        t2 = time.perf_counter()
+        rate = (args.decode_tokens - 1) / ((t2 - t1) - (t1 - t0))
+        return {"value": rate, "rss_after_load_mib": rss, "peak_rss_mib": peak_rss_mib(),
+                "model_bytes": weight_bytes}
+    if args.phase == "ttft":
+        llm = _llm(args, args.mode, num_kv_blocks=128, max_model_len=2048, enable_prefix_caching=False,
+                   max_num_batched_tokens=2048)
+        prompts = make_prompts(llm.tokenizer, 2, args.ttft_len, seed=2)
+        one = SamplingParams(max_tokens=1, temperature=0)
+        llm.generate([prompts[0]], one)  # warm-up
+        t0 = time.perf_counter()
+        llm.generate([prompts[1]], one)
+        return {"value": time.perf_counter() - t0, "peak_rss_mib": peak_rss_mib()}
+    llm = _llm(args, args.mode, kv_cache_memory="640MiB", max_num_seqs=args.batch_prompts,
+               max_num_batched_tokens=2048, max_model_len=1024)
+    prompts = make_prompts(llm.tokenizer, args.batch_prompts, 200, seed=3)
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    params = SamplingParams(max_tokens=args.batch_output, ignore_eos=True, temperature=0)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"value": n / elapsed, "peak_rss_mib": peak_rss_mib()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--modes", default="int8,int4,w8a8")
+    ap.add_argument("--phases", default="decode,ttft,batch")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--ttft-len", type=int, default=1000)
+    ap.add_argument("--batch-prompts", type=int, default=64)
+    ap.add_argument("--batch-output", type=int, default=128)
+    ap.add_argument("--phase", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.phase:
+        print(json.dumps(phase(args)))
+        return
+    modes = ["bf16", *[m for m in args.modes.split(",") if m]]
+    passthrough = [f"--threads={args.threads}", f"--decode-tokens={args.decode_tokens}",
+                   f"--ttft-len={args.ttft_len}", f"--batch-prompts={args.batch_prompts}",
+                   f"--batch-output={args.batch_output}"]
+    results: dict[str, dict[str, list[dict]]] = {p: {m: [] for m in modes} for p in args.phases.split(",")}
+    for r in range(args.rounds):
+        for name in results:
+            order = modes[r % len(modes):] + modes[:r % len(modes)]
+            for mode in order:
+                out = run_phase(__file__, [f"--phase={name}", f"--mode={mode}", *passthrough])
+                results[name][mode].append(out)
+                print(f"round {r} {name:6s} {mode:5s} {out['value']:.3f} peak {out['peak_rss_mib']:.0f} MiB",
+                      file=sys.stderr, flush=True)
+    report(args, modes, results)
+
+
+def report(args, modes: list[str], results: dict) -> None:
+    higher_better = {"decode": True, "ttft": False, "batch": True}
+    units = {"decode": "tok/s", "ttft": "s", "batch": "tok/s"}
+    summary = {}
+    lines = ["# Quantized modes vs bf16 (default model, latest run)", "",
+             f"{args.threads} threads, {args.rounds} paired rounds (order rotated each round), median of "
+             "per-round ratios to bf16 (>1 = faster). Busy shared machine: absolute numbers are rough.", "",
+             "| measure | mode | median | ratio vs bf16 | per-round ratios | peak RSS MiB |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, per_mode in results.items():
+        base = [o["value"] for o in per_mode["bf16"]]
+        for mode in modes:
+            vals = [o["value"] for o in per_mode[mode]]
+            ratios = [(v / b if higher_better[name] else b / v) for v, b in zip(vals, base)]
+            entry = {"median": statistics.median(vals), "ratio": statistics.median(ratios), "ratios": ratios,
+                     "peak_rss_mib": max(o["peak_rss_mib"] for o in per_mode[mode])}
+            if name == "decode":
+                entry["rss_after_load_mib"] = statistics.median(o["rss_after_load_mib"] for o in per_mode[mode])
+                entry["model_bytes"] = per_mode[mode][0]["model_bytes"]
+            summary.setdefault(name, {})[mode] = entry
+            lines.append(f"| {name} ({units[name]}) | {mode} | {entry['median']:.3f} | {entry['ratio']:.2f}x | "
+                         f"{', '.join(f'{x:.2f}' for x in ratios)} | {entry['peak_rss_mib']:.0f} |")
+    if "decode" in summary:
+        bf = summary["decode"]["bf16"]
+        lines += ["", f"Worker memory (decode child, RSS once loaded; bf16 weights are "
+                      f"{bf['model_bytes'] / 2**20:.0f} MiB):", "",
+                  "| mode | RSS after load MiB | saved vs bf16 MiB | saved / bf16 weight bytes |",
+                  "| --- | --- | --- | --- |"]
+        for mode, e in summary["decode"].items():
+            saved = bf["rss_after_load_mib"] - e["rss_after_load_mib"]
+            lines.append(f"| {mode} | {e['rss_after_load_mib']:.0f} | {saved:.0f} | "
+                         f"{100 * saved / (bf['model_bytes'] / 2**20):.0f} % |")
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    lines += ["", f"Workloads: batch-1 decode of {args.decode_tokens} tokens after a 32-token prompt; TTFT of a "
+              f"{args.ttft_len}-token prompt; {args.batch_prompts} prompts x 200 tokens -> {args.batch_output} "
+              f"tokens. Run on {when} ({platform.platform()})."]
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "quantized.json").write_text(json.dumps({"args": vars(args), "summary": summary}, indent=2) + "\n")
+    (RESULTS / "quantized.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
