@@ -7,6 +7,7 @@ Routes (the OpenAI ones also under /predictions/{model}/{version}/v1/...):
                                                reads the body, its postprocess writes the reply)
   POST /v1/completions  /v1/chat/completions   OpenAI bodies; "stream": true -> SSE (a list of
                                                prompts: one request per prompt, server.fanout)
+  POST /v1/responses                            OpenAI's Responses API, stateless (handlers.openai_responses_api)
   GET  /v1/models  /v1/models/{id}
 
 Every reply carries `x-request-id`; every request is counted in the metrics (status, latency)
@@ -36,6 +37,11 @@ from handlers.openai_protocol import (
     split_model,
 )
 from handlers.openai_responses import OpenAIFormatter
+from handlers.openai_responses_api import (
+    ResponsesRequest,
+    ResponsesShaper,
+    parse_responses_request,
+)
 from handlers.openai_tools import ToolParser, tool_prompt
 from server.auth import auth_middleware
 from server.errors import error_response
@@ -57,9 +63,10 @@ from server.registry import (
 )
 from server.shapers import HandlerShaper, OpenAIShaper, PredictionShaper, openai_error
 from server.state import STATE_KEY, ServerState
+from server.streaming import StreamFormat
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "models", "model"})
+OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "responses", "models", "model"})
 routes = web.RouteTableDef()
 logger = logging.getLogger(__name__)
 
@@ -202,8 +209,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _guarded(request, "chat_completions", lambda r, s, t: _openai(r, s, t, parse_chat_request))
 
 
+@routes.post("/v1/responses", name="responses")
+@routes.post("/predictions/{model}/{version}/v1/responses", name="responses_version")
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await _guarded(request, "responses", lambda r, s, t: _openai(r, s, t, parse_responses_request))
+
+
 async def _openai(request: web.Request, state: ServerState, started: float,
-                  parse: Callable[[dict[str, Any]], OpenAIRequest]) -> web.StreamResponse:
+                  parse: Callable[[dict[str, Any]], OpenAIRequest | ResponsesRequest]) -> web.StreamResponse:
     body = await _read_json(request)
     if "model" in request.match_info:  # the path names the model and version
         version = _resolve(request, state, request.match_info["model"], request.match_info["version"])
@@ -216,18 +229,24 @@ async def _openai(request: web.Request, state: ServerState, started: float,
         version = _resolve(request, state, *split_model(asked))
     with version.admit():
         parsed = _handler_call(parse, body)
+        responses_request = parsed if isinstance(parsed, ResponsesRequest) else None
+        parsed = parsed.chat if responses_request is not None else parsed
         template = getattr(version.tokenizer, "chat_template", None)
         specs = [tool_prompt(spec, parsed.tools, template) if spec.messages is not None else spec
                  for spec in parsed.prompts]
         jobs = [await prepare(state, version, spec, parsed.params, client=request.remote or "") for spec in specs]
         job = jobs[0] if len(jobs) == 1 else FanOut(jobs, parsed.params.n).prepared()
-        prefix = "chatcmpl-" if request.match_info.route.name.startswith("chat") else "cmpl-"
-        echoed = [j.input.prompt if j.input.prompt is not None else version.tokenizer.decode(j.input.token_ids)
-                  for j in jobs] if parsed.echo else []
-        formatter = OpenAIFormatter(parsed, prefix + request[REQUEST_ID_KEY], asked, int(time.time()), echoed,
-                                    ToolParser(version.model_config.tool_parser))
-        return await respond(request, state, version, job, OpenAIShaper(formatter),
-                             stream=parsed.stream, started=started)
+        parser = ToolParser(version.model_config.tool_parser)
+        if responses_request is not None:
+            shaper = ResponsesShaper(responses_request, "resp_" + request[REQUEST_ID_KEY], asked, int(time.time()),
+                                     parser, StreamFormat.SSE)
+        else:
+            prefix = "chatcmpl-" if request.match_info.route.name.startswith("chat") else "cmpl-"
+            echoed = [j.input.prompt if j.input.prompt is not None else version.tokenizer.decode(j.input.token_ids)
+                      for j in jobs] if parsed.echo else []
+            shaper = OpenAIShaper(OpenAIFormatter(parsed, prefix + request[REQUEST_ID_KEY], asked, int(time.time()),
+                                                  echoed, parser))
+        return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
 
 
 @routes.get("/v1/models", name="models")

@@ -77,14 +77,14 @@ def test_history_with_tool_calls_and_tool_results_renders_by_default_as_hermes()
 
 # Outputs as models write them (recorded), with the calls each parser must find.
 RECORDED = [
-    (ToolParser.HERMES, 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-     '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
+    (ToolParser.HERMES, ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+     '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'),
      "Let me check.", [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]),
     (ToolParser.HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}', None,
      [("get_weather", {"city": "Oslo"})]),  # stopped at </tool_call> as a stop string
     (ToolParser.HERMES, "It is sunny in Paris.", "It is sunny in Paris.", []),
-    (ToolParser.LLAMA3_JSON, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; '
-     '{"name": "get_time", "parameters": {}}', None, [("get_weather", {"city": "Rome"}), ("get_time", {})]),
+    (ToolParser.LLAMA3_JSON, ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; '
+     '{"name": "get_time", "parameters": {}}'), None, [("get_weather", {"city": "Rome"}), ("get_time", {})]),
     (ToolParser.LLAMA3_JSON, "Rome is warm.", "Rome is warm.", []),
     (ToolParser.PYTHONIC, '[get_weather(city="Lima"), get_time(zone="PET")]', None,
      [("get_weather", {"city": "Lima"}), ("get_time", {"zone": "PET"})]),

@@ -1,8 +1,11 @@
 """The OpenAI surface beyond chat and completions basics, through the official `openai` SDK
 against a real server with the default model: client.models.retrieve, a list of prompts on
-/v1/completions (OpenAI's choice numbering, whole and streamed), `echo`, and `logit_bias`."""
+/v1/completions (OpenAI's choice numbering, whole and streamed), `echo`, `logit_bias`, and the
+Responses API (create, stream, json_schema, function tools, what it refuses)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -81,3 +84,70 @@ def test_logit_bias_bans_and_forces_tokens(server, client):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="x", max_tokens=1, logit_bias={"99999999": 1})
     assert "logit_bias" in err.value.message and "vocabulary" in err.value.message
+
+
+# -- the Responses API ---------------------------------------------------------------------------
+
+def test_responses_create_text_instructions_and_usage(client):
+    chat = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 plus 2?"}])
+    r = client.responses.create(model=MODEL, instructions="Answer briefly.", input="What is 2 plus 2?",
+                                max_output_tokens=12, temperature=0)
+    assert r.object == "response" and r.id.startswith("resp_") and r.status in {"completed", "incomplete"}
+    assert r.output_text == chat.choices[0].message.content  # the same request as a chat completion
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens
+    short = client.responses.create(model=MODEL, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "Count: 1, 2, 3,"}]}], max_output_tokens=2, temperature=0)
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+
+
+def test_responses_stream_events(client):
+    whole = client.responses.create(model=MODEL, input="Name a fruit.", max_output_tokens=10, temperature=0)
+    events = list(client.responses.create(model=MODEL, input="Name a fruit.", max_output_tokens=10, temperature=0,
+                                          stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    final = events[-1].response
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed" if final.status == "completed" else "response.incomplete"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == final.output_text
+    assert final.output_text and final.usage.output_tokens <= 10
+    assert whole.output_text  # (bf16 prefix-cache hits may change a late token, so no cross-check)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_json_schema_and_function_tools(client):
+    schema = {"type": "object", "properties": {"fruit": {"type": "string"}}, "required": ["fruit"],
+              "additionalProperties": False}
+    r = client.responses.create(model=MODEL, input="Name a fruit as JSON.", max_output_tokens=30, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "fruit", "schema": schema}})
+    assert isinstance(json.loads(r.output_text)["fruit"], str)
+    tool = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                           "additionalProperties": False}}
+    r = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[tool], tool_choice="required",
+                                max_output_tokens=40, temperature=0)
+    [call] = [item for item in r.output if item.type == "function_call"]
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
+    events = list(client.responses.create(model=MODEL, input="Weather in Paris?", tools=[tool],
+                                          tool_choice="required", max_output_tokens=40, temperature=0, stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [e.arguments for e in done] == [call.arguments]
+    follow = client.responses.create(model=MODEL, max_output_tokens=20, temperature=0, tools=[tool], input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 C, sunny"}], tool_choice="none")
+    assert follow.output_text
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"store": True}, "store"),
+    ({"input": [{"type": "web_search_call"}]}, "input[0].type"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+])
+def test_responses_refusals(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(**{"model": MODEL, "input": "hi", **extra})
+    assert param.split("[")[0] in err.value.message
