@@ -73,8 +73,8 @@ def test_named_function_and_a_round_trip_with_the_tool_result(client):
 
 
 def test_streamed_tool_call_reassembled_by_the_sdk(client):
-    kwargs = {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
-                  "max_tokens": 60, "temperature": 0}
+    kwargs = {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": "required",
+              "parallel_tool_calls": False, "max_tokens": 60, "temperature": 0}
     whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
     with client.chat.completions.stream(**kwargs) as stream:
         final = stream.get_final_completion()
