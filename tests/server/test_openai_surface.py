@@ -151,3 +151,19 @@ def test_responses_refusals(client, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(**{"model": MODEL, "input": "hi", **extra})
     assert param.split("[")[0] in err.value.message
+
+
+def test_error_statuses_parsed_by_the_sdk(server, client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=0)
+    assert err.value.body["type"] == "invalid_request_error" and err.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url("inference", "/v1"), api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="nosuchmodel", messages=[{"role": "user", "content": "hi"}])
+    assert err.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.get("/nosuchroute", cast_to=object)
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model=MODEL, prompt="x" * 7_000_000, max_tokens=1)
+    assert err.value.status_code == 413 and "max_request_size" in err.value.message

@@ -1,6 +1,7 @@
 """Tool calling through the official `openai` SDK against a real server with the default model:
 `tool_choice: required` and a named function return calls whose arguments validate against the
-tool's schema, a round trip with a `tool` message, and a streamed call reassembled by the SDK."""
+tool's schema, a round trip with a `tool` message, a streamed call reassembled by the SDK; and
+LangChain's `bind_tools` and LiteLLM's `completion` with tools against the same server."""
 
 from __future__ import annotations
 
@@ -92,3 +93,25 @@ def test_auto_answers_with_text_or_a_parsed_call(client):
         assert all(c.function.name in {"get_weather", "get_time"} for c in message.tool_calls)
     else:
         assert message.content and r.choices[0].finish_reason in {"stop", "length"}
+
+
+def test_langchain_bind_tools(server):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=server.url("inference", "/v1"),
+                                      api_key=server.keys["inference"], temperature=0, max_tokens=60, max_retries=0)
+    weather = TOOLS[0]
+    message = llm.bind_tools([weather], tool_choice="get_weather").invoke("What is the weather like in Paris?")
+    [call] = message.tool_calls
+    assert call["name"] == "get_weather" and call["id"].startswith("call_")
+    Weather.model_validate(call["args"])
+
+
+def test_litellm_completion_with_tools(server, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import
+    litellm = pytest.importorskip("litellm")
+    r = litellm.completion(model=f"openai/{MODEL}", api_base=server.url("inference", "/v1"),
+                           api_key=server.keys["inference"], messages=ASK, tools=TOOLS, tool_choice="required",
+                           parallel_tool_calls=False, max_tokens=60, temperature=0)
+    [call] = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name in {"get_weather", "get_time"}
+    assert isinstance(json.loads(call.function.arguments), dict)
