@@ -52,6 +52,8 @@ from server.generation import (
     REQUEST_ID_KEY,
     STATUS_KEY,
     ErrorReply,
+    Prepared,
+    Shaper,
     prepare,
     respond,
 )
@@ -236,17 +238,23 @@ async def _openai(request: web.Request, state: ServerState, started: float,
                  for spec in parsed.prompts]
         jobs = [await prepare(state, version, spec, parsed.params, client=request.remote or "") for spec in specs]
         job = jobs[0] if len(jobs) == 1 else FanOut(jobs, parsed.params.n).prepared()
-        parser = ToolParser(version.model_config.tool_parser)
-        if responses_request is not None:
-            shaper = ResponsesShaper(responses_request, "resp_" + request[REQUEST_ID_KEY], asked, int(time.time()),
-                                     parser, StreamFormat.SSE)
-        else:
-            prefix = "chatcmpl-" if request.match_info.route.name.startswith("chat") else "cmpl-"
-            echoed = [j.input.prompt if j.input.prompt is not None else version.tokenizer.decode(j.input.token_ids)
-                      for j in jobs] if parsed.echo else []
-            shaper = OpenAIShaper(OpenAIFormatter(parsed, prefix + request[REQUEST_ID_KEY], asked, int(time.time()),
-                                                  echoed, parser))
+        shaper = _openai_shaper(request, version, asked, responses_request or parsed, jobs)
         return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
+
+
+def _openai_shaper(request: web.Request, version: ModelVersion, asked: str,
+                   parsed: OpenAIRequest | ResponsesRequest, jobs: list[Prepared]) -> Shaper:
+    """The reply's shape: a Responses API response, or a (chat) completion with the prompts'
+    texts when it echoes them."""
+    parser = ToolParser(version.model_config.tool_parser)
+    if isinstance(parsed, ResponsesRequest):
+        return ResponsesShaper(parsed, "resp_" + request[REQUEST_ID_KEY], asked, int(time.time()), parser,
+                               StreamFormat.SSE)
+    prefix = "chatcmpl-" if request.match_info.route.name.startswith("chat") else "cmpl-"
+    echoed = [j.input.prompt if j.input.prompt is not None else version.tokenizer.decode(j.input.token_ids)
+              for j in jobs] if parsed.echo else []
+    return OpenAIShaper(OpenAIFormatter(parsed, prefix + request[REQUEST_ID_KEY], asked, int(time.time()),
+                                        echoed, parser))
 
 
 @routes.get("/v1/models", name="models")
