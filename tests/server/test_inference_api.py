@@ -138,7 +138,7 @@ BAD_INPUT = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "bogus": 1}, 400, ["bogus"]),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400, ["content"]),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, ["tools"]),
+                              "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, 400, ["tools"]),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "max_completion_tokens": 5000}, 400, ["max_tokens"]),
 ]
