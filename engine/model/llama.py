@@ -201,7 +201,6 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
             if not spec.tie_word_embeddings:
                 self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
-            self.quant = quant
             if quant is not None and quant.method is not QuantMethod.NONE:
                 self._swap_quantized(quant)
         self.to_empty(device=self.device)
