@@ -5,8 +5,11 @@ Routes (the OpenAI ones also under /predictions/{model}/{version}/v1/...):
   POST /predictions/{model}[/{version}]        JSON in, JSON out; "stream": true -> NDJSON chunks
                                                (a model with a custom handler: its preprocess
                                                reads the body, its postprocess writes the reply)
-  POST /v1/completions  /v1/chat/completions   OpenAI bodies; "stream": true -> SSE
-  GET  /v1/models
+  POST /v1/completions  /v1/chat/completions   OpenAI bodies; "stream": true -> SSE (a list of
+                                               prompts: one request per prompt, server.fanout)
+  POST /v1/responses                           OpenAI's Responses API, stateless
+                                               (handlers.openai_responses_api)
+  GET  /v1/models  /v1/models/{id}
 
 Middlewares (server.middleware), outermost first: request id, metrics and error replies; 503
 while draining; token authorization. Every error is raised and shaped in one place by route:
@@ -36,9 +39,24 @@ from handlers.openai_protocol import (
     split_model,
 )
 from handlers.openai_responses import OpenAIFormatter
+from handlers.openai_responses_api import (
+    ResponsesRequest,
+    ResponsesShaper,
+    parse_responses_request,
+)
+from handlers.openai_tools import ToolParser, tool_prompt
 from server.auth import auth_middleware
 from server.errors import error_body
-from server.generation import MODEL_KEY, REQUEST_ID_KEY, ErrorReply, prepare, respond
+from server.fanout import FanOut
+from server.generation import (
+    MODEL_KEY,
+    REQUEST_ID_KEY,
+    ErrorReply,
+    Prepared,
+    Shaper,
+    prepare,
+    respond,
+)
 from server.middleware import drain_middleware, error_middleware
 from server.registry import (
     ModelNotFoundError,
@@ -48,8 +66,9 @@ from server.registry import (
 )
 from server.shapers import HandlerShaper, OpenAIShaper, PredictionShaper, openai_error
 from server.state import STATE_KEY, ServerState
+from server.streaming import StreamFormat
 
-OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "models"})
+OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "responses", "models", "model"})
 OPENAI_PATH = re.compile(r"(/predictions/[^/]+/[^/]+)?/v1(/.*)?")  # /v1/... of a version too
 HEALTH_PATHS = frozenset({"/ping", "/live", "/ready"})
 EXCEPTION_CODES = (((QueueFullError, NoWorkerError), 503),)
@@ -189,7 +208,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _openai(request, parse_chat_request)
 
 
-async def _openai(request: web.Request, parse: Callable[[dict[str, Any]], OpenAIRequest]
+@routes.post("/v1/responses", name="responses")
+@routes.post("/predictions/{model}/{version}/v1/responses", name="responses_version")
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await _openai(request, parse_responses_request)
+
+
+async def _openai(request: web.Request, parse: Callable[[dict[str, Any]], OpenAIRequest | ResponsesRequest]
                   ) -> web.StreamResponse:
     started = time.monotonic()
     state = request.app[STATE_KEY]
@@ -205,11 +230,30 @@ async def _openai(request: web.Request, parse: Callable[[dict[str, Any]], OpenAI
         version = _resolve(request, state, *split_model(asked))
     with version.admit():
         parsed = _handler_call(parse, body)
-        job = await prepare(state, version, parsed.prompt, parsed.params, client=request.remote or "")
-        prefix = "chatcmpl-" if request.match_info.route.name.startswith("chat") else "cmpl-"
-        formatter = OpenAIFormatter(parsed, prefix + request[REQUEST_ID_KEY], asked, int(time.time()))
-        return await respond(request, state, version, job, OpenAIShaper(formatter),
-                             stream=parsed.stream, started=started)
+        responses_request = parsed if isinstance(parsed, ResponsesRequest) else None
+        parsed = parsed.chat if responses_request is not None else parsed
+        template = getattr(version.tokenizer, "chat_template", None)
+        specs = [tool_prompt(spec, parsed.tools, template) if spec.messages is not None else spec
+                 for spec in parsed.prompts]
+        jobs = [await prepare(state, version, spec, parsed.params, client=request.remote or "") for spec in specs]
+        job = jobs[0] if len(jobs) == 1 else FanOut(jobs, parsed.params.n).prepared()
+        shaper = _openai_shaper(request, version, asked, responses_request or parsed, jobs)
+        return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
+
+
+def _openai_shaper(request: web.Request, version: ModelVersion, asked: str,
+                   parsed: OpenAIRequest | ResponsesRequest, jobs: list[Prepared]) -> Shaper:
+    """The reply's shape: a Responses API response, or a (chat) completion with the prompts'
+    texts when it echoes them."""
+    parser = ToolParser(version.model_config.tool_parser)
+    if isinstance(parsed, ResponsesRequest):
+        return ResponsesShaper(parsed, "resp_" + request[REQUEST_ID_KEY], asked, int(time.time()), parser,
+                               StreamFormat.SSE)
+    prefix = "chatcmpl-" if request.match_info.route.name.startswith("chat") else "cmpl-"
+    echoed = [j.input.prompt if j.input.prompt is not None else version.tokenizer.decode(j.input.token_ids)
+              for j in jobs] if parsed.echo else []
+    return OpenAIShaper(OpenAIFormatter(parsed, prefix + request[REQUEST_ID_KEY], asked, int(time.time()),
+                                        echoed, parser))
 
 
 @routes.get("/v1/models", name="models")
@@ -225,10 +269,20 @@ async def models(request: web.Request) -> web.Response:
             if model.default_version in model.versions:
                 entries.append((model.name, model.versions[model.default_version]))
             entries += [(f"{model.name}@{v}", entry) for v, entry in sorted(model.versions.items())]
-    data = [{"id": name, "object": "model", "created": int(v.registered_at.timestamp()),
-             "owned_by": "pagedserve", "root": v.name, "version": v.version,
-             "max_model_len": _max_model_len(v)} for name, v in entries]
-    return web.json_response({"object": "list", "data": data})
+    return web.json_response({"object": "list", "data": [_model_entry(name, v) for name, v in entries]})
+
+
+@routes.get("/v1/models/{id}", name="model")
+async def model(request: web.Request) -> web.Response:
+    """One model by the id /v1/models lists (`name` or `name@version`); 404 if none."""
+    name = request.match_info["id"]
+    return web.json_response(_model_entry(name, _resolve(request, request.app[STATE_KEY], *split_model(name))))
+
+
+def _model_entry(name: str, version: ModelVersion) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": int(version.registered_at.timestamp()),
+            "owned_by": "pagedserve", "root": version.name, "version": version.version,
+            "max_model_len": _max_model_len(version)}
 
 
 def _max_model_len(version: ModelVersion) -> int | None:
