@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -91,7 +92,7 @@ class EngineCoreProc:
             try:
                 self.inputs.put(decoder.decode(frame))
             except msgspec.ValidationError as exc:
-                logger.error("dropping an invalid input message: %s", exc)
+                self.inputs.put(_refused_input(frame, exc))
 
     def _send_outputs(self, address: str) -> None:
         sock = self.context.socket(zmq.PUSH)
@@ -150,6 +151,8 @@ class EngineCoreProc:
                 core.set_num_threads(msg.num_threads)
             elif isinstance(msg, EngineCoreRequest):
                 self._add_request(core, msg)
+            elif isinstance(msg, _RefusedInput):
+                self._refuse(core, msg.request_id, msg.message)
             try:
                 msg = self.inputs.get_nowait()
             except queue.Empty:
@@ -160,9 +163,33 @@ class EngineCoreProc:
             core.add_request(to_engine_request(msg))
         except ValueError as exc:
             # The front end validates first; if it still gets here, end the request, not the worker.
-            logger.warning("refused request %s: %s", msg.request_id, exc)
-            refusal = EngineCoreOutput(msg.request_id, [], finish_reason=FinishReason.ABORT, error=str(exc))
-            self.outputs.put(EngineCoreOutputs([refusal], core.make_stats(), time.monotonic()))
+            self._refuse(core, msg.request_id, str(exc))
+
+    def _refuse(self, core, request_id: str | None, message: str) -> None:
+        """Answer a request the worker will not run with an error output (never a silent drop,
+        which would leave the front end waiting until its timeout)."""
+        logger.warning("refused request %s: %s", request_id, message)
+        if request_id is None:
+            return  # not a request: nobody waits for an answer
+        refusal = EngineCoreOutput(request_id, [], finish_reason=FinishReason.ABORT, error=message)
+        self.outputs.put(EngineCoreOutputs([refusal], core.make_stats(), time.monotonic()))
+
+
+@dataclass(frozen=True, slots=True)
+class _RefusedInput:
+    """An input message the worker's decoder refused; `request_id` when it was a request."""
+
+    request_id: str | None
+    message: str
+
+
+def _refused_input(frame: bytes, exc: msgspec.ValidationError) -> _RefusedInput:
+    try:
+        raw = msgspec.msgpack.decode(frame)
+    except msgspec.DecodeError:
+        raw = None
+    request_id = raw.get("request_id") if isinstance(raw, dict) else None
+    return _RefusedInput(request_id if isinstance(request_id, str) else None, f"invalid request: {exc}")
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
 import msgspec
@@ -75,6 +76,8 @@ def _why_not(raw: bytes) -> HandlerError:
         return _too_deep("")
     except json.JSONDecodeError as exc:
         return HandlerError(f"the request body is not valid JSON: {exc}")
+    except ValueError:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        return HandlerError(f"the request body has a number of more than {sys.get_int_max_str_digits()} digits")
     try:
         problem = _find_unrepresentable(data, "", 1)
     except RecursionError:

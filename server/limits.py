@@ -214,14 +214,6 @@ def release_free_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
 
 
-def known_max_model_len(version: Any) -> int | None:
-    """A registered version's max_model_len: set on its first request, else read from a ready
-    worker; None before any worker has started."""
-    if version.max_model_len is not None:
-        return version.max_model_len
-    return max((e.info.max_model_len for e in version.workers() if e.info is not None), default=None)
-
-
 class RequestLimits:
     """What the inference routes share: the grammar-check pool and the prompt bounds."""
 

@@ -65,7 +65,7 @@ def chunk_hash(obj: tuple) -> BlockHash:
     impractical to craft. The model, dtype and cache salt are in the key beside this hash.
     """
     prefix, tokens, extra = obj
-    parent = root_hash(sha256) if prefix == 0 else BlockHash(int(prefix).to_bytes(8, "big"))
+    parent = root_hash(sha256) if prefix == 0 else BlockHash(int(prefix).to_bytes(8, "big", signed=prefix < 0))
     return hash_block(sha256, parent, tokens, tuple(extra) or None)
 
 

@@ -108,7 +108,7 @@ def test_prefix_cache_hits_are_reported(llm):
         (COUNT, {"top_p": 1.5}, "top_p"),
         (COUNT, {"temperature": -0.5}, "temperature"),
         (COUNT, {"top_k": -3}, "top_k"),
-        (COUNT, {"n": 0}, "n: must"),
+        (COUNT, {"n": 0}, "n: must be >= 1"),
     ],
 )
 def test_bad_input_is_refused_and_engine_stays_intact(llm, prompt, params, message):

@@ -90,6 +90,12 @@ def test_a_lone_surrogate_names_the_field(raw, field):
     assert err.param == field and "lone surrogate" in str(err) and str(err).startswith(field)
 
 
+def test_a_number_of_thousands_of_digits_is_a_400():
+    """msgspec refuses it; the json module's second look raised a plain ValueError (a 500)."""
+    err = refused(decode_json_body, b'{"seed": -' + b"9" * 5000 + b"}")
+    assert "digits" in str(err)
+
+
 def test_a_paired_surrogate_is_text():
     assert predictions(b'{"prompt": "\\ud83d\\ude00"}').prompt.text == "\U0001F600"
 
