@@ -13,7 +13,9 @@ plain client: one request at a time, `POST /predictions/bench` with a 4-token pr
   tail so the stream holds text back at every chunk;
 - `bad_field` (finding 3): 100 clients, each sending `{"ignore_eos": "yes"}` (the worker used to
   drop it while the request held a queue slot until responseTimeout);
-- `huge_prompt` (finding 4): 4 clients, each keeping one 6 MB prompt in flight.
+- `huge_prompt` (finding 4): 4 clients, each keeping one 6 MB prompt in flight;
+- `long_stream` (a control, not an attack): the `stops` stream without stop strings, to tell
+  what its stop strings cost from what sharing the worker with a 256-token stream costs.
 
 An attack client sends its next request when the previous one is answered, at most one per
 `--min-interval` seconds (per attack, see ATTACKS). Each round measures, for each attack, the
@@ -67,6 +69,8 @@ ATTACKS = {
     "stops": Attack(clients=1, min_interval_s=0.0, stream=True),
     "bad_field": Attack(clients=100, min_interval_s=10.0),
     "huge_prompt": Attack(clients=4, min_interval_s=1.0),
+    # Control for `stops`: the same stream without stop strings (what sharing the worker costs).
+    "long_stream": Attack(clients=1, min_interval_s=0.0, stream=True),
 }
 
 
@@ -80,6 +84,8 @@ def attack_body(name: str, args) -> bytes:
         stop = [" " + "x" * (i % 7) + f"{i:05d}" + "y" * (args.stop_len - 6 - i % 7) for i in range(args.stop_count)]
         body = {"prompt": "Write a long story.", "max_tokens": 256, "ignore_eos": True, "stop": stop,
                 "stream": True}
+    elif name == "long_stream":
+        body = {"prompt": "Write a long story.", "max_tokens": 256, "ignore_eos": True, "stream": True}
     elif name == "bad_field":
         body = {"prompt": "x", "max_tokens": 2, "ignore_eos": "yes"}
     elif name == "huge_prompt":
@@ -266,10 +272,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=30, help="plain requests per phase")
-    parser.add_argument("--attacks", default=",".join(ATTACKS))
+    parser.add_argument("--attacks", default="grammar,stops,bad_field,huge_prompt")
     parser.add_argument("--stop-count", type=int, default=64)
     parser.add_argument("--stop-len", type=int, default=1024)
     parser.add_argument("--settle-s", type=float, default=1.0)
+    parser.add_argument("--results", default="attack_latency", help="results file name (without suffix)")
     args = parser.parse_args()
     attacks = args.attacks.split(",")
     rounds: list[dict] = []
@@ -315,13 +322,16 @@ def write_results(args, attacks: list[str], rounds: list[dict], summary: dict, r
             "rounds": args.rounds, "requests_per_phase": args.requests,
             "stop_strings": f"{args.stop_count} x {args.stop_len} chars",
             "attacks": {name: vars(ATTACKS[name]) for name in attacks}}
-    (RESULTS / "attack_latency.json").write_text(json.dumps(
+    (RESULTS / f"{args.results}.json").write_text(json.dumps(
         {"meta": meta, "summary": summary, "front_end_rss": rss, "rounds": rounds}, indent=1))
-    lines = ["# attack_latency", "",
+    lines = [f"# {args.results}", "",
              f"Plain `/predictions` latency (4 tokens, one request at a time, {args.requests} per phase) with "
              f"each attack running vs none; {args.rounds} paired rounds, order flipping each round; "
              f"median of per-round ratios. Machine: {meta['machine']}, shared with other work "
-             f"(load {meta['loadavg_1m_end']:.1f} at the end). See benchmarks/attack_latency.py.", "",
+             f"(load {meta['loadavg_1m_end']:.1f} at the end). With {args.requests} requests a phase, p99 is the "
+             "slowest request, so one hiccup of the machine decides a round; the median over rounds "
+             "is the headline. Per-phase CPU seconds of the server's processes and the load are in "
+             "the .json. See benchmarks/attack_latency.py.", "",
              "| attack | p50 ratio (median) | p99 ratio (median) | per-round p99 ratios | plain requests failed | p99 within 2x |",
              "| --- | --- | --- | --- | --- | --- |"]
     for name in attacks:
@@ -334,7 +344,7 @@ def write_results(args, attacks: list[str], rounds: list[dict], summary: dict, r
                      f"{'yes' if s['p99_within_2x'] else 'no'} |")
     lines += ["", f"Front end RSS: {rss['start_mib']:.0f} MiB after warm-up, {rss['end_mib']:.0f} MiB at the end, "
               f"peak {rss['peak_mib']:.0f} MiB.", ""]
-    (RESULTS / "attack_latency.md").write_text("\n".join(lines))
+    (RESULTS / f"{args.results}.md").write_text("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ class PromptSpec:
 
     text: str | None = None
     token_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None  # for a chat template that renders tools
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.text, self.token_ids, self.messages))
@@ -73,8 +74,9 @@ def render_prompt(tokenizer: Any, spec: PromptSpec) -> tuple[str | None, list[in
         import jinja2  # transformers' chat templates are jinja2; imported with them
 
         try:
+            extra = {} if spec.tools is None else {"tools": spec.tools}
             text = tokenizer.apply_chat_template(
-                spec.messages, tokenize=False, add_generation_prompt=spec.add_generation_prompt
+                spec.messages, tokenize=False, add_generation_prompt=spec.add_generation_prompt, **extra
             )
         except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:  # templates raise their own
             raise InvalidInput(f"the model's chat template refused the messages: {exc}", "messages") from None
@@ -95,6 +97,9 @@ def validate_input(token_ids: list[int], params: SamplingParams, limits: InputLi
     bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
         raise InvalidInput(f"token ids out of range [0, {vocab_size}): {bad[:5]}", "prompt")
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise InvalidInput(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary "
+                           f"[0, {vocab_size})", "logit_bias")
     n, max_len = len(token_ids), limits.max_model_len
     if n >= max_len:
         raise InvalidInput(

@@ -1,4 +1,4 @@
-"""Logits processors run before sampling: min_tokens masking and repetition penalties.
+"""Logits processors run before sampling: min_tokens masking, logit bias and repetition penalties.
 
 Each function returns a new tensor and leaves its input unchanged.
 """
@@ -20,6 +20,22 @@ def apply_min_tokens(
     out[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = (
         float("-inf")
     )
+    return out
+
+
+def apply_logit_bias(
+    logits: torch.Tensor, bias: dict[int, dict[int, float]] | None
+) -> torch.Tensor:
+    """Add each row's bias to its tokens' logits: {row: {token id: bias}} (OpenAI's logit_bias;
+    ids are inside the vocabulary, checked where the request entered)."""
+    if not bias:
+        return logits
+    rows = [row for row, entries in bias.items() for _ in entries]
+    cols = [tok for entries in bias.values() for tok in entries]
+    values = [b for entries in bias.values() for b in entries.values()]
+    out = logits.clone()
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+    out.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
     return out
 
 

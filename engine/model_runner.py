@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.selector import select_backend
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.selector import select_backend
 from engine.config import EngineConfig
+from engine.logits_processors import apply_logit_bias
 from engine.model.loader import (
     allocate_kv_caches,
     kv_cache_bytes_per_block,
@@ -149,8 +150,11 @@ class ModelRunner:
             k = len(drafts[req_id])
             rows = logits[row : row + k + 1]
             params = state.sampling_params
+            if params.logit_bias:  # the draft is checked against the biased distribution
+                rows = apply_logit_bias(rows, dict.fromkeys(range(k + 1), params.logit_bias))
             if params.sampling_type is SamplingType.GREEDY:
-                tokens = verify_greedy(argmax[row : row + k + 1], drafts[req_id])
+                greedy = rows.max(dim=-1).indices.tolist() if params.logit_bias else argmax[row : row + k + 1]
+                tokens = verify_greedy(greedy, drafts[req_id])
             else:
                 meta = SamplingMetadata.build([params] * (k + 1), [()] * (k + 1), [()] * (k + 1),
                                               [None] * (k + 1), self.eos_token_ids, self.vocab_size, self.device)

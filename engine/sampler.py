@@ -1,6 +1,6 @@
 """The sampler: processed logits -> one token per row, plus logprobs of the raw distribution.
 
-Order (vLLM V1): raw logprobs, min_tokens masking, penalties, then greedy rows take the argmax
+Order (vLLM V1): raw logprobs, min_tokens masking, logit bias, penalties, then greedy rows take the argmax
 and random rows go through temperature, min-p, top-k, top-p and an exponential-race draw.
 """
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.logits_processors import apply_min_tokens, apply_penalties
+from engine.logits_processors import apply_logit_bias, apply_min_tokens, apply_penalties
 from engine.sampling_metadata import SamplingMetadata
 
 
@@ -40,13 +40,15 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {meta.num_rows} rows")
         if not logits.is_floating_point():
             raise ValueError(f"logits must be floating point, got {logits.dtype}")
-        if meta.all_greedy and meta.max_num_logprobs is None and not meta.min_tokens_suppress and meta.no_penalties:
+        if (meta.all_greedy and meta.max_num_logprobs is None and not meta.min_tokens_suppress
+                and meta.logit_bias is None and meta.no_penalties):
             return SamplerOutput(sampled_token_ids=logits.max(dim=-1).indices, logprobs=None)
         logits = logits.float()
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = apply_min_tokens(logits, meta.min_tokens_suppress)
+        logits = apply_logit_bias(logits, meta.logit_bias)
         if not meta.no_penalties:
             logits = apply_penalties(
                 logits,

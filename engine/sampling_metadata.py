@@ -41,6 +41,8 @@ class SamplingMetadata:
     output_token_ids: torch.Tensor | None
     # Row index -> token ids to mask this step (min_tokens not yet reached); None if no row.
     min_tokens_suppress: dict[int, list[int]] | None
+    # Row index -> {token id: bias} (logit_bias); None if no row has one.
+    logit_bias: dict[int, dict[int, float]] | None
     # Largest `logprobs` asked by any row (0 = sampled token only); None when no row asked.
     max_num_logprobs: int | None
 
@@ -121,6 +123,7 @@ class SamplingMetadata:
                         suppress[i] = ids
             suppress = suppress or None
 
+        logit_bias = {i: p.logit_bias for i, p in enumerate(params) if p.logit_bias} or None
         asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             num_rows=n,
@@ -139,6 +142,7 @@ class SamplingMetadata:
             prompt_token_ids=prompt_ids,
             output_token_ids=output_ids,
             min_tokens_suppress=suppress,
+            logit_bias=logit_bias,
             max_num_logprobs=max(asked) if asked else None,
         )
 

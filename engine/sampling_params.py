@@ -30,6 +30,8 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOKEN_ID = (1 << 31) - 1
+MAX_LOGIT_BIAS = 300  # token ids per request's logit_bias (OpenAI's limit)
+MAX_BIAS = 100.0  # |bias| per token: -100 bans a token, +100 all but forces it
 SEED_RANGE = (-(1 << 63), 1 << 64)  # torch's generator seeds: [-2^63, 2^64)
 
 TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
@@ -68,6 +70,9 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True):
     # Constrain the output to a JSON schema, any JSON, a regex, a choice or a grammar (xgrammar;
     # vLLM's name and fields).
     structured_outputs: StructuredOutputsParams | None = None
+    # Token id -> a bias added to its logit before sampling (OpenAI's logit_bias).
+    logit_bias: Annotated[dict[TokenId, Annotated[float, Meta(ge=-MAX_BIAS, le=MAX_BIAS)]],
+                          Meta(max_length=MAX_LOGIT_BIAS)] | None = None
 
 
 class SamplingParams(_SamplingFields):

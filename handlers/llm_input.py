@@ -9,6 +9,7 @@ for the prompt, `SamplingParams` for the rest) on the event loop and returns a `
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -23,14 +24,28 @@ from handlers.json_body import decode_json_body
 TokenIds = Annotated[list[TokenId], msgspec.Meta(min_length=1)]
 
 
+class CalledFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class AssistantToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     """One chat message (OpenAI's shape). `content` is a string or a list of text parts;
-    other parts (images, audio) are refused by `message_text`."""
+    other parts (images, audio) are refused by `message_text`. An assistant message may carry
+    `tool_calls` instead of content; a `tool` message answers one by `tool_call_id`."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    refusal: str | None = None
 
 
 ChatMessages = Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
@@ -71,8 +86,21 @@ def convert_body(data: Any, schema: type[Any]) -> Any:
 
 
 def make_sampling_params(fields: dict[str, Any]) -> SamplingParams:
-    """SamplingParams from request fields; a bad value becomes a HandlerError naming it."""
+    """SamplingParams from request fields; a bad value becomes a HandlerError naming it.
+    `logit_bias` keys arrive as JSON object keys (strings) and are read as token ids."""
+    bias = fields.get("logit_bias")
+    if isinstance(bias, dict):
+        fields = {**fields, "logit_bias": {_token_id_key(key): value for key, value in bias.items()}}
     return convert_body(fields, SamplingParams)
+
+
+def _token_id_key(key: Any) -> Any:
+    if isinstance(key, str):
+        if not key.isascii() or not key.isdigit():
+            raise HandlerError(f"logit_bias: keys must be token ids (non-negative integers), got {key!r}",
+                               param="logit_bias")
+        return int(key)
+    return key
 
 
 def parse_predictions_body(body: dict[str, Any]) -> ParsedBody:
@@ -91,14 +119,39 @@ def parse_predictions_body(body: dict[str, Any]) -> ParsedBody:
     return ParsedBody(prompt, params, parsed.stream)
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Checked messages -> what the chat template reads: {role, content} with the content
-    flattened to one string ("developer" is "system" to the template)."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": message_text(m.content, i)}
-            for i, m in enumerate(messages)]
+    flattened to one string ("developer" is "system" to the template); assistant `tool_calls`
+    (arguments as objects, as Hugging Face templates read them) and a tool's `tool_call_id`."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise HandlerError(f"messages[{i}].content: required", param=f"messages[{i}].content")
+        if m.tool_calls and m.role != "assistant":
+            raise HandlerError(f"messages[{i}].tool_calls: only assistant messages have tool calls",
+                               param=f"messages[{i}].tool_calls")
+        entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                 "content": message_text(m.content, i)}
+        if m.tool_calls:
+            entry["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments, i)}} for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            entry["tool_call_id"] = m.tool_call_id
+        out.append(entry)
+    return out
 
 
-def message_text(content: str | list[dict[str, Any]], i: int) -> str:
+def _arguments(text: str, i: int) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise HandlerError(f"messages[{i}].tool_calls: arguments must be JSON text, got {text[:80]!r}",
+                           param=f"messages[{i}].tool_calls") from None
+
+
+def message_text(content: str | list[dict[str, Any]] | None, i: int) -> str:
+    if content is None:
+        return ""
     if isinstance(content, str):
         return content
     texts = []

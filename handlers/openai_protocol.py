@@ -4,8 +4,10 @@ Each body is declared once as a msgspec Struct (`CompletionBody`, `ChatBody`); i
 fields are SamplingParams' own declaration, so every bound is the one the worker decodes with.
 Three kinds of other fields: supported ones; fields OpenAI accepts that change nothing here
 (`user`, `store`, `metadata`, ...) are ignored; fields OpenAI accepts that this server cannot
-honour (`tools`, `logit_bias`, `echo`, `suffix`, ...) are refused with a 400 naming them; anything
-else is an unknown field and refused, as OpenAI does. `null` means "not given".
+honour (`suffix`, `audio`, ...) are refused with a 400 naming them; anything else is an unknown
+field and refused, as OpenAI does. `null` means "not given". A completions body may hold a list of
+up to MAX_PROMPTS prompts (one choice set each); `logit_bias` maps token ids (as JSON object keys)
+to a bias in [-100, 100].
 vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, ...) are accepted, and so is
 structured output: OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's
 `structured_outputs` and its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`.
@@ -30,11 +32,13 @@ from handlers.llm_input import (
     convert_body,
     make_sampling_params,
 )
+from handlers.openai_tools import ToolChoice, ToolRequest, Tools, tool_request
 
 # SamplingParams fields a body sets under their own names; max_tokens, logprobs and structured
 # output have route-specific forms (below).
 SAMPLING_FIELDS = frozenset(f.name for f in msgspec.structs.fields(SamplingParams)) - {
     "max_tokens", "logprobs", "structured_outputs"}
+MAX_PROMPTS = 32  # prompts in one /v1/completions body
 _Logprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 _MaxTokens = Annotated[int, Meta(ge=1, le=MAX_TOKENS)]
 _Text = Annotated[str, Meta(min_length=1)]
@@ -51,12 +55,14 @@ class OpenAIRequest:
 
     endpoint: Endpoint
     model: str | None  # the body's `model` (a route prefix may select the model instead)
-    prompt: PromptSpec
+    prompts: list[PromptSpec]  # one for chat; completions: one choice set of `n` per prompt
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
     logprobs: bool = False  # answer with logprobs
     top_logprobs: int = 0  # alternatives per token (completions: the `logprobs` integer)
+    echo: bool = False  # completions: each choice's text starts with its prompt
+    tools: ToolRequest | None = None  # chat: the tools offered (handlers.openai_tools)
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -105,15 +111,12 @@ class _OpenAIBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     store: Any = None
     metadata: Any = None
     service_tier: Any = None
-    parallel_tool_calls: Any = None
     prompt_cache_key: Any = None
     safety_identifier: Any = None
-    # Accepted by OpenAI, refused here unless empty (`_refuse_unsupported`).
-    logit_bias: Any = None
 
 
 class CompletionBody(_OpenAIBody, kw_only=True):
-    # One prompt: text or token ids; a list holding exactly one of those is accepted too.
+    # One prompt (text or token ids) or a list of prompts (texts or token-id lists).
     prompt: str | list[str | TokenId | list[TokenId]]
     logprobs: _Logprobs | None = None
     best_of: Annotated[int, Meta(ge=1)] | None = None
@@ -127,12 +130,13 @@ class ChatBody(_OpenAIBody, kw_only=True):
     top_logprobs: _Logprobs | None = None
     max_completion_tokens: _MaxTokens | None = None
     add_generation_prompt: bool = True
-    tools: Any = None
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
-    tool_choice: Any = None
     function_call: Any = None
     reasoning_effort: Any = None
     modalities: list[str] | None = None
@@ -144,24 +148,24 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 def parse_completion_request(body: dict[str, Any]) -> OpenAIRequest:
     """Check a /v1/completions body."""
     req, sampling = _split(body, CompletionBody)
-    _refuse_if(req.echo is True, "echo", "not supported")
     _refuse_if(req.suffix not in (None, ""), "suffix", "not supported")
-    _refuse_unsupported(req, ("logit_bias",))
-    spec = _completion_prompt(req.prompt)
+    _refuse_if(bool(req.echo) and req.logprobs is not None, "echo",
+               "cannot be combined with logprobs (prompt logprobs are not computed)")
+    specs = _completion_prompts(req.prompt)
     params = _sampling_params(req, sampling, max_tokens=16 if req.max_tokens is None else req.max_tokens,
                               logprobs=req.logprobs)
     _refuse_if(req.best_of is not None and req.best_of != params.n, "best_of",
                "other than n is not supported")
-    return OpenAIRequest(Endpoint.COMPLETIONS, req.model, spec, params, req.stream, _include_usage(req),
-                         logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0)
+    return OpenAIRequest(Endpoint.COMPLETIONS, req.model, specs, params, req.stream, _include_usage(req),
+                         logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, echo=bool(req.echo))
 
 
 def parse_chat_request(body: dict[str, Any]) -> OpenAIRequest:
     """Check a /v1/chat/completions body."""
     req, sampling = _split(body, ChatBody)
-    _refuse_unsupported(req, ("tools", "functions", "logit_bias", "audio", "prediction", "web_search_options"))
-    for name in ("tool_choice", "function_call"):
-        _refuse_if(getattr(req, name) not in (None, "none"), name, "not supported (no tools)")
+    _refuse_unsupported(req, ("functions", "audio", "prediction", "web_search_options"))
+    _refuse_if(req.function_call not in (None, "none"), "function_call", "not supported (use tools)")
+    tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
     _refuse_if(req.reasoning_effort is not None, "reasoning_effort", "not supported")
     _refuse_if(req.modalities is not None and req.modalities != ["text"], "modalities",
                "only [\"text\"] is supported")
@@ -174,9 +178,10 @@ def parse_chat_request(body: dict[str, Any]) -> OpenAIRequest:
                            "disagree; give one", param="max_tokens")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _sampling_params(req, sampling, max_tokens=max_tokens,
-                              logprobs=(req.top_logprobs or 0) if req.logprobs else None)
-    return OpenAIRequest(Endpoint.CHAT, req.model, spec, params, req.stream, _include_usage(req),
-                         logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
+                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                              tool_schema=None if tools is None else tools.constraint())
+    return OpenAIRequest(Endpoint.CHAT, req.model, [spec], params, req.stream, _include_usage(req),
+                         logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, tools=tools)
 
 
 def split_model(name: str) -> tuple[str, str | None]:
@@ -205,25 +210,37 @@ def _refuse_unsupported(req: _OpenAIBody, names: tuple[str, ...]) -> None:
         _refuse_if(bool(getattr(req, name)), name, "not supported")
 
 
-def _completion_prompt(prompt: str | list[Any]) -> PromptSpec:
+def _completion_prompts(prompt: str | list[Any]) -> list[PromptSpec]:
+    """`prompt` -> one PromptSpec per prompt: a string, a list of token ids, or a list of up to
+    MAX_PROMPTS strings or token-id lists (not mixed with bare ids)."""
     if isinstance(prompt, str):
-        return PromptSpec(text=prompt)
+        return [PromptSpec(text=prompt)]
     if prompt and all(isinstance(t, int) for t in prompt):
-        return PromptSpec(token_ids=list(prompt))
-    if len(prompt) != 1:  # a batch of prompts: accepted with one entry, the common client habit
-        raise HandlerError(f"prompt: holds {len(prompt)} prompts; send one prompt per request", param="prompt")
-    one = prompt[0]
-    if isinstance(one, str):
-        return PromptSpec(text=one)
-    if isinstance(one, list) and one:
-        return PromptSpec(token_ids=list(one))
-    raise HandlerError("prompt: must be a string or a non-empty list of token ids", param="prompt")
+        return [PromptSpec(token_ids=list(prompt))]
+    if not 1 <= len(prompt) <= MAX_PROMPTS:
+        raise HandlerError(f"prompt: must hold 1 .. {MAX_PROMPTS} prompts, got {len(prompt)}", param="prompt")
+    specs = []
+    for i, one in enumerate(prompt):
+        if isinstance(one, str):
+            specs.append(PromptSpec(text=one))
+        elif isinstance(one, list) and one:
+            specs.append(PromptSpec(token_ids=list(one)))
+        else:
+            raise HandlerError(f"prompt[{i}]: must be a string or a non-empty list of token ids, got {one!r}",
+                               param="prompt")
+    return specs
 
 
 def _sampling_params(req: _OpenAIBody, sampling: dict[str, Any], *, max_tokens: int | None,
-                     logprobs: int | None) -> SamplingParams:
+                     logprobs: int | None, tool_schema: dict[str, Any] | None = None) -> SamplingParams:
+    """SamplingParams of a body; `tool_schema` (tool_choice required or a named function) is
+    the structured-output constraint, which the body may then not ask for itself."""
     fields = {**sampling, "max_tokens": max_tokens, "logprobs": logprobs}
     structured = _structured_outputs(req)
+    if tool_schema is not None:
+        _refuse_if(structured is not None, "tool_choice",
+                   "\"required\" or a named function cannot be combined with structured output")
+        structured = convert_body({"json": tool_schema}, StructuredOutputsParams)
     if structured is not None:
         fields["structured_outputs"] = structured
     return make_sampling_params(fields)

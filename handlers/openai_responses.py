@@ -1,15 +1,21 @@
 """Engine outputs -> OpenAI response bodies and stream chunks (completions and chat), with
-`usage` (cached prompt tokens in `prompt_tokens_details`) and pagedserve's `timings`."""
+`usage` (cached prompt tokens in `prompt_tokens_details`) and pagedserve's `timings`.
+
+A chat request with tools has its calls read out of each finished choice (handlers.openai_tools):
+the message gets `tool_calls` and the finish_reason `tool_calls`. Streamed, such a choice's text
+is held until it finishes (a call cannot be told from text before then); its last chunk carries
+the content, if any, and one `tool_calls` delta per call, which the SDKs reassemble."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from handlers.deltas import ChoiceDelta
 from handlers.llm_output import timings, usage
 from handlers.openai_protocol import Endpoint, OpenAIRequest
+from handlers.openai_tools import ToolParser, parse_output
 
 
 def openai_usage(out: RequestOutput) -> dict[str, Any]:
@@ -21,12 +27,18 @@ def openai_usage(out: RequestOutput) -> dict[str, Any]:
 
 @dataclass(slots=True)
 class OpenAIFormatter:
-    """Shapes one request's answer: whole (`response`) or as stream chunks."""
+    """Shapes one request's answer: whole (`response`) or as stream chunks. Choice `index`
+    i * n + j is prompt i's choice j; with `echo`, each choice's text starts with its prompt's
+    text (`prompt_texts`, one per prompt; streamed: in the choice's first chunk)."""
 
     request: OpenAIRequest
     response_id: str
     model: str  # the name the client asked for
     created: int
+    prompt_texts: list[str] = field(default_factory=list)
+    tool_parser: ToolParser = ToolParser.HERMES  # the model's (model-config toolParser)
+    _echoed: set[int] = field(default_factory=set)  # choices whose stream has sent the prompt
+    _held: dict[int, str] = field(default_factory=dict)  # streamed tool-call text per choice
 
     @property
     def is_chat(self) -> bool:
@@ -38,10 +50,11 @@ class OpenAIFormatter:
         for c in out.outputs:
             logprobs = self._logprobs(c.logprobs, 0) if self.request.logprobs else None
             if self.is_chat:
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                                "logprobs": logprobs, "finish_reason": c.finish_reason})
+                message, finish_reason = self._message(c.text, c.finish_reason)
+                choices.append({"index": c.index, "message": {"role": "assistant", **message},
+                                "logprobs": logprobs, "finish_reason": finish_reason})
             else:
-                choices.append({"index": c.index, "text": c.text, "logprobs": logprobs,
+                choices.append({"index": c.index, "text": self._echo(c.index) + c.text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason})
         return {
             "id": self.response_id,
@@ -65,12 +78,22 @@ class OpenAIFormatter:
         choices = []
         for d in deltas:
             logprobs = self._logprobs(d.logprobs, d.text_offset) if self.request.logprobs and d.logprobs else None
-            if self.is_chat:
+            if self.is_chat and self.request.tools is not None:
+                text = self._held.get(d.index, "") + d.text
+                self._held[d.index] = text
+                if d.finish_reason is not None:  # the whole choice: its calls, at once
+                    message, finish_reason = self._message(text, d.finish_reason, indexed=True)
+                    delta = {k: v for k, v in message.items() if v is not None}
+                    choices.append({"index": d.index, "delta": delta, "logprobs": None,
+                                    "finish_reason": finish_reason})
+            elif self.is_chat:
                 delta = {"content": d.text} if d.text or d.finish_reason is None else {}
                 choices.append({"index": d.index, "delta": delta, "logprobs": logprobs,
                                 "finish_reason": d.finish_reason})
             else:
-                choices.append({"index": d.index, "text": d.text, "logprobs": logprobs,
+                echo = "" if d.index in self._echoed else self._echo(d.index)
+                self._echoed.add(d.index)
+                choices.append({"index": d.index, "text": echo + d.text, "logprobs": logprobs,
                                 "finish_reason": d.finish_reason})
         return self._chunk(choices)
 
@@ -91,6 +114,24 @@ class OpenAIFormatter:
         if self.request.include_usage:
             chunk["usage"] = None  # OpenAI sends null on every chunk but the usage chunk
         return chunk
+
+    def _message(self, text: str, finish_reason: FinishReason | None, *,
+                 indexed: bool = False) -> tuple[dict[str, Any], str | None]:
+        """A chat choice's message fields (content, tool_calls) and its finish_reason."""
+        tools = self.request.tools
+        if tools is None:
+            return {"content": text}, finish_reason
+        parsed = parse_output(text, tools, self.tool_parser)
+        if not parsed.calls:
+            return {"content": parsed.content}, finish_reason
+        calls = [call.as_openai(i if indexed else None) for i, call in enumerate(parsed.calls)]
+        return {"content": parsed.content, "tool_calls": calls}, "tool_calls" if finish_reason == "stop" else finish_reason
+
+    def _echo(self, index: int) -> str:
+        """The prompt text choice `index` starts with ("" without echo)."""
+        if not self.request.echo:
+            return ""
+        return self.prompt_texts[index // self.request.params.n]
 
     # -- logprobs ----------------------------------------------------------------------------
     def _logprobs(self, entries: list[dict[int, TokenLogprob]] | None, text_offset: int) -> dict[str, Any] | None:

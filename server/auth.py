@@ -1,7 +1,8 @@
 """Token authorization, TorchServe's way: a key file with one key per API, `Bearer` tokens.
 
 `write_key_file` creates `key_file.json` (`{"management": {"key": ...}, "inference": {"key": ...}}`)
-with mode 0600, atomically (`server.safe_write`); `auth_middleware(key)` refuses a request whose
+with mode 0600, atomically (`server.safe_write`); `auth_middleware(key)` refuses (raises
+`Unauthorized`) a request whose
 `Authorization: Bearer <token>` does not match, comparing in constant time.
 """
 
@@ -16,7 +17,6 @@ from pathlib import Path
 
 from aiohttp import web
 
-from server.errors import error_response
 from server.safe_write import write_atomically
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -56,8 +56,13 @@ def token_matches(token: str | None, key: str) -> bool:
     return hmac.compare_digest(token.encode(), key.encode())
 
 
+class Unauthorized(Exception):
+    """A request without the right token (401); the app's error middleware shapes the reply."""
+
+
 def auth_middleware(key: str | None, public_paths: frozenset[str] = frozenset()):
-    """An aiohttp middleware that answers 401 unless the request carries `Bearer <key>`.
+    """An aiohttp middleware that raises `Unauthorized` unless the request carries
+    `Bearer <key>`.
 
     `key=None` turns authorization off. Paths in `public_paths` pass without a token.
     """
@@ -68,12 +73,10 @@ def auth_middleware(key: str | None, public_paths: frozenset[str] = frozenset())
             return await handler(request)
         token = bearer_token(request)
         if token is None:
-            return error_response(401, "Token authorization failed: no 'Authorization: Bearer "
-                                       "<key>' header (keys are in the server's key file)",
-                                  headers={"WWW-Authenticate": "Bearer"})
+            raise Unauthorized("Token authorization failed: no 'Authorization: Bearer <key>' "
+                               "header (keys are in the server's key file)")
         if not token_matches(token, key):
-            return error_response(401, "Token authorization failed: the token is not valid "
-                                       "for this API", headers={"WWW-Authenticate": "Bearer"})
+            raise Unauthorized("Token authorization failed: the token is not valid for this API")
         return await handler(request)
 
     return middleware

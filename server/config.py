@@ -70,6 +70,12 @@ class _ServerFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     snapshot_path: _Path | None = "snapshot.json"  # None: no snapshots
     restore_snapshot: bool = True
     allow_custom_handlers: bool = False
+    allow_insecure: bool = False  # start with auth off on a non-loopback address
+    # Connection limits per port (server.connections): seconds to deliver a request's headers,
+    # seconds to deliver its body after them, open connections.
+    header_read_timeout: Annotated[float, Meta(gt=0, le=86400)] = 30.0
+    body_read_timeout: Annotated[float, Meta(gt=0, le=86400)] = 120.0
+    max_connections: _Positive = 512
     kv_offload: dict[str, Any] | None = None  # passed through to the engine's EngineConfig when set
 
 

@@ -1,8 +1,7 @@
-"""TorchServe-shaped error replies: `{"code": int, "type": str, "message": str}`."""
+"""TorchServe-shaped error bodies: `{"code": int, "type": str, "message": str}` (the apps'
+error middleware, server.middleware, sends them)."""
 
 from __future__ import annotations
-
-from aiohttp import web
 
 # TorchServe's exception names by status code (the `type` field of an error body).
 ERROR_TYPES = {
@@ -11,6 +10,7 @@ ERROR_TYPES = {
     403: "ForbiddenException",
     404: "ModelNotFoundException",
     405: "MethodNotAllowedException",
+    408: "RequestTimeoutException",
     409: "ConflictStatusException",
     413: "RequestTooLargeException",
     500: "InternalServerException",
@@ -23,9 +23,3 @@ ERROR_TYPES = {
 def error_body(code: int, message: str, type: str | None = None) -> dict:
     return {"code": code, "type": type or ERROR_TYPES.get(code, "InternalServerException"),
             "message": message}
-
-
-def error_response(code: int, message: str, type: str | None = None,
-                   headers: dict[str, str] | None = None) -> web.Response:
-    """A JSON error reply with TorchServe's shape."""
-    return web.json_response(error_body(code, message, type), status=code, headers=headers)

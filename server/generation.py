@@ -137,8 +137,8 @@ class Shaper(Protocol):
     stream_format: StreamFormat
 
     def whole(self, out: RequestOutput, total_s: float) -> dict[str, Any]: ...
-    def opening(self, n: int) -> dict[str, Any] | None: ...
-    def chunk(self, deltas: list[ChoiceDelta]) -> dict[str, Any]: ...
+    def opening(self, n: int) -> dict[str, Any] | list[dict[str, Any]] | None: ...
+    def chunk(self, deltas: list[ChoiceDelta]) -> dict[str, Any] | list[dict[str, Any]]: ...
     def closing(self, deltas: list[ChoiceDelta], out: RequestOutput, total_s: float) -> list[dict[str, Any]]: ...
     def error(self, code: int, message: str) -> dict[str, Any]: ...
 
@@ -253,9 +253,8 @@ async def _stream(request: web.Request, state: ServerState, version: ModelVersio
     await stream.open()
     tracker = DeltaTracker(params.stop)
     try:
-        opening = shaper.opening(len(out.outputs))
-        if opening is not None:
-            await stream.send(opening)
+        for event in _events(shaper.opening(len(out.outputs))):
+            await stream.send(event)
         while True:
             deltas = tracker.update(out)
             if out.finished:
@@ -264,7 +263,8 @@ async def _stream(request: web.Request, state: ServerState, version: ModelVersio
                     await stream.send(chunk)
                 break
             if deltas:
-                await stream.send(shaper.chunk(deltas))
+                for event in _events(shaper.chunk(deltas)):
+                    await stream.send(event)
             out = await _next(outputs)
             watchdog.progressed()
     except EngineDeadError as exc:
@@ -285,6 +285,13 @@ async def _stream(request: web.Request, state: ServerState, version: ModelVersio
     with contextlib.suppress(ConnectionError):
         await stream.close()
     return stream.response
+
+
+def _events(shaped: dict[str, Any] | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """A shaper's opening or chunk: one event, several (a list), or none."""
+    if shaped is None:
+        return []
+    return shaped if isinstance(shaped, list) else [shaped]
 
 
 async def _end_with_error(stream: ChunkStream, event: dict[str, Any]) -> None:

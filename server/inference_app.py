@@ -5,23 +5,27 @@ Routes (the OpenAI ones also under /predictions/{model}/{version}/v1/...):
   POST /predictions/{model}[/{version}]        JSON in, JSON out; "stream": true -> NDJSON chunks
                                                (a model with a custom handler: its preprocess
                                                reads the body, its postprocess writes the reply)
-  POST /v1/completions  /v1/chat/completions   OpenAI bodies; "stream": true -> SSE
-  GET  /v1/models
+  POST /v1/completions  /v1/chat/completions   OpenAI bodies; "stream": true -> SSE (a list of
+                                               prompts: one request per prompt, server.fanout)
+  POST /v1/responses                           OpenAI's Responses API, stateless
+                                               (handlers.openai_responses_api)
+  GET  /v1/models  /v1/models/{id}
 
-Every reply carries `x-request-id`; every request is counted in the metrics (status, latency)
-by the outer middleware; token authorization sits inside it. Per request: resolve the version,
-`admit` it (jobQueueSize), parse, tokenize off the loop, pick a worker, generate
-(server.generation). Errors are TorchServe-shaped JSON on /predictions and the health routes,
-OpenAI-shaped on the OpenAI routes.
+Middlewares (server.middleware), outermost first: request id, metrics and error replies; 503
+while draining; token authorization. Every error is raised and shaped in one place by route:
+OpenAI's `{"error": {"message", "type", "param", "code"}}` on the OpenAI routes (and any path
+under /v1/), TorchServe's `{"code", "type", "message"}` elsewhere. Per request: resolve the
+version, `admit` it (jobQueueSize), parse, tokenize off the loop, pick a worker, generate
+(server.generation).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
-import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from aiohttp import web
@@ -35,17 +39,25 @@ from handlers.openai_protocol import (
     split_model,
 )
 from handlers.openai_responses import OpenAIFormatter
+from handlers.openai_responses_api import (
+    ResponsesRequest,
+    ResponsesShaper,
+    parse_responses_request,
+)
+from handlers.openai_tools import ToolParser, tool_prompt
 from server.auth import auth_middleware
-from server.errors import error_response
+from server.errors import error_body
+from server.fanout import FanOut
 from server.generation import (
-    CLIENT_CLOSED,
     MODEL_KEY,
     REQUEST_ID_KEY,
-    STATUS_KEY,
     ErrorReply,
+    Prepared,
+    Shaper,
     prepare,
     respond,
 )
+from server.middleware import drain_middleware, error_middleware
 from server.registry import (
     ModelNotFoundError,
     ModelVersion,
@@ -54,76 +66,75 @@ from server.registry import (
 )
 from server.shapers import HandlerShaper, OpenAIShaper, PredictionShaper, openai_error
 from server.state import STATE_KEY, ServerState
+from server.streaming import StreamFormat
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "models"})
+OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "responses", "models", "model"})
+OPENAI_PATH = re.compile(r"(/predictions/[^/]+/[^/]+)?/v1(/.*)?")  # /v1/... of a version too
+HEALTH_PATHS = frozenset({"/ping", "/live", "/ready"})
+EXCEPTION_CODES = (((QueueFullError, NoWorkerError), 503),)
 routes = web.RouteTableDef()
 logger = logging.getLogger(__name__)
 
 
-def build_inference_app(state: ServerState) -> web.Application:
-    app = web.Application(client_max_size=state.config.max_request_size,
-                          middlewares=[_observe_middleware, auth_middleware(state.inference_key)])
+def build_inference_app(state: ServerState, contexts: Iterable[Callable] = ()) -> web.Application:
+    """The inference app over `state`; `contexts` are `cleanup_ctx` generators (the server's
+    lifecycle: registry, workers, thread pool) run when the app starts and stops."""
+    app = web.Application(client_max_size=state.config.max_request_size, middlewares=[
+        error_middleware(_shape, EXCEPTION_CODES, _observe),
+        drain_middleware(state.drain, exempt=HEALTH_PATHS),
+        auth_middleware(state.inference_key),
+    ])
     app[STATE_KEY] = state
     app.add_routes(routes)
+    app.cleanup_ctx.extend(contexts)
     return app
 
 
-# -- middleware ------------------------------------------------------------------------------
+# -- errors and metrics -----------------------------------------------------------------------
 
-@web.middleware
-async def _observe_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Request id, uniform JSON errors for unmatched routes, and the request metrics."""
-    state = request.app[STATE_KEY]
-    started = time.monotonic()
-    request_id = uuid.uuid4().hex
-    request[REQUEST_ID_KEY] = request_id
-    route = request.match_info.route
-    endpoint = (route.name or "unknown").removesuffix("_version")
-    status = 500
-    try:
-        try:
-            response = await handler(request)
-        except web.HTTPException as exc:  # no such route, wrong method
-            response = _error(endpoint, exc.status, exc.reason if exc.status != 404 else
-                              f"no route {request.method} {request.path}")
-        status = request.get(STATUS_KEY, response.status)
-        if not response.prepared:
-            response.headers.setdefault("x-request-id", request_id)
-        return response
-    except (asyncio.CancelledError, ConnectionError):
-        status = CLIENT_CLOSED
-        raise
-    except Exception:  # a bug: answer it as one, keep serving
-        logger.exception("inference request %s failed", request_id)
-        status = 500
-        response = _error(endpoint, 500, f"internal error (request {request_id}); see the server log")
-        response.headers["x-request-id"] = request_id
-        return response
-    finally:
-        state.metrics.observe_request(request.get(MODEL_KEY), endpoint, status, time.monotonic() - started)
+def _endpoint(request: web.Request) -> str | None:
+    name = request.match_info.route.name
+    return name.removesuffix("_version") if name else None
 
 
-def _error(endpoint: str, code: int, message: str, headers: dict[str, str] | None = None,
-           param: str | None = None) -> web.Response:
-    if endpoint in OPENAI_ENDPOINTS:
-        return web.json_response(openai_error(code, message, param), status=code, headers=headers)
-    return error_response(code, message, headers=headers)
+def _is_openai_route(request: web.Request) -> bool:
+    endpoint = _endpoint(request)
+    if endpoint is not None:
+        return endpoint in OPENAI_ENDPOINTS
+    return OPENAI_PATH.fullmatch(request.path) is not None  # no route matched: judged by the path
+
+
+def _shape(request: web.Request, code: int, message: str, param: str | None) -> dict[str, Any]:
+    if not _is_openai_route(request):
+        return error_body(code, message)
+    body = openai_error(code, message, param)
+    error = body["error"]
+    if code < 500:
+        error["type"] = error["type"].replace("server_error", "invalid_request_error")
+    if _endpoint(request) is None:  # no such route: not a missing model
+        error["code"] = "unknown_url" if code == 404 else code
+    return body
+
+
+def _observe(request: web.Request, status: int, seconds: float) -> None:
+    request.app[STATE_KEY].metrics.observe_request(request.get(MODEL_KEY),
+                                                   _endpoint(request) or "unknown", status, seconds)
 
 
 # -- health ----------------------------------------------------------------------------------
 
 @routes.get("/ping", name="ping")
 async def ping(request: web.Request) -> web.Response:
-    """TorchServe's health check: Healthy when every registered model has a ready worker."""
-    state = request.app[STATE_KEY]
-    healthy = state.registry.all_ready() and not state.draining
+    """TorchServe's health check: Healthy when every version that should serve can serve."""
+    healthy = request.app[STATE_KEY].serving()
     return web.json_response({"status": "Healthy" if healthy else "Unhealthy"},
                              status=200 if healthy else 500)
 
 
 @routes.get("/live", name="live")
 async def live(request: web.Request) -> web.Response:
+    if request.app[STATE_KEY].draining:
+        return web.json_response({"status": "Draining"}, status=503)
     return web.json_response({"status": "Alive"})
 
 
@@ -132,7 +143,7 @@ async def ready(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     if state.draining:
         return web.json_response({"status": "Draining"}, status=503)
-    if not state.registry.all_ready():
+    if not state.serving():
         return web.json_response({"status": "NotReady"}, status=503)
     return web.json_response({"status": "Ready"})
 
@@ -142,17 +153,15 @@ async def ready(request: web.Request) -> web.Response:
 @routes.post("/predictions/{model}", name="predictions")
 @routes.post("/predictions/{model}/{version}", name="predictions_version")
 async def predictions(request: web.Request) -> web.StreamResponse:
-    return await _guarded(request, "predictions", _predict)
-
-
-async def _predict(request: web.Request, state: ServerState, started: float) -> web.StreamResponse:
+    started = time.monotonic()
+    state = request.app[STATE_KEY]
     version = _resolve(request, state, request.match_info["model"], request.match_info.get("version"))
     handler = version.handler
     if handler is None:
         body = await _read_json(request)
         shaper = PredictionShaper(version.name, request[REQUEST_ID_KEY])
     else:  # a custom handler reads any body: JSON or not is its call
-        raw = await _read_body(request)
+        raw = await request.read()
         shaper = HandlerShaper(version.name, request[REQUEST_ID_KEY], handler=handler)
     with version.admit():
         if handler is None:
@@ -190,17 +199,25 @@ async def _custom_preprocess(request: web.Request, state: ServerState, handler: 
 @routes.post("/v1/completions", name="completions")
 @routes.post("/predictions/{model}/{version}/v1/completions", name="completions_version")
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _guarded(request, "completions", lambda r, s, t: _openai(r, s, t, parse_completion_request))
+    return await _openai(request, parse_completion_request)
 
 
 @routes.post("/v1/chat/completions", name="chat_completions")
 @routes.post("/predictions/{model}/{version}/v1/chat/completions", name="chat_completions_version")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _guarded(request, "chat_completions", lambda r, s, t: _openai(r, s, t, parse_chat_request))
+    return await _openai(request, parse_chat_request)
 
 
-async def _openai(request: web.Request, state: ServerState, started: float,
-                  parse: Callable[[dict[str, Any]], OpenAIRequest]) -> web.StreamResponse:
+@routes.post("/v1/responses", name="responses")
+@routes.post("/predictions/{model}/{version}/v1/responses", name="responses_version")
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await _openai(request, parse_responses_request)
+
+
+async def _openai(request: web.Request, parse: Callable[[dict[str, Any]], OpenAIRequest | ResponsesRequest]
+                  ) -> web.StreamResponse:
+    started = time.monotonic()
+    state = request.app[STATE_KEY]
     body = await _read_json(request)
     if "model" in request.match_info:  # the path names the model and version
         version = _resolve(request, state, request.match_info["model"], request.match_info["version"])
@@ -213,20 +230,36 @@ async def _openai(request: web.Request, state: ServerState, started: float,
         version = _resolve(request, state, *split_model(asked))
     with version.admit():
         parsed = _handler_call(parse, body)
-        job = await prepare(state, version, parsed.prompt, parsed.params, client=request.remote or "")
-        prefix = "chatcmpl-" if request.match_info.route.name.startswith("chat") else "cmpl-"
-        formatter = OpenAIFormatter(parsed, prefix + request[REQUEST_ID_KEY], asked, int(time.time()))
-        return await respond(request, state, version, job, OpenAIShaper(formatter),
-                             stream=parsed.stream, started=started)
+        responses_request = parsed if isinstance(parsed, ResponsesRequest) else None
+        parsed = parsed.chat if responses_request is not None else parsed
+        template = getattr(version.tokenizer, "chat_template", None)
+        specs = [tool_prompt(spec, parsed.tools, template) if spec.messages is not None else spec
+                 for spec in parsed.prompts]
+        jobs = [await prepare(state, version, spec, parsed.params, client=request.remote or "") for spec in specs]
+        job = jobs[0] if len(jobs) == 1 else FanOut(jobs, parsed.params.n).prepared()
+        shaper = _openai_shaper(request, version, asked, responses_request or parsed, jobs)
+        return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
+
+
+def _openai_shaper(request: web.Request, version: ModelVersion, asked: str,
+                   parsed: OpenAIRequest | ResponsesRequest, jobs: list[Prepared]) -> Shaper:
+    """The reply's shape: a Responses API response, or a (chat) completion with the prompts'
+    texts when it echoes them."""
+    parser = ToolParser(version.model_config.tool_parser)
+    if isinstance(parsed, ResponsesRequest):
+        return ResponsesShaper(parsed, "resp_" + request[REQUEST_ID_KEY], asked, int(time.time()), parser,
+                               StreamFormat.SSE)
+    prefix = "chatcmpl-" if request.match_info.route.name.startswith("chat") else "cmpl-"
+    echoed = [j.input.prompt if j.input.prompt is not None else version.tokenizer.decode(j.input.token_ids)
+              for j in jobs] if parsed.echo else []
+    return OpenAIShaper(OpenAIFormatter(parsed, prefix + request[REQUEST_ID_KEY], asked, int(time.time()),
+                                        echoed, parser))
 
 
 @routes.get("/v1/models", name="models")
 @routes.get("/predictions/{model}/{version}/v1/models", name="models_version")
-async def models(request: web.Request) -> web.StreamResponse:
-    return await _guarded(request, "models", _list_models)
-
-
-async def _list_models(request: web.Request, state: ServerState, started: float) -> web.Response:
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
     if "model" in request.match_info:
         versions = [_resolve(request, state, request.match_info["model"], request.match_info["version"])]
         entries = [(f"{v.name}@{v.version}", v) for v in versions]
@@ -236,10 +269,20 @@ async def _list_models(request: web.Request, state: ServerState, started: float)
             if model.default_version in model.versions:
                 entries.append((model.name, model.versions[model.default_version]))
             entries += [(f"{model.name}@{v}", entry) for v, entry in sorted(model.versions.items())]
-    data = [{"id": name, "object": "model", "created": int(v.registered_at.timestamp()),
-             "owned_by": "pagedserve", "root": v.name, "version": v.version,
-             "max_model_len": _max_model_len(v)} for name, v in entries]
-    return web.json_response({"object": "list", "data": data})
+    return web.json_response({"object": "list", "data": [_model_entry(name, v) for name, v in entries]})
+
+
+@routes.get("/v1/models/{id}", name="model")
+async def model(request: web.Request) -> web.Response:
+    """One model by the id /v1/models lists (`name` or `name@version`); 404 if none."""
+    name = request.match_info["id"]
+    return web.json_response(_model_entry(name, _resolve(request, request.app[STATE_KEY], *split_model(name))))
+
+
+def _model_entry(name: str, version: ModelVersion) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": int(version.registered_at.timestamp()),
+            "owned_by": "pagedserve", "root": version.name, "version": version.version,
+            "max_model_len": _max_model_len(version)}
 
 
 def _max_model_len(version: ModelVersion) -> int | None:
@@ -247,30 +290,13 @@ def _max_model_len(version: ModelVersion) -> int | None:
     return infos[0].max_model_len if infos else version.max_model_len
 
 
-# -- the shared guard ------------------------------------------------------------------------
-
-async def _guarded(request: web.Request, endpoint: str,
-                   run: Callable[[web.Request, ServerState, float], Awaitable[web.StreamResponse]]
-                   ) -> web.StreamResponse:
-    """Run a route and turn every expected failure into its error reply."""
-    state = request.app[STATE_KEY]
-    started = time.monotonic()
-    try:
-        if state.draining and endpoint != "models":
-            raise ErrorReply(503, "the server is shutting down", {"Retry-After": "5"})
-        return await run(request, state, started)
-    except ErrorReply as exc:
-        return _error(endpoint, exc.code, str(exc), exc.headers, exc.param)
-    except ModelNotFoundError as exc:
-        return _error(endpoint, 404, str(exc), param="model")
-    except QueueFullError as exc:
-        return _error(endpoint, 503, str(exc), {"Retry-After": "1"})
-    except NoWorkerError as exc:
-        return _error(endpoint, 503, str(exc), {"Retry-After": "1"})
-
+# -- helpers ---------------------------------------------------------------------------------
 
 def _resolve(request: web.Request, state: ServerState, name: str, version: str | None) -> ModelVersion:
-    found = state.registry.resolve(name, version)
+    try:
+        found = state.registry.resolve(name, version)
+    except ModelNotFoundError as exc:
+        raise ErrorReply(404, str(exc), param="model") from None
     request[MODEL_KEY] = found.name
     return found
 
@@ -282,16 +308,8 @@ def _handler_call(parse: Callable[[dict[str, Any]], Any], body: dict[str, Any]) 
         raise ErrorReply.from_handler_error(exc) from None
 
 
-async def _read_body(request: web.Request) -> bytes:
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise ErrorReply(413, f"the request body exceeds max_request_size "
-                         f"({request.app[STATE_KEY].config.max_request_size} bytes)") from None
-
-
 async def _read_json(request: web.Request) -> dict[str, Any]:
-    raw = await _read_body(request)
+    raw = await request.read()  # too large (413), unreadable (400), too slow (408): middleware
     try:
         return decode_body(raw, request.app[STATE_KEY].config.max_request_size)
     except HandlerError as exc:

@@ -2,13 +2,15 @@
 set-default, unregister) with its parameters, status codes and JSON shapes.
 
 Registration and unregistration answer 405 unless the model API is enabled
-(`--enable-model-api`). Errors are `{"code", "type", "message"}`.
+(`--enable-model-api`). Errors are `{"code", "type", "message"}`, made in one middleware
+(server.middleware) from the exceptions the routes raise (`EXCEPTION_CODES`).
 """
 
 from __future__ import annotations
 
 import os
-import time
+from collections.abc import Callable, Iterable
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,8 @@ from handlers.base_handler import HandlerError
 from handlers.json_body import decode_json_body
 from server.archives import ArchiveNotFoundError, UrlNotAllowedError, resolve_url
 from server.auth import auth_middleware
-from server.errors import error_response
+from server.errors import error_body
+from server.generation import ErrorReply
 from server.management_params import (
     MAX_PAGE,
     ListParams,
@@ -30,6 +33,7 @@ from server.management_params import (
     UnregisterParams,
     read_params,
 )
+from server.middleware import drain_middleware, error_middleware
 from server.registry import (
     ConflictError,
     ForbiddenError,
@@ -40,7 +44,6 @@ from server.registry import (
 )
 from server.state import STATE_KEY, ServerState
 from server.workers import WorkerStartFailed
-
 
 
 async def _register_params(request: web.Request) -> RegisterParams:
@@ -118,10 +121,11 @@ def _status(message: str, code: int = 200) -> web.Response:
     return web.json_response({"status": message}, status=code)
 
 
-def _model_api_disabled() -> web.Response:
-    return error_response(405, "Requested method is not allowed: registering and unregistering "
-                               "models through the API is disabled; start the server with "
-                               "--enable-model-api (or enable_model_api: true) to allow it")
+def _check_model_api(state: ServerState) -> None:
+    if not state.config.enable_model_api:
+        raise ErrorReply(405, "Requested method is not allowed: registering and unregistering "
+                              "models through the API is disabled; start the server with "
+                              "--enable-model-api (or enable_model_api: true) to allow it")
 
 
 # -- routes -------------------------------------------------------------------------------
@@ -140,8 +144,7 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def register_model(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    if not state.config.enable_model_api:
-        return _model_api_disabled()
+    _check_model_api(state)
     params = await _register_params(request)
     url, synchronous = params.url, params.synchronous
     if not url.strip():
@@ -209,8 +212,7 @@ async def set_default(request: web.Request) -> web.Response:
 
 async def unregister_model(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    if not state.config.enable_model_api:
-        return _model_api_disabled()
+    _check_model_api(state)
     read_params(request.query, UnregisterParams)
     entry = await state.registry.unregister(request.match_info["model"],
                                             request.match_info.get("version"))
@@ -218,63 +220,51 @@ async def unregister_model(request: web.Request) -> web.Response:
 
 
 # -- app ----------------------------------------------------------------------------------
-@web.middleware
-async def observe(request: web.Request, handler) -> web.StreamResponse:
+EXCEPTION_CODES = (
+    ((ModelNotFoundError, ArchiveNotFoundError), 404),
+    (ConflictError, 409),
+    ((ForbiddenError, UrlNotAllowedError), 403),
+    (WorkerStartFailed, 500, "Failed to start workers: {}"),
+    (NoWorkerError, 503),
+    (SaveFailedError, attrgetter("status")),  # 507 disk full, else 500; the change rolled back
+    ((SchemaError, ArchiveError, ModelConfigError, ValueError, FileExistsError), 400),
+)
+ROUTES = [
+    web.get("/models", list_models),
+    web.post("/models", register_model),
+    web.get("/models/{model}", describe_model),
+    web.get("/models/{model}/{version}", describe_model),
+    web.put("/models/{model}", scale_model),
+    web.put("/models/{model}/{version}", scale_model),
+    web.put("/models/{model}/{version}/set-default", set_default),
+    web.delete("/models/{model}", unregister_model),
+    web.delete("/models/{model}/{version}", unregister_model),
+]
+
+
+def _shape(request: web.Request, code: int, message: str, param: str | None) -> dict[str, Any]:
+    """TorchServe's error body; an unknown path is its ResourceNotFoundException."""
+    unrouted = code == 404 and request.match_info.route.name is None and not request.match_info
+    return error_body(code, message, "ResourceNotFoundException" if unrouted else None)
+
+
+def _observe(request: web.Request, status: int, seconds: float) -> None:
     """Count every management request by status. The model label is the model named in the
     path only when it is registered: unknown names must not grow the label set."""
-    started = time.monotonic()
-    response = await handler(request)
     state = request.app[STATE_KEY]
     name = request.match_info.get("model")
     state.metrics.observe_request(name if name in state.registry.models else None, "management",
-                                  response.status, time.monotonic() - started)
-    return response
+                                  status, seconds)
 
 
-@web.middleware
-async def json_errors(request: web.Request, handler) -> web.StreamResponse:
-    """Map exceptions to TorchServe's codes and shapes."""
-    try:
-        return await handler(request)
-    except ModelNotFoundError as exc:
-        return error_response(404, str(exc))
-    except ConflictError as exc:
-        return error_response(409, str(exc))
-    except (ForbiddenError, UrlNotAllowedError) as exc:
-        return error_response(403, str(exc))
-    except ArchiveNotFoundError as exc:
-        return error_response(404, str(exc))
-    except WorkerStartFailed as exc:
-        return error_response(500, f"Failed to start workers: {exc}")
-    except NoWorkerError as exc:
-        return error_response(503, str(exc))
-    except SaveFailedError as exc:
-        return error_response(exc.status, str(exc))
-    except (SchemaError, ArchiveError, ModelConfigError, ValueError, FileExistsError) as exc:
-        return error_response(400, str(exc))
-    except web.HTTPException as exc:
-        if exc.status == 404:
-            return error_response(404, "Requested resource is not found, please refer to API "
-                                       "document.", type="ResourceNotFoundException")
-        if exc.status == 405:
-            return error_response(405, "Requested method is not allowed, please refer to API "
-                                       "document.")
-        raise
-
-
-def build_management_app(state: ServerState) -> web.Application:
-    app = web.Application(middlewares=[observe, json_errors,
-                                       auth_middleware(state.management_key)],
-                          client_max_size=state.config.max_request_size)
+def build_management_app(state: ServerState, contexts: Iterable[Callable] = ()) -> web.Application:
+    """The management app over `state`; `contexts` are extra `cleanup_ctx` generators."""
+    app = web.Application(client_max_size=state.config.max_request_size, middlewares=[
+        error_middleware(_shape, EXCEPTION_CODES, _observe),
+        drain_middleware(state.drain),
+        auth_middleware(state.management_key),
+    ])
     app[STATE_KEY] = state
-    r = app.router
-    r.add_get("/models", list_models)
-    r.add_post("/models", register_model)
-    r.add_get("/models/{model}", describe_model)
-    r.add_get("/models/{model}/{version}", describe_model)
-    r.add_put("/models/{model}", scale_model)
-    r.add_put("/models/{model}/{version}", scale_model)
-    r.add_put("/models/{model}/{version}/set-default", set_default)
-    r.add_delete("/models/{model}", unregister_model)
-    r.add_delete("/models/{model}/{version}", unregister_model)
+    app.add_routes(ROUTES)
+    app.cleanup_ctx.extend(contexts)
     return app

@@ -1,23 +1,26 @@
 """`pagedserve serve`: the three ports over the model registry, until SIGTERM or SIGINT.
 
-Start: write the key file, open the startup archives (a bad one stops the start with a clear
-error), listen on the inference, management and metrics addresses, then restore the snapshot
-and register the `load_models` archives (their workers start while the ports already answer;
-/ready turns 200 once every model has a ready worker).
+Start: refuse an insecure configuration (token authorization off on a non-loopback address
+without --allow-insecure), write the key file, open the startup archives (a bad one stops the
+start with a clear error), then listen on the inference, management and metrics addresses, each
+with its connection limits (server.connections). The inference app's `cleanup_ctx` (`lifecycle`)
+owns the registry, the workers and the thread pool: on start it restores the snapshot and
+registers the `load_models` archives in the background (the ports already answer; /ready turns
+200 once every version that should serve has a ready worker); on stop it stops them.
 
 Stop (SIGTERM or SIGINT): new requests get 503; in-flight ones get up to `drain_grace` seconds
-to finish; then the workers stop (what is left ends with an error), the ports close, exit 0.
-A second signal skips the wait.
+to finish (the drain's event fires when the last one ends); then the ports close and the
+workers stop (what is left is aborted), exit 0. A second signal skips the wait.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import signal
-import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +31,17 @@ from aiohttp import web
 from server.archives import LoadedArchive, resolve_url
 from server.auth import ApiKeys, write_key_file
 from server.config import ServerConfig, ServerConfigError, parse_address
-from server.errors import error_response
+from server.connections import ConnectionLimits, GuardedAppRunner
 from server.inference_app import build_inference_app
 from server.management_app import build_management_app
 from server.metrics import ServerMetrics, build_metrics_app
-from server.registry import ConflictError, ModelRegistry, ModelVersion, worker_threads
+from server.registry import (
+    ConflictError,
+    EngineBuilder,
+    ModelRegistry,
+    ModelVersion,
+    worker_threads,
+)
 from server.snapshot import Snapshotter
 from server.state import ServerState
 from server.workers import WorkerStartFailed
@@ -106,21 +115,46 @@ def ensure_default_archive(store: Path) -> Path:
                              version="1.0", config_file=config)
 
 
-def draining_middleware(state: ServerState):
-    """Outermost middleware of the inference and management apps: 503 while draining, and a
-    count of requests being answered (what the drain waits for)."""
+def check_secure(config: ServerConfig) -> None:
+    """Refuse token authorization off on a non-loopback inference or management address
+    unless `allow_insecure`: anyone who reaches it could run and manage models."""
+    if not config.disable_token_auth or config.allow_insecure:
+        return
+    exposed = [f"{key}={getattr(config, key)}" for key in ("inference_address", "management_address")
+               if not _is_loopback(parse_address(getattr(config, key))[0])]
+    if exposed:
+        raise ServerConfigError(
+            f"token authorization is off (--disable-token-auth) and {', '.join(exposed)} is not a "
+            "loopback address: anyone who can reach it could run and manage models. Turn "
+            "authorization on, listen on 127.0.0.1, or pass --allow-insecure (allow_insecure: true)")
 
-    @web.middleware
-    async def middleware(request: web.Request, handler) -> web.StreamResponse:
-        if state.draining:
-            return error_response(503, "the server is shutting down", headers={"Retry-After": "5"})
-        state.http_in_flight += 1
-        try:
-            return await handler(request)
-        finally:
-            state.http_in_flight -= 1
 
-    return middleware
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+def build_state(config: ServerConfig, make_engine: EngineBuilder, keys: ApiKeys | None) -> ServerState:
+    """The state the three apps share: registry (no worker yet), metrics, thread pool, keys."""
+    executor = ThreadPoolExecutor(config.frontend_threads, thread_name_prefix="pagedserve-fe")
+    registry = ModelRegistry(executor, make_engine,
+                             allow_custom_handlers=config.allow_custom_handlers,
+                             default_workers=config.default_workers_per_model,
+                             job_queue_size=config.job_queue_size)
+    return ServerState(config=config, registry=registry,
+                       metrics=ServerMetrics(versions=registry.all_versions),
+                       inference_key=keys.inference if keys else None,
+                       management_key=keys.management if keys else None, executor=executor)
+
+
+def connection_limits(config: ServerConfig) -> ConnectionLimits:
+    return ConnectionLimits(header_timeout=config.header_read_timeout,
+                            body_timeout=config.body_read_timeout,
+                            max_connections=config.max_connections)
 
 
 class Server:
@@ -131,49 +165,60 @@ class Server:
         self.out = out
         self.state: ServerState | None = None
         self.runners: list[web.AppRunner] = []
+        self.ports: dict[str, int] = {}  # "inference" / "management" / "metrics" -> bound port
         self.snapshot = Snapshotter(config.snapshot_path) if config.snapshot_path else None
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
 
     # -- start ---------------------------------------------------------------------------
     async def start(self) -> None:
+        """Listen on the three ports; the startup registrations go on in the background."""
         config = self.config
+        check_secure(config)
         models = startup_models(config)  # errors here stop the start before anything listens
         keys = None if config.disable_token_auth else ApiKeys.generate()
         key_path = write_key_file(config.key_file, keys) if keys else None
-        executor = ThreadPoolExecutor(config.frontend_threads, thread_name_prefix="pagedserve-fe")
-        registry = ModelRegistry(executor, self._make_engine,
-                                 allow_custom_handlers=config.allow_custom_handlers,
-                                 default_workers=config.default_workers_per_model,
-                                 job_queue_size=config.job_queue_size)
-        metrics = ServerMetrics(versions=registry.all_versions)
-        self.state = state = ServerState(
-            config=config, registry=registry, metrics=metrics,
-            inference_key=keys.inference if keys else None,
-            management_key=keys.management if keys else None, executor=executor)
+        self.state = state = build_state(config, self._make_engine, keys)
         restored = self.snapshot.load() if self.snapshot and config.restore_snapshot else []
-        opened = [(m, await registry.open(m.path)) for m in models]
+        opened = [(m, await state.registry.open(m.path)) for m in models]
 
-        apps = {"inference": build_inference_app(state), "management": build_management_app(state),
-                "metrics": build_metrics_app(metrics)}
-        for name in ("inference", "management"):
-            apps[name].middlewares.insert(0, draining_middleware(state))
+        async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+            startup = asyncio.create_task(self._register_at_start(restored, opened))
+            yield
+            startup.cancel()
+            await asyncio.gather(startup, return_exceptions=True)
+            await state.registry.shutdown()
+            state.executor.shutdown(wait=False, cancel_futures=True)
+            state.limits.shutdown()
+
+        apps = {"inference": build_inference_app(state, contexts=[lifecycle]),
+                "management": build_management_app(state),
+                "metrics": build_metrics_app(state.metrics)}
         for name, app in apps.items():
             host, port = parse_address(getattr(config, f"{name}_address"))
-            runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+            runner = GuardedAppRunner(app, connection_limits(config), access_log=None,
+                                      shutdown_timeout=2.0)
             await runner.setup()
             self.runners.append(runner)
             await web.TCPSite(runner, host, port).start()
+            self.ports[name] = port = runner.addresses[0][1]  # the real one when 0 was asked
             self.out(f"pagedserve: {name} API listening on http://{host}:{port}")
         if key_path:
             self.out(f"pagedserve: token authorization on; keys in {key_path} "
                      "(send 'Authorization: Bearer <key>')")
         else:
             self.out("pagedserve: token authorization is OFF (--disable-token-auth)")
+
+    async def _register_at_start(self, restored, opened) -> None:
+        """The snapshot's models, then the `load_models` archives (the lifecycle's task)."""
+        registry = self.state.registry
         registry.on_change = self._rebalance_threads
-        await self._restore(restored)
-        for model, archive in opened:
-            await self._register_startup(archive, model.url, model.name)
+        try:
+            await self._restore(restored)
+            for model, archive in opened:
+                await self._register_startup(archive, model.url, model.name)
+        except Exception:  # a bug: the server keeps serving what did register
+            logger.exception("the startup registrations failed")
         self._save_snapshot()
         if self.snapshot is not None:  # from now on each change is saved before it is made
             registry.persist = lambda: self.snapshot.save(registry)
@@ -284,36 +329,30 @@ class Server:
         await self._stop.wait()
 
     async def stop(self) -> None:
+        """Drain (up to drain_grace, or until a second signal), then close the ports; the
+        inference app's cleanup stops the workers and the thread pool."""
         state = self.state
         if state is not None:
-            state.draining = True
-            deadline = time.monotonic() + self.config.drain_grace
-            while state.http_in_flight and time.monotonic() < deadline and not self._force.is_set():
-                await asyncio.sleep(0.05)
-            if state.http_in_flight:
-                self.out(f"pagedserve: aborting {state.http_in_flight} request(s) still in flight")
-            await state.registry.shutdown()
+            state.drain.begin()
+            idle = asyncio.ensure_future(state.drain.wait_idle(self.config.drain_grace))
+            force = asyncio.ensure_future(self._force.wait())
+            await asyncio.wait({idle, force}, return_when=asyncio.FIRST_COMPLETED)
+            force.cancel()
+            if state.drain.in_flight:
+                self.out(f"pagedserve: aborting {state.drain.in_flight} request(s) still in flight")
         for runner in reversed(self.runners):
             await runner.cleanup()
-        if state is not None:
-            state.executor.shutdown(wait=False, cancel_futures=True)
-            state.limits.shutdown()
-        self.out("pagedserve: stopped")
+        if self.runners:
+            self.out("pagedserve: stopped")
+        self.runners.clear()
 
 
 async def serve(config: ServerConfig) -> int:
     server = Server(config)
     server.install_signal_handlers()
     try:
-        start = asyncio.ensure_future(server.start())
-        stop = asyncio.ensure_future(server.wait())
-        await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
-        if start.done():
-            start.result()  # a failed start raises here
-            await stop
-        else:
-            start.cancel()
-            await asyncio.gather(start, return_exceptions=True)
+        await server.start()  # a failed start raises here
+        await server.wait()
     finally:
         await server.stop()
     return 0

@@ -24,6 +24,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-address", metavar="HOST:PORT")
     p.add_argument("--disable-token-auth", action="store_true", default=None,
                    help="no key file, no tokens (token authorization is on by default)")
+    p.add_argument("--allow-insecure", action="store_true", default=None,
+                   help="allow --disable-token-auth on an address other than loopback")
     p.add_argument("--enable-model-api", action="store_true", default=None,
                    help="allow POST/DELETE /models on the management port")
     p.add_argument("--allow-custom-handlers", action="store_true", default=None,
@@ -43,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
              "management_address": args.management_address,
              "metrics_address": args.metrics_address,
              "disable_token_auth": args.disable_token_auth,
+             "allow_insecure": args.allow_insecure,
              "enable_model_api": args.enable_model_api,
              "allow_custom_handlers": args.allow_custom_handlers,
              "key_file": args.key_file, "restore_snapshot": args.restore_snapshot}

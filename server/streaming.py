@@ -3,7 +3,9 @@ chunked transfer (/predictions), with a cap on the bytes a response may carry.
 
 A write to a client that went away raises `ConnectionError` (aiohttp's
 `ClientConnectionResetError` is one); the caller lets it propagate so the engine request is
-aborted. Error events bypass the size cap: a stream always ends with its reason.
+aborted. Error events bypass the size cap: a stream always ends with its reason. An open
+stream is kept on its request (`OPEN_STREAM_KEY`) so that an error after the headers went out
+ends it with an error event (`fail`) rather than a second response.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class ChunkStream:
         response.enable_chunked_encoding()
         await response.prepare(self.request)
         self.response = response
+        self.request[OPEN_STREAM_KEY] = self
 
     async def send(self, obj: Any) -> None:
         data = self._frame(encode_json(obj))
@@ -80,6 +83,15 @@ class ChunkStream:
         if self.format is StreamFormat.SSE and done_marker:
             await self._write(b"data: [DONE]\n\n")
         await self.response.write_eof()
+        self.request.pop(OPEN_STREAM_KEY, None)
+
+    async def fail(self, event: Any) -> None:
+        """End the stream with `event` (no `[DONE]`), if the client is still there."""
+        try:
+            await self.send_error(event)
+            await self.close(done_marker=False)
+        except ConnectionError:
+            self.request.pop(OPEN_STREAM_KEY, None)
 
     def _frame(self, payload: bytes) -> bytes:
         if self.format is StreamFormat.SSE:
@@ -92,3 +104,6 @@ class ChunkStream:
             raise ConnectionResetError("the client closed the connection")
         self.sent_bytes += len(data)
         await self.response.write(data)
+
+
+OPEN_STREAM_KEY = web.RequestKey("pagedserve_open_stream", ChunkStream)

@@ -69,6 +69,8 @@ class ModelConfigFile(msgspec.Struct, forbid_unknown_fields=True, rename="camel"
     parallel_type: str | None = None  # a ParallelType
     parallel_level: Annotated[int, Meta(ge=1, le=MAX_WORKERS)] = 1
     job_queue_size: Annotated[int, Meta(ge=1, le=1 << 20)] = 100
+    # How /v1/chat/completions reads tool calls the model wrote (handlers.openai_tools).
+    tool_parser: typing.Literal["hermes", "llama3_json", "pythonic"] = "hermes"
     handler: dict[str, Any] | None = None
 
 
@@ -124,6 +126,7 @@ class ModelConfig:
     parallel_type: ParallelType | None = None
     parallel_level: int = 1
     job_queue_size: int = 100
+    tool_parser: str = "hermes"  # hermes, llama3_json or pythonic
     handler: dict[str, Any] = field(default_factory=dict)
     source: str = "model-config.yaml"  # the file name used in error messages
 

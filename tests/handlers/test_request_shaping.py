@@ -71,11 +71,13 @@ def test_predictions_body_and_chat_template(tokenizer):
 @pytest.mark.parametrize("body, words", [
     ({"model": "m"}, ["prompt", "required"]),
     ({"model": "m", "prompt": "x", "frobnicate": 1}, ["unknown field", "frobnicate"]),
-    ({"model": "m", "prompt": "x", "echo": True}, ["echo"]),
+    ({"model": "m", "prompt": "x", "echo": True, "logprobs": 1}, ["echo", "logprobs"]),
     ({"model": "m", "prompt": "x", "suffix": "y"}, ["suffix"]),
-    ({"model": "m", "prompt": "x", "logit_bias": {"1": 5}}, ["logit_bias"]),
+    ({"model": "m", "prompt": "x", "logit_bias": {"a": 5}}, ["logit_bias", "token ids"]),
+    ({"model": "m", "prompt": "x", "logit_bias": {"1": 101}}, ["logit_bias", "<= 100"]),
     ({"model": "m", "prompt": "x", "best_of": 3}, ["best_of"]),
-    ({"model": "m", "prompt": ["a", "b"]}, ["one prompt"]),
+    ({"model": "m", "prompt": ["a"] * 33}, ["prompt", "1 .. 32"]),
+    ({"model": "m", "prompt": ["a", []]}, ["prompt[1]"]),
     ({"model": "m", "prompt": "x", "logprobs": 21}, ["logprobs"]),
     ({"model": "m", "prompt": "x", "logprobs": True}, ["logprobs"]),
     ({"model": "m", "prompt": "x", "max_tokens": "3"}, ["max_tokens"]),
@@ -120,7 +122,7 @@ def test_openai_requests_map_to_sampling_params():
     req = parse_completion_request({"model": "m@2.0", "prompt": ["only one"], "max_tokens": 7, "n": 2, "seed": 4,
                                     "stop": "x", "logprobs": 2, "top_k": 5, "user": "u", "temperature": None,
                                     "stream": True, "stream_options": {"include_usage": True}})
-    assert req.endpoint is Endpoint.COMPLETIONS and req.prompt.text == "only one"
+    assert req.endpoint is Endpoint.COMPLETIONS and [p.text for p in req.prompts] == ["only one"]
     p = req.params
     assert (p.max_tokens, p.n, p.seed, p.stop, p.logprobs, p.top_k, p.temperature) == (7, 2, 4, ["x"], 2, 5, 1.0)
     assert req.stream and req.include_usage and req.logprobs and req.top_logprobs == 2

@@ -208,4 +208,6 @@ def test_the_error_format_names_field_value_and_bound():
     err = refused(parse_predictions_body, {"prompt": "x", "foo": 1})
     assert str(err) == "unknown field 'foo'" and err.param == "foo"
     err = refused(parse_chat_request, {"model": "m", "messages": CHAT, "tools": [{"type": "function"}]})
-    assert err.param == "tools"  # OpenAI fields this server cannot honour are refused by name
+    assert str(err) == "tools[0].function: is required" and err.param == "tools[0].function"
+    err = refused(parse_chat_request, {"model": "m", "messages": CHAT, "audio": {"voice": "x"}})
+    assert err.param == "audio"  # OpenAI fields this server cannot honour are refused by name

@@ -8,12 +8,26 @@ from pathlib import Path
 
 import pytest
 
+from server.config import ServerConfig
+from tests.server.inprocess import InProcessServer
 from tests.server.server_process import ServerProcess
 
 MODEL = "smollm2"
 ARCHIVE = "smollm2.mar"
 ARCHIVE_V2 = "smollm2-v2.mar"
 # Small and fast for a shared 2-core machine: bf16, a 64 MiB KV pool (182 blocks of 16 tokens).
+TINY = "tiny"
+TINY_ARCHIVE = "tiny.mar"
+TINY_ARCHIVE_V2 = "tiny-v2.mar"
+TINY_MODEL_CONFIG = """\
+minWorkers: 1
+maxWorkers: 2
+startupTimeout: 300
+handler:
+  dtype: float32
+  max_model_len: 256
+  kv_cache_memory: 8MiB
+"""
 TEST_MODEL_CONFIG = """\
 minWorkers: 1
 maxWorkers: 4
@@ -125,3 +139,54 @@ def module_server_factory(tmp_path_factory, model_store, archive_cache) -> Itera
 def server(module_server_factory) -> ServerProcess:
     """One server per module: smollm2 (1 worker) registered at start, token auth on."""
     return module_server_factory(models=[f"{MODEL}={ARCHIVE}"])
+
+
+@pytest.fixture(scope="session")
+def tiny_store(tmp_path_factory, tiny_model) -> Path:
+    """A model store with `tiny.mar`: the tiny random-weight model as model "tiny" 1.0."""
+    from engine.model.archive import write_archive
+
+    store = tmp_path_factory.mktemp("tiny_store")
+    config = tmp_path_factory.mktemp("tiny-config") / "model-config.yaml"
+    config.write_text(TINY_MODEL_CONFIG)
+    write_archive(tiny_model, store, model_name=TINY, version="1.0", config_file=config)
+    v2 = write_archive(tiny_model, tmp_path_factory.mktemp("tiny-v2"), model_name=TINY,
+                       version="2.0", config_file=config)
+    v2.rename(store / TINY_ARCHIVE_V2)  # version 2.0 of "tiny" (same weights)
+    return store
+
+
+InProcessFactory = Callable[..., InProcessServer]
+
+
+@pytest.fixture(scope="module")
+def inprocess_factory(tmp_path_factory, tiny_store, archive_cache) -> Iterator[InProcessFactory]:
+    """`inprocess_factory(**config)` -> a started in-process server over `tiny_store` (workers
+    are real engine processes on the tiny model; one thread each; no snapshot unless asked);
+    every one is stopped at the end of the module. The workers take the engine's plain torch
+    path (PAGEDSERVE_DISABLE_CPU_KERNELS): the C++ kernels are not what these tests are about,
+    and loading them costs each worker seconds on a busy machine."""
+    servers: list[InProcessServer] = []
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PAGEDSERVE_ARCHIVE_DIR", str(archive_cache))
+    mp.setenv("PAGEDSERVE_DISABLE_CPU_KERNELS", "1")
+
+    def make(*, ready: bool = True, **settings) -> InProcessServer:
+        workdir = tmp_path_factory.mktemp("inprocess")
+        defaults = {"model_store": str(tiny_store), "worker_threads": 1, "snapshot_path": None,
+                    "key_file": str(workdir / "key_file.json"),
+                    **{f"{api}_address": "127.0.0.1:0" for api in ("inference", "management", "metrics")}}
+        server = InProcessServer(ServerConfig(**{**defaults, **settings}))
+        servers.append(server)
+        return server.start(ready=ready)
+
+    yield make
+    for server in servers:
+        server.stop()
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def tiny_server(inprocess_factory) -> InProcessServer:
+    """One in-process server per module: "tiny" (1 worker) registered at start, token auth on."""
+    return inprocess_factory(load_models=[f"{TINY}={TINY_ARCHIVE}"])

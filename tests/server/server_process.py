@@ -50,8 +50,72 @@ class Response:
         return self.body.decode("utf-8", "replace")
 
 
+class HttpApi:
+    """HTTP helpers over a server's three ports (`ports`, `keys`); `check_alive` and
+    `log_tail` are the subclass's."""
+
+    ports: dict[str, int]
+    keys: dict[str, str] | None
+
+    def check_alive(self) -> None:
+        pass
+
+    def log_tail(self, n: int = 60) -> str:
+        return ""
+
+    def url(self, api: str, path: str = "") -> str:
+        return f"http://127.0.0.1:{self.ports[api]}{path}"
+
+    def auth_headers(self, api: str, token: Any = DEFAULT) -> dict[str, str]:
+        if token is DEFAULT:
+            if api == "metrics" or self.keys is None:
+                return {}
+            token = self.keys[api]
+        return {} if token is None else {"Authorization": f"Bearer {token}"}
+
+    def request(self, method: str, api: str, path: str, *, json_body: Any = None,
+                data: bytes | None = None, headers: dict[str, str] | None = None,
+                token: Any = DEFAULT, timeout: float = 120.0) -> Response:
+        hdrs = {**self.auth_headers(api, token), **(headers or {})}
+        if json_body is not None:
+            data = json.dumps(json_body).encode()
+            hdrs.setdefault("Content-Type", "application/json")
+        req = urllib.request.Request(self.url(api, path), data=data, method=method, headers=hdrs)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return Response(resp.status, dict(resp.headers), resp.read())
+        except urllib.error.HTTPError as err:
+            return Response(err.code, dict(err.headers), err.read())
+
+    def get(self, api: str, path: str, **kw: Any) -> Response:
+        return self.request("GET", api, path, **kw)
+
+    def post(self, api: str, path: str, json: Any = None, **kw: Any) -> Response:
+        return self.request("POST", api, path, json_body=json, **kw)
+
+    def put(self, api: str, path: str, **kw: Any) -> Response:
+        return self.request("PUT", api, path, **kw)
+
+    def delete(self, api: str, path: str, **kw: Any) -> Response:
+        return self.request("DELETE", api, path, **kw)
+
+    def predict(self, model: str, version: str | None = None, prompt: str = "1, 2, 3, 4,",
+                max_tokens: int = 4, **kw: Any) -> Response:
+        path = f"/predictions/{model}" + (f"/{version}" if version else "")
+        return self.post("inference", path, json={"prompt": prompt, "max_tokens": max_tokens,
+                                                  "temperature": 0}, **kw)
+
+    def wait_for(self, predicate, timeout: float = 120.0, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} not reached after {timeout:.0f}s\n{self.log_tail()}")
+            time.sleep(0.25)
+
+
 @dataclass(eq=False)
-class ServerProcess:
+class ServerProcess(HttpApi):
     """One server. `models` are `--models` values; `args` are further CLI flags; `env` adds to
     (or, with a None value, removes from) the environment; `config` is written as the
     `--config` YAML file when given."""
@@ -171,54 +235,3 @@ class ServerProcess:
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_text().splitlines()[-n:])
-
-    # -- HTTP --------------------------------------------------------------------------
-    def url(self, api: str, path: str = "") -> str:
-        return f"http://127.0.0.1:{self.ports[api]}{path}"
-
-    def auth_headers(self, api: str, token: Any = DEFAULT) -> dict[str, str]:
-        if token is DEFAULT:
-            if api == "metrics" or self.keys is None:
-                return {}
-            token = self.keys[api]
-        return {} if token is None else {"Authorization": f"Bearer {token}"}
-
-    def request(self, method: str, api: str, path: str, *, json_body: Any = None,
-                data: bytes | None = None, headers: dict[str, str] | None = None,
-                token: Any = DEFAULT, timeout: float = 120.0) -> Response:
-        hdrs = {**self.auth_headers(api, token), **(headers or {})}
-        if json_body is not None:
-            data = json.dumps(json_body).encode()
-            hdrs.setdefault("Content-Type", "application/json")
-        req = urllib.request.Request(self.url(api, path), data=data, method=method, headers=hdrs)
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return Response(resp.status, dict(resp.headers), resp.read())
-        except urllib.error.HTTPError as err:
-            return Response(err.code, dict(err.headers), err.read())
-
-    def get(self, api: str, path: str, **kw: Any) -> Response:
-        return self.request("GET", api, path, **kw)
-
-    def post(self, api: str, path: str, json: Any = None, **kw: Any) -> Response:
-        return self.request("POST", api, path, json_body=json, **kw)
-
-    def put(self, api: str, path: str, **kw: Any) -> Response:
-        return self.request("PUT", api, path, **kw)
-
-    def delete(self, api: str, path: str, **kw: Any) -> Response:
-        return self.request("DELETE", api, path, **kw)
-
-    def predict(self, model: str, version: str | None = None, prompt: str = "1, 2, 3, 4,",
-                max_tokens: int = 4, **kw: Any) -> Response:
-        path = f"/predictions/{model}" + (f"/{version}" if version else "")
-        return self.post("inference", path, json={"prompt": prompt, "max_tokens": max_tokens,
-                                                  "temperature": 0}, **kw)
-
-    def wait_for(self, predicate, timeout: float = 120.0, what: str = "condition") -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            self.check_alive()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what} not reached after {timeout:.0f}s\n{self.log_tail()}")
-            time.sleep(0.25)

@@ -1,24 +1,37 @@
-"""The management API's whole lifecycle against a real server: register (sync and async), list
-with paging, describe, scale up and down, a second version, set-default, predict against each
-version, unregister; TorchServe's status codes and shapes, allowed_urls, snapshots."""
+"""The management API's whole lifecycle, in-process with real workers on the tiny model:
+register (sync and async), list with paging, describe, scale up and down, a second version,
+set-default, predict against each version, unregister; TorchServe's status codes and shapes,
+allowed_urls, snapshots."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
+from pathlib import Path
 
 import pytest
 
-from tests.server.conftest import ARCHIVE, MODEL
-
-pytestmark = pytest.mark.slow
+from tests.server.conftest import TINY as MODEL
+from tests.server.conftest import TINY_ARCHIVE as ARCHIVE
+from tests.server.conftest import TINY_ARCHIVE_V2
 
 
 @pytest.fixture(scope="module")
-def mgmt(module_server_factory):
+def mgmt(inprocess_factory, tmp_path_factory):
     """A server with the model API on and nothing registered at start."""
-    return module_server_factory(args=["--enable-model-api"])
+    snapshot = tmp_path_factory.mktemp("mgmt") / "snapshot.json"
+    return inprocess_factory(enable_model_api=True, snapshot_path=str(snapshot))
+
+
+@pytest.fixture(scope="module")
+def archive_v2() -> str:
+    return TINY_ARCHIVE_V2
+
+
+def snapshot_models(server) -> list[dict]:
+    return json.loads(Path(server.config.snapshot_path).read_text())["models"]
 
 
 def describe(server, path=f"/models/{MODEL}"):
@@ -46,7 +59,7 @@ def test_register_synchronously_then_describe(mgmt):
     [desc] = describe(mgmt)
     assert desc["modelName"] == MODEL and desc["modelVersion"] == "1.0"
     assert desc["modelUrl"] == ARCHIVE
-    assert (desc["minWorkers"], desc["maxWorkers"]) == (1, 4)  # maxWorkers from model-config
+    assert (desc["minWorkers"], desc["maxWorkers"]) == (1, 2)  # maxWorkers from model-config
     assert desc["batchSize"] == 1 and desc["loadedAtStartup"] is False
     assert desc["jobQueueStatus"] == {"remainingCapacity": 100, "pendingRequests": 0}
     [worker] = desc["workers"]
@@ -80,9 +93,9 @@ def test_register_refuses_bad_parameters(mgmt, query, status, words):
     assert body["code"] == status and words in body["message"]
 
 
-def test_register_refuses_urls_outside_the_store(mgmt, tmp_path, model_store, archive_cache):
+def test_register_refuses_urls_outside_the_store(mgmt, tmp_path, tiny_store, archive_cache):
     outside = tmp_path / "outside.mar"
-    os.link(model_store / ARCHIVE, outside)  # a valid archive, in the wrong place
+    os.link(tiny_store / ARCHIVE, outside)  # a valid archive, in the wrong place
     for url in (str(outside), f"file://{outside}", f"../{outside.parent.name}/outside.mar",
                 "http://127.0.0.1:9/x.mar", "https://example.com/smollm2.mar"):
         r = mgmt.post("management", "/models", json={"url": url, "model_name": "evil"})
@@ -140,17 +153,24 @@ def test_scale_up_and_down(mgmt):
     [desc] = describe(mgmt, f"/models/{MODEL}/1.0")
     pids = ready_pids(desc)
     assert len(pids) == 2 and len(set(pids)) == 2 and desc["minWorkers"] == 2
-    # Least loaded routing: two concurrent requests land on different workers.
+    # Least loaded routing: two concurrent requests land on different workers (stopped, so
+    # both requests stay in flight while we look).
     results = []
     threads = [threading.Thread(target=lambda: results.append(mgmt.post(
         "inference", f"/predictions/{MODEL}/1.0", json={
             "prompt": "Count: 1, 2,", "max_tokens": 64, "temperature": 0, "ignore_eos": True})))
         for _ in range(2)]
-    for t in threads:
-        t.start()
-    mgmt.wait_for(lambda: sum(w["requestsInFlight"] for w in describe(
-        mgmt, f"/models/{MODEL}/1.0")[0]["workers"]) == 2, timeout=30, what="2 in flight")
-    loads = [w["requestsInFlight"] for w in describe(mgmt, f"/models/{MODEL}/1.0")[0]["workers"]]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        for t in threads:
+            t.start()
+        mgmt.wait_for(lambda: sum(w["requestsInFlight"] for w in describe(
+            mgmt, f"/models/{MODEL}/1.0")[0]["workers"]) == 2, timeout=30, what="2 in flight")
+        loads = [w["requestsInFlight"] for w in describe(mgmt, f"/models/{MODEL}/1.0")[0]["workers"]]
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
     for t in threads:
         t.join(120)
     assert loads == [1, 1]
@@ -189,12 +209,11 @@ def test_set_default_routes_unversioned_requests(mgmt):
 
 
 def test_snapshot_follows_every_change(mgmt):
-    snap = json.loads((mgmt.workdir / "snapshot.json").read_text())
     assert {(m["name"], m["version"], m["url"], m["min_workers"], m["default"])
-            for m in snap["models"]} == {
+            for m in snapshot_models(mgmt)} == {
         ("another", "1.0", ARCHIVE, 0, True),
         (MODEL, "1.0", ARCHIVE, 0, False),
-        (MODEL, "2.0", "smollm2-v2.mar", 1, True),
+        (MODEL, "2.0", TINY_ARCHIVE_V2, 1, True),
     }
 
 
@@ -216,7 +235,7 @@ def test_unregister(mgmt):
     assert r.status == 404 and r.json()["code"] == 404
     assert mgmt.delete("management", f"/models/{MODEL}").status == 404
     assert mgmt.get("management", "/models").json() == {"models": []}
-    assert json.loads((mgmt.workdir / "snapshot.json").read_text())["models"] == []
+    assert snapshot_models(mgmt) == []
 
 
 def test_unknown_route_is_a_json_404(mgmt):

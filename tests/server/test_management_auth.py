@@ -1,17 +1,22 @@
 """Token authorization on the management port (every route: no token, a wrong token, the right
 one), the key file, the metrics port without a token, --disable-token-auth, and 405 for
-registration while the model API is off."""
+registration while the model API is off. In-process, on the tiny model."""
 
 from __future__ import annotations
 
 import json
 import stat
+from pathlib import Path
 
 import pytest
 
-from tests.server.conftest import ARCHIVE, MODEL
+from tests.server.conftest import TINY as MODEL
+from tests.server.conftest import TINY_ARCHIVE as ARCHIVE
 
-pytestmark = pytest.mark.slow
+
+@pytest.fixture(scope="module")
+def server(inprocess_factory):
+    return inprocess_factory(load_models=[f"{MODEL}={ARCHIVE}"])
 
 # (method, path, status with the right token) while the model API is off: register and
 # unregister answer 405 once authorized.
@@ -54,7 +59,7 @@ def test_model_api_off_answers_405_and_changes_nothing(server):
 
 
 def test_key_file_shape_and_mode(server):
-    path = server.workdir / "key_file.json"
+    path = Path(server.config.key_file)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     data = json.loads(path.read_text())
     assert set(data) == {"management", "inference"}
@@ -69,9 +74,9 @@ def test_metrics_need_no_token(server):
     assert "pagedserve_kv_blocks_free" in r.text
 
 
-def test_disable_token_auth(server_factory):
-    s = server_factory(args=["--disable-token-auth", "--enable-model-api"])
-    assert not (s.workdir / "key_file.json").exists()
+def test_disable_token_auth(inprocess_factory):
+    s = inprocess_factory(disable_token_auth=True, enable_model_api=True)
+    assert not Path(s.config.key_file).exists()
     assert s.get("management", "/models", token=None).status == 200
     assert s.get("management", "/models", token="anything").status == 200
     assert s.get("inference", "/ping", token=None).status == 200

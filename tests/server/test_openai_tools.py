@@ -1,0 +1,117 @@
+"""Tool calling through the official `openai` SDK against a real server with the default model:
+`tool_choice: required` and a named function return calls whose arguments validate against the
+tool's schema, a round trip with a `tool` message, a streamed call reassembled by the SDK; and
+LangChain's `bind_tools` and LiteLLM's `completion` with tools against the same server."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import pytest
+
+from tests.server.conftest import ARCHIVE, MODEL
+
+openai = pytest.importorskip("openai")
+pydantic = pytest.importorskip("pydantic")
+pytestmark = pytest.mark.slow
+
+
+class Weather(pydantic.BaseModel, extra="forbid"):
+    city: str
+    unit: Literal["celsius", "fahrenheit"]
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                      "parameters": Weather.model_json_schema()}},
+    {"type": "function", "function": {"name": "get_time", "description": "Current time in a time zone",
+                                      "parameters": {"type": "object", "properties": {"zone": {"type": "string"}},
+                                                     "required": ["zone"], "additionalProperties": False}}},
+]
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+@pytest.fixture(scope="module")
+def server(module_server_factory):
+    return module_server_factory(models=[f"{MODEL}={ARCHIVE}"])
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url("inference", "/v1"), api_key=server.keys["inference"],
+                         max_retries=0, timeout=120)
+
+
+def test_required_tool_call_validates_against_the_schema(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=60, temperature=0)
+    [choice] = r.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name in {"get_weather", "get_time"}
+    if call.function.name == "get_weather":
+        Weather.model_validate_json(call.function.arguments)
+    else:
+        assert isinstance(json.loads(call.function.arguments)["zone"], str)
+
+
+def test_named_function_and_a_round_trip_with_the_tool_result(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
+    weather = Weather.model_validate_json(call.function.arguments)
+    history = ASK + [r.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": f"18 degrees {weather.unit}, sunny"}]
+    answer = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none",
+                                            max_tokens=40, temperature=0)
+    assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
+    plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1).usage.prompt_tokens
+    assert answer.usage.prompt_tokens > plain + 20  # the call and its result are in the prompt
+
+
+def test_streamed_tool_call_reassembled_by_the_sdk(client):
+    kwargs = {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": "required",
+              "parallel_tool_calls": False, "max_tokens": 60, "temperature": 0}
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+    with client.chat.completions.stream(**kwargs) as stream:
+        final = stream.get_final_completion()
+    [call] = final.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (whole.function.name,
+                                                                          json.loads(whole.function.arguments))
+    assert final.choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_answers_with_text_or_a_parsed_call(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0)
+    message = r.choices[0].message
+    if message.tool_calls:  # the small model may or may not call; either way the reply is well formed
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert all(c.function.name in {"get_weather", "get_time"} for c in message.tool_calls)
+    else:
+        assert message.content and r.choices[0].finish_reason in {"stop", "length"}
+
+
+def test_langchain_bind_tools(server):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=server.url("inference", "/v1"),
+                                      api_key=server.keys["inference"], temperature=0, max_tokens=60, max_retries=0)
+    weather = TOOLS[0]
+    message = llm.bind_tools([weather], tool_choice="get_weather").invoke("What is the weather like in Paris?")
+    [call] = message.tool_calls
+    assert call["name"] == "get_weather" and call["id"].startswith("call_")
+    Weather.model_validate(call["args"])
+
+
+def test_litellm_completion_with_tools(server, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import
+    litellm = pytest.importorskip("litellm")
+    r = litellm.completion(model=f"openai/{MODEL}", api_base=server.url("inference", "/v1"),
+                           api_key=server.keys["inference"], messages=ASK, tools=TOOLS, tool_choice="required",
+                           parallel_tool_calls=False, max_tokens=60, temperature=0)
+    [call] = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name in {"get_weather", "get_time"}
+    assert isinstance(json.loads(call.function.arguments), dict)
