@@ -191,9 +191,10 @@ async def scale_model(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     params = read_params(request.query, ScaleParams)
     entry = state.registry.resolve(request.match_info["model"], request.match_info.get("version"))
-    min_w, max_w = params.workers(entry.min_workers, entry.max_workers)
+    # An omitted bound keeps the version's own; the registry checks min <= max for every caller.
+    min_w = entry.min_workers if params.min_worker is None else params.min_worker
     synchronous = params.synchronous
-    done = await state.registry.scale(entry, min_w, max_w, synchronous=synchronous,
+    done = await state.registry.scale(entry, min_w, params.max_worker, synchronous=synchronous,
                                       timeout=params.timeout)
     if not synchronous:
         return _status("Processing worker updates...", 202)

@@ -49,16 +49,6 @@ class ScaleParams(msgspec.Struct, forbid_unknown_fields=True):
     timeout: Annotated[int, Meta(ge=-1, le=MAX_TIMEOUT_S)] | None = None  # -1 or none: wait for ever
     number_gpu: Annotated[int, Meta(ge=0, le=MAX_WORKERS)] | None = None  # accepted, unused
 
-    def workers(self, current_min: int, current_max: int) -> tuple[int, int]:
-        """(min, max) after this call: an omitted bound keeps the version's own; min above max
-        is refused naming both."""
-        low = current_min if self.min_worker is None else self.min_worker
-        high = current_max if self.max_worker is None else self.max_worker
-        if low > high:
-            what = "max_worker" if self.max_worker is not None else "the version's maxWorkers (give max_worker to raise it)"
-            raise SchemaError(f"min_worker: {low} must not exceed {what}: {high}", "min_worker")
-        return low, high
-
     @property
     def wait_s(self) -> float | None:
         return None if self.timeout is None or self.timeout < 0 else float(self.timeout)

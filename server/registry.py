@@ -229,11 +229,6 @@ class ModelRegistry:
     def sorted_models(self) -> list[RegisteredModel]:
         return [self.models[n] for n in sorted(self.models)]
 
-    def all_ready(self) -> bool:
-        """Startup registrations are done and every model has a ready worker."""
-        return self.startup_done and all(any(v.pool.ready_engines() for v in m.versions.values())
-                   for m in self.models.values())
-
     def total_in_flight(self) -> int:
         return sum(v.in_flight for v in self.all_versions())
 

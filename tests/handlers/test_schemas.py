@@ -132,14 +132,8 @@ def test_scale_timeout_is_bounded():
 
 # -- finding 8: worker counts and n ------------------------------------------------------------
 
-def test_min_worker_above_the_versions_max_workers_is_refused_naming_both():
-    with pytest.raises(SchemaError) as info:
-        read_params({"min_worker": "6"}, ScaleParams).workers(1, 4)
-    assert "min_worker: 6" in str(info.value) and "maxWorkers" in str(info.value) and ": 4" in str(info.value)
-    with pytest.raises(SchemaError, match="min_worker: 3 must not exceed max_worker: 2"):
-        read_params({"min_worker": "3", "max_worker": "2"}, ScaleParams).workers(1, 4)
-    assert read_params({"min_worker": "6", "max_worker": "8"}, ScaleParams).workers(1, 4) == (6, 8)
-    assert read_params({}, ScaleParams).workers(1, 4) == (1, 4)
+# (min_worker above max_worker / maxWorkers: the registry's rule, for every caller —
+# tests/server/test_registry_hardening.py::test_worker_counts_stay_within_the_versions_maximum)
 
 
 def test_n_has_the_same_bound_on_every_route():
