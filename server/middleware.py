@@ -25,6 +25,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from server.auth import Unauthorized
 from server.connections import BodyReadTimeout
 from server.generation import CLIENT_CLOSED, REQUEST_ID_KEY, STATUS_KEY, ErrorReply
+from server.limits import TRIM_AFTER_CHARS, release_free_memory
 from server.state import Drain
 from server.streaming import OPEN_STREAM_KEY
 
@@ -89,7 +90,12 @@ def error_middleware(shape: Shape, codes: ExceptionCodes, observe: Observe):
                                      request.path)
                     reply = ErrorReply(500, f"internal error (request {request_id}); see the "
                                             "server log")
-                response = await _answer(request, reply, shape)
+                try:
+                    response = await _answer(request, reply, shape)
+                finally:
+                    # `reply` may be `exc`, whose traceback holds this frame: a cycle that kept
+                    # the request (its body: 6 MB prompts) alive until a full collection.
+                    del reply
             status = request.get(STATUS_KEY, response.status)
             if not response.prepared:
                 response.headers.setdefault("x-request-id", request_id)
@@ -99,6 +105,10 @@ def error_middleware(shape: Shape, codes: ExceptionCodes, observe: Observe):
             raise
         finally:
             observe(request, status, time.monotonic() - started)
+            if (request.content_length or 0) > TRIM_AFTER_CHARS:
+                # A large body's buffers (read, decoded, checked) are free now; glibc keeps them
+                # in the heap unless asked.
+                release_free_memory()
 
     return middleware
 
