@@ -9,24 +9,14 @@ import re
 
 import pytest
 
-from tests.server.conftest import ARCHIVE, MODEL
+from tests.server.conftest import MODEL
+from tests.server.openai_fixtures import client, server  # noqa: F401 -- fixtures
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
 PROMPT = "1, 2, 3, 4,"
 QUESTION = [{"role": "user", "content": "What is 2 plus 2?"}]
-
-
-@pytest.fixture(scope="module")
-def server(module_server_factory):
-    return module_server_factory(models=[f"{MODEL}={ARCHIVE}"])
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url("inference", "/v1"), api_key=server.keys["inference"],
-                         max_retries=0, timeout=120)
 
 
 def test_chat(client):

@@ -9,23 +9,13 @@ import json
 
 import pytest
 
-from tests.server.conftest import ARCHIVE, MODEL
+from tests.server.conftest import MODEL
+from tests.server.openai_fixtures import client, server  # noqa: F401 -- fixtures
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["1, 2, 3, 4,", "Monday, Tuesday,"]
-
-
-@pytest.fixture(scope="module")
-def server(module_server_factory):
-    return module_server_factory(models=[f"{MODEL}={ARCHIVE}"])
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url("inference", "/v1"), api_key=server.keys["inference"],
-                         max_retries=0, timeout=120)
 
 
 def test_models_retrieve(client):

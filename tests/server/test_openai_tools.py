@@ -10,7 +10,8 @@ from typing import Literal
 
 import pytest
 
-from tests.server.conftest import ARCHIVE, MODEL
+from tests.server.conftest import MODEL
+from tests.server.openai_fixtures import client, server  # noqa: F401 -- fixtures
 
 openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
@@ -30,17 +31,6 @@ TOOLS = [
                                                      "required": ["zone"], "additionalProperties": False}}},
 ]
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
-
-
-@pytest.fixture(scope="module")
-def server(module_server_factory):
-    return module_server_factory(models=[f"{MODEL}={ARCHIVE}"])
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url("inference", "/v1"), api_key=server.keys["inference"],
-                         max_retries=0, timeout=120)
 
 
 def test_required_tool_call_validates_against_the_schema(client):
