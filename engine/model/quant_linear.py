@@ -25,7 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 INT4_GROUP_SIZES = (32, 64, 128)
-INT8_WEIGHT_ONLY_MAX_ROWS = 16  # mode int8: more rows quantize activations (torch._int_mm)
+INT8_WEIGHT_ONLY_MAX_ROWS = 16  # more rows: torch._int_mm on activations quantized per token
+# Mode int8 from this many rows on (prefill-sized calls) de-quantizes the weight for the call:
+# the copy's cost is spread over enough rows to stay within a few % of bf16, and prefill keeps
+# weight-only numerics. Batched decode steps (17..255 rows) run torch._int_mm instead.
+INT8_DEQUANT_MIN_ROWS = 256
 INT4_KERNEL_MAX_ROWS = 32  # more rows de-quantize the weight for the call and use F.linear
 # The LM head (49152 x 576 here) sees at most one row per sequence: de-quantizing it per call
 # would cost far more than the weight-only kernel at any batch size, so it always uses the kernel.
@@ -88,12 +92,30 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
 
 
-def _w8a8_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`x [M, K]` quantized per row to int8 (symmetric), `torch._int_mm` with int32 sums, rescaled."""
+# W8A8: this many input channels with the largest |x| in a call stay out of the int8 product and
+# are multiplied in float32 (LLM.int8()-style outlier decomposition): a few activation channels
+# of the default model are 10-100x the rest, and quantizing them per token crushes every other
+# channel of that token to a handful of levels.
+W8A8_OUTLIER_CHANNELS = 8
+
+
+def _w8a8_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+             outliers: int = W8A8_OUTLIER_CHANNELS) -> torch.Tensor:
+    """`x [M, K]` quantized per row to int8 (symmetric), `torch._int_mm` with int32 sums, rescaled;
+    the `outliers` input channels of largest max |x| over the call's rows are left out of the
+    int8 product and added back as a float32 product with the same int8 weight columns."""
     xf = x.float()
+    extra = None
+    if outliers:
+        cols = xf.abs().amax(dim=0).topk(min(outliers, xf.shape[1])).indices
+        extra = xf[:, cols] @ qweight[:, cols].float().t()
+        xf = xf.index_fill(1, cols, 0.0)
     x_scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
     xq = torch.round(xf / x_scale).to(torch.int8)  # |x| / x_scale <= 127 by construction
-    return (torch._int_mm(xq, qweight.t()).float() * x_scale * scale).to(x.dtype)
+    acc = torch._int_mm(xq, qweight.t()).float() * x_scale
+    if extra is not None:
+        acc += extra
+    return (acc * scale).to(x.dtype)
 
 
 class _QuantBase(nn.Module):
@@ -135,9 +157,12 @@ class Int8Linear(_QuantBase):
     """int8 per-output-channel weights; see the module docstring for the kernels per row count."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 weight_only_max_rows: int = INT8_WEIGHT_ONLY_MAX_ROWS, quantize_activations: bool = False) -> None:
+                 weight_only_max_rows: int = INT8_WEIGHT_ONLY_MAX_ROWS,
+                 dequant_min_rows: int = INT8_DEQUANT_MIN_ROWS) -> None:
         super().__init__(in_features, out_features, bias, dtype)
-        self.weight_only_max_rows, self.quantize_activations = weight_only_max_rows, quantize_activations
+        # Rows <= weight_only_max_rows: weight-only kernel; < dequant_min_rows: torch._int_mm on
+        # activations quantized per token; more: the weight de-quantized for the call.
+        self.weight_only_max_rows, self.dequant_min_rows = weight_only_max_rows, dequant_min_rows
         self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scale", torch.empty(out_features, dtype=torch.float32))
         self.register_buffer("kernel_scale", torch.empty(out_features, dtype=dtype))
@@ -173,7 +198,7 @@ class Int8Linear(_QuantBase):
         rows = self._rows(x)
         if rows.shape[0] <= self.weight_only_max_rows:
             out = torch.ops.aten._weight_int8pack_mm(rows.to(self.dtype), self.qweight, self.kernel_scale)
-        elif self.quantize_activations:
+        elif rows.shape[0] < self.dequant_min_rows:
             out = _w8a8_mm(rows, self.qweight, self.scale)
         else:
             out = F.linear(rows.to(self.dtype), self.qweight.to(self.dtype) * self.kernel_scale[:, None])
@@ -272,7 +297,7 @@ def make_quant_linear(method: QuantMethod, in_features: int, out_features: int, 
     if method is QuantMethod.INT8:
         return Int8Linear(in_features, out_features, bias, dtype)
     if method is QuantMethod.W8A8:
-        return Int8Linear(in_features, out_features, bias, dtype, weight_only_max_rows=1, quantize_activations=True)
+        return Int8Linear(in_features, out_features, bias, dtype, weight_only_max_rows=1, dequant_min_rows=1 << 62)
     if method is QuantMethod.INT4:
         return Int4Linear(in_features, out_features, bias, dtype, group_size)
     raise ValueError(f"no quantized layer for {method.value}")
