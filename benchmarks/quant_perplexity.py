@@ -102,6 +102,7 @@ def main() -> None:
             ("int8 KV (`kv_cache_dtype: int8`, bf16 weights)", plain, dict(dtype="bfloat16", kv_cache_dtype="int8")),
         ]
         tokens = None
+        labels = [label for label, _, _ in cases]
         if only:
             cases = [c for c in cases if any(c[0].startswith(o) for o in only)]
         if any(model == q41 for _, model, _ in cases):
@@ -116,8 +117,9 @@ def main() -> None:
             rows.append({"mode": label, "ppl": ppl, "seconds": time.perf_counter() - t0})
             print(f"{label:40s} ppl {ppl:.4f}", flush=True)
             del llm
-    order = [label for label, _, _ in cases]
-    rows += [r for r in kept if r["mode"] not in order]
+    done = {r["mode"] for r in rows}
+    rows += [r for r in kept if r["mode"] not in done]
+    rows.sort(key=lambda r: labels.index(r["mode"]) if r["mode"] in labels else len(labels))
     base = next(r["ppl"] for r in rows if r["mode"].startswith("bf16"))
     for r in rows:
         r["vs_bf16_pct"] = 100 * (r["ppl"] / base - 1)
