@@ -84,6 +84,15 @@ def test_w8a8_keeps_outlier_channels_out_of_the_int8_product():
     assert errors[W8A8_OUTLIER_CHANNELS] < 0.01 and errors[W8A8_OUTLIER_CHANNELS] * 5 < errors[0]
 
 
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_dequantized_path_matches_reference(group):
+    """The many-rows path (weight de-quantized for the call), forced where this CPU would keep
+    the kernel (no bf16 dot products: `int4_kernel_max_rows`)."""
+    layer = _loaded(QuantMethod.INT4, 576, 3072, group)
+    layer.kernel_max_rows = 0
+    _check(layer, 40, 0.02)
+
+
 def test_int4_group_128_on_a_layer_it_divides():
     _check(_loaded(QuantMethod.INT4, 1536, 576, 128), 5, 0.02)
 
