@@ -2,13 +2,15 @@
 
 - `Int8Linear`: int8 weights, one float scale per output channel (symmetric). Few rows (decode)
   run `aten._weight_int8pack_mm` (weight-only: activations stay in the model dtype), which loses
-  to bf16 from a few dozen rows on. Mode `int8` then de-quantizes the weight to the model dtype
-  for the call and uses `F.linear` (weights-only numerics everywhere: quantizing activations per
-  token cost 3.8 % perplexity on the default model); mode `w8a8` instead runs `torch._int_mm`
-  (VNNI int8 dot products) on activations quantized per token at run time, from 2 rows on.
+  to bf16 from a few dozen rows on. More rows run `torch._int_mm` (VNNI int8 dot products) on
+  activations quantized per token at run time, the call's largest input channels kept apart in
+  float32 (`_w8a8_mm`): mode `w8a8` from 2 rows on, mode `int8` for 17..255 rows (batched
+  decode); mode `int8` de-quantizes the weight for calls of 256+ rows and uses `F.linear`, so
+  prefill keeps weight-only numerics.
 - `Int4Linear`: 4-bit codes in groups of 32/64/128 along the input, asymmetric (a scale and an
   offset per group: `w = q * scale + offset`). Few rows run `aten._weight_int4pack_mm_for_cpu`;
-  many rows de-quantize the weight to the model dtype for that call and use `F.linear`.
+  many rows de-quantize the weight to the model dtype for that call and use `F.linear`, except
+  on a CPU without bf16 dot products, where the kernel runs at every row count.
 - `Int8Embedding`: the token table as int8 rows with a scale each; with tied embeddings the
   LM head is an `Int8Linear` over the same storage.
 
