@@ -12,9 +12,10 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.core_client import InprocClient
 from engine.engine_core import EngineCore
-from engine.inputs import EngineInput, PromptSpec, prepare_input
+from engine.inputs import EngineInput, PromptSpec, pooling_sampling_params, prepare_input
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
+from engine.pooling import PoolingParams
 from engine.process_setup import configure_engine_process
 from engine.sampling_params import SamplingParams
 
@@ -55,12 +56,16 @@ class LLM:
 
         `priority` (one int per prompt, lower first) matters with scheduling_policy="priority".
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        specs = [PromptSpec(text=p) if isinstance(p, str) else PromptSpec(token_ids=list(p)) for p in prompts]
-        if not specs:
-            raise ValueError("no prompts given")
-        return self._prepare_and_run(specs, sampling_params, priority)
+        return self._prepare_and_run(_specs(prompts), sampling_params, priority)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling: PoolingParams | None = None,
+              ) -> list[list[float]]:
+        """Each prompt's embedding (engine.pooling: the last token's final hidden state,
+        L2-normalised by default), in prompt order."""
+        pooling = pooling or PoolingParams()
+        inputs = [prepare_input(self.tokenizer, spec, pooling_sampling_params(), self.engine.input_limits, pooling)
+                  for spec in _specs(prompts)]
+        return [out.outputs[0].embedding for out in self.run(inputs)]
 
     def chat(
         self,
@@ -114,6 +119,15 @@ class LLM:
         # Prepare everything before submitting anything: a bad prompt leaves the engine untouched.
         inputs = [self.prepare(spec, p) for spec, p in zip(specs, _params_list(params, len(specs)))]
         return self.run(inputs, priority)
+
+
+def _specs(prompts: PromptType | Sequence[PromptType]) -> list[PromptSpec]:
+    """One prompt (text or token ids) or a list of them -> their PromptSpecs."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not prompts:
+        raise ValueError("no prompts given")
+    return [PromptSpec(text=p) if isinstance(p, str) else PromptSpec(token_ids=list(p)) for p in prompts]
 
 
 def _params_list(params, n: int) -> list[SamplingParams]:

@@ -17,6 +17,7 @@ from engine.model.loader import (
     select_fused_ops,
 )
 from engine.model.quant_spec import resolve_spec
+from engine.pooling import PoolingParams, pool_last_token
 from engine.sampler import Sampler, processed_probs
 from engine.sampling_metadata import SamplingMetadata
 from engine.sampling_params import SamplingParams, SamplingType
@@ -36,6 +37,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None = None
+    pooling_params: PoolingParams | None = None
     output_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -82,7 +84,7 @@ class ModelRunner:
                 self.generators[new.req_id] = generator
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, params,
-                list(new.block_ids), new.num_computed_tokens, generator,
+                list(new.block_ids), new.num_computed_tokens, generator, new.pooling_params,
             )
         for cached in so.cached_requests:
             state = self.requests[cached.req_id]
@@ -100,10 +102,12 @@ class ModelRunner:
         batch = self._prepare_inputs(order, so.num_scheduled_tokens, so.scheduled_spec_tokens)
         input_ids, positions, meta, sample_rows, sample_ids, spec_ids = batch
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if not sample_ids and not spec_ids:
-            return ModelRunnerOutput({})
-        logits = self.model.compute_logits(hidden[sample_rows])
         result = ModelRunnerOutput({})
+        if any(self.requests[r].pooling_params is not None for r in sample_ids):
+            sample_rows, sample_ids = self._pool(hidden, sample_rows, sample_ids, result)
+        if not sample_ids and not spec_ids:
+            return result
+        logits = self.model.compute_logits(hidden[sample_rows])
         if spec_ids:
             # Rows [len(sample_ids), ...): k + 1 rows per drafted request, in spec_ids order.
             self._verify_drafts(logits[len(sample_ids):], spec_ids, so.scheduled_spec_tokens, result)
@@ -139,6 +143,17 @@ class ModelRunner:
                 if k is not None:
                     result.logprobs[state.req_id] = [Logprobs(ids[row][: k + 1], lps[row][: k + 1], ranks[row])]
         return result
+
+    def _pool(self, hidden: torch.Tensor, rows: torch.Tensor, req_ids: list[str],
+              result: ModelRunnerOutput) -> tuple[torch.Tensor, list[str]]:
+        """Pool the last prompt row of each pooling request among `req_ids` into `result`;
+        returns the rows and ids left to sample (the spec rows after them unchanged)."""
+        pooling = [i for i, r in enumerate(req_ids) if self.requests[r].pooling_params is not None]
+        vectors = pool_last_token(hidden[rows[pooling]], [self.requests[req_ids[i]].pooling_params for i in pooling])
+        for i, vector in zip(pooling, vectors):
+            result.pooled[req_ids[i]] = vector
+        keep = [i for i in range(len(rows)) if i >= len(req_ids) or self.requests[req_ids[i]].pooling_params is None]
+        return rows[keep], [req_ids[i] for i in keep if i < len(req_ids)]
 
     def _verify_drafts(self, logits: torch.Tensor, spec_ids: list[str], drafts: dict[str, list[int]],
                        result: ModelRunnerOutput) -> None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from engine.kv_cache.hashing import BlockHash
 from engine.outputs import FinishReason
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the grammar module works on requests; a request only holds its state
@@ -59,6 +60,7 @@ class Request:
     priority: int = 0
     cache_salt: str | None = None
     lora_id: int | None = None
+    pooling_params: PoolingParams | None = None  # a pooling request: its embedding, no tokens
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
