@@ -39,6 +39,7 @@ from engine.inputs import (
     validate_input,
 )
 from engine.outputs import RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from handlers.base_handler import HandlerError
 from handlers.deltas import ChoiceDelta, DeltaTracker
@@ -150,11 +151,12 @@ class Prepared:
 
 
 async def prepare(state: ServerState, version: ModelVersion, spec: PromptSpec,
-                  params: SamplingParams, *, client: str = "") -> Prepared:
+                  params: SamplingParams, *, client: str = "", pooling: PoolingParams | None = None) -> Prepared:
     """The engine's prepare step (engine.inputs) with the front end's bounds: the
     structured-output constraint is checked on its own bounded pool (a per-`client` share, a
     time limit), then, in the thread pool, a prompt that cannot fit is refused before it is
-    tokenized, and the length rules of the least loaded worker apply."""
+    tokenized, and the length rules of the least loaded worker apply. With `pooling`, a pooling
+    request (engine.pooling: the prompt's embedding, no tokens)."""
     try:
         if params.structured_outputs is not None:
             await state.limits.grammar.check(client, params.structured_outputs)
@@ -166,7 +168,7 @@ async def prepare(state: ServerState, version: ModelVersion, spec: PromptSpec,
     loop = asyncio.get_running_loop()
     try:
         inp = await loop.run_in_executor(state.executor, _bounded_prepare, state.limits.prompts,
-                                         version.tokenizer, spec, params, worker.limits)
+                                         version.tokenizer, spec, params, worker.limits, pooling)
     except InvalidInput as exc:
         raise ErrorReply(400, str(exc), param=exc.field) from None
     except HandlerError as exc:
@@ -175,12 +177,12 @@ async def prepare(state: ServerState, version: ModelVersion, spec: PromptSpec,
 
 
 def _bounded_prepare(bounds: PromptBounds, tokenizer, spec: PromptSpec, params: SamplingParams,
-                     limits: InputLimits) -> EngineInput:
+                     limits: InputLimits, pooling: PoolingParams | None) -> EngineInput:
     """`engine.inputs.prepare_input` minus the constraint check (done on its own pool), with
     the prompt's character bound before tokenizing."""
     text, token_ids = bounds.tokenize(tokenizer, spec, limits.max_model_len)
     validate_input(token_ids, params, limits)
-    return EngineInput(text, token_ids, params)
+    return EngineInput(text, token_ids, params, pooling)
 
 
 async def respond(request: web.Request, state: ServerState, version: ModelVersion, job: Prepared,

@@ -9,6 +9,8 @@ Routes (the OpenAI ones also under /predictions/{model}/{version}/v1/...):
                                                prompts: one request per prompt, server.fanout)
   POST /v1/responses                           OpenAI's Responses API, stateless
                                                (handlers.openai_responses_api)
+  POST /v1/embeddings                          the prompts' embeddings (engine.pooling: a pooling
+                                               request per input; handlers.openai_embeddings)
   GET  /v1/models  /v1/models/{id}
 
 Middlewares (server.middleware), outermost first: request id, metrics and error replies; 503
@@ -31,7 +33,10 @@ from typing import Any
 from aiohttp import web
 
 from handlers.base_handler import BaseHandler, HandlerError
+from engine.inputs import pooling_sampling_params
+from engine.pooling import PoolingParams
 from handlers.llm_input import ParsedBody, decode_body, parse_predictions_body
+from handlers.openai_embeddings import parse_embeddings_request
 from handlers.openai_protocol import (
     OpenAIRequest,
     parse_chat_request,
@@ -64,11 +69,17 @@ from server.registry import (
     NoWorkerError,
     QueueFullError,
 )
-from server.shapers import HandlerShaper, OpenAIShaper, PredictionShaper, openai_error
+from server.shapers import (
+    EmbeddingsShaper,
+    HandlerShaper,
+    OpenAIShaper,
+    PredictionShaper,
+    openai_error,
+)
 from server.state import STATE_KEY, ServerState
 from server.streaming import StreamFormat
 
-OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "responses", "models", "model"})
+OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "responses", "embeddings", "models", "model"})
 OPENAI_PATH = re.compile(r"(/predictions/[^/]+/[^/]+)?/v1(/.*)?")  # /v1/... of a version too
 HEALTH_PATHS = frozenset({"/ping", "/live", "/ready"})
 EXCEPTION_CODES = (((QueueFullError, NoWorkerError), 503),)
@@ -219,15 +230,7 @@ async def _openai(request: web.Request, parse: Callable[[dict[str, Any]], OpenAI
     started = time.monotonic()
     state = request.app[STATE_KEY]
     body = await _read_json(request)
-    if "model" in request.match_info:  # the path names the model and version
-        version = _resolve(request, state, request.match_info["model"], request.match_info["version"])
-        asked = body.get("model") if isinstance(body.get("model"), str) else version.name
-    else:
-        asked = body.get("model")
-        if not isinstance(asked, str) or not asked:
-            raise ErrorReply(400, "'model' is required: the name of a registered model "
-                             "(model or model@version)", param="model")
-        version = _resolve(request, state, *split_model(asked))
+    version, asked = _openai_model(request, state, body)
     with version.admit():
         parsed = _handler_call(parse, body)
         responses_request = parsed if isinstance(parsed, ResponsesRequest) else None
@@ -239,6 +242,41 @@ async def _openai(request: web.Request, parse: Callable[[dict[str, Any]], OpenAI
         job = jobs[0] if len(jobs) == 1 else FanOut(jobs, parsed.params.n).prepared()
         shaper = _openai_shaper(request, version, asked, responses_request or parsed, jobs)
         return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
+
+
+@routes.post("/v1/embeddings", name="embeddings")
+@routes.post("/predictions/{model}/{version}/v1/embeddings", name="embeddings_version")
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    """One pooling request per input (a list: server.fanout), answered whole."""
+    started = time.monotonic()
+    state = request.app[STATE_KEY]
+    body = await _read_json(request)
+    version, asked = _openai_model(request, state, body)
+    with version.admit():
+        parsed = _handler_call(parse_embeddings_request, body)
+        params = pooling_sampling_params()
+        try:
+            jobs = [await prepare(state, version, spec, params, client=request.remote or "", pooling=PoolingParams())
+                    for spec in parsed.prompts]
+        except ErrorReply as exc:  # the engine names the prompt; this body calls it `input`
+            exc.param = "input" if exc.param == "prompt" else exc.param
+            raise
+        job = jobs[0] if len(jobs) == 1 else FanOut(jobs, 1).prepared()
+        return await respond(request, state, version, job, EmbeddingsShaper(parsed, asked), stream=False,
+                             started=started)
+
+
+def _openai_model(request: web.Request, state: ServerState, body: dict[str, Any]) -> tuple[ModelVersion, str]:
+    """The version an OpenAI body asks for (by its `model`, or by the route's prefix) and the
+    name to answer with."""
+    if "model" in request.match_info:  # the path names the model and version
+        version = _resolve(request, state, request.match_info["model"], request.match_info["version"])
+        return version, body.get("model") if isinstance(body.get("model"), str) else version.name
+    asked = body.get("model")
+    if not isinstance(asked, str) or not asked:
+        raise ErrorReply(400, "'model' is required: the name of a registered model "
+                         "(model or model@version)", param="model")
+    return _resolve(request, state, *split_model(asked)), asked
 
 
 def _openai_shaper(request: web.Request, version: ModelVersion, asked: str,
