@@ -93,11 +93,11 @@ class OpenAIShaper:
     def opening(self, n: int) -> dict[str, Any] | None:
         return self.formatter.first_chunk(n)
 
-    def chunk(self, deltas: list[ChoiceDelta]) -> dict[str, Any]:
-        return self.formatter.delta_chunk(deltas)
+    def chunk(self, deltas: list[ChoiceDelta]) -> list[dict[str, Any]]:
+        return self.formatter.delta_chunks(deltas)
 
     def closing(self, deltas: list[ChoiceDelta], out: RequestOutput, total_s: float) -> list[dict[str, Any]]:
-        chunks = [self.formatter.delta_chunk(deltas)]
+        chunks = self.formatter.delta_chunks(deltas) or [self.formatter.chunk([])]
         if self.formatter.request.include_usage:
             chunks.append(self.formatter.usage_chunk(out))
         chunks[-1]["timings"] = timings(out, total_s)
