@@ -19,6 +19,7 @@ import yaml
 from msgspec import Meta
 
 from engine.schema import SchemaError, check_fields, convert
+from server.auth import KEY_PATTERN
 
 ENV_PREFIX = "PAGEDSERVE_"
 MAX_CONFIG_BYTES = 1 << 20
@@ -55,6 +56,11 @@ class _ServerFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     enable_model_api: bool = False
     disable_token_auth: bool = False
     key_file: _Path = "key_file.json"
+    # Keys given instead of generated (server.auth.KEY_PATTERN); PAGEDSERVE_INFERENCE_KEY etc.
+    inference_key: Annotated[str, Meta(pattern=KEY_PATTERN)] | None = None
+    management_key: Annotated[str, Meta(pattern=KEY_PATTERN)] | None = None
+    keep_key_file: bool = False  # reuse the keys of an existing key_file (a key given above wins)
+    health_needs_token: bool = False  # /ping, /live, /ready and /v2/health/* need the inference key
     # Regular expressions a registration URL must match in full; empty: files inside the store.
     allowed_urls: list[str] = []
     default_workers_per_model: _Positive | None = None  # None: the archive's minWorkers
