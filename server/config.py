@@ -26,6 +26,7 @@ MAX_CONFIG_BYTES = 1 << 20
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 _NULL = ("", "none", "null")
 
+SECRET_KEYS = frozenset({"inference_key", "management_key"})  # never echoed in an error
 _Positive = Annotated[int, Meta(ge=1)]
 _Path = Annotated[str, Meta(min_length=1)]
 
@@ -171,7 +172,8 @@ def read_env(env: Mapping[str, str]) -> dict[str, Any]:
             try:
                 convert({key: value}, _ServerFields, strict=False)
             except SchemaError as exc:
-                raise ServerConfigError(f"{name}={env[name]!r}: {exc}") from None
+                shown = "<not shown>" if key in SECRET_KEYS else repr(env[name])
+                raise ServerConfigError(f"{name}={shown}: {exc}") from None
             values[key] = msgspec.convert(value, info.type, strict=False)
     return values
 
