@@ -3,11 +3,12 @@ handler's parser (handlers.llm_input):
 
 - `application/json`: the JSON object (as before);
 - `text/plain`: the whole body is the prompt (UTF-8);
-- `multipart/form-data` (`curl -F data=@file`) or a url-encoded form: a `data` or `body`
-  field is the input (a JSON object, or else the prompt text); otherwise the fields are the
-  body's fields (`prompt` as text, the rest read as JSON values when they parse: "8" -> 8);
-- anything else (a PUT from `curl -T file`, `application/octet-stream`, curl's default form
-  type with a JSON body): a body that starts with `{` is JSON, any other the prompt text.
+- `multipart/form-data` (`curl -F data=@file`), or a url-encoded form that names an input: a
+  `data` or `body` field is the input (a JSON object, or else the prompt text); otherwise the
+  fields are the body's fields (`prompt` as text, the rest read as JSON values when they
+  parse: "8" -> 8);
+- anything else (a PUT from `curl -T file`, `application/octet-stream`, what `curl -d` sends
+  as a form that is not one): a body that starts with `{` is JSON, any other the prompt text.
 
 TorchServe's LLM examples name the output length `max_new_tokens`: it is read as `max_tokens`
 (both at once is a 400). Every refusal is an `ErrorReply` naming what is wrong: an empty body,
@@ -60,8 +61,10 @@ async def read_predictions_body(request, executor, max_bytes: int) -> dict[str, 
         return max_new_tokens(form_body(form, max_bytes))
     if kind == "application/json" or (kind != "text/plain" and raw.lstrip()[:1] == b"{"):
         return max_new_tokens(_json(raw, max_bytes))
-    if kind == "application/x-www-form-urlencoded":
-        return max_new_tokens(form_body(urlencoded_fields(raw), max_bytes))
+    if kind == "application/x-www-form-urlencoded":  # curl -d's type, whatever the body is
+        fields = urlencoded_fields(raw)
+        if fields is not None:
+            return max_new_tokens(form_body(fields, max_bytes))
     return {"prompt": _text(raw, "the request body")}
 
 
@@ -87,13 +90,16 @@ def multipart_fields(raw: bytes, content_type: str) -> dict[str, bytes]:
     return fields
 
 
-def urlencoded_fields(raw: bytes) -> dict[str, bytes]:
+def urlencoded_fields(raw: bytes) -> dict[str, bytes] | None:
+    """The fields of a url-encoded form that names an input (`data`, `body`, `prompt` or
+    `messages`), else None: `curl -d "Once upon a time"` sends its text with this type too."""
     try:
         pairs = parse_qsl(raw.decode("ascii"), keep_blank_values=True, strict_parsing=True,
-                          max_num_fields=MAX_FORM_FIELDS)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ErrorReply(400, f"the url-encoded form cannot be read: {exc}") from None
-    return {name: value.encode("utf-8", "surrogatepass") for name, value in pairs}
+                          max_num_fields=MAX_FORM_FIELDS, encoding="latin-1")  # bytes as they are
+    except (UnicodeDecodeError, ValueError):
+        return None
+    fields = {name: value.encode("latin-1") for name, value in pairs}
+    return fields if set(fields) & {*INPUT_FIELDS, "prompt", "messages"} else None
 
 
 def form_body(fields: dict[str, bytes], max_bytes: int) -> dict[str, Any]:
