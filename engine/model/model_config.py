@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import types
 import typing
 from dataclasses import dataclass, field
@@ -24,8 +25,10 @@ import yaml
 from msgspec import Meta
 
 from engine.config import EngineConfig
+from engine.model import vllm_config
 from engine.schema import SchemaError, convert
 
+logger = logging.getLogger(__name__)
 MAX_CONFIG_BYTES = 1 << 20  # a model-config.yaml is a few lines; refuse to parse a huge one
 MAX_WORKERS = 64
 MAX_TIMEOUT_S = 86_400
@@ -151,6 +154,12 @@ class ModelConfig:
         if not isinstance(data, dict):
             raise ModelConfigError(f"{source}: the top level must be a mapping of keys, "
                                    f"got {type(data).__name__}")
+        try:  # a config written for TorchServe's vllm_handler: its keys read as ours
+            data, warnings = vllm_config.translate(data, source)
+        except ValueError as exc:
+            raise ModelConfigError(str(exc)) from None
+        for warning in warnings:
+            logger.warning("%s", warning)
         for key in data:
             if key != "handler" and key not in _FRONTEND_KEYS:
                 raise ModelConfigError(f"{source}: unknown key {key!r}; allowed keys: "
