@@ -146,7 +146,8 @@ def build_state(config: ServerConfig, make_engine: EngineBuilder, keys: ApiKeys 
                              default_workers=config.default_workers_per_model,
                              job_queue_size=config.job_queue_size)
     return ServerState(config=config, registry=registry,
-                       metrics=ServerMetrics(versions=registry.all_versions),
+                       metrics=ServerMetrics(versions=registry.all_versions,
+                                             vllm=config.vllm_metrics),
                        inference_key=keys.inference if keys else None,
                        management_key=keys.management if keys else None, executor=executor)
 

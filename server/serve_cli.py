@@ -31,6 +31,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-custom-handlers", action="store_true", default=None,
                    help="accept archives that ship handler code")
     p.add_argument("--key-file", metavar="FILE", help="where to write the keys (key_file.json)")
+    p.add_argument("--vllm-metrics", action="store_true", default=None,
+                   help="also expose vLLM's metric names (vllm:..., label model_name) on the "
+                        "metrics port, for vLLM's Grafana dashboards")
     p.add_argument("--ncs", "--no-config-snapshots", dest="restore_snapshot",
                    action="store_false", default=None,
                    help="do not restore the snapshot of registered models at start")
@@ -48,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
              "allow_insecure": args.allow_insecure,
              "enable_model_api": args.enable_model_api,
              "allow_custom_handlers": args.allow_custom_handlers,
-             "key_file": args.key_file, "restore_snapshot": args.restore_snapshot}
+             "key_file": args.key_file, "restore_snapshot": args.restore_snapshot,
+             "vllm_metrics": args.vllm_metrics}
     config = load_server_config(args.config, overrides={k: v for k, v in flags.items()
                                                         if v is not None})
     try:
