@@ -7,6 +7,7 @@ import sys
 import time
 
 from server.archive_cli import add_archive_parser
+from server.bench.cli import add_bench_parser
 from server.serve_cli import add_serve_parser
 
 
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     add_archive_parser(sub)
     add_serve_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

@@ -84,6 +84,7 @@ class _ServerFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     body_read_timeout: Annotated[float, Meta(gt=0, le=86400)] = 120.0
     max_connections: _Positive = 512
     kv_offload: dict[str, Any] | None = None  # passed through to the engine's EngineConfig when set
+    vllm_metrics: bool = False  # add vLLM's `vllm:` metric names (server.metrics_vllm)
 
 
 class ServerConfig(_ServerFields, kw_only=True):

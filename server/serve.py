@@ -148,7 +148,8 @@ def build_state(config: ServerConfig, make_engine: EngineBuilder, keys: KeyStore
                              default_workers=config.default_workers_per_model,
                              job_queue_size=config.job_queue_size)
     return ServerState(config=config, registry=registry,
-                       metrics=ServerMetrics(versions=registry.all_versions),
+                       metrics=ServerMetrics(versions=registry.all_versions,
+                                             vllm=config.vllm_metrics),
                        keys=keys, executor=executor)
 
 

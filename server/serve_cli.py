@@ -39,6 +39,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="reuse the keys of an existing key file instead of generating new ones")
     p.add_argument("--health-needs-token", action="store_true", default=None,
                    help="the health probes (/ping, /live, /ready, /v2/health/*) need the inference key")
+    p.add_argument("--vllm-metrics", action="store_true", default=None,
+                   help="also expose vLLM's metric names (vllm:..., label model_name) on the "
+                        "metrics port, for vLLM's Grafana dashboards")
     p.add_argument("--ncs", "--no-config-snapshots", dest="restore_snapshot",
                    action="store_false", default=None,
                    help="do not restore the snapshot of registered models at start")
@@ -58,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
              "allow_custom_handlers": args.allow_custom_handlers,
              "key_file": args.key_file, "restore_snapshot": args.restore_snapshot,
              "inference_key": args.inference_key, "management_key": args.management_key,
-             "keep_key_file": args.keep_key_file, "health_needs_token": args.health_needs_token}
+             "keep_key_file": args.keep_key_file, "health_needs_token": args.health_needs_token,
+             "vllm_metrics": args.vllm_metrics}
     config = load_server_config(args.config, overrides={k: v for k, v in flags.items()
                                                         if v is not None})
     try:
