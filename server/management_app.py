@@ -33,6 +33,9 @@ from server.management_params import (
     UnregisterParams,
     read_params,
 )
+from server.lifecycle import LifecycleConflict, ModelLifecycle
+from server.lifecycle_routes import ROUTES as LIFECYCLE_ROUTES
+from server.memory_budget import ModelTooLargeError
 from server.middleware import drain_middleware, error_middleware
 from server.registry import (
     ConflictError,
@@ -70,7 +73,7 @@ def _memory_usage(pid: int | None) -> int:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
-def describe(entry: ModelVersion, is_default: bool) -> dict[str, Any]:
+def describe(entry: ModelVersion, is_default: bool, lifecycle: ModelLifecycle) -> dict[str, Any]:
     config = entry.model_config
     workers = []
     for slot in entry.pool.slots:
@@ -88,6 +91,7 @@ def describe(entry: ModelVersion, is_default: bool) -> dict[str, Any]:
             "threads": (engine.stats.num_threads or engine.num_threads) if engine is not None else None,
             "lastError": slot.last_error,
             "requestsInFlight": engine.num_unfinished if engine is not None and engine.is_ready else 0,
+            "footprint": lifecycle.describe_worker(entry, slot),
         })
     running = sum(e.stats.num_running for e in entry.pool.ready_engines())
     info = next((e.info for e in entry.pool.ready_engines() if e.info is not None), None)
@@ -109,6 +113,7 @@ def describe(entry: ModelVersion, is_default: bool) -> dict[str, Any]:
         "isDefault": is_default,
         "continuousBatching": True,
         "maxModelLen": info.max_model_len if info else entry.max_model_len,
+        **lifecycle.describe(entry),
         "workers": workers,
         "jobQueueStatus": {
             "remainingCapacity": max(0, entry.job_queue_size - entry.in_flight),
@@ -184,7 +189,8 @@ async def describe_model(request: web.Request) -> web.Response:
     else:
         entries = [registry.resolve(name, version)]
     default = registry.models[name].default_version
-    return web.json_response([describe(e, e.version == default) for e in entries])
+    return web.json_response([describe(e, e.version == default, registry.lifecycle)
+                              for e in entries])
 
 
 async def scale_model(request: web.Request) -> web.Response:
@@ -223,7 +229,8 @@ async def unregister_model(request: web.Request) -> web.Response:
 # -- app ----------------------------------------------------------------------------------
 EXCEPTION_CODES = (
     ((ModelNotFoundError, ArchiveNotFoundError), 404),
-    (ConflictError, 409),
+    ((ConflictError, LifecycleConflict), 409),
+    (ModelTooLargeError, 507),
     ((ForbiddenError, UrlNotAllowedError), 403),
     (WorkerStartFailed, 500, "Failed to start workers: {}"),
     (NoWorkerError, 503),
@@ -240,6 +247,7 @@ ROUTES = [
     web.put("/models/{model}/{version}/set-default", set_default),
     web.delete("/models/{model}", unregister_model),
     web.delete("/models/{model}/{version}", unregister_model),
+    *LIFECYCLE_ROUTES,
 ]
 
 

@@ -31,6 +31,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-custom-handlers", action="store_true", default=None,
                    help="accept archives that ship handler code")
     p.add_argument("--key-file", metavar="FILE", help="where to write the keys (key_file.json)")
+    p.add_argument("--memory-budget", metavar="SIZE",
+                   help="memory all workers may take together, e.g. 12GiB (default: 75%% of RAM)")
     p.add_argument("--ncs", "--no-config-snapshots", dest="restore_snapshot",
                    action="store_false", default=None,
                    help="do not restore the snapshot of registered models at start")
@@ -48,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
              "allow_insecure": args.allow_insecure,
              "enable_model_api": args.enable_model_api,
              "allow_custom_handlers": args.allow_custom_handlers,
-             "key_file": args.key_file, "restore_snapshot": args.restore_snapshot}
+             "key_file": args.key_file, "restore_snapshot": args.restore_snapshot,
+             "memory_budget": args.memory_budget}
     config = load_server_config(args.config, overrides={k: v for k, v in flags.items()
                                                         if v is not None})
     try:
