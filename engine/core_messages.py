@@ -41,7 +41,17 @@ class SetThreads(msgspec.Struct, tag="threads"):
     num_threads: int
 
 
-EngineCoreInput = EngineCoreRequest | AbortRequests | Shutdown | SetThreads
+class Sleep(msgspec.Struct, tag="sleep"):
+    """Free the KV pool and the weights (the process, its imports and compiled kernels stay);
+    answered with a SleepState. Refused while requests are unfinished."""
+
+
+class Wake(msgspec.Struct, tag="wake"):
+    """Load the weights again (from the model directory) and a fresh KV pool; answered with
+    a SleepState."""
+
+
+EngineCoreInput = EngineCoreRequest | AbortRequests | Shutdown | SetThreads | Sleep | Wake
 
 
 class EngineInfo(msgspec.Struct, tag="ready"):
@@ -68,7 +78,17 @@ class EngineFailure(msgspec.Struct, tag="failure"):
     message: str
 
 
-EngineCoreEvent = EngineInfo | EngineCoreOutputs | EngineFailure
+class SleepState(msgspec.Struct, tag="sleep_state"):
+    """The answer to Sleep or Wake: the state the worker is in now, its resident memory after
+    the change, how long the change took, and why it was refused (None: done)."""
+
+    sleeping: bool
+    rss_bytes: int
+    seconds: float
+    error: str | None = None
+
+
+EngineCoreEvent = EngineInfo | EngineCoreOutputs | EngineFailure | SleepState
 
 
 def make_input_decoder() -> msgspec.msgpack.Decoder:

@@ -164,7 +164,7 @@ async def prepare(state: ServerState, version: ModelVersion, spec: PromptSpec,
         raise ErrorReply(exc.code, str(exc), exc.headers) from None
     except ValueError as exc:  # a constraint xgrammar cannot parse, or one over a size bound
         raise ErrorReply(400, str(exc), param="structured_outputs") from None
-    worker = version.pick_worker()
+    worker = await state.registry.ready_worker(version)  # loads or wakes it when needed
     loop = asyncio.get_running_loop()
     try:
         inp = await loop.run_in_executor(state.executor, _bounded_prepare, state.limits.prompts,

@@ -69,6 +69,7 @@ from server.generation import (
     prepare,
     respond,
 )
+from server.keep_alive import KeepAliveError, take_keep_alive
 from server.middleware import drain_middleware, error_middleware
 from server.registry import (
     ModelNotFoundError,
@@ -200,13 +201,15 @@ async def predictions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     version = _resolve(request, state, request.match_info["model"], request.match_info.get("version"))
     handler = version.handler
+    keep_alive = None
     if handler is None:
         body = await read_predictions_body(request, state.executor, state.config.max_request_size)
+        keep_alive = _keep_alive(body)
         shaper = PredictionShaper(version.name, request[REQUEST_ID_KEY])
     else:  # a custom handler reads any body: JSON or not is its call
         raw = await request.read()
         shaper = HandlerShaper(version.name, request[REQUEST_ID_KEY], handler=handler)
-    with version.admit():
+    with version.admit(keep_alive):
         if handler is None:
             parsed = _handler_call(parse_predictions_body, body)
         else:
@@ -266,7 +269,7 @@ async def _openai(request: web.Request, parse: Callable[[dict[str, Any]], OpenAI
     state = request.app[STATE_KEY]
     body = await _read_json(request)
     version, asked = _openai_model(request, state, body)
-    with version.admit():
+    with version.admit(_keep_alive(body)):
         parsed = _handler_call(parse, body)
         responses_request = parsed if isinstance(parsed, ResponsesRequest) else None
         parsed = parsed.chat if responses_request is not None else parsed
@@ -381,6 +384,14 @@ def _resolve(request: web.Request, state: ServerState, name: str, version: str |
         raise ErrorReply(404, str(exc), param="model") from None
     request[MODEL_KEY] = found.name
     return found
+
+
+def _keep_alive(body: dict[str, Any]) -> float | None:
+    """The request's `keep_alive` (taken out of the body), in seconds; 400 when malformed."""
+    try:
+        return take_keep_alive(body)
+    except KeepAliveError as exc:
+        raise ErrorReply(400, str(exc), param=exc.field) from None
 
 
 def _handler_call(parse: Callable[[dict[str, Any]], Any], body: dict[str, Any]) -> Any:

@@ -42,6 +42,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vllm-metrics", action="store_true", default=None,
                    help="also expose vLLM's metric names (vllm:..., label model_name) on the "
                         "metrics port, for vLLM's Grafana dashboards")
+    p.add_argument("--memory-budget", metavar="SIZE",
+                   help="memory all workers may take together, e.g. 12GiB (default: 75%% of RAM)")
     p.add_argument("--ncs", "--no-config-snapshots", dest="restore_snapshot",
                    action="store_false", default=None,
                    help="do not restore the snapshot of registered models at start")
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
              "key_file": args.key_file, "restore_snapshot": args.restore_snapshot,
              "inference_key": args.inference_key, "management_key": args.management_key,
              "keep_key_file": args.keep_key_file, "health_needs_token": args.health_needs_token,
-             "vllm_metrics": args.vllm_metrics}
+             "vllm_metrics": args.vllm_metrics, "memory_budget": args.memory_budget}
     config = load_server_config(args.config, overrides={k: v for k, v in flags.items()
                                                         if v is not None})
     try:
