@@ -67,8 +67,23 @@ def run(args: argparse.Namespace) -> int:
              "vllm_metrics": args.vllm_metrics, "memory_budget": args.memory_budget}
     config = load_server_config(args.config, overrides={k: v for k, v in flags.items()
                                                         if v is not None})
+    build_kernels_first()
     try:
         return run_serve(config)
     except OSError as exc:  # e.g. an address already in use
         print(f"pagedserve: error: {exc}", file=sys.stderr)
         return 1
+
+
+def build_kernels_first() -> None:
+    """Build the CPU kernels here, once, if the install did not (`pagedserve prepare`): a
+    worker that had to build them would spend its start-up timeout on it, and several workers
+    would wait on one another's build. Silent when they are built (or on a CUDA machine, whose
+    workers do not use them)."""
+    import torch
+
+    from server.prepare import build_missing_kernels
+
+    if not torch.cuda.is_available():
+        build_missing_kernels(lambda line: print(line, flush=True),
+                              why="; `pagedserve prepare`, which .ci/install runs, does it at install time")
