@@ -79,7 +79,7 @@ class EngineCore:
 
             self.kv_offload = KVOffloadManager(
                 config.kv_offload_config, self.runner.kv_caches, config.block_size,
-                model_fingerprint(model_dir, config.torch_dtype),
+                model_fingerprint(model_dir, config.torch_dtype, config.kv_cache_dtype),
             )
         self.structured_output = StructuredOutputManager(str(model_dir), self.vocab_size, self.eos_token_ids)
         self._compiling: dict[str, Request] = {}  # requests whose grammar is not ready yet

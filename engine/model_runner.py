@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.attention.kv_quant import parse_kv_cache_dtype
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.selector import select_backend
 from engine.config import EngineConfig
@@ -54,15 +55,17 @@ class ModelRunner:
         self.block_size = config.block_size
         self.vocab_size = int(hf_config["vocab_size"])
         self.eos_token_ids = eos_token_ids
-        self.backend = select_backend(self.device, config.attention_backend)
+        self.kv_dtype = parse_kv_cache_dtype(config.kv_cache_dtype)
+        self.backend = select_backend(self.device, config.attention_backend, self.kv_dtype)
         self.model = load_model(
             model_dir, self.dtype, self.device, self.backend,
             max_model_len=max_model_len, fused_ops=select_fused_ops(self.device, self.dtype),
             quant=resolve_spec(hf_config, config.quantization, config.quant_group_size, config.device),
         )
-        self.bytes_per_block = kv_cache_bytes_per_block(hf_config, self.block_size, self.dtype)
+        self.bytes_per_block = kv_cache_bytes_per_block(hf_config, self.block_size, self.dtype, self.kv_dtype)
         self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)
-        self.kv_caches = allocate_kv_caches(hf_config, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv_caches(hf_config, self.num_blocks, self.block_size, self.dtype, self.device,
+                                            self.kv_dtype)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}  # seeded requests, until they finish
