@@ -71,6 +71,8 @@ class ModelConfigFile(msgspec.Struct, forbid_unknown_fields=True, rename="camel"
     job_queue_size: Annotated[int, Meta(ge=1, le=1 << 20)] = 100
     # How /v1/chat/completions reads tool calls the model wrote (handlers.openai_tools).
     tool_parser: typing.Literal["hermes", "llama3_json", "pythonic"] = "hermes"
+    # How the front end picks among the version's workers (server.routing).
+    routing: typing.Literal["least_loaded", "prefix_affinity"] = "least_loaded"
     handler: dict[str, Any] | None = None
 
 
@@ -127,6 +129,7 @@ class ModelConfig:
     parallel_level: int = 1
     job_queue_size: int = 100
     tool_parser: str = "hermes"  # hermes, llama3_json or pythonic
+    routing: str = "least_loaded"  # least_loaded or prefix_affinity
     handler: dict[str, Any] = field(default_factory=dict)
     source: str = "model-config.yaml"  # the file name used in error messages
 
