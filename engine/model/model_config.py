@@ -77,6 +77,8 @@ class ModelConfigFile(msgspec.Struct, forbid_unknown_fields=True, rename="camel"
     # Seconds a version with minWorkers 0 stays loaded after its last request (negative:
     # forever); None: the server's keep_alive.
     keep_alive: Annotated[float, Meta(ge=-1, le=MAX_TIMEOUT_S)] | None = None
+    # How the front end picks among the version's workers (server.routing).
+    routing: typing.Literal["least_loaded", "prefix_affinity"] = "least_loaded"
     handler: dict[str, Any] | None = None
 
 
@@ -134,6 +136,7 @@ class ModelConfig:
     job_queue_size: int = 100
     tool_parser: str = "hermes"  # hermes, llama3_json or pythonic
     keep_alive: float | None = None  # seconds; None: the server's keep_alive
+    routing: str = "least_loaded"  # least_loaded or prefix_affinity
     handler: dict[str, Any] = field(default_factory=dict)
     source: str = "model-config.yaml"  # the file name used in error messages
 
