@@ -123,6 +123,10 @@ class EngineConfig:
     # refuses a different one). quant_group_size: int4's group size (32, 64 or 128).
     quantization: str | None = None
     quant_group_size: int = 32
+    # LoRA adapters (engine.lora): at most max_loras resident per worker (a step runs requests of
+    # at most that many adapters; more are swapped in LRU order), each of rank <= max_lora_rank.
+    max_loras: Annotated[int, Meta(ge=1)] = 4
+    max_lora_rank: Annotated[int, Meta(ge=1)] = 16
     torch_dtype: torch.dtype = field(init=False)
     kv_offload_config: KVOffloadConfig | None = field(init=False)
     speculative_config: SpeculativeConfig | None = field(init=False)
@@ -147,6 +151,10 @@ class EngineConfig:
             not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2
         ):
             raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.attention_backend not in BACKEND_NAMES:

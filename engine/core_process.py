@@ -59,6 +59,7 @@ def to_engine_request(msg: EngineCoreRequest) -> Request:
         arrival_time=msg.arrival_time or time.monotonic(),
         priority=msg.priority,
         cache_salt=msg.cache_salt,
+        lora=msg.lora,
     )
 
 

@@ -97,6 +97,7 @@ class EngineCore:
             self.max_model_len,
             config.scheduling_policy,
             kv_offload=self.kv_offload,
+            max_loras=config.max_loras,
         )
 
     def validate_request(self, request: Request) -> None:
@@ -108,6 +109,8 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         self.validate_request(request)
+        if request.lora is not None:  # read the adapter now: a bad one refuses the request
+            request.lora_id = self.runner.lora.load(request.lora).key
         request.eos_token_ids = self.eos_token_ids
         self.scheduler.add_request(request)
         self.structured_output.add_request(request)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 from engine.structured_output_params import check_grammar
 
@@ -63,6 +64,7 @@ class EngineInput:
     prompt: str | None  # the text the token ids came from (None for a token-id prompt)
     token_ids: list[int]
     params: SamplingParams
+    lora: LoRARequest | None = None  # the LoRA adapter to run under (None: the base model)
 
 
 def render_prompt(tokenizer: Any, spec: PromptSpec) -> tuple[str | None, list[int]]:

@@ -10,6 +10,8 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.selector import select_backend
 from engine.config import EngineConfig
 from engine.logits_processors import apply_logit_bias
+from engine.lora.adapter import LoRAAdapter
+from engine.lora.manager import LoRAManager, lora_shapes
 from engine.model.loader import (
     allocate_kv_caches,
     kv_cache_bytes_per_block,
@@ -36,6 +38,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None = None
+    lora: LoRAAdapter | None = None
     output_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +65,9 @@ class ModelRunner:
         self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)
         self.kv_caches = allocate_kv_caches(hf_config, self.num_blocks, self.block_size, self.dtype, self.device)
         self.sampler = Sampler()
+        # LoRA adapters: read on first use, at most max_loras resident (slots allocated lazily).
+        self.lora = LoRAManager(lora_shapes(self.model.spec), config.max_loras, config.max_lora_rank,
+                                self.dtype, self.device)
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}  # seeded requests, until they finish
 
@@ -83,6 +89,7 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, params,
                 list(new.block_ids), new.num_computed_tokens, generator,
+                None if new.lora is None else self.lora.load(new.lora),
             )
         for cached in so.cached_requests:
             state = self.requests[cached.req_id]
@@ -99,7 +106,9 @@ class ModelRunner:
         order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
         batch = self._prepare_inputs(order, so.num_scheduled_tokens, so.scheduled_spec_tokens)
         input_ids, positions, meta, sample_rows, sample_ids, spec_ids = batch
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        lora = self.lora.build_batch([self.requests[r].lora for r in order],
+                                     [so.num_scheduled_tokens[r] for r in order])
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)
         if not sample_ids and not spec_ids:
             return ModelRunnerOutput({})
         logits = self.model.compute_logits(hidden[sample_rows])

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.lora.request import LoRARequest
 from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
 
@@ -20,6 +21,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora: LoRARequest | None = None  # the request's adapter (None: the base model)
 
 
 @dataclass(slots=True)
