@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from engine.pooling import PoolingParams
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams, TokenId
 from engine.scheduler.output import EngineCoreOutput
 from engine.scheduler.stats import SchedulerStats
@@ -24,6 +25,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     arrival_time: float | None = None  # time.monotonic() in the front end; None = on arrival in the engine
     cache_salt: str | None = None
     pooling_params: PoolingParams | None = None  # a pooling request (engine.pooling)
+    lora: LoRARequest | None = None  # run under this LoRA adapter (None: the base model)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

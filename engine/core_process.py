@@ -63,6 +63,7 @@ def to_engine_request(msg: EngineCoreRequest) -> Request:
         priority=msg.priority,
         cache_salt=msg.cache_salt,
         pooling_params=msg.pooling_params,
+        lora=msg.lora,
     )
 
 
