@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.pooling import PoolingParams
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 from engine.structured_output_params import check_grammar
 
@@ -65,6 +66,7 @@ class EngineInput:
     token_ids: list[int]
     params: SamplingParams
     pooling: PoolingParams | None = None  # set: return the prompt's embedding, generate nothing
+    lora: LoRARequest | None = None  # the LoRA adapter to run under (None: the base model)
 
 
 def render_prompt(tokenizer: Any, spec: PromptSpec) -> tuple[str | None, list[int]]:

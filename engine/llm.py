@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.core_client import InprocClient
 from engine.engine_core import EngineCore
 from engine.inputs import EngineInput, PromptSpec, pooling_sampling_params, prepare_input
+from engine.lora.request import LoRARequest
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.pooling import PoolingParams
@@ -21,6 +22,7 @@ from engine.sampling_params import SamplingParams
 
 PromptType = str | Sequence[int]
 Message = dict[str, str]
+LoRAType = LoRARequest | str | Path | None  # an adapter, or its PEFT folder (named after the folder)
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -51,12 +53,16 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        lora: LoRAType | Sequence[LoRAType] = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text, or a list of token ids); outputs keep prompt order.
 
         `priority` (one int per prompt, lower first) matters with scheduling_policy="priority".
+        `lora`: a LoRA adapter for every prompt, or a list with one per prompt (None: the base
+        model): a LoRARequest, or a PEFT adapter folder. A bad adapter raises ValueError before
+        anything runs.
         """
-        return self._prepare_and_run(_specs(prompts), sampling_params, priority)
+        return self._prepare_and_run(_specs(prompts), sampling_params, priority, lora)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], pooling: PoolingParams | None = None,
               ) -> list[list[float]]:
@@ -115,9 +121,13 @@ class LLM:
         return [finished[r] for r in order]
 
     def _prepare_and_run(self, specs: list[PromptSpec], params, priority: Sequence[int] | None = None,
-                         ) -> list[RequestOutput]:
-        # Prepare everything before submitting anything: a bad prompt leaves the engine untouched.
+                         lora: LoRAType | Sequence[LoRAType] = None) -> list[RequestOutput]:
+        # Prepare everything before submitting anything: a bad prompt or adapter leaves the engine untouched.
         inputs = [self.prepare(spec, p) for spec, p in zip(specs, _params_list(params, len(specs)))]
+        for inp, ref in zip(inputs, _lora_list(lora, len(specs))):
+            if ref is not None:
+                self.engine.runner.lora.load(ref)  # raises ValueError for an adapter that does not fit
+            inp.lora = ref
         return self.run(inputs, priority)
 
 
@@ -128,6 +138,16 @@ def _specs(prompts: PromptType | Sequence[PromptType]) -> list[PromptSpec]:
     if not prompts:
         raise ValueError("no prompts given")
     return [PromptSpec(text=p) if isinstance(p, str) else PromptSpec(token_ids=list(p)) for p in prompts]
+
+
+def _lora_list(lora, n: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, (LoRARequest, str, Path)):
+        lora = [lora] * n
+    lora = list(lora)
+    if len(lora) != n:
+        raise ValueError(f"got {len(lora)} LoRA adapters for {n} prompts")
+    return [ref if ref is None or isinstance(ref, LoRARequest) else LoRARequest(Path(ref).name, str(ref))
+            for ref in lora]
 
 
 def _params_list(params, n: int) -> list[SamplingParams]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.lora.request import LoRARequest
 from engine.outputs import FinishReason
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -22,6 +23,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None
+    lora: LoRARequest | None = None  # the request's adapter (None: the base model)
 
 
 @dataclass(slots=True)

@@ -67,8 +67,11 @@ class Scheduler:
         max_model_len: int,
         policy: SchedulingPolicy = SchedulingPolicy.FCFS,
         kv_offload: KVOffloadManager | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.kv = kv_manager
+        # At most this many LoRA adapters among the running requests (the runner's slots).
+        self.max_loras = max_loras
         # KV offload tiers (LMCache): asked for more of a waiting request's prefix than the
         # block pool holds, and restores it into the request's fresh blocks.
         self.kv_offload = kv_offload
@@ -185,16 +188,24 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         """Waiting requests in queue order while budget, sequence slots and blocks last. A
         request whose grammar is still compiling stays waiting, in its place, without holding
-        up the others."""
+        up the others. So does one whose LoRA adapter would exceed `max_loras` adapters among the
+        running requests."""
         not_ready: list[Request] = []
         now = time.monotonic()
+        loras = {r.lora_id for r in self.running if r.lora_id is not None}
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if request.grammar is not None and not request.grammar.poll(now):
                 not_ready.append(self.waiting.pop())
                 continue
+            if (request.lora_id is not None and request.lora_id not in loras
+                    and self.max_loras is not None and len(loras) >= self.max_loras):
+                not_ready.append(self.waiting.pop())
+                continue
             if not self._admit(request, plan):
                 break
+            if request.lora_id is not None:
+                loras.add(request.lora_id)
         for request in reversed(not_ready):
             self.waiting.prepend(request)
 
@@ -229,6 +240,7 @@ class Scheduler:
                 block_ids=self.kv.get_block_ids(request.request_id),
                 num_computed_tokens=request.num_computed_tokens,
                 pooling_params=request.pooling_params,
+                lora=request.lora,
             )
         )
         return True
