@@ -166,6 +166,10 @@ def test_embeddings_through_the_sdk(server, client):
     token_ids = server.post("inference", f"/predictions/{MODEL}", json={"prompt": texts[1], "max_tokens": 1}).json()
     by_ids = client.embeddings.create(model=MODEL, input=[token_ids["choices"][0]["token_ids"], [16, 28, 17]])
     assert len(by_ids.data) == 2 and all(len(d.embedding) == 576 for d in by_ids.data)
+    prefixed = openai.OpenAI(base_url=server.url("inference", f"/predictions/{MODEL}/1.0/v1"),
+                             api_key=server.keys["inference"], max_retries=0)
+    assert np.allclose(prefixed.embeddings.create(model="ignored", input=texts[1]).data[0].embedding, vectors[1],
+                       atol=1e-3)
 
 
 @pytest.mark.parametrize("extra, param", [
