@@ -143,15 +143,15 @@ def main() -> None:
                 results[name][mode].append(out)
                 print(f"round {r} {name:6s} {mode:5s} {out['value']:.3f} peak {out['peak_rss_mib']:.0f} MiB",
                       file=sys.stderr, flush=True)
-    report(args, modes, results)
+        report(args, modes, results, rounds_done=r + 1)  # a stopped run still leaves its rounds
 
 
-def report(args, modes: list[str], results: dict) -> None:
+def report(args, modes: list[str], results: dict, rounds_done: int) -> None:
     higher_better = {"decode": True, "ttft": False, "batch": True}
     units = {"decode": "tok/s", "ttft": "s", "batch": "tok/s"}
     summary = {}
     lines = ["# Quantized modes vs bf16 (default model, latest run)", "",
-             f"{args.threads} threads, {args.rounds} paired rounds (order rotated each round), median of "
+             f"{args.threads} threads, {rounds_done} of {args.rounds} paired rounds (order rotated each round), median of "
              "per-round ratios to bf16 (>1 = faster). Busy shared machine: absolute numbers are rough.",
              f"CPU: {_cpu_model()}.", "",
              "| measure | mode | median | ratio vs bf16 | per-round ratios | peak RSS MiB |",
