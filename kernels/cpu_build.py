@@ -107,7 +107,7 @@ class CpuExtension:
                 build_directory=str(folder),
                 verbose=False,
             )
-        except Exception as exc:  # no compiler, no ninja, ...: the torch path still works
+        except Exception as exc:  # noqa: BLE001 -- no compiler, no ninja, ...: the torch path still works
             logger.warning("CPU extension %s unavailable, using the torch path: %s", self.name, exc)
             return None
         (folder / BUILT_MARK).write_text(f"{self.module_name}.so\n")
