@@ -63,7 +63,10 @@ def random_batch(torch, *, query_lens, seq_lens, heads, kv_heads, dim, dtype, nu
 def check_triton() -> dict:
     import torch
 
-    from kernels.triton_paged_attention import paged_attention, paged_attention_reference
+    from kernels.triton_paged_attention import (
+        paged_attention,
+        paged_attention_reference,
+    )
 
     tolerances = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
     # (query_lens, seq_lens): decodes, a prefill, prefill chunks over a longer context, mixed
@@ -291,8 +294,8 @@ def write_results(results: dict) -> None:
            for name, c in results["checks"].items()]
     bw = results["checks"]["paged-attention bandwidth"]
     if "decode" in bw:
-        md += ["", f"Paged-attention decode bandwidth (peak {bw['peak_GBps'] or 'unknown'} GB/s, "
-                   f"device-to-device copy {bw['copy_GBps']:.0f} GB/s):", "",
+        md += ["", (f"Paged-attention decode bandwidth (peak {bw['peak_GBps'] or 'unknown'} GB/s, "
+                   f"device-to-device copy {bw['copy_GBps']:.0f} GB/s):"), "",
                "| layout | ms | K/V read GB | GB/s | vs peak | vs copy |", "| --- | --- | --- | --- | --- | --- |"]
         md += [f"| {r['layout']} | {r['ms']:.3f} | {r['kv_read_GB']:.2f} | {r['achieved_GBps']:.0f} | "
                f"{'-' if r['vs_peak'] is None else format(r['vs_peak'], '.0%')} | {r['vs_copy']:.0%} |"

@@ -38,7 +38,7 @@ def test_an_empty_cache_has_nothing_built_and_disabled_kernels_load_as_none(tmp_
 
 
 def test_a_built_extension_loads_without_cpp_extension_and_without_a_message(monkeypatch, caplog):
-    import torch.utils.cpp_extension as cpp_extension
+    from torch.utils import cpp_extension
 
     from kernels.cpu_paged_attention import EXTENSION
 
