@@ -54,6 +54,8 @@ def phase_engine(args, prompts, caching: bool, profile: bool = False) -> dict:
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
+    if profile:
+        timers.detach()
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     result = {"elapsed_s": elapsed, "output_tokens": n_out, "tok_per_s": n_out / elapsed,
               "hit_rate": llm.engine.kv_manager.prefix_cache_hit_rate, "peak_rss_mib": peak_rss_mib()}

@@ -16,8 +16,9 @@ Parts (seconds over the profiled run):
 - detokenize: the incremental detokenizers' `update` and `finish` calls
 - other: the run's wall time not in any part (the LLM loop, engine core glue)
 
-`OutputProcessor.process_outputs` and `IncrementalDetokenizer.update` are wrapped on their
-classes (the offline LLM makes a processor per call): use it in a process of its own.
+`OutputProcessor.process_outputs` and the detokenizer's methods are wrapped on their classes
+(the offline LLM makes a processor per call): use the profile as a context manager, which
+removes every wrapper and hook on exit.
 """
 
 from __future__ import annotations
@@ -34,10 +35,27 @@ class StepProfile:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.steps = 0
+        self._undo: list[Callable[[], None]] = []
+
+    def __enter__(self) -> StepProfile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    def detach(self) -> None:
+        """Remove every wrapper and hook (the engine runs its own code again)."""
+        while self._undo:
+            self._undo.pop()()
 
     def _wrap(self, owner, name: str, key: str, count_step: bool = False) -> None:
         method = getattr(owner, name)
         seconds = self.seconds
+        if name in vars(owner):  # defined on owner itself (a class): put the original back
+            original = vars(owner)[name]
+            self._undo.append(lambda: setattr(owner, name, original))
+        else:  # an instance's method: drop the instance attribute
+            self._undo.append(lambda: delattr(owner, name))
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -79,12 +97,13 @@ class StepProfile:
 
     def _hook(self, module) -> None:
         seconds, starts = self.seconds, []
-        module.register_forward_pre_hook(lambda *_: starts.append(time.perf_counter()))
+        pre = module.register_forward_pre_hook(lambda *_: starts.append(time.perf_counter()))
 
         def done(*_):
             seconds["forward: matmul"] += time.perf_counter() - starts.pop()
 
-        module.register_forward_hook(done)
+        post = module.register_forward_hook(done)
+        self._undo += [pre.remove, post.remove]
 
     def breakdown(self, wall_s: float) -> dict[str, float]:
         """Seconds per part of PARTS (they add up to `wall_s`)."""
