@@ -37,7 +37,7 @@ class StepProfile:
         self.steps = 0
         self._undo: list[Callable[[], None]] = []
 
-    def __enter__(self) -> StepProfile:
+    def __enter__(self) -> StepProfile:  # noqa: PYI034 -- Python 3.10 has no typing.Self
         return self
 
     def __exit__(self, *exc) -> None:
