@@ -7,6 +7,7 @@ import sys
 import time
 
 from server.archive_cli import add_archive_parser
+from server.bench.cli import add_bench_parser
 from server.prepare import add_prepare_parser
 from server.serve_cli import add_serve_parser
 
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     add_archive_parser(sub)
     add_serve_parser(sub)
+    add_bench_parser(sub)
     add_prepare_parser(sub)
     return parser
 
