@@ -2,7 +2,8 @@
 handler's parser (handlers.llm_input):
 
 - `application/json`: the JSON object (as before);
-- `text/plain`: the whole body is the prompt (UTF-8);
+- `text/plain`: the whole body is the prompt (UTF-8), unless it is a JSON object (what a
+  browser's `fetch` sends by default);
 - `multipart/form-data` (`curl -F data=@file`), or a url-encoded form that names an input: a
   `data` or `body` field is the input (a JSON object, or else the prompt text); otherwise the
   fields are the body's fields (`prompt` as text, the rest read as JSON values when they
@@ -61,6 +62,11 @@ async def read_predictions_body(request, executor, max_bytes: int) -> dict[str, 
         return max_new_tokens(form_body(form, max_bytes))
     if kind == "application/json" or (kind != "text/plain" and raw.lstrip()[:1] == b"{"):
         return max_new_tokens(_json(raw, max_bytes))
+    if kind == "text/plain" and raw.lstrip()[:1] == b"{":  # a browser's fetch() sends JSON so
+        try:
+            return max_new_tokens(decode_body(raw, max_bytes))
+        except HandlerError:
+            pass  # not a JSON object: the prompt text
     if kind == "application/x-www-form-urlencoded":  # curl -d's type, whatever the body is
         fields = urlencoded_fields(raw)
         if fields is not None:

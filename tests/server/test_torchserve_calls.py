@@ -95,7 +95,9 @@ def test_put_with_a_raw_body_as_curl_upload_file_sends_it(server):
 
 
 def test_plain_text_body_is_the_prompt(server):
-    r = send(server, b'{"not": "json here"}', "text/plain")  # text/plain: never parsed as JSON
+    expected = text_of(server.post("inference", f"/predictions/{TINY}", json=GREEDY))
+    assert text_of(send(server, json.dumps(GREEDY).encode(), "text/plain")) == expected  # fetch()'s type
+    r = send(server, b'{not json, a prompt', "text/plain")
     assert r.status == 200, r.text
     r = send(server, "Grüße, 1, 2".encode(), "text/plain; charset=utf-8")
     assert r.status == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
