@@ -84,6 +84,13 @@ class _ServerFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     body_read_timeout: Annotated[float, Meta(gt=0, le=86400)] = 120.0
     max_connections: _Positive = 512
     kv_offload: dict[str, Any] | None = None  # passed through to the engine's EngineConfig when set
+    vllm_metrics: bool = False  # add vLLM's `vllm:` metric names (server.metrics_vllm)
+    # Memory all workers may take together (server.memory_budget): a size ("12GiB", bytes);
+    # None: 75 % of the machine's memory (of the GPU's on a GPU).
+    memory_budget: int | str | None = None
+    # Seconds a version with minWorkers 0 stays loaded after its last request (negative: forever),
+    # unless its model-config says keepAlive or a request says keep_alive.
+    keep_alive: Annotated[float, Meta(ge=-1, le=86_400)] = 300.0
 
 
 class ServerConfig(_ServerFields, kw_only=True):

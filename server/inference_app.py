@@ -12,6 +12,8 @@ Routes (the OpenAI ones also under /predictions/{model}/{version}/v1/...):
                                                prompts: one request per prompt, server.fanout)
   POST /v1/responses                           OpenAI's Responses API, stateless
                                                (handlers.openai_responses_api)
+  POST /v1/embeddings                          the prompts' embeddings (engine.pooling: a pooling
+                                               request per input; handlers.openai_embeddings)
   GET  /v1/models  /v1/models/{id}
   POST /v1/models/{model}:predict  /v2/...     KServe (server.kserve)
   OPTIONS /  GET /api-description              this port's OpenAPI description
@@ -37,7 +39,10 @@ from typing import Any
 from aiohttp import web
 
 from handlers.base_handler import BaseHandler, HandlerError
+from engine.inputs import pooling_sampling_params
+from engine.pooling import PoolingParams
 from handlers.llm_input import ParsedBody, decode_body, parse_predictions_body
+from handlers.openai_embeddings import parse_embeddings_request
 from handlers.openai_protocol import (
     OpenAIRequest,
     parse_chat_request,
@@ -64,6 +69,7 @@ from server.generation import (
     prepare,
     respond,
 )
+from server.keep_alive import KeepAliveError, take_keep_alive
 from server.middleware import drain_middleware, error_middleware
 from server.registry import (
     ModelNotFoundError,
@@ -72,11 +78,17 @@ from server.registry import (
     QueueFullError,
 )
 from server.request_bodies import read_predictions_body
-from server.shapers import HandlerShaper, OpenAIShaper, PredictionShaper, openai_error
+from server.shapers import (
+    EmbeddingsShaper,
+    HandlerShaper,
+    OpenAIShaper,
+    PredictionShaper,
+    openai_error,
+)
 from server.state import STATE_KEY, ServerState
 from server.streaming import StreamFormat
 
-OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "responses", "models", "model"})
+OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "responses", "embeddings", "models", "model"})
 OPENAI_PATH = re.compile(r"(/predictions/[^/]+/[^/]+)?/v1(/.*)?")  # /v1/... of a version too
 KSERVE_PATH = re.compile(r"/v2(/.*)?")
 # Health probes: never drained away, and public unless health_needs_token.
@@ -189,13 +201,15 @@ async def predictions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     version = _resolve(request, state, request.match_info["model"], request.match_info.get("version"))
     handler = version.handler
+    keep_alive = None
     if handler is None:
         body = await read_predictions_body(request, state.executor, state.config.max_request_size)
+        keep_alive = _keep_alive(body)
         shaper = PredictionShaper(version.name, request[REQUEST_ID_KEY])
     else:  # a custom handler reads any body: JSON or not is its call
         raw = await request.read()
         shaper = HandlerShaper(version.name, request[REQUEST_ID_KEY], handler=handler)
-    with version.admit():
+    with version.admit(keep_alive):
         if handler is None:
             parsed = _handler_call(parse_predictions_body, body)
         else:
@@ -254,16 +268,8 @@ async def _openai(request: web.Request, parse: Callable[[dict[str, Any]], OpenAI
     started = time.monotonic()
     state = request.app[STATE_KEY]
     body = await _read_json(request)
-    if "model" in request.match_info:  # the path names the model and version
-        version = _resolve(request, state, request.match_info["model"], request.match_info["version"])
-        asked = body.get("model") if isinstance(body.get("model"), str) else version.name
-    else:
-        asked = body.get("model")
-        if not isinstance(asked, str) or not asked:
-            raise ErrorReply(400, "'model' is required: the name of a registered model "
-                             "(model or model@version)", param="model")
-        version = _resolve(request, state, *split_model(asked))
-    with version.admit():
+    version, asked = _openai_model(request, state, body)
+    with version.admit(_keep_alive(body)):
         parsed = _handler_call(parse, body)
         responses_request = parsed if isinstance(parsed, ResponsesRequest) else None
         parsed = parsed.chat if responses_request is not None else parsed
@@ -274,6 +280,41 @@ async def _openai(request: web.Request, parse: Callable[[dict[str, Any]], OpenAI
         job = jobs[0] if len(jobs) == 1 else FanOut(jobs, parsed.params.n).prepared()
         shaper = _openai_shaper(request, version, asked, responses_request or parsed, jobs)
         return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
+
+
+@routes.post("/v1/embeddings", name="embeddings")
+@routes.post("/predictions/{model}/{version}/v1/embeddings", name="embeddings_version")
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    """One pooling request per input (a list: server.fanout), answered whole."""
+    started = time.monotonic()
+    state = request.app[STATE_KEY]
+    body = await _read_json(request)
+    version, asked = _openai_model(request, state, body)
+    with version.admit():
+        parsed = _handler_call(parse_embeddings_request, body)
+        params = pooling_sampling_params()
+        try:
+            jobs = [await prepare(state, version, spec, params, client=request.remote or "", pooling=PoolingParams())
+                    for spec in parsed.prompts]
+        except ErrorReply as exc:  # the engine names the prompt; this body calls it `input`
+            exc.param = "input" if exc.param == "prompt" else exc.param
+            raise
+        job = jobs[0] if len(jobs) == 1 else FanOut(jobs, 1).prepared()
+        return await respond(request, state, version, job, EmbeddingsShaper(parsed, asked), stream=False,
+                             started=started)
+
+
+def _openai_model(request: web.Request, state: ServerState, body: dict[str, Any]) -> tuple[ModelVersion, str]:
+    """The version an OpenAI body asks for (by its `model`, or by the route's prefix) and the
+    name to answer with."""
+    if "model" in request.match_info:  # the path names the model and version
+        version = _resolve(request, state, request.match_info["model"], request.match_info["version"])
+        return version, body.get("model") if isinstance(body.get("model"), str) else version.name
+    asked = body.get("model")
+    if not isinstance(asked, str) or not asked:
+        raise ErrorReply(400, "'model' is required: the name of a registered model "
+                         "(model or model@version)", param="model")
+    return _resolve(request, state, *split_model(asked)), asked
 
 
 def _openai_shaper(request: web.Request, version: ModelVersion, asked: str,
@@ -343,6 +384,14 @@ def _resolve(request: web.Request, state: ServerState, name: str, version: str |
         raise ErrorReply(404, str(exc), param="model") from None
     request[MODEL_KEY] = found.name
     return found
+
+
+def _keep_alive(body: dict[str, Any]) -> float | None:
+    """The request's `keep_alive` (taken out of the body), in seconds; 400 when malformed."""
+    try:
+        return take_keep_alive(body)
+    except KeepAliveError as exc:
+        raise ErrorReply(400, str(exc), param=exc.field) from None
 
 
 def _handler_call(parse: Callable[[dict[str, Any]], Any], body: dict[str, Any]) -> Any:

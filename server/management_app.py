@@ -42,6 +42,9 @@ from server.management_params import (
     UnregisterParams,
     read_params,
 )
+from server.lifecycle import LifecycleConflict, ModelLifecycle
+from server.lifecycle_routes import ROUTES as LIFECYCLE_ROUTES
+from server.memory_budget import ModelTooLargeError
 from server.middleware import drain_middleware, error_middleware
 from server.registry import (
     ConflictError,
@@ -79,7 +82,7 @@ def _memory_usage(pid: int | None) -> int:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
-def describe(entry: ModelVersion, is_default: bool) -> dict[str, Any]:
+def describe(entry: ModelVersion, is_default: bool, lifecycle: ModelLifecycle) -> dict[str, Any]:
     config = entry.model_config
     workers = []
     for slot in entry.pool.slots:
@@ -97,6 +100,7 @@ def describe(entry: ModelVersion, is_default: bool) -> dict[str, Any]:
             "threads": (engine.stats.num_threads or engine.num_threads) if engine is not None else None,
             "lastError": slot.last_error,
             "requestsInFlight": engine.num_unfinished if engine is not None and engine.is_ready else 0,
+            "footprint": lifecycle.describe_worker(entry, slot),
         })
     running = sum(e.stats.num_running for e in entry.pool.ready_engines())
     info = next((e.info for e in entry.pool.ready_engines() if e.info is not None), None)
@@ -118,6 +122,7 @@ def describe(entry: ModelVersion, is_default: bool) -> dict[str, Any]:
         "isDefault": is_default,
         "continuousBatching": True,
         "maxModelLen": info.max_model_len if info else entry.max_model_len,
+        **lifecycle.describe(entry),
         "workers": workers,
         "jobQueueStatus": {
             "remainingCapacity": max(0, entry.job_queue_size - entry.in_flight),
@@ -211,7 +216,8 @@ async def describe_model(request: web.Request) -> web.Response:
     else:
         entries = [registry.resolve(name, version)]
     default = registry.models[name].default_version
-    return web.json_response([describe(e, e.version == default) for e in entries])
+    return web.json_response([describe(e, e.version == default, registry.lifecycle)
+                              for e in entries])
 
 
 async def scale_model(request: web.Request) -> web.Response:
@@ -269,7 +275,8 @@ async def rotate_token(request: web.Request) -> web.Response:
 # -- app ----------------------------------------------------------------------------------
 EXCEPTION_CODES = (
     ((ModelNotFoundError, ArchiveNotFoundError), 404),
-    (ConflictError, 409),
+    ((ConflictError, LifecycleConflict), 409),
+    (ModelTooLargeError, 507),
     ((ForbiddenError, UrlNotAllowedError), 403),
     (WorkerStartFailed, 500, "Failed to start workers: {}"),
     (NoWorkerError, 503),
@@ -287,6 +294,7 @@ ROUTES = [
     web.delete("/models/{model}", unregister_model),
     web.delete("/models/{model}/{version}", unregister_model),
     web.get("/token", rotate_token),
+    *LIFECYCLE_ROUTES,
 ]
 QUERY_PARAMS = {list_models: ListParams, register_model: RegisterParams, scale_model: ScaleParams,
                 unregister_model: UnregisterParams, rotate_token: TokenParams}

@@ -35,6 +35,7 @@ from server.auth import KeyStore, choose_keys, write_key_file
 from server.config import ServerConfig, ServerConfigError, parse_address
 from server.connections import ConnectionLimits, GuardedAppRunner
 from server.inference_app import build_inference_app
+from server.lifecycle import BudgetCollector
 from server.management_app import build_management_app
 from server.metrics import ServerMetrics, build_metrics_app
 from server.registry import (
@@ -146,10 +147,12 @@ def build_state(config: ServerConfig, make_engine: EngineBuilder, keys: KeyStore
     registry = ModelRegistry(executor, make_engine,
                              allow_custom_handlers=config.allow_custom_handlers,
                              default_workers=config.default_workers_per_model,
-                             job_queue_size=config.job_queue_size)
-    return ServerState(config=config, registry=registry,
-                       metrics=ServerMetrics(versions=registry.all_versions),
-                       keys=keys, executor=executor)
+                             job_queue_size=config.job_queue_size,
+                             memory_budget=config.memory_budget, keep_alive=config.keep_alive)
+    metrics = ServerMetrics(versions=registry.all_versions, vllm=config.vllm_metrics)
+    metrics.registry.register(BudgetCollector(registry.lifecycle))
+    return ServerState(config=config, registry=registry, metrics=metrics, keys=keys,
+                       executor=executor)
 
 
 def connection_limits(config: ServerConfig) -> ConnectionLimits:
@@ -223,10 +226,11 @@ class Server:
         """The snapshot's models, then the `load_models` archives (the lifecycle's task)."""
         registry = self.state.registry
         registry.on_change = self._rebalance_threads
+        registry.lifecycle.progress = self.out  # a line per worker ready while starting
         try:
             await self._restore(restored)
-            for model, archive in opened:
-                await self._register_startup(archive, model.url, model.name)
+            await asyncio.gather(*(self._register_startup(archive, model.url, model.name)
+                                   for model, archive in opened))  # in parallel, in the budget
         except Exception:  # a bug: the server keeps serving what did register
             logger.exception("the startup registrations failed")
         self._save_snapshot()
@@ -236,30 +240,34 @@ class Server:
         self.out(f"pagedserve: ready ({len(registry.all_versions())} model version(s) registered)")
 
     async def _restore(self, entries) -> None:
+        """Every snapshot entry at once: workers start in parallel, within the memory budget."""
+        await asyncio.gather(*(self._restore_one(e) for e in entries))
+
+    async def _restore_one(self, e) -> None:
         registry = self.state.registry
         store = self.config.model_store_path
-        for e in entries:
+        try:
+            path = resolve_url(e.url, store, self.config.allowed_urls)
+            archive = await registry.open(path)
             try:
-                path = resolve_url(e.url, store, self.config.allowed_urls)
-                archive = await registry.open(path)
-                try:
-                    entry = await registry.register(
-                        archive, url=e.url, name=e.name, initial_workers=e.min_workers,
-                        max_workers=e.max_workers, synchronous=True, make_default=e.default)
-                except WorkerStartFailed as exc:
-                    # Registered all the same: its workers keep retrying with back-off
-                    # (describe shows lastError) rather than the registration being lost.
-                    logger.error("snapshot: workers of %s %s failed to start (%s); retrying in "
-                                 "the background", e.name, e.version, exc)
-                    entry = await registry.register(
-                        archive, url=e.url, name=e.name, initial_workers=e.min_workers,
-                        max_workers=e.max_workers, synchronous=False, make_default=e.default)
-                entry.loaded_at_startup = True
-                self.out(f"pagedserve: restored {e.name} {e.version} from the snapshot")
-            except (OSError, ValueError, RuntimeError) as exc:
-                logger.error("snapshot: could not restore %s %s: %s; it stays in the snapshot "
-                             "for the next start", e.name, e.version, exc)
-                self.snapshot.carry(e)
+                entry = await registry.register(
+                    archive, url=e.url, name=e.name, initial_workers=e.min_workers,
+                    max_workers=e.max_workers, synchronous=True, make_default=e.default)
+            except WorkerStartFailed as exc:
+                # Registered all the same: its workers keep retrying with back-off
+                # (describe shows lastError) rather than the registration being lost.
+                logger.error("snapshot: workers of %s %s failed to start (%s); retrying in "
+                             "the background", e.name, e.version, exc)
+                entry = await registry.register(
+                    archive, url=e.url, name=e.name, initial_workers=e.min_workers,
+                    max_workers=e.max_workers, synchronous=False, make_default=e.default)
+            entry.loaded_at_startup = True
+            await registry.lifecycle.restore(entry, e.state, e.pinned)
+            self.out(f"pagedserve: restored {e.name} {e.version} from the snapshot")
+        except (OSError, ValueError, RuntimeError) as exc:
+            logger.error("snapshot: could not restore %s %s: %s; it stays in the snapshot "
+                         "for the next start", e.name, e.version, exc)
+            self.snapshot.carry(e)
 
     async def _register_startup(self, archive: LoadedArchive, url: str, name: str | None) -> None:
         try:

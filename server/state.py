@@ -81,7 +81,8 @@ class ServerState:
         scaled to 0 workers on purpose is not a failure."""
         registry = self.registry
         return (registry.startup_done and not self.drain.draining
-                and all(v.pool.ready_engines() for v in registry.all_versions() if v.min_workers > 0))
+                and all(v.pool.ready_engines() or v.pool.sleeping_slots()
+                        for v in registry.all_versions() if v.min_workers > 0))
 
 
 STATE_KEY = web.AppKey("pagedserve_state", ServerState)

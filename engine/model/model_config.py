@@ -64,7 +64,7 @@ _Seconds = Annotated[int, Meta(ge=1, le=MAX_TIMEOUT_S)]
 class ModelConfigFile(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     """The declaration of the file's frontend keys (field min_workers is key minWorkers)."""
 
-    min_workers: _Workers = 1
+    min_workers: Annotated[int, Meta(ge=0, le=MAX_WORKERS)] = 1  # 0: loaded on demand
     max_workers: _Workers = 1
     response_timeout: _Seconds = 120  # seconds
     startup_timeout: _Seconds = 120  # seconds
@@ -74,6 +74,11 @@ class ModelConfigFile(msgspec.Struct, forbid_unknown_fields=True, rename="camel"
     job_queue_size: Annotated[int, Meta(ge=1, le=1 << 20)] = 100
     # How /v1/chat/completions reads tool calls the model wrote (handlers.openai_tools).
     tool_parser: typing.Literal["hermes", "llama3_json", "pythonic"] = "hermes"
+    # Seconds a version with minWorkers 0 stays loaded after its last request (negative:
+    # forever); None: the server's keep_alive.
+    keep_alive: Annotated[float, Meta(ge=-1, le=MAX_TIMEOUT_S)] | None = None
+    # How the front end picks among the version's workers (server.routing).
+    routing: typing.Literal["least_loaded", "prefix_affinity"] = "least_loaded"
     handler: dict[str, Any] | None = None
 
 
@@ -130,6 +135,8 @@ class ModelConfig:
     parallel_level: int = 1
     job_queue_size: int = 100
     tool_parser: str = "hermes"  # hermes, llama3_json or pythonic
+    keep_alive: float | None = None  # seconds; None: the server's keep_alive
+    routing: str = "least_loaded"  # least_loaded or prefix_affinity
     handler: dict[str, Any] = field(default_factory=dict)
     source: str = "model-config.yaml"  # the file name used in error messages
 
