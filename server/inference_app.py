@@ -38,9 +38,9 @@ from typing import Any
 
 from aiohttp import web
 
-from handlers.base_handler import BaseHandler, HandlerError
 from engine.inputs import pooling_sampling_params
 from engine.pooling import PoolingParams
+from handlers.base_handler import BaseHandler, HandlerError
 from handlers.llm_input import ParsedBody, decode_body, parse_predictions_body
 from handlers.openai_embeddings import parse_embeddings_request
 from handlers.openai_protocol import (

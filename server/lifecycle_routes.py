@@ -34,15 +34,18 @@ def _route(act: Callable[[web.Request, ModelVersion], Awaitable[str]]):
         state = request.app[STATE_KEY]
         entry = state.registry.resolve(request.match_info["model"], request.match_info["version"])
         return web.json_response({"status": await act(request, entry)})
+    handle.__doc__ = act.__doc__  # the route's description (server.openapi)
     return handle
 
 
 async def _sleep(request: web.Request, entry: ModelVersion) -> str:
+    """Free the version's weights and KV pools, keeping its processes; needs --enable-model-api."""
     await request.app[STATE_KEY].registry.lifecycle.sleep(entry)
     return f"Model {entry.name} version {entry.version} is asleep"
 
 
 async def _wake(request: web.Request, entry: ModelVersion) -> str:
+    """Load a sleeping version again (room made in the memory budget first)."""
     lifecycle = request.app[STATE_KEY].registry.lifecycle
     try:
         await lifecycle.wake(entry)
@@ -57,11 +60,13 @@ async def _wake(request: web.Request, entry: ModelVersion) -> str:
 
 
 async def _pin(request: web.Request, entry: ModelVersion) -> str:
+    """Never unload the version (keep-alive, LRU eviction)."""
     request.app[STATE_KEY].registry.set_pinned(entry, True)
     return f"Model {entry.name} version {entry.version} is pinned"
 
 
 async def _unpin(request: web.Request, entry: ModelVersion) -> str:
+    """Let the version be unloaded again."""
     request.app[STATE_KEY].registry.set_pinned(entry, False)
     return f"Model {entry.name} version {entry.version} is no longer pinned"
 
