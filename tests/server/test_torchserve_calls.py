@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,30 @@ def test_put_with_a_raw_body_as_curl_upload_file_sends_it(server):
     r = server.request("PUT", "inference", f"/predictions/{TINY}/1.0", data=b"Once upon a time", headers=headers)
     assert r.status == 200 and r.json()["usage"]["prompt_tokens"] == len(
         server.state.registry.resolve(TINY).tokenizer.encode("Once upon a time"))
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="needs the curl command")
+def test_the_curl_commands_torchserve_documents(server, tmp_path):
+    """`curl -T file`, `curl -F data=@file`, `curl -d text`, exactly as a user types them."""
+    expected = text_of(server.post("inference", f"/predictions/{TINY}", json=GREEDY))
+    (tmp_path / "request.json").write_text(json.dumps(GREEDY))
+    (tmp_path / "prompt.txt").write_text("Once upon a time")
+    url = server.url("inference", f"/predictions/{TINY}")
+    auth = ["-H", f"Authorization: Bearer {server.keys['inference']}"]
+
+    def curl(*args: str) -> dict:
+        out = subprocess.run(["curl", "-sS", "--fail-with-body", *auth, url, *args], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120, check=False)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return json.loads(out.stdout)
+
+    assert curl("-T", "request.json")["choices"][0]["text"] == expected
+    assert curl("-F", "data=@request.json")["choices"][0]["text"] == expected
+    assert curl("-d", "@request.json")["choices"][0]["text"] == expected
+    prompt_tokens = {curl("-T", "prompt.txt")["usage"]["prompt_tokens"],
+                     curl("-F", "data=@prompt.txt")["usage"]["prompt_tokens"],
+                     curl("-d", "Once upon a time")["usage"]["prompt_tokens"]}
+    assert prompt_tokens == {len(server.state.registry.resolve(TINY).tokenizer.encode("Once upon a time"))}
 
 
 def test_plain_text_body_is_the_prompt(server):
