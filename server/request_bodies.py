@@ -80,7 +80,9 @@ def multipart_fields(raw: bytes, content_type: str) -> dict[str, bytes]:
     boundary = _param(content_type, "content-type", "boundary")
     if not boundary:
         raise ErrorReply(400, "multipart/form-data without a boundary parameter in Content-Type")
-    delimiter = b"--" + boundary.encode("latin-1")
+    if not boundary.isascii() or len(boundary) > 70:  # RFC 2046's rule
+        raise ErrorReply(400, "the multipart boundary must be 1 to 70 ASCII characters")
+    delimiter = b"--" + boundary.encode("ascii")
     first = raw.find(delimiter)
     if first < 0 or (first > 0 and raw[first - 2:first] != b"\r\n"):
         raise ErrorReply(400, "the multipart/form-data body holds no parts (is the boundary right?)")

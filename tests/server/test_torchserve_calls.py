@@ -147,6 +147,7 @@ def test_multipart_form_data(server):
 
 @pytest.mark.parametrize("case, body, kind, status, words", [
     ("no boundary", b"--x\r\n\r\n", "multipart/form-data", 400, "boundary"),
+    ("non-ASCII boundary", b"--\xe9\r\n", "multipart/form-data; boundary=\xe9", 400, "ASCII"),
     ("no parts", b"just text, no delimiters", "multipart/form-data; boundary=zz", 400, "no parts"),
     ("unnamed part", *multipart((None, b"x")), 400, "no name"),
     ("cut short", b"--zz\r\nContent-Disposition: form-data; name=data\r\n\r\nhi", "multipart/form-data; boundary=zz",
