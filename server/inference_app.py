@@ -290,7 +290,7 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     body = await _read_json(request)
     version, asked = _openai_model(request, state, body)
-    with version.admit():
+    with version.admit(_keep_alive(body)):
         parsed = _handler_call(parse_embeddings_request, body)
         params = pooling_sampling_params()
         try:
