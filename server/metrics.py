@@ -6,7 +6,8 @@ request's final output (`observe_output`); the engine gauges (running and waitin
 blocks used and free, prefix cache hit rate, preemptions) are read from every worker's latest
 `stats` at scrape time by a custom collector. With `vllm=True` the `vllm:` families of
 `server.metrics_vllm` are added beside these. `render(names)` keeps only the named families, as
-TorchServe's `GET /metrics?name[]=...` does.
+TorchServe's `GET /metrics?name[]=...` does. The router's counters per worker (requests
+routed, prefix-affinity hits) and each worker's prefix-cache hit tokens are collected too.
 """
 
 from __future__ import annotations
@@ -152,6 +153,21 @@ class EngineCollector:
             "spec_accepted": CounterMetricFamily("pagedserve_spec_decode_accepted_tokens",
                                                  "Speculative draft tokens kept", labels=labels),
         }
+        worker_labels = [*labels, "worker"]
+        routing = {
+            "routed": CounterMetricFamily("pagedserve_routed_requests",
+                                          "Requests the front end sent to each worker",
+                                          labels=worker_labels),
+            "hits": CounterMetricFamily("pagedserve_route_prefix_hits",
+                                        "Requests sent to a worker because it held their prefix "
+                                        "(routing: prefix_affinity)", labels=worker_labels),
+            "hit_blocks": CounterMetricFamily("pagedserve_route_prefix_hit_blocks",
+                                              "Prompt blocks the chosen worker was known to hold",
+                                              labels=worker_labels),
+            "cached": CounterMetricFamily("pagedserve_worker_prefix_cache_hit_tokens",
+                                          "Prompt tokens each worker served from its prefix "
+                                          "cache (since it started)", labels=worker_labels),
+        }
         offload = {
             key: CounterMetricFamily(f"pagedserve_kv_offload_{name}", doc, labels=labels + extra)
             for key, name, doc, extra in _OFFLOAD_COUNTERS
@@ -172,6 +188,14 @@ class EngineCollector:
             fams["preemptions"].add_metric(key, sum(s.num_preemptions for s in stats))
             fams["spec_draft"].add_metric(key, sum(s.spec_draft_tokens for s in stats))
             fams["spec_accepted"].add_metric(key, sum(s.spec_accepted_tokens for s in stats))
+            router = v.router
+            for worker in sorted({*router.routed, *(e.name for e in engines)}):
+                routing["routed"].add_metric([*key, worker], router.routed[worker])
+                routing["hits"].add_metric([*key, worker], router.prefix_hits[worker])
+                routing["hit_blocks"].add_metric([*key, worker], router.prefix_hit_blocks[worker])
+            for engine in engines:
+                if engine.stats is not None:
+                    routing["cached"].add_metric([*key, engine.name], engine.stats.prefix_cache_hits)
             offloads = [s.kv_offload for s in stats if s.kv_offload]
             if offloads:
                 total = {k: sum(o.get(k, 0) for o in offloads) for k in _OFFLOAD_FIELDS}
@@ -180,6 +204,7 @@ class EngineCollector:
                 for field_name, *_ in _OFFLOAD_COUNTERS[1:]:
                     offload[field_name].add_metric(key, total[field_name])
         yield from fams.values()
+        yield from routing.values()
         yield from (fam for fam in offload.values() if fam.samples)
 
 
