@@ -30,7 +30,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 from server.memory_budget import Footprint, MemoryBudget, ModelTooLargeError, fmt, version_sizes
-from server.workers import WorkerSlot, WorkerStatus
+from server.workers import NoWorkerError, WorkerSlot, WorkerStatus
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
@@ -152,8 +152,6 @@ class ModelLifecycle:
             await entry.pool.wait_started(start)
 
     async def _make_room(self, entry: ModelVersion, need: int, for_request: bool) -> None:
-        from server.registry import NoWorkerError
-
         while (used := self.used()) + need > self.budget.total:
             victim = self._lru_victim(exclude=entry)
             if victim is None:
@@ -182,7 +180,6 @@ class ModelLifecycle:
     async def ready_worker(self, entry: ModelVersion) -> AsyncLLM:
         """A ready worker of `entry`, loading or waking one first when there is none, within
         the version's responseTimeout (NoWorkerError with the reason otherwise)."""
-        from server.registry import NoWorkerError
         from server.workers import WorkerStartFailed
 
         if entry.pool.ready_engines():

@@ -48,7 +48,7 @@ async def _wake(request: web.Request, entry: ModelVersion) -> str:
         await lifecycle.wake(entry)
     except RuntimeError as exc:  # no room: NoWorkerError from the budget means 507 here
         from server.memory_budget import ModelTooLargeError
-        from server.registry import NoWorkerError
+        from server.workers import NoWorkerError
 
         if isinstance(exc, NoWorkerError):
             raise ModelTooLargeError(str(exc)) from None

@@ -41,7 +41,7 @@ from server.management_params import MAX_TIMEOUT_S, MAX_WORKERS
 from server.memory_budget import MemoryBudget, ModelTooLargeError, resolve_budget
 from server.routing import Router
 from server.safe_write import NO_SPACE
-from server.workers import WorkerPool
+from server.workers import NoWorkerError, WorkerPool
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
@@ -58,10 +58,6 @@ VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*\Z"
 
 class ModelNotFoundError(LookupError):
     """No such model or version (404); the message names it."""
-
-
-class NoWorkerError(RuntimeError):
-    """The version has no ready worker right now (503)."""
 
 
 class QueueFullError(RuntimeError):
