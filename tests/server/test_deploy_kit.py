@@ -146,6 +146,12 @@ def test_dockerfile():
                  if i["instruction"] == "RUN" and i["value"].startswith("pagedserve prepare")]
     prepared = build_parser().parse_args(shlex.split(prepare)[1:])  # the first start's work
     assert prepared.command == "prepare" and prepared.model_store == args.model_store
+    import tomllib
+
+    deps = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["dependencies"]
+    [torch] = [d for d in deps if d.startswith("torch")]
+    runs = " ".join(i["value"] for i in instructions if i["instruction"] == "RUN")
+    assert f'pip install "{torch}" --index-url' in runs  # the CPU build, kept by the project's range
 
 
 def test_systemd_unit():
