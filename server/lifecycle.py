@@ -30,7 +30,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 from server.memory_budget import Footprint, MemoryBudget, ModelTooLargeError, fmt, version_sizes
-from server.workers import WorkerSlot, WorkerStatus
+from server.workers import WorkerSlot, WorkerStartFailed, WorkerStatus
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 
 REAP_INTERVAL_S = 0.25  # how often expired keep-alives are looked for
 SLEEP_TIMEOUT_S = 60.0
+
+
+class NoWorkerError(RuntimeError):
+    """The version has no ready worker right now, and none could be loaded (503)."""
 
 
 class LifecycleConflict(RuntimeError):
@@ -152,8 +156,6 @@ class ModelLifecycle:
             await entry.pool.wait_started(start)
 
     async def _make_room(self, entry: ModelVersion, need: int, for_request: bool) -> None:
-        from server.registry import NoWorkerError
-
         while (used := self.used()) + need > self.budget.total:
             victim = self._lru_victim(exclude=entry)
             if victim is None:
@@ -182,9 +184,6 @@ class ModelLifecycle:
     async def ready_worker(self, entry: ModelVersion) -> AsyncLLM:
         """A ready worker of `entry`, loading or waking one first when there is none, within
         the version's responseTimeout (NoWorkerError with the reason otherwise)."""
-        from server.registry import NoWorkerError
-        from server.workers import WorkerStartFailed
-
         if entry.pool.ready_engines():
             return entry.pick_worker()
         task = self._bringing_up.get(id(entry))

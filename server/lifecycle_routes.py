@@ -43,16 +43,7 @@ async def _sleep(request: web.Request, entry: ModelVersion) -> str:
 
 
 async def _wake(request: web.Request, entry: ModelVersion) -> str:
-    lifecycle = request.app[STATE_KEY].registry.lifecycle
-    try:
-        await lifecycle.wake(entry)
-    except RuntimeError as exc:  # no room: NoWorkerError from the budget means 507 here
-        from server.memory_budget import ModelTooLargeError
-        from server.registry import NoWorkerError
-
-        if isinstance(exc, NoWorkerError):
-            raise ModelTooLargeError(str(exc)) from None
-        raise
+    await request.app[STATE_KEY].registry.lifecycle.wake(entry)  # no room: 507
     return f"Model {entry.name} version {entry.version} is awake"
 
 

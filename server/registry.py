@@ -35,7 +35,7 @@ from handlers.base_handler import BaseHandler, Context
 from handlers.custom_handler import CustomHandlerError
 from handlers.llm_handler import ENGINE_WORKERS
 from server.archives import LoadedArchive, load_archive
-from server.lifecycle import ModelLifecycle
+from server.lifecycle import ModelLifecycle, NoWorkerError
 from server.management_params import MAX_TIMEOUT_S, MAX_WORKERS
 from server.memory_budget import MemoryBudget, ModelTooLargeError, resolve_budget
 from server.safe_write import NO_SPACE
@@ -56,10 +56,6 @@ VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*\Z"
 
 class ModelNotFoundError(LookupError):
     """No such model or version (404); the message names it."""
-
-
-class NoWorkerError(RuntimeError):
-    """The version has no ready worker right now (503)."""
 
 
 class QueueFullError(RuntimeError):

@@ -229,3 +229,21 @@ def test_the_lifecycle_api_needs_the_model_api(inprocess_factory, lc_store):
     r = server.put("management", f"/models/{MODEL}/1.0/sleep")
     assert r.status == 405 and "--enable-model-api" in r.json()["message"]
     assert server.put("management", f"/models/{MODEL}/1.0/sleep", token=None).status == 401
+
+
+def test_a_restart_restores_the_states_in_parallel_with_a_line_per_worker(srv, inprocess_factory,
+                                                                          lc_store, tmp_path):
+    assert srv.put("management", f"/models/{MODEL}/2.0/wake").status == 200  # nothing asleep: no-op
+    predict(srv, "2.0", keep_alive=-1)
+    assert srv.put("management", f"/models/{MODEL}/3.0/sleep").status in (200,)
+    snapshot = tmp_path / "snapshot.json"
+    snapshot.write_bytes(open(srv.config.snapshot_path, "rb").read())
+    again = inprocess_factory(model_store=str(lc_store), enable_model_api=True,
+                              memory_budget="8GiB", snapshot_path=str(snapshot))
+    again.wait_for(lambda: "pagedserve: ready" in again.log_text(), what="restore finished")
+    states = {v: (describe(again, v)["state"], describe(again, v)["pinned"])
+              for v in ("1.0", "2.0", "3.0")}
+    assert states == {"1.0": ("unloaded", True), "2.0": ("loaded", False),
+                      "3.0": ("sleeping", False)}
+    progress = [line for line in again.lines if line.startswith("pagedserve: worker ")]
+    assert len(progress) == 2 and all("ready in" in line for line in progress), again.log_tail()
