@@ -169,7 +169,8 @@ class ModelLifecycle:
     def _lru_victim(self, exclude: ModelVersion) -> ModelVersion | None:
         candidates = [v for v in self.registry.all_versions()
                       if v is not exclude and v.min_workers == 0 and not v.pinned
-                      and v.in_flight == 0 and v.pool.slots and id(v) not in self._bringing_up]
+                      and v.in_flight == 0 and v.pool.slots and id(v) not in self._bringing_up
+                      and not any(s.status is WorkerStatus.STARTING for s in v.pool.slots)]
         return min(candidates, key=lambda v: v.last_used, default=None)
 
     async def unload(self, entry: ModelVersion, why: str) -> None:
