@@ -6,7 +6,9 @@ Text: benchmarks/data/coriolanus_act1.txt, the first ~24,000 characters of Shake
 
 The text is scored in non-overlapping windows of `--window` tokens (default 1024), each one
 prefill through the engine's own model and paged KV cache (so prefill-sized row counts pick each
-layer's large-row path: int8 quantizes activations there, int4 de-quantizes the weight).
+layer's large-row path: w8a8 quantizes activations there, int8 and int4 de-quantize the weight). With a
+quantized KV cache the prefill reads every key/value back from the cache, so those rows measure
+the KV quantization itself.
 Perplexity = exp(mean negative log-likelihood of every token after the first of each window).
 
     PYTHONPATH=. .venv/bin/python benchmarks/quant_perplexity.py [--window 1024] [--threads 2]
@@ -67,8 +69,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", default="", help="comma-separated mode labels to rerun; the other rows "
-                                               "are kept from the last results file")
+    ap.add_argument("--only", default="", help="comma-separated mode labels (or label prefixes) to rerun; "
+                                               "the other rows, bf16 included, are kept from the last results file")
     args = ap.parse_args()
     only = [o.strip() for o in args.only.split(",") if o.strip()]
     old = RESULTS / "quant_perplexity.json"
@@ -78,7 +80,7 @@ def main() -> None:
     common = dict(num_kv_blocks=args.window // 16 + 1, max_model_len=args.window, num_threads=args.threads)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        q41 = convert_gguf_quantized(default_gguf_path(), Path(tmp) / "q41")
+        q41 = Path(tmp) / "q41"
         cases = [
             ("float32 (reference)", plain, dict(dtype="float32")),
             ("bf16 (`none`)", plain, dict(dtype="bfloat16", quantization="none")),
@@ -87,10 +89,14 @@ def main() -> None:
             ("int4 g64", plain, dict(dtype="bfloat16", quantization="int4", quant_group_size=64)),
             ("w8a8", plain, dict(dtype="bfloat16", quantization="w8a8")),
             ("Q4_1 GGUF served natively (int4 g32)", q41, dict(dtype="bfloat16")),
+            ("fp8 KV (`kv_cache_dtype: fp8_e4m3`, bf16 weights)", plain, dict(dtype="bfloat16", kv_cache_dtype="fp8_e4m3")),
+            ("int8 KV (`kv_cache_dtype: int8`, bf16 weights)", plain, dict(dtype="bfloat16", kv_cache_dtype="int8")),
         ]
         tokens = None
         if only:
-            cases = [c for c in cases if c[0] in only or c[0].startswith("bf16")]
+            cases = [c for c in cases if any(c[0].startswith(o) for o in only)]
+        if any(model == q41 for _, model, _ in cases):
+            convert_gguf_quantized(default_gguf_path(), q41)
         for label, model, opts in cases:
             t0 = time.perf_counter()
             llm = LLM(model, **common, **opts)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.pooling import PoolingParams
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams, TokenId
 from engine.scheduler.output import EngineCoreOutput
 from engine.scheduler.stats import SchedulerStats
@@ -22,6 +24,8 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     priority: int = 0
     arrival_time: float | None = None  # time.monotonic() in the front end; None = on arrival in the engine
     cache_salt: str | None = None
+    pooling_params: PoolingParams | None = None  # a pooling request (engine.pooling)
+    lora: LoRARequest | None = None  # run under this LoRA adapter (None: the base model)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

@@ -62,6 +62,8 @@ def to_engine_request(msg: EngineCoreRequest) -> Request:
         arrival_time=msg.arrival_time or time.monotonic(),
         priority=msg.priority,
         cache_salt=msg.cache_salt,
+        pooling_params=msg.pooling_params,
+        lora=msg.lora,
     )
 
 
@@ -231,7 +233,11 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         from engine.process_setup import configure_engine_process
 
         configure_engine_process(config)  # this process is the engine's: threads, seed, malloc
+        start = time.perf_counter()
+        logger.info("loading %s (%s threads)", config.model, config.num_threads or "default")
         core = EngineCore(config)
+        logger.info("ready: model loaded in %.1f s, %d KV blocks", time.perf_counter() - start,
+                    core.kv_manager.pool.num_blocks)
         proc.outputs.put(
             EngineInfo(
                 pid=os.getpid(),

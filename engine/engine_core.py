@@ -79,7 +79,7 @@ class EngineCore:
 
             self.kv_offload = KVOffloadManager(
                 config.kv_offload_config, self.runner.kv_caches, config.block_size,
-                model_fingerprint(model_dir, config.torch_dtype),
+                model_fingerprint(model_dir, config.torch_dtype, config.kv_cache_dtype),
             )
         self.structured_output = StructuredOutputManager(str(model_dir), self.vocab_size, self.eos_token_ids)
         self._compiling: dict[str, Request] = {}  # requests whose grammar is not ready yet
@@ -105,6 +105,7 @@ class EngineCore:
             self.max_model_len,
             config.scheduling_policy,
             kv_offload=self.kv_offload,
+            max_loras=config.max_loras,
         )
 
     # -- sleep and wake --------------------------------------------------------------------
@@ -144,6 +145,8 @@ class EngineCore:
         if self.sleeping:
             raise ValueError("the worker is asleep: wake it first")
         self.validate_request(request)
+        if request.lora is not None:  # read the adapter now: a bad one refuses the request
+            request.lora_id = self.runner.lora.load(request.lora).key
         request.eos_token_ids = self.eos_token_ids
         self.scheduler.add_request(request)
         self.structured_output.add_request(request)

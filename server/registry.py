@@ -1,7 +1,8 @@
 """The model registry: models -> versions -> workers, with a default version per model.
 
 `ModelRegistry` is what the HTTP apps see: `resolve` a (model, version) to a `ModelVersion`,
-whose `pick_worker` routes to the least loaded ready worker and whose `admit` bounds the number
+whose `pick_worker` routes by the version's `routing` policy (`server.routing`: least loaded, or
+prefix-affine) and whose `admit` bounds the number
 of requests in flight (`jobQueueSize`). Registration opens the archive and loads the tokenizer
 off the event loop, then starts the version's workers (`server.workers.WorkerPool`).
 
@@ -23,7 +24,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -38,6 +39,7 @@ from server.archives import LoadedArchive, load_archive
 from server.lifecycle import ModelLifecycle, NoWorkerError
 from server.management_params import MAX_TIMEOUT_S, MAX_WORKERS
 from server.memory_budget import MemoryBudget, ModelTooLargeError, resolve_budget
+from server.routing import Router
 from server.safe_write import NO_SPACE
 from server.workers import WorkerPool
 
@@ -131,7 +133,7 @@ class ModelVersion:
     max_model_len: int | None = None
     handler: BaseHandler | None = None  # a custom handler around the workers (/predictions)
     in_flight: int = 0
-    _turn: int = 0
+    router: Router = field(default_factory=Router)
     registered_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     # The lifecycle (server.lifecycle): pinned versions are never unloaded; keep_alive seconds
     # (None: the server's default, < 0: forever); last_used and expires_at are monotonic times.
@@ -149,19 +151,20 @@ class ModelVersion:
     def workers(self) -> list[AsyncLLM]:
         return self.pool.ready_engines()
 
-    def pick_worker(self) -> AsyncLLM:
-        """The least loaded ready worker (requests in flight, then KV blocks in use)."""
+    def pick_worker(self, token_ids: Sequence[int] = ()) -> AsyncLLM:
+        """The ready worker the version's router picks for a prompt of `token_ids` (least
+        loaded, or the one that holds the prompt's prefix: `server.routing`)."""
+        engine = self.router.route(self._ready(), token_ids).engine
+        if self.max_model_len is None and engine.info is not None:
+            self.max_model_len = engine.info.max_model_len
+        return engine
+
+    def _ready(self) -> list[AsyncLLM]:
         ready = self.pool.ready_engines()
         if not ready:
             raise NoWorkerError(f"model {self.name!r} version {self.version!r} has no ready "
                                 "worker right now; retry shortly")
-        # Equal loads: take turns (rotate where the scan starts), so idle workers share work.
-        self._turn = (self._turn + 1) % len(ready)
-        rotated = ready[self._turn:] + ready[:self._turn]
-        engine = min(rotated, key=_load_key)
-        if self.max_model_len is None and engine.info is not None:
-            self.max_model_len = engine.info.max_model_len
-        return engine
+        return ready
 
     @contextlib.contextmanager
     def admit(self, keep_alive: float | None = None) -> Iterator[None]:
@@ -182,12 +185,6 @@ class ModelVersion:
             self.last_used = time.monotonic()
             if self.in_flight == 0 and self.on_idle is not None:
                 self.on_idle(self, keep_alive)
-
-
-def _load_key(engine: AsyncLLM) -> tuple[int, int]:
-    stats = engine.stats
-    used = (stats.num_kv_blocks - stats.num_free_blocks) if stats is not None else 0
-    return engine.num_unfinished, used
 
 
 @dataclass(slots=True, eq=False)
@@ -320,7 +317,8 @@ class ModelRegistry:
                 name=name, version=version, model_dir=archive.model_dir, context=context,
                 tokenizer=tokenizer, archive=archive, url=url, pool=None,  # type: ignore[arg-type]
                 min_workers=min_workers, max_workers=max_w, job_queue_size=queue,
-                loaded_at_startup=loaded_at_startup, handler=archive.handler)
+                loaded_at_startup=loaded_at_startup, handler=archive.handler,
+                router=Router(config.routing, block_size=config.engine_options().get("block_size", 16)))
             entry.pool = WorkerPool(
                 f"{name}/{version}",
                 lambda worker_name, on_dead: self._make_engine(entry, worker_name, on_dead),

@@ -68,6 +68,17 @@ def unload(srv, *versions: str) -> None:
         srv.call(lifecycle.unload(entry(srv, v), "test reset"))
 
 
+def reset(srv) -> None:
+    """Every version unpinned and unloaded, the budget large: each test starts from here."""
+    lifecycle = srv.state.registry.lifecycle
+    lifecycle.budget.total = 8 << 30
+    for model, version in ((MODEL, "1.0"), (MODEL, "2.0"), (MODEL, "3.0"), ("lcka", "1.0")):
+        assert srv.put("management", f"/models/{model}/{version}/unpin").status == 200
+        if entry(srv, version, model).pool.slots:
+            srv.call(lifecycle.unload(entry(srv, version, model), "test reset"))
+    lifecycle.evictions.clear()
+
+
 def predict(srv, version: str, model: str = MODEL, **fields) -> dict:
     body = {"prompt": "1, 2, 3, 4,", "max_tokens": 4, "temperature": 0, **fields}
     r = srv.post("inference", f"/predictions/{model}/{version}", json=body)
@@ -103,6 +114,7 @@ class RssSampler:
 
 
 def test_load_on_demand_then_three_versions_in_a_budget_of_two(srv):
+    reset(srv)
     assert describe(srv, "1.0")["state"] == "unloaded"
     predict(srv, "1.0")  # loaded on demand: the request waited for the worker, no 503
     desc = describe(srv, "1.0")
@@ -131,6 +143,7 @@ def test_load_on_demand_then_three_versions_in_a_budget_of_two(srv):
 
 
 def test_keep_alive_from_the_model_config_unloads_after_idle(srv):
+    reset(srv)
     predict(srv, "1.0", model="lcka")
     desc = describe(srv, "1.0", model="lcka")
     assert desc["keepAlive"] == 1 and desc["expiresAt"] is not None
@@ -139,6 +152,7 @@ def test_keep_alive_from_the_model_config_unloads_after_idle(srv):
 
 
 def test_keep_alive_zero_unloads_after_the_request_and_minus_one_keeps(srv):
+    reset(srv)
     predict(srv, "2.0", keep_alive=0)
     srv.wait_for(lambda: describe(srv, "2.0")["state"] == "unloaded", 60, what="unload")
     out = predict(srv, "2.0", keep_alive="-1")
@@ -158,6 +172,7 @@ def test_bad_keep_alive_is_a_400_naming_the_field(srv):
 
 
 def test_pinned_version_is_never_unloaded(srv):
+    reset(srv)
     assert srv.put("management", f"/models/{MODEL}/1.0/pin").status == 200
     lifecycle = srv.state.registry.lifecycle
     try:
@@ -189,6 +204,7 @@ def test_a_budget_smaller_than_one_model_refuses_the_registration(srv):
 
 
 def test_sleep_and_wake_round_trip(srv):
+    reset(srv)
     started = time.monotonic()
     before = predict(srv, "3.0", max_tokens=8)["choices"][0]["token_ids"]
     cold_s = time.monotonic() - started  # a load on demand: a new worker process
@@ -213,17 +229,6 @@ def test_sleep_and_wake_round_trip(srv):
     assert describe(srv, "3.0")["workers"][0]["pid"] == worker["pid"]
 
 
-def test_sleep_conflicts_and_the_snapshot_keeps_the_states(srv):
-    assert srv.put("management", f"/models/{MODEL}/2.0/sleep").status == 409  # nothing loaded
-    assert srv.put("management", f"/models/{MODEL}/3.0/sleep").status == 200
-    assert srv.put("management", f"/models/{MODEL}/1.0/pin").status == 200
-    saved = {(e["name"], e["version"]): e
-             for e in json.loads(open(srv.config.snapshot_path).read())["models"]}
-    assert saved[(MODEL, "3.0")]["state"] == "sleeping"
-    assert saved[(MODEL, "2.0")]["state"] == "unloaded"
-    assert saved[(MODEL, "1.0")]["pinned"] is True
-
-
 def test_the_lifecycle_api_needs_the_model_api(inprocess_factory, lc_store):
     server = inprocess_factory(model_store=str(lc_store), load_models=[f"{MODEL}=lc-1.0.mar"])
     r = server.put("management", f"/models/{MODEL}/1.0/sleep")
@@ -231,19 +236,57 @@ def test_the_lifecycle_api_needs_the_model_api(inprocess_factory, lc_store):
     assert server.put("management", f"/models/{MODEL}/1.0/sleep", token=None).status == 401
 
 
-def test_a_restart_restores_the_states_in_parallel_with_a_line_per_worker(srv, inprocess_factory,
-                                                                          lc_store, tmp_path):
-    assert srv.put("management", f"/models/{MODEL}/2.0/wake").status == 200  # nothing asleep: no-op
+def test_the_snapshot_keeps_the_states_and_a_restart_restores_them(srv, inprocess_factory,
+                                                                   lc_store, tmp_path):
+    reset(srv)
+    assert srv.put("management", f"/models/{MODEL}/2.0/sleep").status == 409  # nothing loaded
     predict(srv, "2.0", keep_alive=-1)
-    assert srv.put("management", f"/models/{MODEL}/3.0/sleep").status in (200,)
+    predict(srv, "3.0", keep_alive=-1)
+    assert srv.put("management", f"/models/{MODEL}/3.0/sleep").status == 200
+    assert srv.put("management", f"/models/{MODEL}/1.0/pin").status == 200
+    saved = {e["version"]: (e["state"], e["pinned"])
+             for e in json.loads(open(srv.config.snapshot_path).read())["models"]
+             if e["name"] == MODEL}
+    expected = {"1.0": ("unloaded", True), "2.0": ("loaded", False), "3.0": ("sleeping", False)}
+    assert saved == expected
     snapshot = tmp_path / "snapshot.json"
     snapshot.write_bytes(open(srv.config.snapshot_path, "rb").read())
+    reset(srv)  # the second server's workers must fit beside what is left of this one
     again = inprocess_factory(model_store=str(lc_store), enable_model_api=True,
                               memory_budget="8GiB", snapshot_path=str(snapshot))
     again.wait_for(lambda: "pagedserve: ready" in again.log_text(), what="restore finished")
-    states = {v: (describe(again, v)["state"], describe(again, v)["pinned"])
-              for v in ("1.0", "2.0", "3.0")}
-    assert states == {"1.0": ("unloaded", True), "2.0": ("loaded", False),
-                      "3.0": ("sleeping", False)}
+    states = {v: (describe(again, v)["state"], describe(again, v)["pinned"]) for v in expected}
+    assert states == expected
+    # Restored in parallel; a progress line per worker (2.0's, and 3.0's before it slept).
     progress = [line for line in again.lines if line.startswith("pagedserve: worker ")]
     assert len(progress) == 2 and all("ready in" in line for line in progress), again.log_tail()
+    again.stop()
+
+
+def test_a_version_with_a_request_in_flight_is_not_evicted_the_request_gets_503(srv):
+    reset(srv)
+    predict(srv, "1.0")
+    busy = entry(srv, "1.0")
+    lifecycle = srv.state.registry.lifecycle
+    footprint = describe(srv, "1.0")["workers"][0]["footprint"]["total"]
+    held = busy.admit()  # a request in flight on 1.0 (held open by the test)
+    srv.call(_enter(held))
+    try:
+        lifecycle.budget.total = lifecycle.used() + footprint // 2  # 2.0 cannot fit
+        r = srv.post("inference", f"/predictions/{MODEL}/2.0",
+                     json={"prompt": "hi", "max_tokens": 2})
+        assert r.status == 503, r.text
+        assert "no idle, unpinned version" in r.json()["message"] and "free" in r.json()["message"]
+        assert describe(srv, "1.0")["state"] == "loaded"
+    finally:
+        srv.call(_exit(held))
+        lifecycle.budget.total = 8 << 30
+    unload(srv, "1.0")
+
+
+async def _enter(cm) -> None:
+    cm.__enter__()
+
+
+async def _exit(cm) -> None:
+    cm.__exit__(None, None, None)

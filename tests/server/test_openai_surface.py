@@ -157,3 +157,39 @@ def test_error_statuses_parsed_by_the_sdk(server, client):
     with pytest.raises(openai.APIStatusError) as err:
         client.completions.create(model=MODEL, prompt="x" * 7_000_000, max_tokens=1)
     assert err.value.status_code == 413 and "max_request_size" in err.value.message
+
+
+# -- embeddings ----------------------------------------------------------------------------------
+
+def test_embeddings_through_the_sdk(server, client):
+    np = pytest.importorskip("numpy")
+    texts = ["The cat sat on the mat.", "Stock markets fell sharply today.", "The cat sat on the mat."]
+    r = client.embeddings.create(model=MODEL, input=texts)  # the SDK asks for base64 and decodes it
+    assert r.object == "list" and r.model == MODEL and [d.index for d in r.data] == [0, 1, 2]
+    vectors = np.array([d.embedding for d in r.data])
+    assert vectors.shape == (3, 576)  # SmolLM2's hidden size
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)
+    # Identical text, identical vector (up to bf16 rounding: the repeat may hit the prefix cache);
+    # different texts differ.
+    print("cosines", vectors[0] @ vectors[2], vectors[0] @ vectors[1], np.abs(vectors[0] - vectors[2]).max())
+    assert vectors[0] @ vectors[2] > 0.999 and vectors[0] @ vectors[1] < 0.99
+    first = client.embeddings.create(model=MODEL, input=texts[0], encoding_format="float")
+    single = client.embeddings.create(model=MODEL, input=texts[1], encoding_format="float")
+    assert np.allclose(single.data[0].embedding, vectors[1], atol=1e-3)  # float and base64 agree
+    assert single.usage.prompt_tokens == single.usage.total_tokens > 0
+    assert r.usage.prompt_tokens == 2 * first.usage.prompt_tokens + single.usage.prompt_tokens
+    token_ids = server.post("inference", f"/predictions/{MODEL}", json={"prompt": texts[1], "max_tokens": 1}).json()
+    by_ids = client.embeddings.create(model=MODEL, input=[token_ids["choices"][0]["token_ids"], [16, 28, 17]])
+    assert len(by_ids.data) == 2 and all(len(d.embedding) == 576 for d in by_ids.data)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"dimensions": 64}, "dimensions"),
+    ({"input": ""}, "input"),
+    ({"input": ["ok", []]}, "input"),
+    ({"encoding_format": "int8"}, "encoding_format"),
+])
+def test_embeddings_refusals(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.embeddings.create(**{"model": MODEL, "input": "hi", **extra})
+    assert err.value.body["param"] == param and param in err.value.message
