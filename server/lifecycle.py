@@ -30,7 +30,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 from server.memory_budget import Footprint, MemoryBudget, ModelTooLargeError, fmt, version_sizes
-from server.workers import WorkerSlot, WorkerStartFailed, WorkerStatus
+from server.workers import NoWorkerError, WorkerSlot, WorkerStartFailed, WorkerStatus
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
@@ -40,10 +40,6 @@ logger = logging.getLogger(__name__)
 
 REAP_INTERVAL_S = 0.25  # how often expired keep-alives are looked for
 SLEEP_TIMEOUT_S = 60.0
-
-
-class NoWorkerError(RuntimeError):
-    """The version has no ready worker right now, and none could be loaded (503)."""
 
 
 class LifecycleConflict(RuntimeError):
@@ -183,8 +179,8 @@ class ModelLifecycle:
 
     # -- requests --------------------------------------------------------------------------
     async def ready_worker(self, entry: ModelVersion) -> AsyncLLM:
-        """A ready worker of `entry` (for its limits), loading or waking one first when none is, within
-        the version's responseTimeout (NoWorkerError with the reason otherwise)."""
+        """A ready worker of `entry` (for its limits), loading or waking one first when none is,
+        within the version's responseTimeout (NoWorkerError with the reason otherwise)."""
         if entry.pool.ready_engines():
             return self._any_ready(entry)
         task = self._bringing_up.get(id(entry))

@@ -36,12 +36,12 @@ from handlers.base_handler import BaseHandler, Context
 from handlers.custom_handler import CustomHandlerError
 from handlers.llm_handler import ENGINE_WORKERS
 from server.archives import LoadedArchive, load_archive
-from server.lifecycle import ModelLifecycle, NoWorkerError
+from server.lifecycle import ModelLifecycle
 from server.management_params import MAX_TIMEOUT_S, MAX_WORKERS
 from server.memory_budget import MemoryBudget, ModelTooLargeError, resolve_budget
 from server.routing import Router
 from server.safe_write import NO_SPACE
-from server.workers import WorkerPool
+from server.workers import NoWorkerError, WorkerPool
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM

@@ -49,6 +49,10 @@ class WorkerStatus(str, enum.Enum):
     STOPPED = "STOPPED"
 
 
+class NoWorkerError(RuntimeError):
+    """A version has no ready worker right now (503)."""
+
+
 class WorkerStartFailed(RuntimeError):
     """A worker could not start (the engine's message says why)."""
 
