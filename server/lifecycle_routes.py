@@ -45,17 +45,8 @@ async def _sleep(request: web.Request, entry: ModelVersion) -> str:
 
 
 async def _wake(request: web.Request, entry: ModelVersion) -> str:
-    """Load a sleeping version again (room made in the memory budget first)."""
-    lifecycle = request.app[STATE_KEY].registry.lifecycle
-    try:
-        await lifecycle.wake(entry)
-    except RuntimeError as exc:  # no room: NoWorkerError from the budget means 507 here
-        from server.memory_budget import ModelTooLargeError
-        from server.workers import NoWorkerError
-
-        if isinstance(exc, NoWorkerError):
-            raise ModelTooLargeError(str(exc)) from None
-        raise
+    """Load a sleeping version again (room made in the memory budget first; no room: 507)."""
+    await request.app[STATE_KEY].registry.lifecycle.wake(entry)  # no room: 507
     return f"Model {entry.name} version {entry.version} is awake"
 
 
