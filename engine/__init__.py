@@ -7,7 +7,7 @@ access (PEP 562), so a light module never pays for torch, the model code or tran
 
 from __future__ import annotations
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LoRARequest", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str):
@@ -23,6 +23,10 @@ def __getattr__(name: str):
         from engine.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "LoRARequest":
+        from engine.lora.request import LoRARequest
+
+        return LoRARequest
     if name in ("CompletionOutput", "RequestOutput"):
         from engine import outputs
 

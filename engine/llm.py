@@ -12,14 +12,17 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.core_client import InprocClient
 from engine.engine_core import EngineCore
-from engine.inputs import EngineInput, PromptSpec, prepare_input
+from engine.inputs import EngineInput, PromptSpec, pooling_sampling_params, prepare_input
+from engine.lora.request import LoRARequest
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
+from engine.pooling import PoolingParams
 from engine.process_setup import configure_engine_process
 from engine.sampling_params import SamplingParams
 
 PromptType = str | Sequence[int]
 Message = dict[str, str]
+LoRAType = LoRARequest | str | Path | None  # an adapter, or its PEFT folder (named after the folder)
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -50,17 +53,25 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        lora: LoRAType | Sequence[LoRAType] = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text, or a list of token ids); outputs keep prompt order.
 
         `priority` (one int per prompt, lower first) matters with scheduling_policy="priority".
+        `lora`: a LoRA adapter for every prompt, or a list with one per prompt (None: the base
+        model): a LoRARequest, or a PEFT adapter folder. A bad adapter raises ValueError before
+        anything runs.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        specs = [PromptSpec(text=p) if isinstance(p, str) else PromptSpec(token_ids=list(p)) for p in prompts]
-        if not specs:
-            raise ValueError("no prompts given")
-        return self._prepare_and_run(specs, sampling_params, priority)
+        return self._prepare_and_run(_specs(prompts), sampling_params, priority, lora)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling: PoolingParams | None = None,
+              ) -> list[list[float]]:
+        """Each prompt's embedding (engine.pooling: the last token's final hidden state,
+        L2-normalised by default), in prompt order."""
+        pooling = pooling or PoolingParams()
+        inputs = [prepare_input(self.tokenizer, spec, pooling_sampling_params(), self.engine.input_limits, pooling)
+                  for spec in _specs(prompts)]
+        return [out.outputs[0].embedding for out in self.run(inputs)]
 
     def chat(
         self,
@@ -110,10 +121,33 @@ class LLM:
         return [finished[r] for r in order]
 
     def _prepare_and_run(self, specs: list[PromptSpec], params, priority: Sequence[int] | None = None,
-                         ) -> list[RequestOutput]:
-        # Prepare everything before submitting anything: a bad prompt leaves the engine untouched.
+                         lora: LoRAType | Sequence[LoRAType] = None) -> list[RequestOutput]:
+        # Prepare everything before submitting anything: a bad prompt or adapter leaves the engine untouched.
         inputs = [self.prepare(spec, p) for spec, p in zip(specs, _params_list(params, len(specs)))]
+        for inp, ref in zip(inputs, _lora_list(lora, len(specs))):
+            if ref is not None:
+                self.engine.runner.lora.load(ref)  # raises ValueError for an adapter that does not fit
+            inp.lora = ref
         return self.run(inputs, priority)
+
+
+def _specs(prompts: PromptType | Sequence[PromptType]) -> list[PromptSpec]:
+    """One prompt (text or token ids) or a list of them -> their PromptSpecs."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not prompts:
+        raise ValueError("no prompts given")
+    return [PromptSpec(text=p) if isinstance(p, str) else PromptSpec(token_ids=list(p)) for p in prompts]
+
+
+def _lora_list(lora, n: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, (LoRARequest, str, Path)):
+        lora = [lora] * n
+    lora = list(lora)
+    if len(lora) != n:
+        raise ValueError(f"got {len(lora)} LoRA adapters for {n} prompts")
+    return [ref if ref is None or isinstance(ref, LoRARequest) else LoRARequest(Path(ref).name, str(ref))
+            for ref in lora]
 
 
 def _params_list(params, n: int) -> list[SamplingParams]:

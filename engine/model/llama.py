@@ -22,6 +22,7 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
+from engine.lora.punica import LoRABatch, LoRALayer
 from engine.model.llama_spec import LlamaSpec, rope_inv_freq
 from engine.model.quant_linear import (
     HEAD_WEIGHT_ONLY_MAX_ROWS,
@@ -97,18 +98,21 @@ class LlamaAttention(nn.Module):
         self.ops = ops
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+        lora: LoRALayer | None = None,
     ) -> torch.Tensor:
         num_tokens = h.shape[0]
         qkv = self.qkv_proj(h)
+        if lora is not None:
+            lora.add("qkv", h, qkv)
         qk_heads = self.num_heads + self.num_kv_heads
         # RoPE on q and k together: one pass over [T, heads + kv_heads, head_dim].
         qk = qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, self.head_dim)
         qk = self.ops.rotary_embedding_(qk, cos, sin) if self.ops else apply_rope(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale).reshape(num_tokens, -1)
+        return self.o_proj(out) if lora is None else lora.add("o", out, self.o_proj(out))
 
 
 class LlamaMLP(nn.Module):
@@ -119,11 +123,16 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(size, spec.hidden_size, bias=spec.mlp_bias, dtype=dtype)
         self.ops = ops
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, lora: LoRALayer | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(h)
+        if lora is not None:
+            lora.add("gate_up", h, gate_up)
         if self.ops:
-            return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(h)))
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            act = self.ops.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act) if lora is None else lora.add("down", act, self.down_proj(act))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -144,16 +153,18 @@ class LlamaDecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        lora: LoRALayer | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`h` is the previous layer's MLP output, not yet added to `residual` (None: first layer,
-        `h` is the embedding). Returns this layer's (MLP output, residual before adding it)."""
+        `h` is the embedding). Returns this layer's (MLP output, residual before adding it).
+        `lora`: the step's adapters for this layer (engine.lora.punica), None for none."""
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h = self.self_attn(h, cos, sin, kv_cache, meta, lora)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, lora), residual
 
 
 class LlamaModel(nn.Module):
@@ -161,7 +172,10 @@ class LlamaModel(nn.Module):
         self, spec: LlamaSpec, dtype: torch.dtype, backend: AttentionBackend, ops: CpuFusedOps | None = None
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
+        # Given its (empty) weight, nn.Embedding skips its random init: on the meta device that
+        # init alone imports torch._dynamo (seconds of every worker's start); load_weights fills it.
+        weight = torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(LlamaDecoderLayer(spec, dtype, backend, ops) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, ops)
 
@@ -203,7 +217,9 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
             if quant is not None and quant.method is not QuantMethod.NONE:
                 self._swap_quantized(quant)
-        self.to_empty(device=self.device)
+        # to_empty's empty_like on meta tensors goes through torch's Python refs, whose first use
+        # imports sympy (~1-2 s of a worker's start); a plain empty of each shape does not.
+        self._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=self.device))
         self.requires_grad_(False)
         # pack_linear_weights(), or (quantized, tied) an Int8Linear over the embedding's storage
         self.packed_lm_head: PackedLinear | Int8Linear | None = None
@@ -224,15 +240,17 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        """Run `input_ids [T]` at `positions [T]` (int64); returns final-normed hidden states [T, hidden]."""
+        """Run `input_ids [T]` at `positions [T]` (int64); returns final-normed hidden states [T, hidden].
+        `lora`: each row's LoRA adapter slot and the resident adapters (None: the base model only)."""
         if len(kv_caches) != self.spec.num_layers:
             raise ValueError(f"expected {self.spec.num_layers} KV caches, got {len(kv_caches)}")
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h, residual = layer(h, residual, cos, sin, kv_cache, meta)
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+            h, residual = layer(h, residual, cos, sin, kv_cache, meta, None if lora is None else lora.layer(i))
         if residual is None:  # no layers
             return self.model.norm(h)
         return self.model.norm(h, residual)[0]

@@ -67,8 +67,11 @@ class Scheduler:
         max_model_len: int,
         policy: SchedulingPolicy = SchedulingPolicy.FCFS,
         kv_offload: KVOffloadManager | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.kv = kv_manager
+        # At most this many LoRA adapters among the running requests (the runner's slots).
+        self.max_loras = max_loras
         # KV offload tiers (LMCache): asked for more of a waiting request's prefix than the
         # block pool holds, and restores it into the request's fresh blocks.
         self.kv_offload = kv_offload
@@ -185,16 +188,24 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         """Waiting requests in queue order while budget, sequence slots and blocks last. A
         request whose grammar is still compiling stays waiting, in its place, without holding
-        up the others."""
+        up the others. So does one whose LoRA adapter would exceed `max_loras` adapters among the
+        running requests."""
         not_ready: list[Request] = []
         now = time.monotonic()
+        loras = {r.lora_id for r in self.running if r.lora_id is not None}
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if request.grammar is not None and not request.grammar.poll(now):
                 not_ready.append(self.waiting.pop())
                 continue
+            if (request.lora_id is not None and request.lora_id not in loras
+                    and self.max_loras is not None and len(loras) >= self.max_loras):
+                not_ready.append(self.waiting.pop())
+                continue
             if not self._admit(request, plan):
                 break
+            if request.lora_id is not None:
+                loras.add(request.lora_id)
         for request in reversed(not_ready):
             self.waiting.prepend(request)
 
@@ -228,6 +239,8 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=self.kv.get_block_ids(request.request_id),
                 num_computed_tokens=request.num_computed_tokens,
+                pooling_params=request.pooling_params,
+                lora=request.lora,
             )
         )
         return True
@@ -268,8 +281,10 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Append sampled tokens, apply token-level stop conditions, free finished requests."""
-        outputs = []
+        """Append sampled tokens, apply token-level stop conditions, free finished requests
+        (a pooling request finishes with its pooled vector)."""
+        outputs = [self._finish_pooled(req_id, pooled) for req_id, pooled in runner_output.pooled.items()
+                   if req_id in self.requests and self.requests[req_id].status is RequestStatus.RUNNING]
         for req_id, token_ids in runner_output.sampled_token_ids.items():
             request = self.requests.get(req_id)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -315,6 +330,15 @@ class Scheduler:
                 )
             )
         return outputs
+
+    def _finish_pooled(self, req_id: str, pooled: list[float]) -> EngineCoreOutput:
+        request = self.requests[req_id]
+        self.running.remove(request)
+        self._free(request, RequestStatus.FINISHED_STOPPED)
+        return EngineCoreOutput(request_id=req_id, new_token_ids=[], finish_reason=FinishReason.STOP, pooled=pooled,
+                                num_cached_tokens=request.num_cached_tokens,
+                                num_external_cached_tokens=request.num_external_cached_tokens,
+                                first_scheduled_time=request.first_scheduled_time)
 
     def _check_stop(self, request: Request) -> FinishReason | None:
         params = request.sampling_params
