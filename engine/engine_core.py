@@ -208,10 +208,12 @@ class EngineCore:
         return failed + outputs
 
     def _draft(self) -> None:
-        """Propose the next step's drafts for the running requests that are decoding."""
+        """Propose the next step's drafts for the running requests that are decoding (never a
+        pooling request: it samples nothing)."""
         for request in self.scheduler.running:
             params = request.sampling_params
-            if request.num_computed_tokens != request.num_tokens - 1 or not can_draft(params):
+            if (request.num_computed_tokens != request.num_tokens - 1 or not can_draft(params)
+                    or request.pooling_params is not None):
                 continue
             # Kept drafts plus the target's own token must fit max_tokens and max_model_len.
             room = self.max_model_len - request.num_tokens - 1

@@ -79,3 +79,14 @@ def test_chunked_prefix_cached_and_batched_with_generation(tiny_model_dir, refer
     assert cached.num_cached_tokens > 0  # most of the prompt came from the prefix cache
     torch.testing.assert_close(torch.tensor(cached.pooled), torch.tensor(embedded.pooled), atol=1e-5, rtol=1e-5)
     assert engine.kv_manager.pool.get_num_free_blocks() == engine.runner.num_blocks
+
+
+def test_no_drafts_for_a_pooling_request(tiny_model_dir):
+    """Speculative decoding drafts after a request's newest token; a pooling request whose first
+    chunk stops one token short of its prompt's end must still pool, not verify drafts."""
+    prompt = list(range(10, 20)) * 2  # its end repeats its start: the n-gram drafter would propose
+    engine = make_engine(tiny_model_dir, max_num_batched_tokens=19, speculative={"num_speculative_tokens": 3})
+    request = Request("e", prompt, SamplingParams(max_tokens=8, temperature=0), pooling_params=PoolingParams())
+    [out] = run(engine, [request])["e"]
+    assert out.new_token_ids == [] and len(out.pooled) == 32
+    assert engine.scheduler.num_draft_tokens == 0
