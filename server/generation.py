@@ -38,6 +38,7 @@ from engine.inputs import (
     PromptSpec,
     validate_input,
 )
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from handlers.base_handler import HandlerError
@@ -150,11 +151,12 @@ class Prepared:
 
 
 async def prepare(state: ServerState, version: ModelVersion, spec: PromptSpec,
-                  params: SamplingParams, *, client: str = "") -> Prepared:
+                  params: SamplingParams, *, client: str = "", lora: LoRARequest | None = None) -> Prepared:
     """The engine's prepare step (engine.inputs) with the front end's bounds: the
     structured-output constraint is checked on its own bounded pool (a per-`client` share, a
     time limit), then, in the thread pool, a prompt that cannot fit is refused before it is
-    tokenized, and the length rules of the least loaded worker apply."""
+    tokenized, and the length rules of the least loaded worker apply. `lora`: the LoRA adapter
+    the request runs under (None: the base model)."""
     try:
         if params.structured_outputs is not None:
             await state.limits.grammar.check(client, params.structured_outputs)
@@ -171,6 +173,7 @@ async def prepare(state: ServerState, version: ModelVersion, spec: PromptSpec,
         raise ErrorReply(400, str(exc), param=exc.field) from None
     except HandlerError as exc:
         raise ErrorReply.from_handler_error(exc) from None
+    inp.lora = lora
     return Prepared(worker, inp)
 
 

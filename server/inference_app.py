@@ -22,6 +22,7 @@ version, `admit` it (jobQueueSize), parse, tokenize off the loop, pick a worker,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -45,6 +46,7 @@ from handlers.openai_responses_api import (
     parse_responses_request,
 )
 from handlers.openai_tools import ToolParser, tool_prompt
+from server.adapters import RegisteredAdapter
 from server.auth import auth_middleware
 from server.errors import error_body
 from server.fanout import FanOut
@@ -69,6 +71,7 @@ from server.state import STATE_KEY, ServerState
 from server.streaming import StreamFormat
 
 OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "responses", "models", "model"})
+ADAPTER_KEY = web.RequestKey("pagedserve_adapter", RegisteredAdapter)  # a request naming a LoRA adapter
 OPENAI_PATH = re.compile(r"(/predictions/[^/]+/[^/]+)?/v1(/.*)?")  # /v1/... of a version too
 HEALTH_PATHS = frozenset({"/ping", "/live", "/ready"})
 EXCEPTION_CODES = (((QueueFullError, NoWorkerError), 503),)
@@ -163,12 +166,13 @@ async def predictions(request: web.Request) -> web.StreamResponse:
     else:  # a custom handler reads any body: JSON or not is its call
         raw = await request.read()
         shaper = HandlerShaper(version.name, request[REQUEST_ID_KEY], handler=handler)
-    with version.admit():
+    with version.admit(), _adapter_in_flight(request):
         if handler is None:
             parsed = _handler_call(parse_predictions_body, body)
         else:
             parsed = await _custom_preprocess(request, state, handler, raw)
-        job = await prepare(state, version, parsed.prompt, parsed.params, client=request.remote or "")
+        job = await prepare(state, version, parsed.prompt, parsed.params, client=request.remote or "",
+                            lora=_lora(request))
         return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
 
 
@@ -228,14 +232,15 @@ async def _openai(request: web.Request, parse: Callable[[dict[str, Any]], OpenAI
             raise ErrorReply(400, "'model' is required: the name of a registered model "
                              "(model or model@version)", param="model")
         version = _resolve(request, state, *split_model(asked))
-    with version.admit():
+    with version.admit(), _adapter_in_flight(request):
         parsed = _handler_call(parse, body)
         responses_request = parsed if isinstance(parsed, ResponsesRequest) else None
         parsed = parsed.chat if responses_request is not None else parsed
         template = getattr(version.tokenizer, "chat_template", None)
         specs = [tool_prompt(spec, parsed.tools, template) if spec.messages is not None else spec
                  for spec in parsed.prompts]
-        jobs = [await prepare(state, version, spec, parsed.params, client=request.remote or "") for spec in specs]
+        jobs = [await prepare(state, version, spec, parsed.params, client=request.remote or "", lora=_lora(request))
+                for spec in specs]
         job = jobs[0] if len(jobs) == 1 else FanOut(jobs, parsed.params.n).prepared()
         shaper = _openai_shaper(request, version, asked, responses_request or parsed, jobs)
         return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
@@ -269,20 +274,32 @@ async def models(request: web.Request) -> web.Response:
             if model.default_version in model.versions:
                 entries.append((model.name, model.versions[model.default_version]))
             entries += [(f"{model.name}@{v}", entry) for v, entry in sorted(model.versions.items())]
-    return web.json_response({"object": "list", "data": [_model_entry(name, v) for name, v in entries]})
+    data = [_model_entry(name, v) for name, v in entries]
+    if "model" not in request.match_info:
+        data += [_adapter_entry(a) for a in state.adapters.sorted()]
+    return web.json_response({"object": "list", "data": data})
 
 
 @routes.get("/v1/models/{id}", name="model")
 async def model(request: web.Request) -> web.Response:
     """One model by the id /v1/models lists (`name` or `name@version`); 404 if none."""
     name = request.match_info["id"]
-    return web.json_response(_model_entry(name, _resolve(request, request.app[STATE_KEY], *split_model(name))))
+    found = _resolve(request, request.app[STATE_KEY], *split_model(name))
+    adapter = request.get(ADAPTER_KEY)
+    return web.json_response(_model_entry(name, found) if adapter is None else _adapter_entry(adapter))
 
 
 def _model_entry(name: str, version: ModelVersion) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": int(version.registered_at.timestamp()),
             "owned_by": "pagedserve", "root": version.name, "version": version.version,
             "max_model_len": _max_model_len(version)}
+
+
+def _adapter_entry(adapter: RegisteredAdapter) -> dict[str, Any]:
+    """A LoRA adapter as /v1/models lists it: its base model version is its `parent`."""
+    return {**_model_entry(adapter.name, adapter.base), "root": adapter.name, "version": adapter.version,
+            "created": int(adapter.registered_at.timestamp()), "parent": adapter.base.name,
+            "parent_version": adapter.base.version}
 
 
 def _max_model_len(version: ModelVersion) -> int | None:
@@ -293,12 +310,29 @@ def _max_model_len(version: ModelVersion) -> int | None:
 # -- helpers ---------------------------------------------------------------------------------
 
 def _resolve(request: web.Request, state: ServerState, name: str, version: str | None) -> ModelVersion:
+    """The model version to run; for a LoRA adapter's name, its base version (the adapter is
+    kept in `request[ADAPTER_KEY]`)."""
     try:
         found = state.registry.resolve(name, version)
     except ModelNotFoundError as exc:
-        raise ErrorReply(404, str(exc), param="model") from None
+        adapter = state.adapters.get(name) if version is None else None
+        if adapter is None:
+            raise ErrorReply(404, str(exc), param="model") from None
+        request[ADAPTER_KEY] = adapter
+        found = adapter.base
     request[MODEL_KEY] = found.name
     return found
+
+
+def _lora(request: web.Request):
+    adapter = request.get(ADAPTER_KEY)
+    return None if adapter is None else adapter.lora
+
+
+def _adapter_in_flight(request: web.Request) -> contextlib.AbstractContextManager:
+    """Counts the request against its adapter while it runs (unregistering waits for it)."""
+    adapter = request.get(ADAPTER_KEY)
+    return contextlib.nullcontext() if adapter is None else adapter.track()
 
 
 def _handler_call(parse: Callable[[dict[str, Any]], Any], body: dict[str, Any]) -> Any:

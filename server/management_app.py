@@ -21,6 +21,7 @@ from engine.model.model_config import ModelConfigError
 from engine.schema import SchemaError
 from handlers.base_handler import HandlerError
 from handlers.json_body import decode_json_body
+from server.adapters import is_adapter
 from server.archives import ArchiveNotFoundError, UrlNotAllowedError, resolve_url
 from server.auth import auth_middleware
 from server.errors import error_body
@@ -137,6 +138,9 @@ async def list_models(request: web.Request) -> web.Response:
     page = models[start:start + limit]
     body: dict[str, Any] = {"models": [
         {"modelName": m.name, "modelUrl": m.versions[m.default_version].url} for m in page]}
+    if start + limit >= len(models):  # LoRA adapters after the models, on the last page
+        body["models"] += [{"modelName": a.name, "modelUrl": a.url, "parent": a.base.name}
+                           for a in state.adapters.sorted()]
     if start + limit < len(models):
         body["nextPageToken"] = str(start + limit)
     return web.json_response(body)
@@ -151,6 +155,12 @@ async def register_model(request: web.Request) -> web.Response:
         raise SchemaError("url: is required", "url")
     path = resolve_url(url, state.config.model_store_path, state.config.allowed_urls)
     archive = await state.registry.open(path)
+    if is_adapter(archive):  # a LoRA adapter: attached to its base version's workers
+        adapter = await state.adapters.register(state.registry, archive,
+                                                _display_url(url, path, state.config.model_store_path),
+                                                params.model_name)
+        return _status(f'Adapter "{adapter.name}" Version: {adapter.version} registered on model '
+                       f'"{adapter.base.name}" version {adapter.base.version}')
     entry = await state.registry.register(
         archive, url=_display_url(url, path, state.config.model_store_path), name=params.model_name,
         initial_workers=params.initial_workers, synchronous=synchronous,
@@ -177,6 +187,9 @@ async def describe_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     version = request.match_info.get("version")
     registry = state.registry
+    adapter = state.adapters.get(name)
+    if adapter is not None and name not in registry.models and version in (None, "all", adapter.version):
+        return web.json_response([adapter.describe()])
     if version == "all":
         registry.resolve(name)  # 404 for an unknown model
         model = registry.models[name]
@@ -215,6 +228,10 @@ async def unregister_model(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     _check_model_api(state)
     read_params(request.query, UnregisterParams)
+    name = request.match_info["model"]
+    if name in state.adapters.adapters and name not in state.registry.models:
+        adapter = await state.adapters.unregister(name)  # returns once its requests in flight are done
+        return _status(f'Adapter "{adapter.name}" version: {adapter.version} unregistered')
     entry = await state.registry.unregister(request.match_info["model"],
                                             request.match_info.get("version"))
     return _status(f'Model "{entry.name}" version: {entry.version} unregistered')
