@@ -8,6 +8,7 @@ One in-process server over a store holding the tiny model and adapters made here
 from __future__ import annotations
 
 import http.client
+import re
 import json
 import shutil
 import threading
@@ -138,3 +139,14 @@ def test_unregister_mid_stream_lets_the_stream_finish(srv, lora_store):
     tokens = sum(len(json.loads(line)["choices"][0].get("token_ids", [])) for line in [first, *rest])
     assert last["choices"][0]["finish_reason"] == "length" and tokens == 200
     assert srv.predict(name).status == 404  # gone for new requests
+
+
+def test_structured_output_with_an_adapter(srv, registered):
+    """The grammar's mask applies to the adapter's logits like to the base model's."""
+    body = {"prompt": "Answer:", "max_tokens": 12, "temperature": 0,
+            "structured_outputs": {"regex": "(red|green|blue)-[0-9]{3}"}}
+    for model in (registered, TINY):
+        reply = srv.post("inference", f"/predictions/{model}", json=body)
+        assert reply.status == 200, reply.text
+        text = reply.json()["choices"][0]["text"]
+        assert re.fullmatch(r"(red|green|blue)-[0-9]{3}", text), (model, text)
