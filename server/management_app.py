@@ -232,6 +232,10 @@ async def unregister_model(request: web.Request) -> web.Response:
     if name in state.adapters.adapters and name not in state.registry.models:
         adapter = await state.adapters.unregister(name)  # returns once its requests in flight are done
         return _status(f'Adapter "{adapter.name}" version: {adapter.version} unregistered')
+    attached = state.adapters.attached_to(state.registry.resolve(name, request.match_info.get("version")))
+    if attached:
+        raise ForbiddenError(f"Can't remove model {name}: LoRA adapters run on it "
+                             f"({', '.join(a.name for a in attached)}); unregister them first")
     entry = await state.registry.unregister(request.match_info["model"],
                                             request.match_info.get("version"))
     return _status(f'Model "{entry.name}" version: {entry.version} unregistered')

@@ -44,11 +44,17 @@ def model_dir_digest(model_dir: Path, manifest: Mapping[str, Any] | None = None)
     (already verified when the archive was opened), else by hashing the files."""
     files = (manifest or {}).get("files")
     if not isinstance(files, dict):
-        from engine.model.archive_read import _sha256
-
-        files = {p.relative_to(model_dir).as_posix(): _sha256(p)
+        files = {p.relative_to(model_dir).as_posix(): _file_sha256(p)
                  for p in sorted(model_dir.rglob("*")) if p.is_file() and _is_weights(p.name)}
     return weights_digest(files)
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:

@@ -150,3 +150,9 @@ def test_structured_output_with_an_adapter(srv, registered):
         assert reply.status == 200, reply.text
         text = reply.json()["choices"][0]["text"]
         assert re.fullmatch(r"(red|green|blue)-[0-9]{3}", text), (model, text)
+
+
+def test_a_base_with_adapters_cannot_be_unregistered(srv, registered):
+    reply = srv.delete("management", f"/models/{TINY}")
+    assert reply.status == 403 and registered in reply.text
+    assert srv.predict(registered).status == 200
