@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
 from engine.core_client import EngineDeadError, EngineStartError, MPClient
-from engine.core_messages import EngineInfo
+from engine.core_messages import EngineInfo, SleepState
 from engine.inputs import EngineInput, InputLimits, validate_input
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestMetrics, RequestOutput
@@ -90,6 +90,8 @@ class AsyncLLM:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
+        self.sleeping = False  # asleep: weights and KV pool freed, no requests routed here
+        self._sleep_answer: asyncio.Future | None = None  # the sleep / wake waiting for its answer
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -102,7 +104,7 @@ class AsyncLLM:
 
     @property
     def is_ready(self) -> bool:
-        return self.info is not None and not self.is_dead and not self._closing
+        return self.info is not None and not self.is_dead and not self._closing and not self.sleeping
 
     @property
     def num_unfinished(self) -> int:
@@ -138,6 +140,43 @@ class AsyncLLM:
         if self._client is not None:
             await loop.run_in_executor(None, self._client.shutdown, timeout)
         self._fail_all(EngineDeadError(f"{self.name} was shut down"))
+
+    async def sleep(self, timeout: float = 60.0) -> SleepState:
+        """Free the worker's weights and KV pool (the process stays); only when it has no
+        request (RuntimeError otherwise). Routing skips it until `wake`."""
+        if self.num_unfinished:
+            raise RuntimeError(f"{self.name} has {self.num_unfinished} requests in flight")
+        self.sleeping = True  # no new request from here on
+        try:
+            return await self._sleep_or_wake(self._client.sleep, timeout)
+        except BaseException:
+            self.sleeping = False
+            raise
+
+    async def wake(self, timeout: float = 300.0) -> SleepState:
+        """Load the weights and KV pool again; routing resumes once the worker says so."""
+        answer = await self._sleep_or_wake(self._client.wake, timeout)
+        self.sleeping = answer.sleeping
+        return answer
+
+    async def _sleep_or_wake(self, send: Callable[[], None], timeout: float) -> SleepState:
+        if self._client is None or self.is_dead or self._closing:
+            raise EngineDeadError(f"{self.name} is not running")
+        if self._sleep_answer is not None:
+            raise RuntimeError(f"{self.name} is already going to sleep or waking up")
+        self._sleep_answer = self._loop.create_future()
+        try:
+            send()
+            answer = await asyncio.wait_for(self._sleep_answer, timeout)
+        finally:
+            self._sleep_answer = None
+        if answer.error is not None:
+            raise RuntimeError(f"{self.name}: {answer.error}")
+        return answer
+
+    def _on_sleep_state(self, answer: SleepState) -> None:
+        if self._sleep_answer is not None and not self._sleep_answer.done():
+            self._sleep_answer.set_result(answer)
 
     # -- requests --------------------------------------------------------------------------
     @property
@@ -242,6 +281,9 @@ class AsyncLLM:
                 return
             if batch is None:
                 continue
+            if isinstance(batch, SleepState):
+                self._loop.call_soon_threadsafe(self._on_sleep_state, batch)
+                continue
             self.stats = batch.stats
             if batch.outputs:
                 self._process(batch.outputs)
@@ -288,6 +330,8 @@ class AsyncLLM:
         self.dead_reason = reason
         logger.error("%s died: %s", self.name, reason)
         self._fail_all(EngineDeadError(f"{self.name} died: {reason}"))
+        if self._sleep_answer is not None and not self._sleep_answer.done():
+            self._sleep_answer.set_exception(EngineDeadError(f"{self.name} died: {reason}"))
         if self.on_dead is not None:
             self.on_dead(self)
 

@@ -15,6 +15,7 @@ from typing import Annotated
 import torch
 from msgspec import Meta
 
+from engine.attention.kv_quant import parse_kv_cache_dtype
 from engine.attention.selector import BACKEND_NAMES
 from engine.kv_offload.config import KVOffloadConfig
 from engine.spec_decode.config import SpeculativeConfig
@@ -123,6 +124,9 @@ class EngineConfig:
     # refuses a different one). quant_group_size: int4's group size (32, 64 or 128).
     quantization: str | None = None
     quant_group_size: int = 32
+    # KV cache storage (engine.attention.kv_quant): "auto" (the model dtype), "fp8_e4m3" or "int8"
+    # (codes + a bf16 scale per token and KV head: ~half of bf16's bytes, so ~2x the blocks).
+    kv_cache_dtype: str = "auto"
     # LoRA adapters (engine.lora): at most max_loras resident per worker (a step runs requests of
     # at most that many adapters; more are swapped in LRU order), each of rank <= max_lora_rank.
     max_loras: Annotated[int, Meta(ge=1)] = 4
@@ -169,6 +173,7 @@ class EngineConfig:
             self.quantization = self.quantization.lower()
         if self.quant_group_size not in (32, 64, 128) or isinstance(self.quant_group_size, bool):
             raise ValueError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size!r}")
+        self.kv_cache_dtype = parse_kv_cache_dtype(self.kv_cache_dtype).value
         self.kv_offload_config = None
         if self.kv_offload is not None:
             self.kv_offload_config = KVOffloadConfig.from_options(self.kv_offload, self.block_size)

@@ -27,6 +27,9 @@ from engine.core_messages import (
     EngineInfo,
     SetThreads,
     Shutdown,
+    Sleep,
+    SleepState,
+    Wake,
     make_event_decoder,
 )
 from engine.core_process import run_engine_core, to_engine_request
@@ -186,6 +189,13 @@ class MPClient(EngineCoreClient):
     def set_num_threads(self, num_threads: int) -> None:
         self._send(SetThreads(num_threads))
 
+    def sleep(self) -> None:
+        """Ask the worker to sleep; it answers with a SleepState (see get_output)."""
+        self._send(Sleep())
+
+    def wake(self) -> None:
+        self._send(Wake())
+
     def _send(self, msg) -> None:
         with self._send_lock:
             if self._closed:
@@ -195,11 +205,12 @@ class MPClient(EngineCoreClient):
             except zmq.Again:
                 raise EngineDeadError(f"worker {self.pid} is not connected") from None
 
-    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | SleepState | None:
+        """The next step's outputs, or the answer to a sleep / wake (None: nothing in time)."""
         event = self._recv(timeout)
         if event is None:
             self._check_heartbeat()
-        return event if isinstance(event, EngineCoreOutputs) else None
+        return event if isinstance(event, (EngineCoreOutputs, SleepState)) else None
 
     def _check_heartbeat(self) -> None:
         """Kill the worker and raise EngineStalledError when it has been silent too long.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.pooling import PoolingParams
 from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams, TokenId
 from engine.scheduler.output import EngineCoreOutput
@@ -23,6 +24,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     priority: int = 0
     arrival_time: float | None = None  # time.monotonic() in the front end; None = on arrival in the engine
     cache_salt: str | None = None
+    pooling_params: PoolingParams | None = None  # a pooling request (engine.pooling)
     lora: LoRARequest | None = None  # run under this LoRA adapter (None: the base model)
 
 
@@ -41,7 +43,17 @@ class SetThreads(msgspec.Struct, tag="threads"):
     num_threads: int
 
 
-EngineCoreInput = EngineCoreRequest | AbortRequests | Shutdown | SetThreads
+class Sleep(msgspec.Struct, tag="sleep"):
+    """Free the KV pool and the weights (the process, its imports and compiled kernels stay);
+    answered with a SleepState. Refused while requests are unfinished."""
+
+
+class Wake(msgspec.Struct, tag="wake"):
+    """Load the weights again (from the model directory) and a fresh KV pool; answered with
+    a SleepState."""
+
+
+EngineCoreInput = EngineCoreRequest | AbortRequests | Shutdown | SetThreads | Sleep | Wake
 
 
 class EngineInfo(msgspec.Struct, tag="ready"):
@@ -68,7 +80,17 @@ class EngineFailure(msgspec.Struct, tag="failure"):
     message: str
 
 
-EngineCoreEvent = EngineInfo | EngineCoreOutputs | EngineFailure
+class SleepState(msgspec.Struct, tag="sleep_state"):
+    """The answer to Sleep or Wake: the state the worker is in now, its resident memory after
+    the change, how long the change took, and why it was refused (None: done)."""
+
+    sleeping: bool
+    rss_bytes: int
+    seconds: float
+    error: str | None = None
+
+
+EngineCoreEvent = EngineInfo | EngineCoreOutputs | EngineFailure | SleepState
 
 
 def make_input_decoder() -> msgspec.msgpack.Decoder:

@@ -29,6 +29,9 @@ from engine.core_messages import (
     EngineInfo,
     SetThreads,
     Shutdown,
+    Sleep,
+    SleepState,
+    Wake,
     make_input_decoder,
 )
 from engine.request import FinishReason, Request
@@ -59,6 +62,7 @@ def to_engine_request(msg: EngineCoreRequest) -> Request:
         arrival_time=msg.arrival_time or time.monotonic(),
         priority=msg.priority,
         cache_salt=msg.cache_salt,
+        pooling_params=msg.pooling_params,
         lora=msg.lora,
     )
 
@@ -150,6 +154,8 @@ class EngineCoreProc:
                 core.abort_requests(msg.request_ids)
             elif isinstance(msg, SetThreads):
                 core.set_num_threads(msg.num_threads)
+            elif isinstance(msg, (Sleep, Wake)):
+                self.outputs.put(_sleep_or_wake(core, isinstance(msg, Sleep)))
             elif isinstance(msg, EngineCoreRequest):
                 self._add_request(core, msg)
             elif isinstance(msg, _RefusedInput):
@@ -174,6 +180,28 @@ class EngineCoreProc:
             return  # not a request: nobody waits for an answer
         refusal = EngineCoreOutput(request_id, [], finish_reason=FinishReason.ABORT, error=message)
         self.outputs.put(EngineCoreOutputs([refusal], core.make_stats(), time.monotonic()))
+
+
+def _sleep_or_wake(core, sleep: bool) -> SleepState:
+    """Put the engine to sleep (free weights and KV pool, return the heap to the system) or
+    wake it; the answer carries the RSS measured afterwards."""
+    import gc
+
+    from engine.process_setup import release_free_memory, resident_bytes
+
+    started = time.monotonic()
+    error = None
+    try:
+        if sleep:
+            core.sleep()
+        else:
+            core.wake()
+    except (RuntimeError, OSError, ValueError) as exc:  # busy, or the weights failed to load
+        error = f"{type(exc).__name__}: {exc}"
+        logger.warning("%s failed: %s", "sleep" if sleep else "wake", error)
+    gc.collect()
+    release_free_memory()
+    return SleepState(core.sleeping, resident_bytes(), time.monotonic() - started, error)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +233,11 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         from engine.process_setup import configure_engine_process
 
         configure_engine_process(config)  # this process is the engine's: threads, seed, malloc
+        start = time.perf_counter()
+        logger.info("loading %s (%s threads)", config.model, config.num_threads or "default")
         core = EngineCore(config)
+        logger.info("ready: model loaded in %.1f s, %d KV blocks", time.perf_counter() - start,
+                    core.kv_manager.pool.num_blocks)
         proc.outputs.put(
             EngineInfo(
                 pid=os.getpid(),

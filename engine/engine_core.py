@@ -55,6 +55,7 @@ class EngineCore:
             int(self.hf_config.get("max_position_embeddings", 2048))
         )
         self.eos_token_ids = read_eos_token_ids(model_dir, self.hf_config)
+        self.sleeping = False
         self.runner = ModelRunner(config, str(model_dir), self.hf_config, self.eos_token_ids, self.max_model_len)
         # A request alone must always fit the pool, or it would wait forever.
         pool_tokens = self.runner.num_blocks * config.block_size
@@ -70,12 +71,7 @@ class EngineCore:
         # The engine lets max_tokens run past max_model_len (it ends with "length"); the server
         # refuses such requests up front.
         self.input_limits = InputLimits(self.max_model_len, self.vocab_size, max_tokens_must_fit=False)
-        self.kv_manager = KVCacheManager(
-            self.runner.num_blocks,
-            config.block_size,
-            get_hash_fn(config.prefix_cache_hash),
-            config.enable_prefix_caching,
-        )
+        self.kv_manager = self._new_kv_manager()
         self.kv_offload = None
         if config.kv_offload_config is not None:
             # Imported here: it imports LMCache (seconds, ~120 MB), needed only with offload on.
@@ -83,14 +79,26 @@ class EngineCore:
 
             self.kv_offload = KVOffloadManager(
                 config.kv_offload_config, self.runner.kv_caches, config.block_size,
-                model_fingerprint(model_dir, config.torch_dtype),
+                model_fingerprint(model_dir, config.torch_dtype, config.kv_cache_dtype),
             )
         self.structured_output = StructuredOutputManager(str(model_dir), self.vocab_size, self.eos_token_ids)
         self._compiling: dict[str, Request] = {}  # requests whose grammar is not ready yet
         spec = config.speculative_config
         self.drafter = None if spec is None else NgramProposer(
             spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        self.scheduler = Scheduler(
+        self.scheduler = self._new_scheduler()
+
+    def _new_kv_manager(self) -> KVCacheManager:
+        return KVCacheManager(
+            self.runner.num_blocks,
+            self.config.block_size,
+            get_hash_fn(self.config.prefix_cache_hash),
+            self.config.enable_prefix_caching,
+        )
+
+    def _new_scheduler(self) -> Scheduler:
+        config = self.config
+        return Scheduler(
             self.kv_manager,
             config.max_num_batched_tokens,
             config.max_num_seqs,
@@ -100,6 +108,32 @@ class EngineCore:
             max_loras=config.max_loras,
         )
 
+    # -- sleep and wake --------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Free the weights and the KV pool, keeping everything else (imports, compiled
+        kernels, the tokenizer-side grammar cache). RuntimeError while requests are unfinished
+        or with KV offload on (its connector holds the pool). Idempotent. The caller returns
+        the freed heap to the system (`engine.process_setup.release_free_memory`)."""
+        if self.sleeping:
+            return
+        if self.has_unfinished_requests():
+            raise RuntimeError("the worker has unfinished requests; it sleeps only when idle")
+        if self.kv_offload is not None:
+            raise RuntimeError("a worker with KV offload on cannot sleep")
+        self.runner = None  # the model's parameters and the KV tensors go with it
+        self.sleeping = True
+
+    def wake(self) -> None:
+        """Load the weights again from the model directory (the page cache keeps them warm)
+        and allocate a fresh KV pool; the prefix cache starts empty (its blocks are gone)."""
+        if not self.sleeping:
+            return
+        self.runner = ModelRunner(self.config, str(self.model_dir), self.hf_config,
+                                  self.eos_token_ids, self.max_model_len)
+        self.kv_manager = self._new_kv_manager()
+        self.scheduler = self._new_scheduler()
+        self.sleeping = False
+
     def validate_request(self, request: Request) -> None:
         """Raise ValueError for input the engine must refuse (before anything is allocated): the
         front ends' own checks (engine.inputs), applied again where the request lands."""
@@ -108,6 +142,8 @@ class EngineCore:
             check_grammar(request.sampling_params.structured_outputs)
 
     def add_request(self, request: Request) -> None:
+        if self.sleeping:
+            raise ValueError("the worker is asleep: wake it first")
         self.validate_request(request)
         if request.lora is not None:  # read the adapter now: a bad one refuses the request
             request.lora_id = self.runner.lora.load(request.lora).key
@@ -172,10 +208,12 @@ class EngineCore:
         return failed + outputs
 
     def _draft(self) -> None:
-        """Propose the next step's drafts for the running requests that are decoding."""
+        """Propose the next step's drafts for the running requests that are decoding (never a
+        pooling request: it samples nothing)."""
         for request in self.scheduler.running:
             params = request.sampling_params
-            if request.num_computed_tokens != request.num_tokens - 1 or not can_draft(params):
+            if (request.num_computed_tokens != request.num_tokens - 1 or not can_draft(params)
+                    or request.pooling_params is not None):
                 continue
             # Kept drafts plus the target's own token must fit max_tokens and max_model_len.
             room = self.max_model_len - request.num_tokens - 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.pooling import PoolingParams
 from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 from engine.structured_output_params import check_grammar
@@ -64,6 +65,7 @@ class EngineInput:
     prompt: str | None  # the text the token ids came from (None for a token-id prompt)
     token_ids: list[int]
     params: SamplingParams
+    pooling: PoolingParams | None = None  # set: return the prompt's embedding, generate nothing
     lora: LoRARequest | None = None  # the LoRA adapter to run under (None: the base model)
 
 
@@ -85,6 +87,11 @@ def render_prompt(tokenizer: Any, spec: PromptSpec) -> tuple[str | None, list[in
     else:
         text = spec.text
     return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def pooling_sampling_params() -> SamplingParams:
+    """The SamplingParams of a pooling request: one choice, one step (it samples nothing)."""
+    return SamplingParams(n=1, max_tokens=1, temperature=0.0)
 
 
 def validate_input(token_ids: list[int], params: SamplingParams, limits: InputLimits) -> None:
@@ -116,9 +123,11 @@ def validate_input(token_ids: list[int], params: SamplingParams, limits: InputLi
         )
 
 
-def prepare_input(tokenizer: Any, spec: PromptSpec, params: SamplingParams, limits: InputLimits) -> EngineInput:
-    """Parse the structured-output constraint (if any), render and validate one request.
-    CPU-bound (a big JSON schema takes milliseconds): the server runs it in a thread."""
+def prepare_input(tokenizer: Any, spec: PromptSpec, params: SamplingParams, limits: InputLimits,
+                  pooling: PoolingParams | None = None) -> EngineInput:
+    """Parse the structured-output constraint (if any), render and validate one request (with
+    `pooling`: a pooling request, see engine.pooling). CPU-bound (a big JSON schema takes
+    milliseconds): the server runs it in a thread."""
     if params.structured_outputs is not None:
         try:
             check_grammar(params.structured_outputs)
@@ -126,4 +135,4 @@ def prepare_input(tokenizer: Any, spec: PromptSpec, params: SamplingParams, limi
             raise InvalidInput(str(exc), "structured_outputs") from None
     text, token_ids = render_prompt(tokenizer, spec)
     validate_input(token_ids, params, limits)
-    return EngineInput(text, token_ids, params)
+    return EngineInput(text, token_ids, params, pooling)

@@ -12,10 +12,11 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.core_client import InprocClient
 from engine.engine_core import EngineCore
-from engine.inputs import EngineInput, PromptSpec, prepare_input
+from engine.inputs import EngineInput, PromptSpec, pooling_sampling_params, prepare_input
 from engine.lora.request import LoRARequest
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
+from engine.pooling import PoolingParams
 from engine.process_setup import configure_engine_process
 from engine.sampling_params import SamplingParams
 
@@ -61,12 +62,16 @@ class LLM:
         model): a LoRARequest, or a PEFT adapter folder. A bad adapter raises ValueError before
         anything runs.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        specs = [PromptSpec(text=p) if isinstance(p, str) else PromptSpec(token_ids=list(p)) for p in prompts]
-        if not specs:
-            raise ValueError("no prompts given")
-        return self._prepare_and_run(specs, sampling_params, priority, lora)
+        return self._prepare_and_run(_specs(prompts), sampling_params, priority, lora)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling: PoolingParams | None = None,
+              ) -> list[list[float]]:
+        """Each prompt's embedding (engine.pooling: the last token's final hidden state,
+        L2-normalised by default), in prompt order."""
+        pooling = pooling or PoolingParams()
+        inputs = [prepare_input(self.tokenizer, spec, pooling_sampling_params(), self.engine.input_limits, pooling)
+                  for spec in _specs(prompts)]
+        return [out.outputs[0].embedding for out in self.run(inputs)]
 
     def chat(
         self,
@@ -124,6 +129,15 @@ class LLM:
                 self.engine.runner.lora.load(ref)  # raises ValueError for an adapter that does not fit
             inp.lora = ref
         return self.run(inputs, priority)
+
+
+def _specs(prompts: PromptType | Sequence[PromptType]) -> list[PromptSpec]:
+    """One prompt (text or token ids) or a list of them -> their PromptSpecs."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not prompts:
+        raise ValueError("no prompts given")
+    return [PromptSpec(text=p) if isinstance(p, str) else PromptSpec(token_ids=list(p)) for p in prompts]
 
 
 def _lora_list(lora, n: int) -> list[LoRARequest | None]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.attention.kv_quant import parse_kv_cache_dtype
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.selector import select_backend
 from engine.config import EngineConfig
@@ -19,6 +20,7 @@ from engine.model.loader import (
     select_fused_ops,
 )
 from engine.model.quant_spec import resolve_spec
+from engine.pooling import PoolingParams, pool_last_token
 from engine.sampler import Sampler, processed_probs
 from engine.sampling_metadata import SamplingMetadata
 from engine.sampling_params import SamplingParams, SamplingType
@@ -38,6 +40,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None = None
+    pooling_params: PoolingParams | None = None
     lora: LoRAAdapter | None = None
     output_token_ids: list[int] = field(init=False)
 
@@ -55,15 +58,17 @@ class ModelRunner:
         self.block_size = config.block_size
         self.vocab_size = int(hf_config["vocab_size"])
         self.eos_token_ids = eos_token_ids
-        self.backend = select_backend(self.device, config.attention_backend)
+        self.kv_dtype = parse_kv_cache_dtype(config.kv_cache_dtype)
+        self.backend = select_backend(self.device, config.attention_backend, self.kv_dtype)
         self.model = load_model(
             model_dir, self.dtype, self.device, self.backend,
             max_model_len=max_model_len, fused_ops=select_fused_ops(self.device, self.dtype),
             quant=resolve_spec(hf_config, config.quantization, config.quant_group_size, config.device),
         )
-        self.bytes_per_block = kv_cache_bytes_per_block(hf_config, self.block_size, self.dtype)
+        self.bytes_per_block = kv_cache_bytes_per_block(hf_config, self.block_size, self.dtype, self.kv_dtype)
         self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)
-        self.kv_caches = allocate_kv_caches(hf_config, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv_caches(hf_config, self.num_blocks, self.block_size, self.dtype, self.device,
+                                            self.kv_dtype)
         self.sampler = Sampler()
         # LoRA adapters: read on first use, at most max_loras resident (slots allocated lazily).
         self.lora = LoRAManager(lora_shapes(self.model.spec), config.max_loras, config.max_lora_rank,
@@ -89,7 +94,8 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, params,
                 list(new.block_ids), new.num_computed_tokens, generator,
-                None if new.lora is None else self.lora.load(new.lora),
+                pooling_params=new.pooling_params,
+                lora=None if new.lora is None else self.lora.load(new.lora),
             )
         for cached in so.cached_requests:
             state = self.requests[cached.req_id]
@@ -109,10 +115,12 @@ class ModelRunner:
         lora = self.lora.build_batch([self.requests[r].lora for r in order],
                                      [so.num_scheduled_tokens[r] for r in order])
         hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)
-        if not sample_ids and not spec_ids:
-            return ModelRunnerOutput({})
-        logits = self.model.compute_logits(hidden[sample_rows])
         result = ModelRunnerOutput({})
+        if any(self.requests[r].pooling_params is not None for r in sample_ids):
+            sample_rows, sample_ids = self._pool(hidden, sample_rows, sample_ids, result)
+        if not sample_ids and not spec_ids:
+            return result
+        logits = self.model.compute_logits(hidden[sample_rows])
         if spec_ids:
             # Rows [len(sample_ids), ...): k + 1 rows per drafted request, in spec_ids order.
             self._verify_drafts(logits[len(sample_ids):], spec_ids, so.scheduled_spec_tokens, result)
@@ -148,6 +156,17 @@ class ModelRunner:
                 if k is not None:
                     result.logprobs[state.req_id] = [Logprobs(ids[row][: k + 1], lps[row][: k + 1], ranks[row])]
         return result
+
+    def _pool(self, hidden: torch.Tensor, rows: torch.Tensor, req_ids: list[str],
+              result: ModelRunnerOutput) -> tuple[torch.Tensor, list[str]]:
+        """Pool the last prompt row of each pooling request among `req_ids` into `result`;
+        returns the rows and ids left to sample (the spec rows after them unchanged)."""
+        pooling = [i for i, r in enumerate(req_ids) if self.requests[r].pooling_params is not None]
+        vectors = pool_last_token(hidden[rows[pooling]], [self.requests[req_ids[i]].pooling_params for i in pooling])
+        for i, vector in zip(pooling, vectors):
+            result.pooled[req_ids[i]] = vector
+        keep = [i for i in range(len(rows)) if i >= len(req_ids) or self.requests[req_ids[i]].pooling_params is None]
+        return rows[keep], [req_ids[i] for i in keep if i < len(req_ids)]
 
     def _verify_drafts(self, logits: torch.Tensor, spec_ids: list[str], drafts: dict[str, list[int]],
                        result: ModelRunnerOutput) -> None:

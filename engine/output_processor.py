@@ -65,7 +65,7 @@ class OutputProcessor:
             child_id = child_request_id(request_id, i) if params.n > 1 else request_id
             self._children[child_id] = (request_id, _ChildState(i, detok, completion))
             requests.append(EngineCoreRequest(child_id, list(inp.token_ids), child_sampling_params(params, i),
-                                              priority, arrival_time, lora=inp.lora))
+                                              priority, arrival_time, pooling_params=inp.pooling, lora=inp.lora))
         self._parents[request_id] = _ParentState(out, params.n)
         return requests
 
@@ -94,6 +94,7 @@ class OutputProcessor:
                 completion.finish_reason = finish_reason
                 completion.stop_reason = stop_reason
                 completion.error = eco.error
+                completion.embedding = eco.pooled
                 del self._children[eco.request_id]
                 parent.num_unfinished -= 1
             completion.text = child.detokenizer.output_text

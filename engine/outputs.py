@@ -37,6 +37,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string, if one ended it
     logprobs: list[dict[int, TokenLogprob]] | None = None
     error: str | None = None  # why the engine ended it early (finish_reason ABORT)
+    embedding: list[float] | None = None  # a pooling request's vector (engine.pooling)
 
     @property
     def finished(self) -> bool:

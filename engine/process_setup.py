@@ -57,3 +57,30 @@ def configure_engine_process(config: EngineConfig) -> None:
     torch.manual_seed(config.seed)
     if torch.device(config.device).type == "cpu":
         tune_glibc_malloc()
+
+
+def release_free_memory() -> bool:
+    """Hand the malloc arenas' free memory back to the system (glibc `malloc_trim(0)`).
+
+    The engine process keeps freed heap memory for reuse (the trim threshold above), so memory
+    freed on purpose (a worker going to sleep) must be returned explicitly. False where
+    malloc_trim is unavailable."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        return bool(ctypes.CDLL(name).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
+def resident_bytes(pid: int | str = "self") -> int:
+    """Resident memory (RSS) of a process from Linux's /proc; 0 where unknown."""
+    import os
+
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")

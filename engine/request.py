@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from engine.kv_cache.hashing import BlockHash
 from engine.lora.request import LoRARequest
 from engine.outputs import FinishReason
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the grammar module works on requests; a request only holds its state
@@ -59,6 +60,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     cache_salt: str | None = None
+    pooling_params: PoolingParams | None = None  # a pooling request: its embedding, no tokens
     lora: LoRARequest | None = None  # the LoRA adapter to run under (None: the base model)
     # The adapter's identity (name and content digest), set by the engine when it accepts the
     # request: an extra key of the block hashes, so KV is never shared across adapters.

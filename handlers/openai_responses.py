@@ -3,11 +3,15 @@
 
 A chat request with tools has its calls read out of each finished choice (handlers.openai_tools):
 the message gets `tool_calls` and the finish_reason `tool_calls`. Streamed, such a choice's text
-is held until it finishes (a call cannot be told from text before then); its last chunk carries
-the content, if any, and one `tool_calls` delta per call, which the SDKs reassemble."""
+is held until it finishes (a call cannot be told from text before then); then it is sent as
+OpenAI streams calls: the content, if any, then per call a `tool_calls` delta with the call's
+`index`, `id`, `type` and function `name` (arguments ""), then deltas that carry fragments of
+its `arguments` (split after each comma), and last an empty delta with the finish_reason. The
+SDKs reassemble the fragments into the call."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,21 +75,20 @@ class OpenAIFormatter:
         """Chat streams open with the assistant role for every choice (as OpenAI does)."""
         if not self.is_chat:
             return None
-        return self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+        return self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None} for i in range(n)])
 
-    def delta_chunk(self, deltas: list[ChoiceDelta]) -> dict[str, Any]:
-        choices = []
+    def delta_chunks(self, deltas: list[ChoiceDelta]) -> list[dict[str, Any]]:
+        """The chunks of what the choices gained: one chunk for every choice's new text (none
+        when no choice has any), then the chunks of each finished choice with tools."""
+        choices, tool_chunks = [], []
         for d in deltas:
             logprobs = self._logprobs(d.logprobs, d.text_offset) if self.request.logprobs and d.logprobs else None
             if self.is_chat and self.request.tools is not None:
                 text = self._held.get(d.index, "") + d.text
                 self._held[d.index] = text
-                if d.finish_reason is not None:  # the whole choice: its calls, at once
-                    message, finish_reason = self._message(text, d.finish_reason, indexed=True)
-                    delta = {k: v for k, v in message.items() if v is not None}
-                    choices.append({"index": d.index, "delta": delta, "logprobs": None,
-                                    "finish_reason": finish_reason})
+                if d.finish_reason is not None:  # the whole choice is known: its content and calls
+                    tool_chunks += self._tool_chunks(d.index, text, d.finish_reason)
             elif self.is_chat:
                 delta = {"content": d.text} if d.text or d.finish_reason is None else {}
                 choices.append({"index": d.index, "delta": delta, "logprobs": logprobs,
@@ -95,15 +98,29 @@ class OpenAIFormatter:
                 self._echoed.add(d.index)
                 choices.append({"index": d.index, "text": echo + d.text, "logprobs": logprobs,
                                 "finish_reason": d.finish_reason})
-        return self._chunk(choices)
+        return ([self.chunk(choices)] if choices else []) + tool_chunks
+
+    def _tool_chunks(self, index: int, text: str, finish_reason: FinishReason) -> list[dict[str, Any]]:
+        """A finished choice with tools, streamed as OpenAI streams calls (module docstring)."""
+        message, finish = self._message(text, finish_reason)
+        deltas: list[dict[str, Any]] = [{"content": message["content"]}] if message["content"] else []
+        for i, call in enumerate(message.get("tool_calls", ())):
+            function = call["function"]
+            deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                           "function": {"name": function["name"], "arguments": ""}}]})
+            deltas += [{"tool_calls": [{"index": i, "function": {"arguments": piece}}]}
+                       for piece in _ARGUMENT_PIECES.findall(function["arguments"])]
+        return [self.chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
+                for delta in deltas] + [self.chunk([{"index": index, "delta": {}, "logprobs": None,
+                                                       "finish_reason": finish}])]
 
     def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
         """The closing chunk of `stream_options.include_usage`: no choices, the usage."""
-        chunk = self._chunk([])
+        chunk = self.chunk([])
         chunk["usage"] = openai_usage(out)
         return chunk
 
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {
             "id": self.response_id,
             "object": "chat.completion.chunk" if self.is_chat else "text_completion",
@@ -115,8 +132,7 @@ class OpenAIFormatter:
             chunk["usage"] = None  # OpenAI sends null on every chunk but the usage chunk
         return chunk
 
-    def _message(self, text: str, finish_reason: FinishReason | None, *,
-                 indexed: bool = False) -> tuple[dict[str, Any], str | None]:
+    def _message(self, text: str, finish_reason: FinishReason | None) -> tuple[dict[str, Any], str | None]:
         """A chat choice's message fields (content, tool_calls) and its finish_reason."""
         tools = self.request.tools
         if tools is None:
@@ -124,7 +140,7 @@ class OpenAIFormatter:
         parsed = parse_output(text, tools, self.tool_parser)
         if not parsed.calls:
             return {"content": parsed.content}, finish_reason
-        calls = [call.as_openai(i if indexed else None) for i, call in enumerate(parsed.calls)]
+        calls = [call.as_openai() for call in parsed.calls]
         return {"content": parsed.content, "tool_calls": calls}, "tool_calls" if finish_reason == "stop" else finish_reason
 
     def _echo(self, index: int) -> str:
@@ -149,6 +165,9 @@ class OpenAIFormatter:
             offsets.append(text_offset)
             text_offset += len(sampled.decoded_token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+_ARGUMENT_PIECES = re.compile(r"[^,]*,|[^,]+")  # a call's arguments, split after each comma
 
 
 def _top(entry: dict[int, TokenLogprob], k: int) -> list[TokenLogprob]:

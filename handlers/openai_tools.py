@@ -180,9 +180,8 @@ class ToolCall:
     arguments: str  # JSON text
     id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
 
-    def as_openai(self, index: int | None = None) -> dict[str, Any]:
-        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-        return call if index is None else {"index": index, **call}
+    def as_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass(slots=True)

@@ -2,25 +2,36 @@
 
 Builds go to `$PAGEDSERVE_CACHE_DIR/torch_extensions` (default `~/.cache/pagedserve/...`), one
 directory per (source, flags, torch version, CPU, source and torch paths) so a stale or foreign
-build is never loaded.
+build is never loaded. `pagedserve prepare` (run by `.ci/install`) builds them at install time;
+a process that finds its build missing builds it then, and says so (~30-60 s once). A finished
+build is marked (`BUILT_MARK`, written after it loaded once) and later loads import its `.so`
+directly, without cpp_extension's ninja check or any message.
 `PAGEDSERVE_DISABLE_CPU_KERNELS=1` turns every extension off (callers then use the torch path).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
+BUILT_MARK = "pagedserve_built"  # in the build folder once the extension built and loaded
+
 
 def build_dir() -> Path:
     base = Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
     return base / "torch_extensions"
+
+
+def cpu_kernels_disabled() -> bool:
+    return os.environ.get("PAGEDSERVE_DISABLE_CPU_KERNELS") == "1"
 
 
 def cpu_signature() -> bytes:
@@ -42,28 +53,77 @@ def build_tag(source: Path, cflags: tuple[str, ...]) -> str:
     return hashlib.sha256(key).hexdigest()[:10]
 
 
-def load_cpu_extension(name: str, source: Path, cflags: tuple[str, ...]):
-    """Compile (first call on a machine, ~30-60 s) or load `source` as module `name`; None if unavailable.
+@dataclass(frozen=True, slots=True)
+class CpuExtension:
+    """One C++ source compiled as Python module `pagedserve_<name>_<tag>`.
 
     `cflags` should carry -fopenmp so at::parallel_for uses torch's own thread pool.
     """
-    if os.environ.get("PAGEDSERVE_DISABLE_CPU_KERNELS") == "1":
-        return None
-    from torch.utils.cpp_extension import load
 
-    tag = build_tag(source, cflags)
-    build = build_dir() / f"{name}_{tag}"
-    build.mkdir(parents=True, exist_ok=True)
-    logger.info("loading the CPU extension %s (built once per machine, ~30-60 s)", name)
-    try:
-        return load(
-            name=f"pagedserve_{name}_{tag}",
-            sources=[str(source)],
-            extra_cflags=list(cflags),
-            extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch already loaded
-            build_directory=str(build),
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, ...: the torch path still works
-        logger.warning("CPU extension %s unavailable, using the torch path: %s", name, exc)
-        return None
+    name: str
+    source: Path
+    cflags: tuple[str, ...]
+
+    @property
+    def module_name(self) -> str:
+        return f"pagedserve_{self.name}_{build_tag(self.source, self.cflags)}"
+
+    @property
+    def folder(self) -> Path:
+        return build_dir() / f"{self.name}_{build_tag(self.source, self.cflags)}"
+
+    @property
+    def library(self) -> Path:
+        return self.folder / f"{self.module_name}.so"
+
+    def is_built(self) -> bool:
+        """Built and loaded once here before (a load then needs no compiler and no message)."""
+        return (self.folder / BUILT_MARK).is_file() and self.library.is_file()
+
+    def load(self):
+        """The extension module, compiling it first if needed; None if unavailable."""
+        if cpu_kernels_disabled():
+            return None
+        if self.is_built():
+            try:
+                return _import_built(self.module_name, self.library)
+            except ImportError as exc:  # a damaged build: make it again
+                logger.warning("CPU extension %s: the build in %s does not load (%s); rebuilding",
+                               self.name, self.folder, exc)
+                (self.folder / BUILT_MARK).unlink(missing_ok=True)
+        if not self.library.is_file():  # else a build without its mark: ninja checks it
+            logger.warning("building the CPU extension %s into %s (once per machine and checkout, "
+                           "~30-60 s; `pagedserve prepare` does this at install)", self.name, self.folder)
+        return self.build()
+
+    def build(self):
+        """Compile (or, when up to date, just load) with cpp_extension; None if unavailable."""
+        from torch.utils.cpp_extension import load
+
+        folder = self.folder
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            module = load(
+                name=self.module_name,
+                sources=[str(self.source)],
+                extra_cflags=list(self.cflags),
+                extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch already loaded
+                build_directory=str(folder),
+                verbose=False,
+            )
+        except Exception as exc:  # noqa: BLE001 -- no compiler, no ninja, ...: the torch path still works
+            logger.warning("CPU extension %s unavailable, using the torch path: %s", self.name, exc)
+            return None
+        (folder / BUILT_MARK).write_text(f"{self.module_name}.so\n")
+        return module
+
+
+def _import_built(module_name: str, path: Path):
+    """Import a built extension the way cpp_extension does, without its ninja run."""
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+

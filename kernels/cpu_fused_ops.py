@@ -13,17 +13,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_build import load_cpu_extension
+from kernels.cpu_build import CpuExtension
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_ops.cpp"
 # No -ffast-math and no FMA contraction: the kernels must round exactly where torch does.
 _CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
+EXTENSION = CpuExtension("fused_ops", _SOURCE, _CFLAGS)
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def load_fused_ops() -> CpuFusedOps | None:
     """Compile (first call on a machine) or load the extension; None if unavailable."""
-    ext = load_cpu_extension("fused_ops", _SOURCE, _CFLAGS)
+    ext = EXTENSION.load()
     return None if ext is None else CpuFusedOps(ext)
 
 

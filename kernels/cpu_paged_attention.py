@@ -10,16 +10,17 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import load_cpu_extension
+from kernels.cpu_build import CpuExtension
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_attention.cpp"
 # -fopenmp makes at::parallel_for use torch's thread pool (same libgomp, already loaded).
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
+EXTENSION = CpuExtension("paged_decode", _SOURCE, _CFLAGS)
 
 
 def load_cpu_kernels():
     """Compile (first call on a machine, ~30-60 s) or load the extension; None if unavailable."""
-    return load_cpu_extension("paged_decode", _SOURCE, _CFLAGS)
+    return EXTENSION.load()
 
 
 def paged_decode_attention(

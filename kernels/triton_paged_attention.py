@@ -14,6 +14,12 @@ block (a group of 3 is padded to 4), so K and V are read once per group. It walk
 `TILE` keys at a time (a tile may span several pages: each key's page comes from the block
 table), with an online softmax in float32.
 
+A quantized KV cache (`kv_quant` "fp8_e4m3" or "int8"; the format is the engine's
+`engine.attention.kv_quant`) is uint8 rows of `D + 2` bytes per token and KV head: D codes, then
+the row's bfloat16 scale. The kernel loads the codes and the scale's two bytes and de-quantizes
+in float32 (`KV_QUANT`); e4m3 is decoded with integer ops, which the interpreter and every GPU
+run alike.
+
 Without a GPU the kernel runs in Triton's interpreter (`TRITON_INTERPRET=1` set before this
 module is imported): correct but about a second per launch, for tests only. The interpreter gets
 bf16 dot products and reductions wrong (triton-lang/triton#11584), so there the inputs are
@@ -40,6 +46,29 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+KV_QUANT_CODES = {None: 0, "auto": 0, "fp8_e4m3": 1, "int8": 2}
+KV_SCALE_BYTES = 2
+
+
+@triton.jit
+def _dequant_kv(codes, row_offsets, cache_ptr, row_ok, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr):
+    """uint8 codes `[TILE, D]` of rows starting at `row_offsets [TILE]` -> float32 values."""
+    lo = tl.load(cache_ptr + row_offsets + HEAD_DIM, mask=row_ok, other=0).to(tl.int32)
+    hi = tl.load(cache_ptr + row_offsets + HEAD_DIM + 1, mask=row_ok, other=0).to(tl.int32)
+    scale = ((lo | (hi << 8)) << 16).to(tl.float32, bitcast=True)  # the bf16 bits, widened
+    c = codes.to(tl.int32)
+    if KV_QUANT == 2:
+        vals = (c - ((c >> 7) << 8)).to(tl.float32)  # two's complement int8
+    else:
+        sign = c >> 7
+        exp = (c >> 3) & 15
+        man = c & 7
+        normal = ((sign << 31) | ((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+        subnormal = man.to(tl.float32) * 0.001953125 * (1 - 2 * sign).to(tl.float32)
+        vals = tl.where(exp == 0, subnormal, normal)
+    return vals * scale[:, None]
+
+
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
@@ -52,7 +81,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_Q: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, KV_QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -89,13 +118,17 @@ def _paged_attention_kernel(
             block_ids = tl.load(block_tables_ptr + seq * stride_bt_seq + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
             slot = k_pos % BLOCK_SIZE
             kv_mask = k_ok[:, None] & d_ok[None, :]
-            k_offsets = (block_ids.to(tl.int64) * stride_k_block + slot * stride_k_off)[:, None] \
-                + kv_head * stride_k_head + d[None, :]
-            v_offsets = (block_ids.to(tl.int64) * stride_v_block + slot * stride_v_off)[:, None] \
-                + kv_head * stride_v_head + d[None, :]
-            k = tl.load(k_cache_ptr + k_offsets, mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + v_offsets, mask=kv_mask, other=0.0)
-            if UPCAST:
+            k_rows = block_ids.to(tl.int64) * stride_k_block + slot * stride_k_off + kv_head * stride_k_head
+            v_rows = block_ids.to(tl.int64) * stride_v_block + slot * stride_v_off + kv_head * stride_v_head
+            k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0)
+            v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0)
+            if KV_QUANT != 0:
+                k = _dequant_kv(k, k_rows, k_cache_ptr, k_ok, HEAD_DIM, KV_QUANT)
+                v = _dequant_kv(v, v_rows, v_cache_ptr, k_ok, HEAD_DIM, KV_QUANT)
+                if not UPCAST:
+                    k = k.to(q.dtype)
+                    v = v.to(q.dtype)
+            elif UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
@@ -122,15 +155,24 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     max_query_len: int,
     scale: float,
+    kv_quant: str | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of every query token over its sequence's context.
 
     `query [T, H, D]`; `key_cache`/`value_cache [num_blocks, block_size, kv_heads, D]` (last dim
-    contiguous); `block_tables [num_seqs, max_blocks]` int32; `seq_lens [num_seqs]` int32;
+    contiguous), or with `kv_quant` ("fp8_e4m3" / "int8") uint8 `[..., D + 2]` rows;
+    `block_tables [num_seqs, max_blocks]` int32; `seq_lens [num_seqs]` int32;
     `query_start_loc [num_seqs + 1]` int32. Returns `[T, H, D]` in query's dtype.
     """
     num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
+    _, block_size, num_kv_heads, width = key_cache.shape
+    if kv_quant not in KV_QUANT_CODES:
+        raise ValueError(f"kv_quant must be one of {sorted(k for k in KV_QUANT_CODES if k)}, got {kv_quant!r}")
+    quant = KV_QUANT_CODES[kv_quant]
+    want = (torch.uint8, head_dim + KV_SCALE_BYTES) if quant else (query.dtype, head_dim)
+    if (key_cache.dtype, width) != want or (value_cache.dtype, value_cache.shape[-1]) != want:
+        raise ValueError(f"caches must be {want[0]} rows of {want[1]} (kv_quant {kv_quant!r}), got "
+                         f"{key_cache.dtype} / {value_cache.dtype} rows of {width} / {value_cache.shape[-1]}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if query.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
@@ -157,7 +199,7 @@ def paged_attention(
         GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(MIN_DOT, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, TILE=tile, BLOCK_Q=block_q,
-        UPCAST=interpreting() and query.dtype != torch.float32,
+        UPCAST=interpreting() and query.dtype != torch.float32, KV_QUANT=quant,
     )
     return out
 

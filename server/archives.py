@@ -92,17 +92,21 @@ class LoadedArchive:
 def load_archive(path: Path, allow_custom_handlers: bool) -> LoadedArchive:
     """Verify and extract (once) the archive at `path`. Blocking: run it off the event loop."""
     model_dir = resolve_model_dir(path, allow_custom_handlers=allow_custom_handlers)
-    manifest = json.loads((model_dir / MANIFEST_PATH).read_text())
+    # The model may sit in a folder of the archive (TorchServe's vLLM archives: model/...).
+    root = next(p for p in (model_dir, *model_dir.parents) if (p / MANIFEST_PATH).is_file())
+    manifest = json.loads((root / MANIFEST_PATH).read_text())
     model = manifest["model"]
     config_keys: frozenset[str] = frozenset()
     if model.get("configFile"):
-        config_path = model_dir / model["configFile"]
+        config_path = root / model["configFile"]
+        if not config_path.is_file():
+            config_path = model_dir / model["configFile"]
         model_config = load_model_config(config_path)
         data = yaml.safe_load(config_path.read_text()) or {}
         config_keys = frozenset(data)
     else:
         model_config = ModelConfig()
-    files = {p.name: p for p in model_dir.iterdir() if p.is_file()}
+    files = {p.name: p for p in root.iterdir() if p.is_file()}
     spec = str(model.get("handler", ""))
     custom = resolve_handler(spec, files, allow_custom_handlers)
     handler = load_custom_handler(custom, spec) if custom is not None else None

@@ -7,6 +7,8 @@ import sys
 import time
 
 from server.archive_cli import add_archive_parser
+from server.bench.cli import add_bench_parser
+from server.prepare import add_prepare_parser
 from server.serve_cli import add_serve_parser
 
 
@@ -34,6 +36,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"pagedserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="offline generation with the engine (default model if no --model)")
     gen.add_argument("prompts", nargs="+", help="one or more prompts")
@@ -47,7 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     add_archive_parser(sub)
     add_serve_parser(sub)
+    add_bench_parser(sub)
+    add_prepare_parser(sub)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pagedserve")
+    except PackageNotFoundError:  # run from a checkout that was never pip-installed
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,12 +19,14 @@ import yaml
 from msgspec import Meta
 
 from engine.schema import SchemaError, check_fields, convert
+from server.auth import KEY_PATTERN
 
 ENV_PREFIX = "PAGEDSERVE_"
 MAX_CONFIG_BYTES = 1 << 20
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 _NULL = ("", "none", "null")
 
+SECRET_KEYS = frozenset({"inference_key", "management_key"})  # never echoed in an error
 _Positive = Annotated[int, Meta(ge=1)]
 _Path = Annotated[str, Meta(min_length=1)]
 
@@ -55,6 +57,11 @@ class _ServerFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     enable_model_api: bool = False
     disable_token_auth: bool = False
     key_file: _Path = "key_file.json"
+    # Keys given instead of generated (server.auth.KEY_PATTERN); PAGEDSERVE_INFERENCE_KEY etc.
+    inference_key: Annotated[str, Meta(pattern=KEY_PATTERN)] | None = None
+    management_key: Annotated[str, Meta(pattern=KEY_PATTERN)] | None = None
+    keep_key_file: bool = False  # reuse the keys of an existing key_file (a key given above wins)
+    health_needs_token: bool = False  # /ping, /live, /ready and /v2/health/* need the inference key
     # Regular expressions a registration URL must match in full; empty: files inside the store.
     allowed_urls: list[str] = []
     default_workers_per_model: _Positive | None = None  # None: the archive's minWorkers
@@ -77,6 +84,13 @@ class _ServerFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     body_read_timeout: Annotated[float, Meta(gt=0, le=86400)] = 120.0
     max_connections: _Positive = 512
     kv_offload: dict[str, Any] | None = None  # passed through to the engine's EngineConfig when set
+    vllm_metrics: bool = False  # add vLLM's `vllm:` metric names (server.metrics_vllm)
+    # Memory all workers may take together (server.memory_budget): a size ("12GiB", bytes);
+    # None: 75 % of the machine's memory (of the GPU's on a GPU).
+    memory_budget: int | str | None = None
+    # Seconds a version with minWorkers 0 stays loaded after its last request (negative: forever),
+    # unless its model-config says keepAlive or a request says keep_alive.
+    keep_alive: Annotated[float, Meta(ge=-1, le=86_400)] = 300.0
 
 
 class ServerConfig(_ServerFields, kw_only=True):
@@ -165,7 +179,8 @@ def read_env(env: Mapping[str, str]) -> dict[str, Any]:
             try:
                 convert({key: value}, _ServerFields, strict=False)
             except SchemaError as exc:
-                raise ServerConfigError(f"{name}={env[name]!r}: {exc}") from None
+                shown = "<not shown>" if key in SECRET_KEYS else repr(env[name])
+                raise ServerConfigError(f"{name}={shown}: {exc}") from None
             values[key] = msgspec.convert(value, info.type, strict=False)
     return values
 

@@ -1,7 +1,8 @@
 """One generation request, from a checked body to the bytes on the wire.
 
-`prepare` picks a worker and runs the engine's prepare step (engine.inputs: tokenize, chat
-template, validate against that worker's limits) off the event loop; `respond` runs the request
+`prepare` runs the engine's prepare step (engine.inputs: tokenize, chat template, validate
+against the workers' limits) off the event loop, then picks a worker for the tokens (the
+version's router, `server.routing`); `respond` runs the request
 on the worker and answers whole (JSON) or streamed (SSE / NDJSON). A `Shaper` decides what the
 bodies look like (/predictions or OpenAI); this module decides when they are sent and what
 happens when things go wrong:
@@ -40,6 +41,7 @@ from engine.inputs import (
 )
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from handlers.base_handler import HandlerError
 from handlers.deltas import ChoiceDelta, DeltaTracker
@@ -151,12 +153,15 @@ class Prepared:
 
 
 async def prepare(state: ServerState, version: ModelVersion, spec: PromptSpec,
-                  params: SamplingParams, *, client: str = "", lora: LoRARequest | None = None) -> Prepared:
+                  params: SamplingParams, *, client: str = "", pooling: PoolingParams | None = None,
+                  lora: LoRARequest | None = None) -> Prepared:
     """The engine's prepare step (engine.inputs) with the front end's bounds: the
     structured-output constraint is checked on its own bounded pool (a per-`client` share, a
     time limit), then, in the thread pool, a prompt that cannot fit is refused before it is
-    tokenized, and the length rules of the least loaded worker apply. `lora`: the LoRA adapter
-    the request runs under (None: the base model)."""
+    tokenized, and the workers' length rules apply (a worker is loaded or woken first when
+    none is ready); then the router picks the worker. With `pooling`, a pooling request
+    (engine.pooling: the prompt's embedding, no tokens). `lora`: the LoRA adapter the request
+    runs under (None: the base model)."""
     try:
         if params.structured_outputs is not None:
             await state.limits.grammar.check(client, params.structured_outputs)
@@ -164,26 +169,27 @@ async def prepare(state: ServerState, version: ModelVersion, spec: PromptSpec,
         raise ErrorReply(exc.code, str(exc), exc.headers) from None
     except ValueError as exc:  # a constraint xgrammar cannot parse, or one over a size bound
         raise ErrorReply(400, str(exc), param="structured_outputs") from None
-    worker = version.pick_worker()
+    # loads or wakes a worker when none is ready; the limits are the same on every worker
+    limits = (await state.registry.ready_worker(version)).limits
     loop = asyncio.get_running_loop()
     try:
         inp = await loop.run_in_executor(state.executor, _bounded_prepare, state.limits.prompts,
-                                         version.tokenizer, spec, params, worker.limits)
+                                         version.tokenizer, spec, params, limits, pooling)
     except InvalidInput as exc:
         raise ErrorReply(400, str(exc), param=exc.field) from None
     except HandlerError as exc:
         raise ErrorReply.from_handler_error(exc) from None
     inp.lora = lora
-    return Prepared(worker, inp)
+    return Prepared(version.pick_worker(inp.token_ids), inp)
 
 
 def _bounded_prepare(bounds: PromptBounds, tokenizer, spec: PromptSpec, params: SamplingParams,
-                     limits: InputLimits) -> EngineInput:
+                     limits: InputLimits, pooling: PoolingParams | None) -> EngineInput:
     """`engine.inputs.prepare_input` minus the constraint check (done on its own pool), with
     the prompt's character bound before tokenizing."""
     text, token_ids = bounds.tokenize(tokenizer, spec, limits.max_model_len)
     validate_input(token_ids, params, limits)
-    return EngineInput(text, token_ids, params)
+    return EngineInput(text, token_ids, params, pooling)
 
 
 async def respond(request: web.Request, state: ServerState, version: ModelVersion, job: Prepared,

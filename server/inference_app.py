@@ -1,20 +1,28 @@
-"""The inference port: health, TorchServe /predictions, and the OpenAI-compatible API.
+"""The inference port: health, TorchServe /predictions, the OpenAI-compatible API, KServe's
+v1 and v2 protocols (server.kserve) and the OpenAPI description (server.openapi).
 
 Routes (the OpenAI ones also under /predictions/{model}/{version}/v1/...):
-  GET  /ping  /live  /ready
-  POST /predictions/{model}[/{version}]        JSON in, JSON out; "stream": true -> NDJSON chunks
-                                               (a model with a custom handler: its preprocess
-                                               reads the body, its postprocess writes the reply)
+  GET  /ping  /live  /ready                    no token needed unless health_needs_token
+  POST|PUT /predictions/{model}[/{version}]    JSON, text, a form or a raw upload in
+                                               (server.request_bodies), JSON out; "stream": true
+                                               -> NDJSON chunks (a model with a custom handler:
+                                               its preprocess reads the body, its postprocess
+                                               writes the reply)
   POST /v1/completions  /v1/chat/completions   OpenAI bodies; "stream": true -> SSE (a list of
                                                prompts: one request per prompt, server.fanout)
   POST /v1/responses                           OpenAI's Responses API, stateless
                                                (handlers.openai_responses_api)
+  POST /v1/embeddings                          the prompts' embeddings (engine.pooling: a pooling
+                                               request per input; handlers.openai_embeddings)
   GET  /v1/models  /v1/models/{id}
+  POST /v1/models/{model}:predict  /v2/...     KServe (server.kserve)
+  OPTIONS /  GET /api-description              this port's OpenAPI description
 
 Middlewares (server.middleware), outermost first: request id, metrics and error replies; 503
 while draining; token authorization. Every error is raised and shaped in one place by route:
-OpenAI's `{"error": {"message", "type", "param", "code"}}` on the OpenAI routes (and any path
-under /v1/), TorchServe's `{"code", "type", "message"}` elsewhere. Per request: resolve the
+OpenAI's `{"error": {"message", "type", "param", "code"}}` on the OpenAI routes (and any other
+path under /v1/), KServe's `{"error": "..."}` on its routes (and any path under /v2),
+TorchServe's `{"code", "type", "message"}` elsewhere. Per request: resolve the
 version, `admit` it (jobQueueSize), parse, tokenize off the loop, pick a worker, generate
 (server.generation).
 """
@@ -31,8 +39,11 @@ from typing import Any
 
 from aiohttp import web
 
+from engine.inputs import pooling_sampling_params
+from engine.pooling import PoolingParams
 from handlers.base_handler import BaseHandler, HandlerError
 from handlers.llm_input import ParsedBody, decode_body, parse_predictions_body
+from handlers.openai_embeddings import parse_embeddings_request
 from handlers.openai_protocol import (
     OpenAIRequest,
     parse_chat_request,
@@ -46,6 +57,7 @@ from handlers.openai_responses_api import (
     parse_responses_request,
 )
 from handlers.openai_tools import ToolParser, tool_prompt
+from server import kserve, openapi
 from server.adapters import RegisteredAdapter
 from server.auth import auth_middleware
 from server.errors import error_body
@@ -59,6 +71,7 @@ from server.generation import (
     prepare,
     respond,
 )
+from server.keep_alive import KeepAliveError, take_keep_alive
 from server.middleware import drain_middleware, error_middleware
 from server.registry import (
     ModelNotFoundError,
@@ -66,15 +79,26 @@ from server.registry import (
     NoWorkerError,
     QueueFullError,
 )
-from server.shapers import HandlerShaper, OpenAIShaper, PredictionShaper, openai_error
+from server.request_bodies import read_predictions_body
+from server.shapers import (
+    EmbeddingsShaper,
+    HandlerShaper,
+    OpenAIShaper,
+    PredictionShaper,
+    openai_error,
+)
 from server.state import STATE_KEY, ServerState
 from server.streaming import StreamFormat
 
-OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "responses", "models", "model"})
+OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "responses", "embeddings", "models", "model"})
 ADAPTER_KEY = web.RequestKey("pagedserve_adapter", RegisteredAdapter)  # a request naming a LoRA adapter
 OPENAI_PATH = re.compile(r"(/predictions/[^/]+/[^/]+)?/v1(/.*)?")  # /v1/... of a version too
-HEALTH_PATHS = frozenset({"/ping", "/live", "/ready"})
+KSERVE_PATH = re.compile(r"/v2(/.*)?")
+# Health probes: never drained away, and public unless health_needs_token.
+HEALTH_PATHS = frozenset({"/ping", "/live", "/ready", "/v2/health/live", "/v2/health/ready"})
 EXCEPTION_CODES = (((QueueFullError, NoWorkerError), 503),)
+PREDICTIONS_CONTENT_TYPES = ("application/json", "text/plain", "multipart/form-data",
+                             "application/x-www-form-urlencoded", "application/octet-stream")
 routes = web.RouteTableDef()
 logger = logging.getLogger(__name__)
 
@@ -82,13 +106,16 @@ logger = logging.getLogger(__name__)
 def build_inference_app(state: ServerState, contexts: Iterable[Callable] = ()) -> web.Application:
     """The inference app over `state`; `contexts` are `cleanup_ctx` generators (the server's
     lifecycle: registry, workers, thread pool) run when the app starts and stops."""
+    public = frozenset() if state.config.health_needs_token else HEALTH_PATHS
     app = web.Application(client_max_size=state.config.max_request_size, middlewares=[
         error_middleware(_shape, EXCEPTION_CODES, _observe),
         drain_middleware(state.drain, exempt=HEALTH_PATHS),
-        auth_middleware(state.inference_key),
+        auth_middleware(lambda: state.inference_key, public),
     ])
     app[STATE_KEY] = state
     app.add_routes(routes)
+    app.add_routes(kserve.routes)
+    app.add_routes(openapi.routes("pagedserve inference API", _bodies()))
     app.cleanup_ctx.extend(contexts)
     return app
 
@@ -97,7 +124,7 @@ def build_inference_app(state: ServerState, contexts: Iterable[Callable] = ()) -
 
 def _endpoint(request: web.Request) -> str | None:
     name = request.match_info.route.name
-    return name.removesuffix("_version") if name else None
+    return name.removesuffix("_put").removesuffix("_version") if name else None
 
 
 def _is_openai_route(request: web.Request) -> bool:
@@ -107,7 +134,16 @@ def _is_openai_route(request: web.Request) -> bool:
     return OPENAI_PATH.fullmatch(request.path) is not None  # no route matched: judged by the path
 
 
+def _is_kserve_route(request: web.Request) -> bool:
+    endpoint = _endpoint(request)
+    if endpoint is not None:
+        return endpoint.startswith("kserve_")
+    return KSERVE_PATH.fullmatch(request.path) is not None
+
+
 def _shape(request: web.Request, code: int, message: str, param: str | None) -> dict[str, Any]:
+    if _is_kserve_route(request):
+        return kserve.error_body(message)
     if not _is_openai_route(request):
         return error_body(code, message)
     body = openai_error(code, message, param)
@@ -136,6 +172,7 @@ async def ping(request: web.Request) -> web.Response:
 
 @routes.get("/live", name="live")
 async def live(request: web.Request) -> web.Response:
+    """Liveness: 200 until the server starts draining, then 503."""
     if request.app[STATE_KEY].draining:
         return web.json_response({"status": "Draining"}, status=503)
     return web.json_response({"status": "Alive"})
@@ -143,6 +180,8 @@ async def live(request: web.Request) -> web.Response:
 
 @routes.get("/ready", name="ready")
 async def ready(request: web.Request) -> web.Response:
+    """Readiness: 200 when every version that should serve has a ready worker; 503 while
+    starting or draining."""
     state = request.app[STATE_KEY]
     if state.draining:
         return web.json_response({"status": "Draining"}, status=503)
@@ -154,19 +193,26 @@ async def ready(request: web.Request) -> web.Response:
 # -- /predictions ----------------------------------------------------------------------------
 
 @routes.post("/predictions/{model}", name="predictions")
+@routes.put("/predictions/{model}", name="predictions_put")
 @routes.post("/predictions/{model}/{version}", name="predictions_version")
+@routes.put("/predictions/{model}/{version}", name="predictions_version_put")
 async def predictions(request: web.Request) -> web.StreamResponse:
+    """TorchServe's inference call: a prompt (JSON with `prompt` or `messages` and sampling
+    fields, plain text, a form, or a raw upload) -> choices, usage, timings; streamed as NDJSON
+    with `"stream": true`."""
     started = time.monotonic()
     state = request.app[STATE_KEY]
     version = _resolve(request, state, request.match_info["model"], request.match_info.get("version"))
     handler = version.handler
+    keep_alive = None
     if handler is None:
-        body = await _read_json(request)
+        body = await read_predictions_body(request, state.executor, state.config.max_request_size)
+        keep_alive = _keep_alive(body)
         shaper = PredictionShaper(version.name, request[REQUEST_ID_KEY])
     else:  # a custom handler reads any body: JSON or not is its call
         raw = await request.read()
         shaper = HandlerShaper(version.name, request[REQUEST_ID_KEY], handler=handler)
-    with version.admit(), _adapter_in_flight(request):
+    with version.admit(keep_alive), _adapter_in_flight(request):
         if handler is None:
             parsed = _handler_call(parse_predictions_body, body)
         else:
@@ -203,18 +249,21 @@ async def _custom_preprocess(request: web.Request, state: ServerState, handler: 
 @routes.post("/v1/completions", name="completions")
 @routes.post("/predictions/{model}/{version}/v1/completions", name="completions_version")
 async def completions(request: web.Request) -> web.StreamResponse:
+    """OpenAI completions (SSE with `"stream": true`)."""
     return await _openai(request, parse_completion_request)
 
 
 @routes.post("/v1/chat/completions", name="chat_completions")
 @routes.post("/predictions/{model}/{version}/v1/chat/completions", name="chat_completions_version")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """OpenAI chat completions, with tool calling (SSE with `"stream": true`)."""
     return await _openai(request, parse_chat_request)
 
 
 @routes.post("/v1/responses", name="responses")
 @routes.post("/predictions/{model}/{version}/v1/responses", name="responses_version")
 async def responses(request: web.Request) -> web.StreamResponse:
+    """OpenAI's Responses API, stateless."""
     return await _openai(request, parse_responses_request)
 
 
@@ -223,16 +272,8 @@ async def _openai(request: web.Request, parse: Callable[[dict[str, Any]], OpenAI
     started = time.monotonic()
     state = request.app[STATE_KEY]
     body = await _read_json(request)
-    if "model" in request.match_info:  # the path names the model and version
-        version = _resolve(request, state, request.match_info["model"], request.match_info["version"])
-        asked = body.get("model") if isinstance(body.get("model"), str) else version.name
-    else:
-        asked = body.get("model")
-        if not isinstance(asked, str) or not asked:
-            raise ErrorReply(400, "'model' is required: the name of a registered model "
-                             "(model or model@version)", param="model")
-        version = _resolve(request, state, *split_model(asked))
-    with version.admit(), _adapter_in_flight(request):
+    version, asked = _openai_model(request, state, body)
+    with version.admit(_keep_alive(body)), _adapter_in_flight(request):
         parsed = _handler_call(parse, body)
         responses_request = parsed if isinstance(parsed, ResponsesRequest) else None
         parsed = parsed.chat if responses_request is not None else parsed
@@ -244,6 +285,41 @@ async def _openai(request: web.Request, parse: Callable[[dict[str, Any]], OpenAI
         job = jobs[0] if len(jobs) == 1 else FanOut(jobs, parsed.params.n).prepared()
         shaper = _openai_shaper(request, version, asked, responses_request or parsed, jobs)
         return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
+
+
+@routes.post("/v1/embeddings", name="embeddings")
+@routes.post("/predictions/{model}/{version}/v1/embeddings", name="embeddings_version")
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    """One pooling request per input (a list: server.fanout), answered whole."""
+    started = time.monotonic()
+    state = request.app[STATE_KEY]
+    body = await _read_json(request)
+    version, asked = _openai_model(request, state, body)
+    with version.admit(_keep_alive(body)), _adapter_in_flight(request):
+        parsed = _handler_call(parse_embeddings_request, body)
+        params = pooling_sampling_params()
+        try:
+            jobs = [await prepare(state, version, spec, params, client=request.remote or "", pooling=PoolingParams(),
+                                  lora=_lora(request)) for spec in parsed.prompts]
+        except ErrorReply as exc:  # the engine names the prompt; this body calls it `input`
+            exc.param = "input" if exc.param == "prompt" else exc.param
+            raise
+        job = jobs[0] if len(jobs) == 1 else FanOut(jobs, 1).prepared()
+        return await respond(request, state, version, job, EmbeddingsShaper(parsed, asked), stream=False,
+                             started=started)
+
+
+def _openai_model(request: web.Request, state: ServerState, body: dict[str, Any]) -> tuple[ModelVersion, str]:
+    """The version an OpenAI body asks for (by its `model`, or by the route's prefix) and the
+    name to answer with."""
+    if "model" in request.match_info:  # the path names the model and version
+        version = _resolve(request, state, request.match_info["model"], request.match_info["version"])
+        return version, body.get("model") if isinstance(body.get("model"), str) else version.name
+    asked = body.get("model")
+    if not isinstance(asked, str) or not asked:
+        raise ErrorReply(400, "'model' is required: the name of a registered model "
+                         "(model or model@version)", param="model")
+    return _resolve(request, state, *split_model(asked)), asked
 
 
 def _openai_shaper(request: web.Request, version: ModelVersion, asked: str,
@@ -264,6 +340,7 @@ def _openai_shaper(request: web.Request, version: ModelVersion, asked: str,
 @routes.get("/v1/models", name="models")
 @routes.get("/predictions/{model}/{version}/v1/models", name="models_version")
 async def models(request: web.Request) -> web.Response:
+    """OpenAI's model list: every model (its default version) and every `name@version`."""
     state = request.app[STATE_KEY]
     if "model" in request.match_info:
         versions = [_resolve(request, state, request.match_info["model"], request.match_info["version"])]
@@ -280,13 +357,15 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data})
 
 
-@routes.get("/v1/models/{id}", name="model")
+@routes.get(r"/v1/models/{id:[^{}/:]+}", name="model")
 async def model(request: web.Request) -> web.Response:
-    """One model by the id /v1/models lists (`name` or `name@version`); 404 if none."""
+    """One model by the id /v1/models lists (`name` or `name@version`); 404 if none. Its
+    `name` and `ready` fields answer KServe v1's model status call on the same path."""
     name = request.match_info["id"]
-    found = _resolve(request, request.app[STATE_KEY], *split_model(name))
+    version = _resolve(request, request.app[STATE_KEY], *split_model(name))
     adapter = request.get(ADAPTER_KEY)
-    return web.json_response(_model_entry(name, found) if adapter is None else _adapter_entry(adapter))
+    entry = _model_entry(name, version) if adapter is None else _adapter_entry(adapter)
+    return web.json_response({**entry, "name": name, "ready": bool(version.pool.ready_engines())})
 
 
 def _model_entry(name: str, version: ModelVersion) -> dict[str, Any]:
@@ -308,6 +387,14 @@ def _max_model_len(version: ModelVersion) -> int | None:
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+def _bodies() -> dict[Callable, openapi.Body]:
+    """What each POST route takes, for the OpenAPI description."""
+    json_only = openapi.Body(("application/json",))
+    return {predictions: openapi.Body(PREDICTIONS_CONTENT_TYPES), completions: json_only,
+            chat_completions: json_only, responses: json_only, kserve.v1_predict: json_only,
+            kserve.v2_infer: json_only}
+
 
 def _resolve(request: web.Request, state: ServerState, name: str, version: str | None) -> ModelVersion:
     """The model version to run; for a LoRA adapter's name, its base version (the adapter is
@@ -333,6 +420,14 @@ def _adapter_in_flight(request: web.Request) -> contextlib.AbstractContextManage
     """Counts the request against its adapter while it runs (unregistering waits for it)."""
     adapter = request.get(ADAPTER_KEY)
     return contextlib.nullcontext() if adapter is None else adapter.track()
+
+
+def _keep_alive(body: dict[str, Any]) -> float | None:
+    """The request's `keep_alive` (taken out of the body), in seconds; 400 when malformed."""
+    try:
+        return take_keep_alive(body)
+    except KeepAliveError as exc:
+        raise ErrorReply(400, str(exc), param=exc.field) from None
 
 
 def _handler_call(parse: Callable[[dict[str, Any]], Any], body: dict[str, Any]) -> Any:

@@ -1,5 +1,6 @@
 """The management port: TorchServe's management API (register, list, describe, scale,
-set-default, unregister) with its parameters, status codes and JSON shapes.
+set-default, unregister, key rotation with /token) with its parameters, status codes and JSON
+shapes, and its OpenAPI description (`OPTIONS /`, `GET /api-description`).
 
 Registration and unregistration answer 405 unless the model API is enabled
 (`--enable-model-api`). Errors are `{"code", "type", "message"}`, made in one middleware
@@ -8,6 +9,7 @@ Registration and unregistration answer 405 unless the model API is enabled
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable
 from operator import attrgetter
@@ -16,24 +18,34 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.model.archive_manifest import ArchiveError
+from engine.model.archive_manifest import BUILTIN_HANDLERS, ArchiveError
 from engine.model.model_config import ModelConfigError
 from engine.schema import SchemaError
 from handlers.base_handler import HandlerError
 from handlers.json_body import decode_json_body
+from server import openapi
 from server.adapters import is_adapter
-from server.archives import ArchiveNotFoundError, UrlNotAllowedError, resolve_url
-from server.auth import auth_middleware
+from server.archives import (
+    ArchiveNotFoundError,
+    LoadedArchive,
+    UrlNotAllowedError,
+    resolve_url,
+)
+from server.auth import Api, auth_middleware
 from server.errors import error_body
 from server.generation import ErrorReply
+from server.lifecycle import LifecycleConflict, ModelLifecycle
+from server.lifecycle_routes import ROUTES as LIFECYCLE_ROUTES
 from server.management_params import (
     MAX_PAGE,
     ListParams,
     RegisterParams,
     ScaleParams,
+    TokenParams,
     UnregisterParams,
     read_params,
 )
+from server.memory_budget import ModelTooLargeError
 from server.middleware import drain_middleware, error_middleware
 from server.registry import (
     ConflictError,
@@ -71,7 +83,7 @@ def _memory_usage(pid: int | None) -> int:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
-def describe(entry: ModelVersion, is_default: bool) -> dict[str, Any]:
+def describe(entry: ModelVersion, is_default: bool, lifecycle: ModelLifecycle) -> dict[str, Any]:
     config = entry.model_config
     workers = []
     for slot in entry.pool.slots:
@@ -89,6 +101,7 @@ def describe(entry: ModelVersion, is_default: bool) -> dict[str, Any]:
             "threads": (engine.stats.num_threads or engine.num_threads) if engine is not None else None,
             "lastError": slot.last_error,
             "requestsInFlight": engine.num_unfinished if engine is not None and engine.is_ready else 0,
+            "footprint": lifecycle.describe_worker(entry, slot),
         })
     running = sum(e.stats.num_running for e in entry.pool.ready_engines())
     info = next((e.info for e in entry.pool.ready_engines() if e.info is not None), None)
@@ -110,6 +123,7 @@ def describe(entry: ModelVersion, is_default: bool) -> dict[str, Any]:
         "isDefault": is_default,
         "continuousBatching": True,
         "maxModelLen": info.max_model_len if info else entry.max_model_len,
+        **lifecycle.describe(entry),
         "workers": workers,
         "jobQueueStatus": {
             "remainingCapacity": max(0, entry.job_queue_size - entry.in_flight),
@@ -131,6 +145,7 @@ def _check_model_api(state: ServerState) -> None:
 
 # -- routes -------------------------------------------------------------------------------
 async def list_models(request: web.Request) -> web.Response:
+    """The registered models (their default versions), a page at a time."""
     state = request.app[STATE_KEY]
     params = read_params(request.query, ListParams)
     start, limit = params.next_page_token, min(params.limit, MAX_PAGE)
@@ -147,6 +162,8 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def register_model(request: web.Request) -> web.Response:
+    """Register an archive of the model store (query string or JSON body); needs
+    --enable-model-api."""
     state = request.app[STATE_KEY]
     _check_model_api(state)
     params = await _register_params(request)
@@ -161,6 +178,7 @@ async def register_model(request: web.Request) -> web.Response:
                                                 params.model_name)
         return _status(f'Adapter "{adapter.name}" Version: {adapter.version} registered on model '
                        f'"{adapter.base.name}" version {adapter.base.version}')
+    archive = _with_register_params(archive, params)
     entry = await state.registry.register(
         archive, url=_display_url(url, path, state.config.model_store_path), name=params.model_name,
         initial_workers=params.initial_workers, synchronous=synchronous,
@@ -174,6 +192,20 @@ async def register_model(request: web.Request) -> web.Response:
     return _status(message)
 
 
+def _with_register_params(archive: LoadedArchive, params: RegisterParams) -> LoadedArchive:
+    """`startup_timeout` overrides the archive's; `handler` may only name the archive's own."""
+    if params.handler is not None:
+        own = archive.manifest["model"]["handler"]
+        allowed = {own} | (set(BUILTIN_HANDLERS) if archive.custom_handler is None else set())
+        if params.handler not in allowed:
+            raise SchemaError(f"handler: the archive's handler ({own!r}) serves it; another cannot "
+                              f"be named at registration, got {params.handler!r}", "handler")
+    if params.startup_timeout is None:
+        return archive
+    config = dataclasses.replace(archive.model_config, startup_timeout=params.startup_timeout)
+    return dataclasses.replace(archive, model_config=config)
+
+
 def _display_url(url: str, path: Path, store: Path) -> str:
     """The URL as snapshots and GET /models show it: relative to the store when inside it."""
     try:
@@ -183,6 +215,7 @@ def _display_url(url: str, path: Path, store: Path) -> str:
 
 
 async def describe_model(request: web.Request) -> web.Response:
+    """Describe a model's default version, one version, or `all` of them (workers, queue)."""
     state = request.app[STATE_KEY]
     name = request.match_info["model"]
     version = request.match_info.get("version")
@@ -197,10 +230,12 @@ async def describe_model(request: web.Request) -> web.Response:
     else:
         entries = [registry.resolve(name, version)]
     default = registry.models[name].default_version
-    return web.json_response([describe(e, e.version == default) for e in entries])
+    return web.json_response([describe(e, e.version == default, registry.lifecycle)
+                              for e in entries])
 
 
 async def scale_model(request: web.Request) -> web.Response:
+    """Scale a version's workers (`min_worker`, `max_worker`, `synchronous`, `timeout`)."""
     state = request.app[STATE_KEY]
     params = read_params(request.query, ScaleParams)
     entry = state.registry.resolve(request.match_info["model"], request.match_info.get("version"))
@@ -218,6 +253,7 @@ async def scale_model(request: web.Request) -> web.Response:
 
 
 async def set_default(request: web.Request) -> web.Response:
+    """Make a version the one unversioned requests go to."""
     state = request.app[STATE_KEY]
     entry = state.registry.set_default(request.match_info["model"], request.match_info["version"])
     return _status(f'Default version successfully updated for model "{entry.name}" to '
@@ -225,6 +261,7 @@ async def set_default(request: web.Request) -> web.Response:
 
 
 async def unregister_model(request: web.Request) -> web.Response:
+    """Unregister a version (or the model's default version); needs --enable-model-api."""
     state = request.app[STATE_KEY]
     _check_model_api(state)
     read_params(request.query, UnregisterParams)
@@ -241,10 +278,27 @@ async def unregister_model(request: web.Request) -> web.Response:
     return _status(f'Model "{entry.name}" version: {entry.version} unregistered')
 
 
+async def rotate_token(request: web.Request) -> web.Response:
+    """Replace the inference or management key (`type`) with a new one, written to the key
+    file first; the old key stops working at once. 400 when token authorization is off."""
+    state = request.app[STATE_KEY]
+    api = Api(read_params(request.query, TokenParams).type)
+    if state.keys is None:
+        raise ErrorReply(400, "token authorization is off (--disable-token-auth): there is no key "
+                              "to rotate")
+    try:
+        key = state.keys.rotate(api)
+    except OSError as exc:
+        raise ErrorReply(500, f"the key file {state.keys.path} cannot be written ({exc.strerror}); "
+                              "the key was not changed") from None
+    return web.json_response({api.value: {"key": key}})
+
+
 # -- app ----------------------------------------------------------------------------------
 EXCEPTION_CODES = (
     ((ModelNotFoundError, ArchiveNotFoundError), 404),
-    (ConflictError, 409),
+    ((ConflictError, LifecycleConflict), 409),
+    (ModelTooLargeError, 507),
     ((ForbiddenError, UrlNotAllowedError), 403),
     (WorkerStartFailed, 500, "Failed to start workers: {}"),
     (NoWorkerError, 503),
@@ -261,7 +315,11 @@ ROUTES = [
     web.put("/models/{model}/{version}/set-default", set_default),
     web.delete("/models/{model}", unregister_model),
     web.delete("/models/{model}/{version}", unregister_model),
+    web.get("/token", rotate_token),
+    *LIFECYCLE_ROUTES,
 ]
+QUERY_PARAMS = {list_models: ListParams, register_model: RegisterParams, scale_model: ScaleParams,
+                unregister_model: UnregisterParams, rotate_token: TokenParams}
 
 
 def _shape(request: web.Request, code: int, message: str, param: str | None) -> dict[str, Any]:
@@ -284,9 +342,12 @@ def build_management_app(state: ServerState, contexts: Iterable[Callable] = ()) 
     app = web.Application(client_max_size=state.config.max_request_size, middlewares=[
         error_middleware(_shape, EXCEPTION_CODES, _observe),
         drain_middleware(state.drain),
-        auth_middleware(state.management_key),
+        auth_middleware(lambda: state.management_key),
     ])
     app[STATE_KEY] = state
     app.add_routes(ROUTES)
+    app.add_routes(openapi.routes("pagedserve management API", {
+        handler: openapi.Body(("application/json",) if handler is register_model else (), query=query)
+        for handler, query in QUERY_PARAMS.items()}))
     app.cleanup_ctx.extend(contexts)
     return app

@@ -8,7 +8,7 @@ got 99999999".
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -18,6 +18,7 @@ from engine.schema import SchemaError, convert
 MAX_WORKERS = 64  # per model version
 MAX_TIMEOUT_S = 86_400  # one day: response_timeout at registration, scale/unregister timeouts
 MAX_PAGE = 1000  # models per page of GET /models
+RUNTIMES = ("python", "python3")
 _Workers = Annotated[int, Meta(ge=0, le=MAX_WORKERS)]
 _Seconds = Annotated[int, Meta(ge=1, le=MAX_TIMEOUT_S)]
 
@@ -30,14 +31,25 @@ class RegisterParams(msgspec.Struct, forbid_unknown_fields=True):
     initial_workers: _Workers | None = None
     synchronous: bool = False
     response_timeout: _Seconds | None = None
+    startup_timeout: _Seconds | None = None  # overrides the archive's startupTimeout
     batch_size: Annotated[int, Meta(ge=1)] = 1
     max_batch_delay: Annotated[int, Meta(ge=0, le=MAX_TIMEOUT_S * 1000)] | None = None  # accepted, unused
-    runtime: str | None = None  # accepted, unused
+    runtime: str | None = None  # "python" (or "python3") only
+    handler: Annotated[str, Meta(min_length=1, max_length=256)] | None = None  # the archive's own only
 
     def __post_init__(self) -> None:
         if self.batch_size != 1:
             raise SchemaError("batch_size: pagedserve batches continuously inside the engine; only "
                               f"batch_size=1 is accepted, got {self.batch_size}", "batch_size")
+        if self.runtime is not None and self.runtime not in RUNTIMES:
+            raise SchemaError(f"runtime: pagedserve runs Python archives only ('python'), got "
+                              f"{self.runtime!r}", "runtime")
+
+
+class TokenParams(msgspec.Struct, forbid_unknown_fields=True):
+    """GET /token: which key to rotate."""
+
+    type: Literal["inference", "management"]
 
 
 class ScaleParams(msgspec.Struct, forbid_unknown_fields=True):

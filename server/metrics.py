@@ -4,18 +4,23 @@
 first token, inter-token latency, time per output token and queue time are fed with each
 request's final output (`observe_output`); the engine gauges (running and waiting requests, KV
 blocks used and free, prefix cache hit rate, preemptions) are read from every worker's latest
-`stats` at scrape time by a custom collector.
+`stats` at scrape time by a custom collector. With `vllm=True` the `vllm:` families of
+`server.metrics_vllm` are added beside these. `render(names)` keeps only the named families, as
+TorchServe's `GET /metrics?name[]=...` does. The router's counters per worker (requests
+routed, prefix-affinity hits) and each worker's prefix-cache hit tokens are collected too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from server.metrics_vllm import VllmMetrics
 
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput
@@ -26,7 +31,8 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1
 
 
 class ServerMetrics:
-    def __init__(self, versions: Callable[[], list[ModelVersion]] | None = None) -> None:
+    def __init__(self, versions: Callable[[], list[ModelVersion]] | None = None,
+                 vllm: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("pagedserve_requests", "HTTP requests answered",
@@ -51,6 +57,7 @@ class ServerMetrics:
                                          ["model"], registry=r)
         if versions is not None:
             r.register(EngineCollector(versions))
+        self.vllm = VllmMetrics(r, versions) if vllm else None
 
     def observe_request(self, model: str | None, endpoint: str, status: int,
                         latency_s: float) -> None:
@@ -72,9 +79,31 @@ class ServerMetrics:
         per_seq = max((len(c.token_ids) for c in output.outputs), default=0)
         if m is not None and per_seq > 1:
             self.tpot.labels(model).observe(m.decode_s / (per_seq - 1))
+        if self.vllm is not None:
+            self.vllm.observe_output(model, output)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, names: Collection[str] = ()) -> bytes:
+        """The Prometheus text of every family, or only of those in `names` (a family matches
+        by its name or the name of any of its samples, such as `x_total` or `x_bucket`)."""
+        if not names:
+            return generate_latest(self.registry)
+        return generate_latest(_Only(self.registry, frozenset(names)))
+
+
+class _Only:
+    """The families of a registry that `names` asks for (a collector for `generate_latest`)."""
+
+    SUFFIXES = ("total", "created", "bucket", "count", "sum", "info")  # sample name suffixes
+
+    def __init__(self, registry: CollectorRegistry, names: frozenset[str]) -> None:
+        self._registry = registry
+        self._names = names
+
+    def collect(self) -> Iterator:
+        for family in self._registry.collect():
+            if family.name in self._names or any(
+                    f"{family.name}_{suffix}" in self._names for suffix in self.SUFFIXES):
+                yield family
 
 
 # (stats field, family key / name suffix, help, extra labels); hit tokens first, by tier.
@@ -125,6 +154,21 @@ class EngineCollector:
             "spec_accepted": CounterMetricFamily("pagedserve_spec_decode_accepted_tokens",
                                                  "Speculative draft tokens kept", labels=labels),
         }
+        worker_labels = [*labels, "worker"]
+        routing = {
+            "routed": CounterMetricFamily("pagedserve_routed_requests",
+                                          "Requests the front end sent to each worker",
+                                          labels=worker_labels),
+            "hits": CounterMetricFamily("pagedserve_route_prefix_hits",
+                                        "Requests sent to a worker because it held their prefix "
+                                        "(routing: prefix_affinity)", labels=worker_labels),
+            "hit_blocks": CounterMetricFamily("pagedserve_route_prefix_hit_blocks",
+                                              "Prompt blocks the chosen worker was known to hold",
+                                              labels=worker_labels),
+            "cached": CounterMetricFamily("pagedserve_worker_prefix_cache_hit_tokens",
+                                          "Prompt tokens each worker served from its prefix "
+                                          "cache (since it started)", labels=worker_labels),
+        }
         offload = {
             key: CounterMetricFamily(f"pagedserve_kv_offload_{name}", doc, labels=labels + extra)
             for key, name, doc, extra in _OFFLOAD_COUNTERS
@@ -145,6 +189,14 @@ class EngineCollector:
             fams["preemptions"].add_metric(key, sum(s.num_preemptions for s in stats))
             fams["spec_draft"].add_metric(key, sum(s.spec_draft_tokens for s in stats))
             fams["spec_accepted"].add_metric(key, sum(s.spec_accepted_tokens for s in stats))
+            router = v.router
+            for worker in sorted({*router.routed, *(e.name for e in engines)}):
+                routing["routed"].add_metric([*key, worker], router.routed[worker])
+                routing["hits"].add_metric([*key, worker], router.prefix_hits[worker])
+                routing["hit_blocks"].add_metric([*key, worker], router.prefix_hit_blocks[worker])
+            for engine in engines:
+                if engine.stats is not None:
+                    routing["cached"].add_metric([*key, engine.name], engine.stats.prefix_cache_hits)
             offloads = [s.kv_offload for s in stats if s.kv_offload]
             if offloads:
                 total = {k: sum(o.get(k, 0) for o in offloads) for k in _OFFLOAD_FIELDS}
@@ -153,6 +205,7 @@ class EngineCollector:
                 for field_name, *_ in _OFFLOAD_COUNTERS[1:]:
                     offload[field_name].add_metric(key, total[field_name])
         yield from fams.values()
+        yield from routing.values()
         yield from (fam for fam in offload.values() if fam.samples)
 
 
@@ -160,12 +213,13 @@ METRICS_KEY = web.AppKey("pagedserve_metrics", ServerMetrics)
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    body = request.app[METRICS_KEY].render()
+    body = request.app[METRICS_KEY].render(request.query.getall("name[]", ()))
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 def build_metrics_app(metrics: ServerMetrics) -> web.Application:
-    """The metrics port: `GET /metrics` in Prometheus text format, no token needed."""
+    """The metrics port: `GET /metrics` in Prometheus text format, no token needed;
+    `?name[]=A&name[]=B` keeps only those families."""
     app = web.Application()
     app[METRICS_KEY] = metrics
     app.router.add_get("/metrics", _metrics)

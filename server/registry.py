@@ -1,7 +1,8 @@
 """The model registry: models -> versions -> workers, with a default version per model.
 
 `ModelRegistry` is what the HTTP apps see: `resolve` a (model, version) to a `ModelVersion`,
-whose `pick_worker` routes to the least loaded ready worker and whose `admit` bounds the number
+whose `pick_worker` routes by the version's `routing` policy (`server.routing`: least loaded, or
+prefix-affine) and whose `admit` bounds the number
 of requests in flight (`jobQueueSize`). Registration opens the archive and loads the tokenizer
 off the event loop, then starts the version's workers (`server.workers.WorkerPool`).
 
@@ -22,7 +23,8 @@ import itertools
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -34,12 +36,16 @@ from handlers.base_handler import BaseHandler, Context
 from handlers.custom_handler import CustomHandlerError
 from handlers.llm_handler import ENGINE_WORKERS
 from server.archives import LoadedArchive, load_archive
+from server.lifecycle import ModelLifecycle
 from server.management_params import MAX_TIMEOUT_S, MAX_WORKERS
+from server.memory_budget import MemoryBudget, ModelTooLargeError, resolve_budget
+from server.routing import Router
 from server.safe_write import NO_SPACE
-from server.workers import WorkerPool
+from server.workers import NoWorkerError, WorkerPool
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
+    from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +58,6 @@ VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*\Z"
 
 class ModelNotFoundError(LookupError):
     """No such model or version (404); the message names it."""
-
-
-class NoWorkerError(RuntimeError):
-    """The version has no ready worker right now (503)."""
 
 
 class QueueFullError(RuntimeError):
@@ -131,8 +133,16 @@ class ModelVersion:
     max_model_len: int | None = None
     handler: BaseHandler | None = None  # a custom handler around the workers (/predictions)
     in_flight: int = 0
-    _turn: int = 0
+    router: Router = field(default_factory=Router)
     registered_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    # The lifecycle (server.lifecycle): pinned versions are never unloaded; keep_alive seconds
+    # (None: the server's default, < 0: forever); last_used and expires_at are monotonic times.
+    pinned: bool = False
+    keep_alive: float | None = None
+    last_used: float = 0.0
+    expires_at: float | None = None
+    sizes: tuple[int, int] | None = None  # (weights, KV pool) bytes of one worker
+    on_idle: Callable[[ModelVersion, float | None], None] | None = None
 
     @property
     def model_config(self) -> ModelConfig:
@@ -141,38 +151,40 @@ class ModelVersion:
     def workers(self) -> list[AsyncLLM]:
         return self.pool.ready_engines()
 
-    def pick_worker(self) -> AsyncLLM:
-        """The least loaded ready worker (requests in flight, then KV blocks in use)."""
-        ready = self.pool.ready_engines()
-        if not ready:
-            raise NoWorkerError(f"model {self.name!r} version {self.version!r} has no ready "
-                                "worker right now; retry shortly")
-        # Equal loads: take turns (rotate where the scan starts), so idle workers share work.
-        self._turn = (self._turn + 1) % len(ready)
-        rotated = ready[self._turn:] + ready[:self._turn]
-        engine = min(rotated, key=_load_key)
+    def pick_worker(self, token_ids: Sequence[int] = ()) -> AsyncLLM:
+        """The ready worker the version's router picks for a prompt of `token_ids` (least
+        loaded, or the one that holds the prompt's prefix: `server.routing`)."""
+        engine = self.router.route(self._ready(), token_ids).engine
         if self.max_model_len is None and engine.info is not None:
             self.max_model_len = engine.info.max_model_len
         return engine
 
+    def _ready(self) -> list[AsyncLLM]:
+        ready = self.pool.ready_engines()
+        if not ready:
+            raise NoWorkerError(f"model {self.name!r} version {self.version!r} has no ready "
+                                "worker right now; retry shortly")
+        return ready
+
     @contextlib.contextmanager
-    def admit(self) -> Iterator[None]:
-        """Count one request in flight for the whole `with` block; QueueFullError when full."""
+    def admit(self, keep_alive: float | None = None) -> Iterator[None]:
+        """Count one request in flight for the whole `with` block; QueueFullError when full.
+        When the last one in flight ends, the keep-alive (the request's `keep_alive` seconds,
+        else the version's) starts counting."""
         if self.in_flight >= self.job_queue_size:
             raise QueueFullError(f"model {self.name!r} version {self.version!r} has "
                                  f"{self.in_flight} requests in flight (jobQueueSize="
                                  f"{self.job_queue_size}); retry later")
         self.in_flight += 1
+        self.last_used = time.monotonic()
+        self.expires_at = None
         try:
             yield
         finally:
             self.in_flight -= 1
-
-
-def _load_key(engine: AsyncLLM) -> tuple[int, int]:
-    stats = engine.stats
-    used = (stats.num_kv_blocks - stats.num_free_blocks) if stats is not None else 0
-    return engine.num_unfinished, used
+            self.last_used = time.monotonic()
+            if self.in_flight == 0 and self.on_idle is not None:
+                self.on_idle(self, keep_alive)
 
 
 @dataclass(slots=True, eq=False)
@@ -192,7 +204,8 @@ class ModelRegistry:
     def __init__(self, executor: Executor, make_engine: EngineBuilder, *,
                  allow_custom_handlers: bool = False, default_workers: int | None = None,
                  job_queue_size: int = 100, on_change: Callable[[], None] | None = None,
-                 persist: Callable[[], None] | None = None) -> None:
+                 persist: Callable[[], None] | None = None,
+                 memory_budget: int | str | None = None, keep_alive: float = 300.0) -> None:
         self._executor = executor
         self._make_engine = make_engine
         self.allow_custom_handlers = allow_custom_handlers
@@ -207,6 +220,7 @@ class ModelRegistry:
         self._lock = asyncio.Lock()  # registrations and removals, one at a time
         # False until the server has registered its startup models (snapshot, load_models).
         self.startup_done = False
+        self.lifecycle = ModelLifecycle(self, MemoryBudget(resolve_budget(memory_budget)), keep_alive)
 
     # -- lookups (the inference app's side) ---------------------------------------------
     def resolve(self, name: str, version: str | None = None) -> ModelVersion:
@@ -234,6 +248,20 @@ class ModelRegistry:
 
     def total_workers(self) -> int:
         return sum(v.pool.size for v in self.all_versions())
+
+    async def ready_worker(self, entry: ModelVersion) -> AsyncLLM:
+        """A ready worker of `entry`; one is loaded or woken first when none is (the request
+        waits within the version's responseTimeout; NoWorkerError naming why otherwise)."""
+        return await self.lifecycle.ready_worker(entry)
+
+    def engine_config(self, entry: ModelVersion) -> EngineConfig:
+        """The EngineConfig a worker of `entry` gets (from the server's engine builder)."""
+        return self._make_engine(entry, f"{entry.name}/{entry.version}#config", lambda e: None).config
+
+    def save_state(self) -> None:
+        """Save a lifecycle change (loaded, unloaded, asleep); a failure is only logged: the
+        memory has changed whatever the file says."""
+        self._save(None)
 
     # -- changes (the management app's side) --------------------------------------------
     async def open(self, path: Path) -> LoadedArchive:
@@ -289,12 +317,19 @@ class ModelRegistry:
                 name=name, version=version, model_dir=archive.model_dir, context=context,
                 tokenizer=tokenizer, archive=archive, url=url, pool=None,  # type: ignore[arg-type]
                 min_workers=min_workers, max_workers=max_w, job_queue_size=queue,
-                loaded_at_startup=loaded_at_startup, handler=archive.handler)
+                loaded_at_startup=loaded_at_startup, handler=archive.handler,
+                router=Router(config.routing, block_size=config.engine_options().get("block_size", 16)))
             entry.pool = WorkerPool(
                 f"{name}/{version}",
                 lambda worker_name, on_dead: self._make_engine(entry, worker_name, on_dead),
                 lambda: str(next(self._worker_ids)), startup_timeout=float(config.startup_timeout),
-                on_change=self.on_change)
+                on_change=lambda: self.on_change(),
+                on_ready=lambda slot: self.lifecycle.on_worker_ready(entry, slot))
+            entry.keep_alive = config.keep_alive
+            entry.on_idle = self.lifecycle.on_idle
+            entry.last_used = time.monotonic()
+            await loop.run_in_executor(self._executor, self.lifecycle.sizes, entry)
+            self.lifecycle.check_fits(entry)  # ModelTooLargeError (507): never fits the budget
             model = self.models.setdefault(name, RegisteredModel(name))
             old_default = model.default_version
             model.versions[version] = entry
@@ -309,7 +344,7 @@ class ModelRegistry:
 
             self._save(undo)
         try:
-            await entry.pool.scale_to(min_workers, wait=synchronous)
+            await self.lifecycle.start_workers(entry, min_workers, wait=synchronous)
         except Exception:
             await self.unregister(name, version, force=True)
             raise
@@ -361,7 +396,16 @@ class ModelRegistry:
             entry.min_workers, entry.max_workers = old
 
         self._save(undo)
-        work = asyncio.ensure_future(entry.pool.scale_to(min_workers, wait=synchronous))
+
+        async def reach() -> None:  # new workers within the budget (room made first)
+            try:
+                await self.lifecycle.start_workers(entry, min_workers, wait=synchronous)
+            except ModelTooLargeError:
+                undo()
+                self._save(None)
+                raise
+
+        work = asyncio.ensure_future(reach())
         self._background.add(work)
         work.add_done_callback(self._background.discard)
         if not synchronous:
@@ -373,6 +417,14 @@ class ModelRegistry:
         except asyncio.TimeoutError:
             return False
         return True
+
+    def set_pinned(self, entry: ModelVersion, pinned: bool) -> None:
+        """Pin (never unloaded by keep-alive or LRU eviction) or unpin a version; saved."""
+        old = entry.pinned
+        entry.pinned = pinned
+        self._save(lambda: setattr(entry, "pinned", old))
+        if entry.in_flight == 0:  # pinned: no expiry; unpinned: its keep-alive counts from now
+            self.lifecycle.on_idle(entry, None)
 
     def set_default(self, name: str, version: str) -> ModelVersion:
         entry = self.resolve(name, version)
@@ -398,6 +450,7 @@ class ModelRegistry:
         self.on_change()
 
     async def shutdown(self) -> None:
+        await self.lifecycle.close()
         versions = self.all_versions()
         await asyncio.gather(*(v.pool.shutdown() for v in versions), return_exceptions=True)
 

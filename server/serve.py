@@ -1,9 +1,11 @@
 """`pagedserve serve`: the three ports over the model registry, until SIGTERM or SIGINT.
 
 Start: refuse an insecure configuration (token authorization off on a non-loopback address
-without --allow-insecure), write the key file, open the startup archives (a bad one stops the
-start with a clear error), then listen on the inference, management and metrics addresses, each
-with its connection limits (server.connections). The inference app's `cleanup_ctx` (`lifecycle`)
+without --allow-insecure), choose the keys (given, kept from the key file, or generated), open
+the startup archives (a bad one stops the start with a clear error), then listen on the
+inference, management and metrics addresses, each with its connection limits
+(server.connections), and only then write the key file (a start that cannot bind its ports
+leaves a running server's key file alone). The inference app's `cleanup_ctx` (`lifecycle`)
 owns the registry, the workers and the thread pool: on start it restores the snapshot and
 registers the `load_models` archives in the background (the ports already answer; /ready turns
 200 once every version that should serve has a ready worker); on stop it stops them.
@@ -29,10 +31,11 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from server.archives import LoadedArchive, resolve_url
-from server.auth import ApiKeys, write_key_file
+from server.auth import KeyStore, choose_keys, write_key_file
 from server.config import ServerConfig, ServerConfigError, parse_address
 from server.connections import ConnectionLimits, GuardedAppRunner
 from server.inference_app import build_inference_app
+from server.lifecycle import BudgetCollector
 from server.management_app import build_management_app
 from server.metrics import ServerMetrics, build_metrics_app
 from server.registry import (
@@ -138,17 +141,18 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def build_state(config: ServerConfig, make_engine: EngineBuilder, keys: ApiKeys | None) -> ServerState:
+def build_state(config: ServerConfig, make_engine: EngineBuilder, keys: KeyStore | None) -> ServerState:
     """The state the three apps share: registry (no worker yet), metrics, thread pool, keys."""
     executor = ThreadPoolExecutor(config.frontend_threads, thread_name_prefix="pagedserve-fe")
     registry = ModelRegistry(executor, make_engine,
                              allow_custom_handlers=config.allow_custom_handlers,
                              default_workers=config.default_workers_per_model,
-                             job_queue_size=config.job_queue_size)
-    return ServerState(config=config, registry=registry,
-                       metrics=ServerMetrics(versions=registry.all_versions),
-                       inference_key=keys.inference if keys else None,
-                       management_key=keys.management if keys else None, executor=executor)
+                             job_queue_size=config.job_queue_size,
+                             memory_budget=config.memory_budget, keep_alive=config.keep_alive)
+    metrics = ServerMetrics(versions=registry.all_versions, vllm=config.vllm_metrics)
+    metrics.registry.register(BudgetCollector(registry.lifecycle))
+    return ServerState(config=config, registry=registry, metrics=metrics, keys=keys,
+                       executor=executor)
 
 
 def connection_limits(config: ServerConfig) -> ConnectionLimits:
@@ -176,8 +180,15 @@ class Server:
         config = self.config
         check_secure(config)
         models = startup_models(config)  # errors here stop the start before anything listens
-        keys = None if config.disable_token_auth else ApiKeys.generate()
-        key_path = write_key_file(config.key_file, keys) if keys else None
+        keys, write_keys = None, False
+        if not config.disable_token_auth:
+            try:
+                chosen, write_keys = choose_keys(config.key_file, inference=config.inference_key,
+                                                 management=config.management_key,
+                                                 keep_key_file=config.keep_key_file)
+            except ValueError as exc:
+                raise ServerConfigError(str(exc)) from None
+            keys = KeyStore(chosen, Path(config.key_file).expanduser().absolute())
         self.state = state = build_state(config, self._make_engine, keys)
         restored = self.snapshot.load() if self.snapshot and config.restore_snapshot else []
         opened = [(m, await state.registry.open(m.path)) for m in models]
@@ -203,9 +214,11 @@ class Server:
             await web.TCPSite(runner, host, port).start()
             self.ports[name] = port = runner.addresses[0][1]  # the real one when 0 was asked
             self.out(f"pagedserve: {name} API listening on http://{host}:{port}")
-        if key_path:
-            self.out(f"pagedserve: token authorization on; keys in {key_path} "
-                     "(send 'Authorization: Bearer <key>')")
+        if keys is not None:
+            if write_keys:  # only now that every port is ours
+                write_key_file(keys.path, keys.keys)
+            self.out(f"pagedserve: token authorization on; keys in {keys.path} "
+                     f"({'written' if write_keys else 'kept'}; send 'Authorization: Bearer <key>')")
         else:
             self.out("pagedserve: token authorization is OFF (--disable-token-auth)")
 
@@ -213,10 +226,11 @@ class Server:
         """The snapshot's models, then the `load_models` archives (the lifecycle's task)."""
         registry = self.state.registry
         registry.on_change = self._rebalance_threads
+        registry.lifecycle.progress = self.out  # a line per worker ready while starting
         try:
             await self._restore(restored)
-            for model, archive in opened:
-                await self._register_startup(archive, model.url, model.name)
+            await asyncio.gather(*(self._register_startup(archive, model.url, model.name)
+                                   for model, archive in opened))  # in parallel, in the budget
         except Exception:  # a bug: the server keeps serving what did register
             logger.exception("the startup registrations failed")
         self._save_snapshot()
@@ -226,30 +240,34 @@ class Server:
         self.out(f"pagedserve: ready ({len(registry.all_versions())} model version(s) registered)")
 
     async def _restore(self, entries) -> None:
+        """Every snapshot entry at once: workers start in parallel, within the memory budget."""
+        await asyncio.gather(*(self._restore_one(e) for e in entries))
+
+    async def _restore_one(self, e) -> None:
         registry = self.state.registry
         store = self.config.model_store_path
-        for e in entries:
+        try:
+            path = resolve_url(e.url, store, self.config.allowed_urls)
+            archive = await registry.open(path)
             try:
-                path = resolve_url(e.url, store, self.config.allowed_urls)
-                archive = await registry.open(path)
-                try:
-                    entry = await registry.register(
-                        archive, url=e.url, name=e.name, initial_workers=e.min_workers,
-                        max_workers=e.max_workers, synchronous=True, make_default=e.default)
-                except WorkerStartFailed as exc:
-                    # Registered all the same: its workers keep retrying with back-off
-                    # (describe shows lastError) rather than the registration being lost.
-                    logger.error("snapshot: workers of %s %s failed to start (%s); retrying in "
-                                 "the background", e.name, e.version, exc)
-                    entry = await registry.register(
-                        archive, url=e.url, name=e.name, initial_workers=e.min_workers,
-                        max_workers=e.max_workers, synchronous=False, make_default=e.default)
-                entry.loaded_at_startup = True
-                self.out(f"pagedserve: restored {e.name} {e.version} from the snapshot")
-            except (OSError, ValueError, RuntimeError) as exc:
-                logger.error("snapshot: could not restore %s %s: %s; it stays in the snapshot "
-                             "for the next start", e.name, e.version, exc)
-                self.snapshot.carry(e)
+                entry = await registry.register(
+                    archive, url=e.url, name=e.name, initial_workers=e.min_workers,
+                    max_workers=e.max_workers, synchronous=True, make_default=e.default)
+            except WorkerStartFailed as exc:
+                # Registered all the same: its workers keep retrying with back-off
+                # (describe shows lastError) rather than the registration being lost.
+                logger.error("snapshot: workers of %s %s failed to start (%s); retrying in "
+                             "the background", e.name, e.version, exc)
+                entry = await registry.register(
+                    archive, url=e.url, name=e.name, initial_workers=e.min_workers,
+                    max_workers=e.max_workers, synchronous=False, make_default=e.default)
+            entry.loaded_at_startup = True
+            await registry.lifecycle.restore(entry, e.state, e.pinned)
+            self.out(f"pagedserve: restored {e.name} {e.version} from the snapshot")
+        except (OSError, ValueError, RuntimeError) as exc:
+            logger.error("snapshot: could not restore %s %s: %s; it stays in the snapshot "
+                         "for the next start", e.name, e.version, exc)
+            self.snapshot.carry(e)
 
     async def _register_startup(self, archive: LoadedArchive, url: str, name: str | None) -> None:
         try:

@@ -31,6 +31,19 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-custom-handlers", action="store_true", default=None,
                    help="accept archives that ship handler code")
     p.add_argument("--key-file", metavar="FILE", help="where to write the keys (key_file.json)")
+    p.add_argument("--inference-key", metavar="KEY",
+                   help="use this inference key instead of a generated one (or PAGEDSERVE_INFERENCE_KEY)")
+    p.add_argument("--management-key", metavar="KEY",
+                   help="use this management key instead of a generated one (or PAGEDSERVE_MANAGEMENT_KEY)")
+    p.add_argument("--keep-key-file", action="store_true", default=None,
+                   help="reuse the keys of an existing key file instead of generating new ones")
+    p.add_argument("--health-needs-token", action="store_true", default=None,
+                   help="the health probes (/ping, /live, /ready, /v2/health/*) need the inference key")
+    p.add_argument("--vllm-metrics", action="store_true", default=None,
+                   help="also expose vLLM's metric names (vllm:..., label model_name) on the "
+                        "metrics port, for vLLM's Grafana dashboards")
+    p.add_argument("--memory-budget", metavar="SIZE",
+                   help="memory all workers may take together, e.g. 12GiB (default: 75%% of RAM)")
     p.add_argument("--ncs", "--no-config-snapshots", dest="restore_snapshot",
                    action="store_false", default=None,
                    help="do not restore the snapshot of registered models at start")
@@ -48,11 +61,29 @@ def run(args: argparse.Namespace) -> int:
              "allow_insecure": args.allow_insecure,
              "enable_model_api": args.enable_model_api,
              "allow_custom_handlers": args.allow_custom_handlers,
-             "key_file": args.key_file, "restore_snapshot": args.restore_snapshot}
+             "key_file": args.key_file, "restore_snapshot": args.restore_snapshot,
+             "inference_key": args.inference_key, "management_key": args.management_key,
+             "keep_key_file": args.keep_key_file, "health_needs_token": args.health_needs_token,
+             "vllm_metrics": args.vllm_metrics, "memory_budget": args.memory_budget}
     config = load_server_config(args.config, overrides={k: v for k, v in flags.items()
                                                         if v is not None})
+    build_kernels_first()
     try:
         return run_serve(config)
     except OSError as exc:  # e.g. an address already in use
         print(f"pagedserve: error: {exc}", file=sys.stderr)
         return 1
+
+
+def build_kernels_first() -> None:
+    """Build the CPU kernels here, once, if the install did not (`pagedserve prepare`): a
+    worker that had to build them would spend its start-up timeout on it, and several workers
+    would wait on one another's build. Silent when they are built (or on a CUDA machine, whose
+    workers do not use them)."""
+    import torch
+
+    from server.prepare import build_missing_kernels
+
+    if not torch.cuda.is_available():
+        build_missing_kernels(lambda line: print(line, flush=True),
+                              why="; `pagedserve prepare`, which .ci/install runs, does it at install time")

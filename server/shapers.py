@@ -14,6 +14,7 @@ from engine.outputs import RequestOutput
 from handlers.base_handler import BaseHandler, HandlerError
 from handlers.deltas import ChoiceDelta
 from handlers.llm_output import prediction_chunk, prediction_response, timings, usage
+from handlers.openai_embeddings import EmbeddingsRequest, embeddings_response
 from handlers.openai_responses import OpenAIFormatter
 from server.errors import ERROR_TYPES, error_body
 from server.generation import ErrorReply
@@ -92,15 +93,42 @@ class OpenAIShaper:
     def opening(self, n: int) -> dict[str, Any] | None:
         return self.formatter.first_chunk(n)
 
-    def chunk(self, deltas: list[ChoiceDelta]) -> dict[str, Any]:
-        return self.formatter.delta_chunk(deltas)
+    def chunk(self, deltas: list[ChoiceDelta]) -> list[dict[str, Any]]:
+        return self.formatter.delta_chunks(deltas)
 
     def closing(self, deltas: list[ChoiceDelta], out: RequestOutput, total_s: float) -> list[dict[str, Any]]:
-        chunks = [self.formatter.delta_chunk(deltas)]
+        chunks = self.formatter.delta_chunks(deltas) or [self.formatter.chunk([])]
         if self.formatter.request.include_usage:
             chunks.append(self.formatter.usage_chunk(out))
         chunks[-1]["timings"] = timings(out, total_s)
         return chunks
+
+    def error(self, code: int, message: str) -> dict[str, Any]:
+        return openai_error(code, message)
+
+
+@dataclass(slots=True)
+class EmbeddingsShaper:
+    """/v1/embeddings: answered whole only (there is nothing to stream)."""
+
+    request: EmbeddingsRequest
+    model: str  # the name the client asked for
+    stream_format: StreamFormat = StreamFormat.SSE
+
+    def whole(self, out: RequestOutput, total_s: float) -> dict[str, Any]:
+        try:
+            return embeddings_response(self.request, self.model, out)
+        except HandlerError as exc:
+            raise ErrorReply.from_handler_error(exc) from None
+
+    def opening(self, n: int) -> None:
+        return None
+
+    def chunk(self, deltas: list[ChoiceDelta]) -> dict[str, Any]:
+        raise NotImplementedError("embeddings are not streamed")
+
+    def closing(self, deltas: list[ChoiceDelta], out: RequestOutput, total_s: float) -> list[dict[str, Any]]:
+        raise NotImplementedError("embeddings are not streamed")
 
     def error(self, code: int, message: str) -> dict[str, Any]:
         return openai_error(code, message)

@@ -1,7 +1,9 @@
 """Snapshots of the registered models, so registrations survive a restart.
 
-The file holds, per model version: name, version, archive URL, min/max workers and whether it
-is the default version (one `SnapshotEntry`). The registry saves it before each change takes
+The file holds, per model version: name, version, archive URL, min/max workers, whether it
+is the default version, its lifecycle state (loaded, sleeping or unloaded) and whether it is
+pinned (one `SnapshotEntry`; the last two default to "loaded" and unpinned, as in files
+written before they existed). The registry saves it before each change takes
 effect (`server.safe_write`: an O_EXCL|O_NOFOLLOW temporary file, fsync, rename, fsync of the
 folder), and a failed save undoes the change (`server.registry.SaveFailedError`). It is read
 back at start. An entry that could not be restored — malformed (a wrong type, a missing key, a
@@ -15,10 +17,11 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 
+from server.lifecycle import state_of
 from server.management_params import MAX_WORKERS
 from server.registry import MAX_NAME_LENGTH, NAME_PATTERN, VERSION_PATTERN
 from server.safe_write import write_atomically
@@ -44,6 +47,8 @@ class SnapshotEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     min_workers: Workers
     max_workers: Workers
     default: bool
+    state: Literal["loaded", "sleeping", "unloaded"] = "loaded"
+    pinned: bool = False
 
 
 def entries_of(registry: ModelRegistry) -> list[SnapshotEntry]:
@@ -52,8 +57,14 @@ def entries_of(registry: ModelRegistry) -> list[SnapshotEntry]:
         for version in sorted(model.versions):
             v = model.versions[version]
             out.append(SnapshotEntry(v.name, v.version, v.url, v.min_workers, v.max_workers,
-                                     version == model.default_version))
+                                     version == model.default_version, _saved_state(v), v.pinned))
     return out
+
+
+def _saved_state(v: Any) -> str:
+    """What a restart should bring back: a version loading now counts as loaded."""
+    state = state_of(v)
+    return "loaded" if state == "loading" else state
 
 
 def _key(raw: Any) -> tuple[Any, Any] | None:

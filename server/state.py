@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from server.adapters import AdapterRegistry
+from server.auth import Api, KeyStore
 from server.config import ServerConfig
 from server.limits import RequestLimits
 from server.metrics import ServerMetrics
@@ -58,12 +59,19 @@ class ServerState:
     config: ServerConfig
     registry: ModelRegistry
     metrics: ServerMetrics
-    inference_key: str | None  # None: token authorization is off
-    management_key: str | None
+    keys: KeyStore | None  # None: token authorization is off
     executor: concurrent.futures.ThreadPoolExecutor  # tokenization etc. off the event loop
     limits: RequestLimits = field(default_factory=RequestLimits)  # grammar checks, prompt bounds
     drain: Drain = field(default_factory=Drain)
     adapters: AdapterRegistry = field(default_factory=AdapterRegistry)  # LoRA adapters on the models' workers
+
+    @property
+    def inference_key(self) -> str | None:
+        return self.keys.key(Api.INFERENCE) if self.keys else None
+
+    @property
+    def management_key(self) -> str | None:
+        return self.keys.key(Api.MANAGEMENT) if self.keys else None
 
     @property
     def draining(self) -> bool:
@@ -75,7 +83,8 @@ class ServerState:
         scaled to 0 workers on purpose is not a failure."""
         registry = self.registry
         return (registry.startup_done and not self.drain.draining
-                and all(v.pool.ready_engines() for v in registry.all_versions() if v.min_workers > 0))
+                and all(v.pool.ready_engines() or v.pool.sleeping_slots()
+                        for v in registry.all_versions() if v.min_workers > 0))
 
 
 STATE_KEY = web.AppKey("pagedserve_state", ServerState)

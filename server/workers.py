@@ -13,6 +13,7 @@ Scaling down picks idle workers first and lets their requests finish before stop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import os
@@ -44,7 +45,12 @@ class WorkerStatus(str, enum.Enum):
     READY = "READY"
     UNLOADING = "UNLOADING"
     RESTARTING = "RESTARTING"  # died; waiting out the back-off before starting again
+    SLEEPING = "SLEEPING"  # weights and KV pool freed, the process kept (server.lifecycle)
     STOPPED = "STOPPED"
+
+
+class NoWorkerError(RuntimeError):
+    """A version has no ready worker right now (503)."""
 
 
 class WorkerStartFailed(RuntimeError):
@@ -63,6 +69,8 @@ class WorkerSlot:
     last_error: str | None = None
     task: asyncio.Task | None = None  # the start / restart in progress
     starting: bool = False  # inside engine.start(): its threads own the engine's sockets
+    overhead: int | None = None  # measured when ready: RSS minus weights and KV pool
+    sleep_rss: int | None = None  # RSS measured after falling asleep
 
     @property
     def is_ready(self) -> bool:
@@ -77,12 +85,14 @@ class WorkerPool:
     """The workers of one model version."""
 
     def __init__(self, label: str, make_engine: EngineFactory, next_id: Callable[[], str],
-                 startup_timeout: float, on_change: Callable[[], None] | None = None) -> None:
+                 startup_timeout: float, on_change: Callable[[], None] | None = None,
+                 on_ready: Callable[[WorkerSlot], None] | None = None) -> None:
         self.label = label  # "model/version", for logs and worker names
         self._make_engine = make_engine
         self._next_id = next_id
         self._startup_timeout = startup_timeout
         self._on_change = on_change or (lambda: None)
+        self._on_ready = on_ready or (lambda slot: None)  # each time a worker becomes ready
         self.slots: list[WorkerSlot] = []
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
@@ -94,9 +104,16 @@ class WorkerPool:
     def active_slots(self) -> list[WorkerSlot]:
         return [s for s in self.slots if s.status is not WorkerStatus.UNLOADING]
 
+    def sleeping_slots(self) -> list[WorkerSlot]:
+        return [s for s in self.slots if s.status is WorkerStatus.SLEEPING]
+
     @property
     def size(self) -> int:
         return len(self.active_slots())
+
+    def changed(self) -> None:
+        """Tell the owner the workers changed (a worker put to sleep or woken)."""
+        self._on_change()
 
     # -- scaling -------------------------------------------------------------------------
     async def scale_to(self, n: int, *, wait: bool) -> None:
@@ -104,15 +121,20 @@ class WorkerPool:
         `WorkerStartFailed` if one cannot start; it is removed) and removed ones are stopped."""
         active = self.active_slots()
         if n > len(active):
-            new = [self._add_slot(give_up=wait) for _ in range(n - len(active))]
+            new = self.add_workers(n - len(active), give_up=wait)
             if wait:
-                await self._wait_started(new)
+                await self.wait_started(new)
         elif n < len(active):
             # Idle and not-yet-ready workers go first, then the least loaded.
             victims = sorted(active, key=lambda s: (s.is_ready, _load(s)))[: len(active) - n]
             stops = [self._spawn(self._unload(s)) for s in victims]
             if wait:
                 await asyncio.gather(*stops, return_exceptions=True)
+
+    def add_workers(self, n: int, *, give_up: bool) -> list[WorkerSlot]:
+        """Start `n` more workers (their slots exist when this returns); with `give_up` a
+        failed start is not retried (see `wait_started`)."""
+        return [self._add_slot(give_up=give_up) for _ in range(n)]
 
     def _add_slot(self, *, give_up: bool) -> WorkerSlot:
         slot = WorkerSlot(id=self._next_id())
@@ -121,7 +143,8 @@ class WorkerPool:
         self._on_change()
         return slot
 
-    async def _wait_started(self, slots: list[WorkerSlot]) -> None:
+    async def wait_started(self, slots: list[WorkerSlot]) -> None:
+        """Wait for `slots` to start; WorkerStartFailed (they are removed) if any did not."""
         await asyncio.gather(*(s.task for s in slots if s.task), return_exceptions=True)
         failed = [s for s in slots if not s.is_ready]
         if failed:
@@ -163,9 +186,16 @@ class WorkerPool:
             slot.status = WorkerStatus.READY
             slot.ready_since = time.monotonic()
             slot.last_error = None
+            self._on_ready(slot)
             logger.info("worker %s of %s ready (pid %s)", slot.id, self.label, engine.pid)
             self._on_change()
             return
+
+    def restart(self, slot: WorkerSlot) -> None:
+        """Replace a worker that is alive but unusable (it failed to wake): kill it, start anew."""
+        if slot.engine is not None and slot.engine.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(slot.engine.pid, signal.SIGKILL)  # the output thread reports the death
 
     def _on_dead(self, engine: AsyncLLM) -> None:
         """Called on the event loop when a worker process is found dead."""

@@ -12,12 +12,14 @@ import os
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.kv_quant import KVCacheDtype
 
 BACKEND_NAMES = ("auto", "torch", "triton")
 
 
-def select_backend(device: str | torch.device, name: str = "auto") -> AttentionBackend:
-    """The attention backend `name` for `device`.
+def select_backend(device: str | torch.device, name: str = "auto",
+                   kv_dtype: KVCacheDtype = KVCacheDtype.AUTO) -> AttentionBackend:
+    """The attention backend `name` for `device`, storing the KV cache as `kv_dtype`.
 
     "auto": the Triton kernel on CUDA (when triton is installed), the torch backend (with the
     compiled CPU decode kernel where it builds) on CPU. "triton" on a CPU needs Triton's
@@ -29,21 +31,21 @@ def select_backend(device: str | torch.device, name: str = "auto") -> AttentionB
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
     if name == "triton" or (name == "auto" and device.type == "cuda" and _triton_installed()):
-        return _triton_backend(device)
+        return _triton_backend(device, kv_dtype)
     from engine.attention.torch_backend import TorchAttentionBackend
 
     if device.type == "cpu":
         from kernels.cpu_paged_attention import load_cpu_kernels
 
-        return TorchAttentionBackend(cpu_kernels=load_cpu_kernels())
-    return TorchAttentionBackend()
+        return TorchAttentionBackend(cpu_kernels=None if kv_dtype.quantized else load_cpu_kernels(), kv_dtype=kv_dtype)
+    return TorchAttentionBackend(kv_dtype=kv_dtype)
 
 
 def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _triton_backend(device: torch.device) -> AttentionBackend:
+def _triton_backend(device: torch.device, kv_dtype: KVCacheDtype) -> AttentionBackend:
     if not _triton_installed():
         raise ValueError("the triton attention backend needs the triton package")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
@@ -51,4 +53,4 @@ def _triton_backend(device: torch.device) -> AttentionBackend:
                          "interpreter (set TRITON_INTERPRET=1; slow, for tests)")
     from engine.attention.triton_backend import TritonAttentionBackend
 
-    return TritonAttentionBackend()
+    return TritonAttentionBackend(kv_dtype)

@@ -10,6 +10,11 @@ Prefills and prefill chunks run one sequence at a time with SDPA; with the compi
 chunks of at most SHORT_CHUNK_TOKENS tokens (speculative verification) run instead as one kernel
 row per token, together with the decodes.
 
+With a quantized KV cache (`kv_cache_dtype` fp8_e4m3 / int8) the compiled decode kernel is not
+used (it reads model-dtype caches only): decodes take the gather + SDPA path, de-quantizing the
+gathered rows, and every prefill, whole prompts included, reads its keys/values back from the
+cache, so a prompt sees the same (quantized) K/V whether or not its prefix was cached.
+
 On glibc the speed can depend heavily on the allocator: the process that runs the model tunes
 it once (`engine.process_setup.tune_glibc_malloc`). Without it one process ran the batch-64
 decode path in 24 ms instead of 2.5 ms (2 threads, page faults on every temporary); another showed no difference.
@@ -23,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.kv_quant import KVCacheDtype
 from engine.attention.metadata import AttentionMetadata
 from kernels.cpu_paged_attention import paged_decode_attention
 
@@ -144,11 +150,13 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def __init__(self, cpu_kernels=None) -> None:
+    def __init__(self, cpu_kernels=None, kv_dtype: KVCacheDtype = KVCacheDtype.AUTO) -> None:
+        super().__init__(kv_dtype)
         self._plan: _DecodePlan | None = None
         self._short: _ShortChunks | None = None
-        # The compiled CPU decode kernel (kernels.cpu_paged_attention), or None for pure torch.
-        self._cpu_kernels = cpu_kernels
+        # The compiled CPU decode kernel (kernels.cpu_paged_attention), or None for pure torch;
+        # it reads model-dtype caches only.
+        self._cpu_kernels = None if kv_dtype.quantized else cpu_kernels
 
     def attend(
         self,
@@ -210,13 +218,12 @@ class TorchAttentionBackend(AttentionBackend):
             out.index_copy_(0, rows, self._decode_group(query.index_select(0, rows), kv_cache, group, scale))
         return out
 
-    @staticmethod
-    def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup, scale: float) -> torch.Tensor:
+    def _decode_group(self, query: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup, scale: float) -> torch.Tensor:
         batch, num_heads, head_dim = query.shape
-        num_kv_heads = kv_cache.shape[3]
+        num_kv_heads, width = kv_cache.shape[3:]
         shape = (batch, num_kv_heads, group.length, head_dim)
-        k = kv_cache[0].view(-1, head_dim).index_select(0, group.rows).view(shape)
-        v = kv_cache[1].view(-1, head_dim).index_select(0, group.rows).view(shape)
+        k = self.read_kv(kv_cache[0].view(-1, width).index_select(0, group.rows), query.dtype).view(shape)
+        v = self.read_kv(kv_cache[1].view(-1, width).index_select(0, group.rows), query.dtype).view(shape)
         q = query.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
         return out.reshape(batch, num_heads, head_dim)
@@ -232,22 +239,25 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         """One sequence's chunk of `query_len` tokens that ends its context of `seq_len` tokens."""
-        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        _, _, block_size, num_kv_heads, width = kv_cache.shape
         query_len, seq_len = meta.query_lens[seq], meta.seq_lens[seq]
         num_heads = query.shape[1]
         # 4-D [1, heads, len, head_dim]: torch's CPU flash kernel takes 4-D inputs only; 3-D ones
         # fell back to a path measured 7-10x slower (bf16, GQA, 200-512 tokens).
         q = query.transpose(0, 1)[None]
         gqa = num_heads != num_kv_heads
+        if query_len == seq_len and not self.kv_dtype.quantized:
+            k, v = key.transpose(0, 1)[None], value.transpose(0, 1)[None]
+        else:
+            num_blocks = (seq_len + block_size - 1) // block_size
+            blocks = meta.block_tables[seq, :num_blocks]
+            k = self.read_kv(kv_cache[0].index_select(0, blocks).view(-1, num_kv_heads, width)[:seq_len], query.dtype)
+            v = self.read_kv(kv_cache[1].index_select(0, blocks).view(-1, num_kv_heads, width)[:seq_len], query.dtype)
+            k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         if query_len == seq_len:
             # The chunk is the whole context: is_causal (top-left aligned) is right.
-            k, v = key.transpose(0, 1)[None], value.transpose(0, 1)[None]
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
             return out[0].transpose(0, 1)
-        num_blocks = (seq_len + block_size - 1) // block_size
-        blocks = meta.block_tables[seq, :num_blocks]
-        k = kv_cache[0].index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)[None]
-        v = kv_cache[1].index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)[None]
         # Bottom-right aligned causal mask: query row r sits at position seq_len - query_len + r.
         device = query.device
         first = seq_len - query_len

@@ -1,7 +1,8 @@
 """Paged attention through the Triton kernel (kernels.triton_paged_attention): the GPU path.
 
 After the base class has written the step's keys/values into the cache, one kernel launch
-attends every query token of the step (decodes, prefill chunks and whole prompts alike). On a
+attends every query token of the step (decodes, prefill chunks and whole prompts alike), reading
+every key/value from the cache (de-quantized in the kernel when the cache is quantized). On a
 CPU it runs only in Triton's interpreter, for tests.
 """
 
@@ -28,5 +29,5 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         return paged_attention(
             query, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens_tensor,
-            meta.query_start_loc, meta.max_query_len, scale,
+            meta.query_start_loc, meta.max_query_len, scale, kv_quant=self.kv_dtype.value,
         )

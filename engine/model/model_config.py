@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import types
 import typing
 from dataclasses import dataclass, field
@@ -24,8 +25,10 @@ import yaml
 from msgspec import Meta
 
 from engine.config import EngineConfig
+from engine.model import vllm_config
 from engine.schema import SchemaError, convert
 
+logger = logging.getLogger(__name__)
 MAX_CONFIG_BYTES = 1 << 20  # a model-config.yaml is a few lines; refuse to parse a huge one
 MAX_WORKERS = 64
 MAX_TIMEOUT_S = 86_400
@@ -61,7 +64,7 @@ _Seconds = Annotated[int, Meta(ge=1, le=MAX_TIMEOUT_S)]
 class ModelConfigFile(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     """The declaration of the file's frontend keys (field min_workers is key minWorkers)."""
 
-    min_workers: _Workers = 1
+    min_workers: Annotated[int, Meta(ge=0, le=MAX_WORKERS)] = 1  # 0: loaded on demand
     max_workers: _Workers = 1
     response_timeout: _Seconds = 120  # seconds
     startup_timeout: _Seconds = 120  # seconds
@@ -71,6 +74,11 @@ class ModelConfigFile(msgspec.Struct, forbid_unknown_fields=True, rename="camel"
     job_queue_size: Annotated[int, Meta(ge=1, le=1 << 20)] = 100
     # How /v1/chat/completions reads tool calls the model wrote (handlers.openai_tools).
     tool_parser: typing.Literal["hermes", "llama3_json", "pythonic"] = "hermes"
+    # Seconds a version with minWorkers 0 stays loaded after its last request (negative:
+    # forever); None: the server's keep_alive.
+    keep_alive: Annotated[float, Meta(ge=-1, le=MAX_TIMEOUT_S)] | None = None
+    # How the front end picks among the version's workers (server.routing).
+    routing: typing.Literal["least_loaded", "prefix_affinity"] = "least_loaded"
     handler: dict[str, Any] | None = None
 
 
@@ -127,6 +135,8 @@ class ModelConfig:
     parallel_level: int = 1
     job_queue_size: int = 100
     tool_parser: str = "hermes"  # hermes, llama3_json or pythonic
+    keep_alive: float | None = None  # seconds; None: the server's keep_alive
+    routing: str = "least_loaded"  # least_loaded or prefix_affinity
     handler: dict[str, Any] = field(default_factory=dict)
     source: str = "model-config.yaml"  # the file name used in error messages
 
@@ -151,6 +161,12 @@ class ModelConfig:
         if not isinstance(data, dict):
             raise ModelConfigError(f"{source}: the top level must be a mapping of keys, "
                                    f"got {type(data).__name__}")
+        try:  # a config written for TorchServe's vllm_handler: its keys read as ours
+            data, warnings = vllm_config.translate(data, source)
+        except ValueError as exc:
+            raise ModelConfigError(str(exc)) from None
+        for warning in warnings:
+            logger.warning("%s", warning)
         for key in data:
             if key != "handler" and key not in _FRONTEND_KEYS:
                 raise ModelConfigError(f"{source}: unknown key {key!r}; allowed keys: "

@@ -8,6 +8,7 @@ import torch
 
 from engine.lora.request import LoRARequest
 from engine.outputs import FinishReason
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -21,6 +22,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None
     lora: LoRARequest | None = None  # the request's adapter (None: the base model)
 
 
@@ -66,10 +68,12 @@ class Logprobs:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """Sampled tokens of the requests that reached the end of their known tokens this step."""
+    """Sampled tokens of the requests that reached the end of their known tokens this step,
+    and the pooled vectors of the pooling requests that reached the end of their prompt."""
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -88,6 +92,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     num_external_cached_tokens: int = 0  # prompt tokens restored from KV offload (LMCache)
     first_scheduled_time: float | None = None  # time.monotonic() in the engine process (same clock host-wide)
+    pooled: list[float] | None = None  # a pooling request's vector (it finishes with it)
 
     @property
     def finished(self) -> bool:

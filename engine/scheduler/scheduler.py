@@ -239,6 +239,7 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=self.kv.get_block_ids(request.request_id),
                 num_computed_tokens=request.num_computed_tokens,
+                pooling_params=request.pooling_params,
                 lora=request.lora,
             )
         )
@@ -280,8 +281,10 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Append sampled tokens, apply token-level stop conditions, free finished requests."""
-        outputs = []
+        """Append sampled tokens, apply token-level stop conditions, free finished requests
+        (a pooling request finishes with its pooled vector)."""
+        outputs = [self._finish_pooled(req_id, pooled) for req_id, pooled in runner_output.pooled.items()
+                   if req_id in self.requests and self.requests[req_id].status is RequestStatus.RUNNING]
         for req_id, token_ids in runner_output.sampled_token_ids.items():
             request = self.requests.get(req_id)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -327,6 +330,15 @@ class Scheduler:
                 )
             )
         return outputs
+
+    def _finish_pooled(self, req_id: str, pooled: list[float]) -> EngineCoreOutput:
+        request = self.requests[req_id]
+        self.running.remove(request)
+        self._free(request, RequestStatus.FINISHED_STOPPED)
+        return EngineCoreOutput(request_id=req_id, new_token_ids=[], finish_reason=FinishReason.STOP, pooled=pooled,
+                                num_cached_tokens=request.num_cached_tokens,
+                                num_external_cached_tokens=request.num_external_cached_tokens,
+                                first_scheduled_time=request.first_scheduled_time)
 
     def _check_stop(self, request: Request) -> FinishReason | None:
         params = request.sampling_params

@@ -131,3 +131,12 @@ def test_priority_is_validated(llm):
         llm.generate([COUNT, COUNT], greedy(max_tokens=2), priority=[1])
     outs = llm.generate([COUNT, COUNT], greedy(max_tokens=3), priority=[1, 0])
     assert [o.outputs[0].text for o in outs] == [" 5,", " 5,"]
+
+
+def test_embed_text_and_token_prompts(llm):
+    ids = llm.tokenizer.encode(COUNT, add_special_tokens=False)
+    text, tokens, other = llm.embed([COUNT, ids, "The capital of Germany is"])
+    assert len(text) == llm.engine.hf_config["hidden_size"] and sum(x * x for x in text) == pytest.approx(1.0)
+    assert text == pytest.approx(tokens, abs=1e-5)  # the same prompt as text or token ids
+    assert sum(a * b for a, b in zip(text, other)) < 0.99  # a different prompt, a different vector
+    assert_engine_idle(llm)

@@ -102,7 +102,7 @@ def test_handler_options_are_for_the_handler_not_the_engine(tmp_path):
     ("handler:\n  prefix_cache_hash: md5\n", "handler.prefix_cache_hash: choose one of ['sha256', 'builtin'], got 'md5'"),
     ("handler:\n  scheduling_policy: lifo\n", "handler.scheduling_policy: choose one of ['fcfs', 'priority'], got 'lifo'"),
     ("handler:\n  seed: -1\n", "handler.seed: must be >= 0, got -1"),
-    ("minWorkers: 0\n", "minWorkers: must be >= 1, got 0"),
+    ("minWorkers: -1\n", "minWorkers: must be >= 0, got -1"),
     ("jobQueueSize: -5\n", "jobQueueSize: must be >= 1, got -5"),
     ("minWorkers: 3\nmaxWorkers: 2\n", "minWorkers: must not exceed maxWorkers (2), got 3"),
     ("deviceType: tpu\n", "deviceType: choose one of 'cpu', 'gpu', got 'tpu'"),

@@ -187,7 +187,7 @@ def test_openai_shapes():
     cmpl = OpenAIFormatter(parse_completion_request({"model": "m", "prompt": "x", "logprobs": 2, "stream": True,
                                                      "stream_options": {"include_usage": True}}), "cmpl-1", "m", 1)
     deltas = DeltaTracker().update(out)
-    chunk = cmpl.delta_chunk(deltas)
+    [chunk] = cmpl.delta_chunks(deltas)
     assert chunk["object"] == "text_completion" and chunk["usage"] is None
     logprobs = chunk["choices"][0]["logprobs"]
     assert logprobs["tokens"] == ["a"] and logprobs["top_logprobs"] == [{"b": -0.1, "a": -0.5}]

@@ -110,3 +110,40 @@ def test_required_and_named_outputs_are_read_as_json():
     named = chat(tool_choice={"type": "function", "function": {"name": "get_time"}}).tools
     [call] = parse_output('{"zone":"UTC"}', named, ToolParser.PYTHONIC).calls
     assert (call.name, call.arguments) == ("get_time", '{"zone":"UTC"}')
+
+
+def test_streamed_calls_are_sent_as_openai_streams_them_and_the_sdk_reassembles_them():
+    streaming = pytest.importorskip("openai.lib.streaming.chat")
+    from openai.types.chat import ChatCompletionChunk
+
+    from engine.outputs import CompletionOutput, FinishReason, RequestOutput
+    from handlers.deltas import DeltaTracker
+    from handlers.openai_responses import OpenAIFormatter
+
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris, France", "days": 2}}\n</tool_call>' \
+           '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    formatter = OpenAIFormatter(chat(stream=True), "chatcmpl-1", "m", 1)
+    tracker, chunks = DeltaTracker(), [formatter.first_chunk(1)]
+    for end in (10, 40, len(text)):  # held while the choice runs: no chunk until it finishes
+        out = RequestOutput("r", None, [1], [CompletionOutput(0, text[:end], [1] * end)])
+        if end == len(text):
+            out.outputs[0].finish_reason, out.finished = FinishReason.STOP, True
+        sent = formatter.delta_chunks(tracker.update(out))
+        assert bool(sent) == out.finished
+        chunks += sent
+    deltas = [c["choices"][0]["delta"] for c in chunks[1:]]
+    head = deltas[0]["tool_calls"][0]
+    assert head["index"] == 0 and head["id"].startswith("call_") and head["type"] == "function"
+    assert head["function"] == {"name": "get_weather", "arguments": ""}
+    pieces = [d["tool_calls"][0]["function"]["arguments"] for d in deltas[1:4]]
+    assert pieces == ['{"city": "Paris,', ' France",', ' "days": 2}']  # fragments after the head
+    assert all(set(d["tool_calls"][0]) == {"index", "function"} for d in deltas[1:4])
+    assert deltas[4]["tool_calls"][0]["function"]["name"] == "get_time" and deltas[-1] == {}
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["tool_calls"]
+    state = streaming.ChatCompletionStreamState()
+    for chunk in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    [choice] = state.get_final_completion().choices
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"city": "Paris, France", "days": 2}), ("get_time", {"zone": "UTC"})]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content

@@ -67,8 +67,8 @@ def test_openai_routes_answer_every_error_in_openai_shape(server, path):
 
 
 def test_unknown_paths_are_shaped_by_where_they_point(server):
-    error = openai_error(server.get("inference", "/v1/embeddings"), 404)
-    assert "/v1/embeddings" in error["message"]
+    error = openai_error(server.get("inference", "/v1/nothing"), 404)
+    assert "/v1/nothing" in error["message"]
     assert "/nothing" in torchserve_error(server.get("inference", "/nothing"), 404)["message"]
     assert torchserve_error(server.get("management", "/nothing"), 404)["type"] == "ResourceNotFoundException"
     torchserve_error(server.post("inference", f"/predictions/{TINY}", json={"prompt": "x"}, token=None), 401)

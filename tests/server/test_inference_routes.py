@@ -122,10 +122,7 @@ def test_bad_input_is_refused_with_4xx_and_the_worker_keeps_serving(server):
     assert server_errors(server) == errors_before
 
 
-ROUTES = [
-    ("GET", "/ping", None),
-    ("GET", "/live", None),
-    ("GET", "/ready", None),
+ROUTES = [  # the health probes answer without a token (tests/server/test_probes_and_keys.py)
     ("GET", "/v1/models", None),
     ("GET", f"/predictions/{TINY}/1.0/v1/models", None),
     ("POST", f"/predictions/{TINY}", {"prompt": "x", "max_tokens": 1}),

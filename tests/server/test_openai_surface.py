@@ -1,7 +1,9 @@
 """The OpenAI surface beyond chat and completions basics, through the official `openai` SDK
 against a real server with the default model: client.models.retrieve, a list of prompts on
 /v1/completions (OpenAI's choice numbering, whole and streamed), `echo`, `logit_bias`, and the
-Responses API (create, stream, json_schema, function tools, what it refuses)."""
+Responses API (create, stream, json_schema, function tools, what it refuses), and embeddings
+(shape, norm, identical and different texts, batches, base64 and float, what it refuses). Every
+error status through the SDK: test_openai_errors.py."""
 
 from __future__ import annotations
 
@@ -143,17 +145,40 @@ def test_responses_refusals(client, extra, param):
     assert param.split("[")[0] in err.value.message
 
 
-def test_error_statuses_parsed_by_the_sdk(server, client):
+# -- embeddings ----------------------------------------------------------------------------------
+
+def test_embeddings_through_the_sdk(server, client):
+    np = pytest.importorskip("numpy")
+    texts = ["The cat sat on the mat.", "Stock markets fell sharply today.", "The cat sat on the mat."]
+    r = client.embeddings.create(model=MODEL, input=texts)  # the SDK asks for base64 and decodes it
+    assert r.object == "list" and r.model == MODEL and [d.index for d in r.data] == [0, 1, 2]
+    vectors = np.array([d.embedding for d in r.data])
+    assert vectors.shape == (3, 576)  # SmolLM2's hidden size
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)
+    # Identical text, identical vector (up to bf16 rounding: the repeat may hit the prefix cache);
+    # different texts differ.
+    assert vectors[0] @ vectors[2] > 0.999 and vectors[0] @ vectors[1] < 0.99
+    first = client.embeddings.create(model=MODEL, input=texts[0], encoding_format="float")
+    single = client.embeddings.create(model=MODEL, input=texts[1], encoding_format="float")
+    assert np.allclose(single.data[0].embedding, vectors[1], atol=1e-3)  # float and base64 agree
+    assert single.usage.prompt_tokens == single.usage.total_tokens > 0
+    assert r.usage.prompt_tokens == 2 * first.usage.prompt_tokens + single.usage.prompt_tokens
+    token_ids = server.post("inference", f"/predictions/{MODEL}", json={"prompt": texts[1], "max_tokens": 1}).json()
+    by_ids = client.embeddings.create(model=MODEL, input=[token_ids["choices"][0]["token_ids"], [16, 28, 17]])
+    assert len(by_ids.data) == 2 and all(len(d.embedding) == 576 for d in by_ids.data)
+    prefixed = openai.OpenAI(base_url=server.url("inference", f"/predictions/{MODEL}/1.0/v1"),
+                             api_key=server.keys["inference"], max_retries=0)
+    assert np.allclose(prefixed.embeddings.create(model="ignored", input=texts[1]).data[0].embedding, vectors[1],
+                       atol=1e-3)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"dimensions": 64}, "dimensions"),
+    ({"input": ""}, "input"),
+    ({"input": ["ok", []]}, "input"),
+    ({"encoding_format": "int8"}, "encoding_format"),
+])
+def test_embeddings_refusals(client, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=MODEL, prompt="x", max_tokens=0)
-    assert err.value.body["type"] == "invalid_request_error" and err.value.body["param"] == "max_tokens"
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=server.url("inference", "/v1"), api_key="wrong", max_retries=0).models.list()
-    with pytest.raises(openai.NotFoundError) as err:
-        client.chat.completions.create(model="nosuchmodel", messages=[{"role": "user", "content": "hi"}])
-    assert err.value.body["param"] == "model"
-    with pytest.raises(openai.NotFoundError):
-        client.get("/nosuchroute", cast_to=object)
-    with pytest.raises(openai.APIStatusError) as err:
-        client.completions.create(model=MODEL, prompt="x" * 7_000_000, max_tokens=1)
-    assert err.value.status_code == 413 and "max_request_size" in err.value.message
+        client.embeddings.create(**{"model": MODEL, "input": "hi", **extra})
+    assert err.value.body["param"] == param and param in err.value.message

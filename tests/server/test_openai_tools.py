@@ -1,6 +1,7 @@
 """Tool calling through the official `openai` SDK against a real server with the default model:
 `tool_choice: required` and a named function return calls whose arguments validate against the
-tool's schema, a round trip with a `tool` message, a streamed call reassembled by the SDK; and
+tool's schema, a round trip with a `tool` message, a streamed call (a head delta, then argument
+fragments, as OpenAI streams calls) reassembled by the SDK; and
 LangChain's `bind_tools` and LiteLLM's `completion` with tools against the same server."""
 
 from __future__ import annotations
@@ -64,14 +65,19 @@ def test_named_function_and_a_round_trip_with_the_tool_result(client):
 
 
 def test_streamed_tool_call_reassembled_by_the_sdk(client):
-    kwargs = {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": "required",
-              "parallel_tool_calls": False, "max_tokens": 60, "temperature": 0}
-    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+    kwargs = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 60, "temperature": 0,
+              "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     with client.chat.completions.stream(**kwargs) as stream:
+        chunks = [event.chunk for event in stream if event.type == "chunk"]
         final = stream.get_final_completion()
+    calls = [call for c in chunks for choice in c.choices for call in choice.delta.tool_calls or ()]
+    head, pieces = calls[0], calls[1:]  # as OpenAI streams a call: its head, then argument fragments
+    assert head.id.startswith("call_") and head.type == "function" and head.index == 0
+    assert head.function.name == "get_weather" and head.function.arguments == ""
+    assert pieces and all(p.index == 0 and p.id is None and p.function.name is None for p in pieces)
     [call] = final.choices[0].message.tool_calls
-    assert (call.function.name, json.loads(call.function.arguments)) == (whole.function.name,
-                                                                          json.loads(whole.function.arguments))
+    assert call.id == head.id and call.function.arguments == "".join(p.function.arguments for p in pieces)
+    Weather.model_validate_json(call.function.arguments)  # the SDK's reassembly validates
     assert final.choices[0].finish_reason == "tool_calls"
 
 
