@@ -13,7 +13,7 @@ and check its factors against the base (`load_adapter`), and, in the worker, its
 into a slot. Adapters are random PEFT folders written here (adapter_config.json +
 adapter_model.safetensors), so nothing is downloaded.
 
-    .venv/bin/python benchmarks/lora.py [--rounds 5] [--batch 16] [--prompt-len 64] [--max-tokens 32]
+    .venv/bin/python benchmarks/lora.py [--rounds 5] [--batch 16] [--prompt-len 64] [--max-tokens 32] [--threads 1]
 
 Results go to benchmarks/results/lora.{json,md}.
 """
@@ -98,6 +98,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: on a shared machine two threads wait on each other)")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     from engine import LLM, LoRARequest, SamplingParams
@@ -105,7 +107,7 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="pagedserve-lora-bench-"))
     llm = LLM(default_model_dir(), dtype="bfloat16", kv_cache_memory="512MiB", max_model_len=1024,
-              num_threads=2, max_loras=4, max_lora_rank=args.rank, enable_prefix_caching=False)
+              num_threads=args.threads, max_loras=4, max_lora_rank=args.rank, enable_prefix_caching=False)
     spec = llm.engine.runner.model.spec
     adapters = [LoRARequest(f"a{i}", str(write_adapter(tmp / f"a{i}", spec, args.rank, seed=i))) for i in range(4)]
     prompts = make_prompts(llm.tokenizer, args.batch, args.prompt_len, seed=0)
@@ -136,7 +138,7 @@ def main() -> None:
         "what": "tok/s of a batch mixing 4 LoRA adapters vs the same batch with none (same engine, bf16)",
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}; shared and busy (other "
                    "developers' jobs running): ratios matter, absolute tok/s do not",
-        "batch": args.batch, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "rank": args.rank,
+        "threads": args.threads, "batch": args.batch, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "rank": args.rank,
         "rounds": rounds, "median_ratio": statistics.median(ratios), "min_ratio": min(ratios),
         "target_ratio": 0.75, "peak_rss_mib": peak_rss_mib(), "registration": registration,
     }
@@ -144,7 +146,7 @@ def main() -> None:
     (RESULTS / "lora.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         "# LoRA: mixed-adapter batch vs no adapter", "",
-        f"Default model, bf16, batch {args.batch} x {args.prompt_len} prompt tokens, {args.max_tokens} output "
+        f"Default model, bf16, {args.threads} torch thread(s), batch {args.batch} x {args.prompt_len} prompt tokens, {args.max_tokens} output "
         f"tokens each, 4 adapters of rank {args.rank} on all seven projections (a quarter of the rows each). "
         "Ran on the shared 2-core machine while other jobs were running: only the ratios are meaningful.", "",
         "| round | order | plain tok/s | mixed tok/s | ratio |", "| --- | --- | --- | --- | --- |",
