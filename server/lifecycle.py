@@ -30,7 +30,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 from server.memory_budget import Footprint, MemoryBudget, ModelTooLargeError, fmt, version_sizes
-from server.workers import NoWorkerError, WorkerSlot, WorkerStatus
+from server.workers import NoWorkerError, WorkerSlot, WorkerStartFailed, WorkerStatus
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
@@ -43,7 +43,7 @@ SLEEP_TIMEOUT_S = 60.0
 
 
 class LifecycleConflict(RuntimeError):
-    """A sleep that cannot happen now (requests in flight, nothing loaded): 409."""
+    """A sleep that cannot happen (requests in flight, nothing loaded, KV offload on): 409."""
 
 
 class ModelLifecycle:
@@ -94,9 +94,6 @@ class ModelLifecycle:
     def used(self) -> int:
         return sum(self.charge(v, s) for v in self.registry.all_versions() for s in v.pool.slots
                    if s.status is not WorkerStatus.STOPPED)
-
-    def free(self) -> int:
-        return max(0, self.budget.total - self.used())
 
     def on_worker_ready(self, entry: ModelVersion, slot: WorkerSlot) -> None:
         """Measure a worker that just became ready: its overhead, the estimate for the next.
@@ -165,7 +162,8 @@ class ModelLifecycle:
     def _lru_victim(self, exclude: ModelVersion) -> ModelVersion | None:
         candidates = [v for v in self.registry.all_versions()
                       if v is not exclude and v.min_workers == 0 and not v.pinned
-                      and v.in_flight == 0 and v.pool.slots and id(v) not in self._bringing_up]
+                      and v.in_flight == 0 and v.pool.slots and id(v) not in self._bringing_up
+                      and not any(s.status is WorkerStatus.STARTING for s in v.pool.slots)]
         return min(candidates, key=lambda v: v.last_used, default=None)
 
     async def unload(self, entry: ModelVersion, why: str) -> None:
@@ -178,12 +176,10 @@ class ModelLifecycle:
 
     # -- requests --------------------------------------------------------------------------
     async def ready_worker(self, entry: ModelVersion) -> AsyncLLM:
-        """A ready worker of `entry`, loading or waking one first when there is none, within
-        the version's responseTimeout (NoWorkerError with the reason otherwise)."""
-        from server.workers import WorkerStartFailed
-
+        """A ready worker of `entry` (for its limits), loading or waking one first when none is,
+        within the version's responseTimeout (NoWorkerError with the reason otherwise)."""
         if entry.pool.ready_engines():
-            return entry.pick_worker()
+            return self._any_ready(entry)
         task = self._bringing_up.get(id(entry))
         if task is None:
             task = asyncio.get_running_loop().create_task(self._bring_up(entry))
@@ -200,7 +196,17 @@ class ModelLifecycle:
                 raise
             raise NoWorkerError(f"model {entry.name!r} version {entry.version!r} could not be "
                                 f"loaded: {exc}") from None
-        return entry.pick_worker()
+        return self._any_ready(entry)
+
+    @staticmethod
+    def _any_ready(entry: ModelVersion) -> AsyncLLM:
+        """One ready worker (its limits are every worker's): the router picks the one that
+        serves the request later, once the prompt is tokenized (server.routing)."""
+        ready = entry.pool.ready_engines()
+        if not ready:
+            raise NoWorkerError(f"model {entry.name!r} version {entry.version!r} has no ready "
+                                "worker right now; retry shortly")
+        return ready[0]
 
     async def _bring_up(self, entry: ModelVersion) -> None:
         if entry.pool.sleeping_slots():
@@ -258,15 +264,19 @@ class ModelLifecycle:
                                         "loaded worker to put to sleep")
             answers = await asyncio.gather(*(s.engine.sleep(SLEEP_TIMEOUT_S) for s in slots),
                                            return_exceptions=True)
+            failed = []
             for slot, answer in zip(slots, answers):
-                if isinstance(answer, BaseException):
-                    logger.error("worker %s of %s %s did not sleep: %s", slot.id, entry.name,
-                                 entry.version, answer)
+                if isinstance(answer, BaseException):  # busy after all, or KV offload on
+                    failed.append(f"worker {slot.id}: {answer}")
                     continue
                 slot.status = WorkerStatus.SLEEPING
                 slot.sleep_rss = answer.rss_bytes
             entry.expires_at = None
         self.registry.save_state()
+        if failed:
+            raise LifecycleConflict(f"model {entry.name!r} version {entry.version!r}: "
+                                    f"{len(failed)} of {len(slots)} workers did not sleep ("
+                                    f"{'; '.join(failed)})")
 
     async def wake(self, entry: ModelVersion, *, for_request: bool = False) -> None:
         """Load the sleeping workers' weights and KV pools again (room made first)."""
