@@ -138,7 +138,7 @@ def check_parity(device: str) -> dict:
     llm.shutdown()
     mismatches = [{"prompt": i, "engine": g, "transformers": e} for i, (g, e) in enumerate(zip(got, expected)) if g != e]
     bf16 = LLM(model_dir, device=device, dtype="bfloat16", kv_cache_memory="1GiB")
-    texts = [o.outputs[0].text for o in bf16.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0))]
+    texts = [o.outputs[0].text for o in bf16.generate(prompts[:2], SamplingParams(max_tokens=32, temperature=0))]
     bf16.shutdown()
     bf16_ok = texts[0].startswith(" 5, 6, 7") and "4" in texts[1]
     print(f"  float32 mismatches: {len(mismatches)} of {len(prompts)}; bf16 answers {texts!r}", flush=True)
