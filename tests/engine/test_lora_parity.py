@@ -24,7 +24,7 @@ ADAPTERS = [
     ("qv-r4-rs", 4, 6, True, ["q_proj", "v_proj"]),
     ("mlp-r16", 16, 32, False, ["gate_proj", "up_proj", "down_proj", "o_proj"]),
 ]
-PROMPTS = ["1, 2, 3, 4,", "Once upon a time, there was a"]
+PROMPTS = ["1, 2, 3, 4,", "The capital of France is", "Once upon a time, there was a"]
 
 
 @pytest.fixture(scope="module")
