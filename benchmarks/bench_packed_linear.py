@@ -2,26 +2,33 @@
 (weight packed once at load), in one run.
 
 1. Per projection of SmolLM2-135M, at 64 rows (a decode step of 64 sequences) and 2,048 rows
-   (a prefill chunk): microseconds per call, alternating, best of several.
+   (a prefill chunk): microseconds per call.
 2. The engine on 64 prompts x 200 tokens, 48 output tokens (EOS ignored, greedy), with and
-   without packing, in the same process, alternating rounds, best of each.
+   without packing, in the same process.
+
+Method (issue 14): paired rounds (at least 5), the two sides' order reversed every other round;
+the result is the median of the per-round ratios (every one printed), never the best round.
 
 Writes benchmarks/results/bench_packed_linear.{md,json}; reports peak RSS.
 
-    .venv/bin/python benchmarks/bench_packed_linear.py [--rounds 3]
+    .venv/bin/python benchmarks/bench_packed_linear.py [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 from _common import RESULTS, peak_rss_mib
+
+MIN_ROUNDS = 5
 
 REPO = Path(__file__).resolve().parent.parent
 # (name, out_features, in_features) of SmolLM2-135M's projections and its LM head.
@@ -51,13 +58,14 @@ def bench_shapes(rounds: int) -> list[dict]:
                 continue  # logits are computed only for sampled positions
             x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
             packed = PackedLinear(w, None)
-            plain_us, packed_us = [], []
-            for _ in range(rounds):
-                plain_us.append(time_call(lambda x=x, w=w: F.linear(x, w)))
-                packed_us.append(time_call(lambda x=x, packed=packed: packed(x)))
-            rows.append({"rows": m, "layer": name, "plain_us": min(plain_us), "packed_us": min(packed_us),
-                         "speedup": min(plain_us) / min(packed_us)})
-            print(f"  {m} x {name}: {rows[-1]['speedup']:.2f}x", flush=True)
+            sides = {"plain": lambda x=x, w=w: F.linear(x, w), "packed": lambda x=x, packed=packed: packed(x)}
+            us = paired(sides, rounds, time_call)
+            ratios = [p / q for p, q in zip(us["plain"], us["packed"])]
+            rows.append({"rows": m, "layer": name, "plain_us": median(us["plain"]),
+                         "packed_us": median(us["packed"]), "speedup": median(ratios),
+                         "per_round": ratios})
+            print(f"  {m} x {name}: {rows[-1]['speedup']:.2f}x (per round "
+                  + ", ".join(f"{r:.2f}" for r in ratios) + ")", flush=True)
     return rows
 
 
@@ -78,22 +86,34 @@ def bench_engine(rounds: int) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(200)] for _ in range(64)]
     params = SamplingParams(max_tokens=48, ignore_eos=True, temperature=0)
-    runs: dict[str, list[float]] = {"plain": [], "packed": []}
+    def tok_per_s(llm) -> float:
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        return 64 * 48 / (time.perf_counter() - start)
+
+    runs = paired({"plain": plain, "packed": packed}, rounds, tok_per_s)
+    ratios = [p / q for p, q in zip(runs["packed"], runs["plain"])]
+    for r, ratio in enumerate(ratios):
+        print(f"  round {r + 1}: plain {runs['plain'][r]:.1f}, packed {runs['packed'][r]:.1f} tok/s, "
+              f"{ratio:.2f}x", flush=True)
+    return {"runs_tok_per_s": runs, "speedup": median(ratios), "per_round": ratios}
+
+
+def paired(sides: dict, rounds: int, measure) -> dict[str, list[float]]:
+    """`measure(side)` for each side once per round, the order reversed every other round."""
+    out: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(rounds):
-        for name, llm in (("plain", plain), ("packed", packed)):
-            start = time.perf_counter()
-            llm.generate(prompts, params)
-            runs[name].append(64 * 48 / (time.perf_counter() - start))
-            print(f"  round {r + 1} {name}: {runs[name][-1]:.1f} tok/s", flush=True)
-    ratios = sorted(p / q for p, q in zip(runs["packed"], runs["plain"]))
-    return {"runs_tok_per_s": runs, "speedup": max(runs["packed"]) / max(runs["plain"]),
-            "median_round_speedup": ratios[len(ratios) // 2]}
+        for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+            out[name].append(measure(sides[name]))
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=MIN_ROUNDS, help=f"paired rounds (at least {MIN_ROUNDS})")
     args = parser.parse_args()
+    if args.rounds < MIN_ROUNDS:
+        parser.error(f"--rounds must be at least {MIN_ROUNDS} (the result is a median of paired rounds)")
     sys.path.insert(0, str(REPO))
     import torch
 
@@ -106,16 +126,16 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "bench_packed_linear.json").write_text(json.dumps(summary, indent=2) + "\n")
     md = ["# bf16 linear on CPU: F.linear vs PackedLinear (latest run)", "",
-          f"2 threads, best of {args.rounds} alternating rounds.", "",
+          (f"2 threads; median of {args.rounds} paired rounds (order reversed every other round); "
+          f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores."), "",
           "| rows | layer | F.linear (us) | packed (us) | speedup |", "| --- | --- | --- | --- | --- |"]
     md += [f"| {r['rows']} | {r['layer']} | {r['plain_us']:.0f} | {r['packed_us']:.0f} | {r['speedup']:.2f}x |"
            for r in shapes]
     runs = engine["runs_tok_per_s"]
     md += ["", "Engine, 64 prompts x 200 tokens, 48 output tokens: plain "
-           f"{max(runs['plain']):.1f} tok/s, packed {max(runs['packed']):.1f} tok/s, "
-           f"**{engine['speedup']:.2f}x** best vs best, median of the per-round ratios "
-           f"**{engine['median_round_speedup']:.2f}x** (per round: "
-           + ", ".join(f"{p / q:.2f}x" for p, q in zip(runs["packed"], runs["plain"])) + ").",
+           f"{median(runs['plain']):.1f} tok/s, packed {median(runs['packed']):.1f} tok/s (medians); "
+           f"median of the per-round ratios **{engine['speedup']:.2f}x** (per round: "
+           + ", ".join(f"{r:.2f}x" for r in engine["per_round"]) + ").",
            "", f"Peak RSS {peak_mib:.0f} MiB (both engines loaded). Run on {summary['date']} ({summary['platform']})."]
     (RESULTS / "bench_packed_linear.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

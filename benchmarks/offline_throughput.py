@@ -4,26 +4,40 @@ Workload (issue 2): 64 prompts of about 200 tokens, 128 output tokens each, EOS 
 bfloat16, 2 threads, the default model. Also: prefix caching on vs off at a 0 % hit rate, and
 time to first token of a 1,000-token prompt with and without a cached 900-token prefix.
 
-Each measurement runs in a fresh child process (so each reports its own peak RSS and none
-inherits another's allocator state); phases alternate where a ratio is taken. Results go to
-benchmarks/results/offline_throughput.{json,md}.
+Method (issue 14): each measurement runs in a fresh child process (so each reports its own peak
+RSS and none inherits another's allocator state). A round runs the engine, transformers and the
+engine without prefix caching once each, the order reversed every other round; each ratio is
+taken within a round (paired), every round's ratios are printed, and the result is the median
+of the per-round ratios over at least 5 rounds, never the best round. TTFT: the median of 5
+paired cold / cached trials. Results go to benchmarks/results/<name>.{json,md}.
+
+`--profile` instead runs the engine once on the workload with timers around its parts and
+prints where a step's time goes (schedule / prepare inputs / forward: matmul, attention, rest /
+logits / sample / output processing / detokenize; see step_profile.py), written to
+benchmarks/results/<name>_profile.md. Without it no timer is attached.
 
     .venv/bin/python benchmarks/offline_throughput.py [--num-prompts 64] [--output-len 128]
+        [--rounds 5] [--name offline_throughput] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 from _common import RESULTS, make_prompts, peak_rss_mib, run_phase
 
+MIN_ROUNDS = 5  # fewer paired rounds than this give no result worth a median
+TTFT_TRIALS = 5
 
-def phase_engine(args, prompts, caching: bool) -> dict:
+
+def phase_engine(args, prompts, caching: bool, profile: bool = False) -> dict:
     from engine import LLM, SamplingParams
 
     # KV budget: 64 x (200 + 128) tokens need ~1,350 blocks of 16 (368 KiB each in bf16).
@@ -31,14 +45,23 @@ def phase_engine(args, prompts, caching: bool) -> dict:
               max_num_seqs=len(prompts), max_num_batched_tokens=2048, enable_prefix_caching=caching)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
-    bookkeeping = _time_calls(llm.engine.scheduler, ("schedule", "update_from_output"))
+    if profile:
+        from step_profile import StepProfile
+
+        timers = StepProfile().attach(llm)
+    else:
+        bookkeeping = _time_calls(llm.engine.scheduler, ("schedule", "update_from_output"))
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
+    if profile:
+        timers.detach()
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"elapsed_s": elapsed, "output_tokens": n_out, "tok_per_s": n_out / elapsed,
-            "scheduler_kv_s": bookkeeping[0],
-            "hit_rate": llm.engine.kv_manager.prefix_cache_hit_rate, "peak_rss_mib": peak_rss_mib()}
+    result = {"elapsed_s": elapsed, "output_tokens": n_out, "tok_per_s": n_out / elapsed,
+              "hit_rate": llm.engine.kv_manager.prefix_cache_hit_rate, "peak_rss_mib": peak_rss_mib()}
+    if profile:
+        return result | {"steps": timers.steps, "breakdown_s": timers.breakdown(elapsed)}
+    return result | {"scheduler_kv_s": bookkeeping[0]}
 
 
 def _time_calls(obj, names) -> list[float]:
@@ -91,7 +114,7 @@ def phase_ttft(args, tokenizer) -> dict:
     one = SamplingParams(max_tokens=1, temperature=0)
     llm.generate([list(range(100, 116))], one)  # warm-up
     results = {}
-    for trial in range(3):
+    for trial in range(TTFT_TRIALS):
         base = make_prompts(tokenizer, 1, 1000, seed=1000 + trial)[0]
         other = make_prompts(tokenizer, 1, 100, seed=2000 + trial)[0]
         start = time.perf_counter()
@@ -102,8 +125,9 @@ def phase_ttft(args, tokenizer) -> dict:
         warm = time.perf_counter() - start
         results.setdefault("cold_s", []).append(cold)
         results.setdefault("cached_900_s", []).append(warm)
-    cold, warm = min(results["cold_s"]), min(results["cached_900_s"])
-    return {"ttft_cold_s": cold, "ttft_cached_900_s": warm, "speedup": cold / warm, "peak_rss_mib": peak_rss_mib()}
+    return {"ttft_cold_s": median(results["cold_s"]), "ttft_cached_900_s": median(results["cached_900_s"]),
+            "speedup": median([c / w for c, w in zip(results["cold_s"], results["cached_900_s"])]),
+            "trials": results, "peak_rss_mib": peak_rss_mib()}
 
 
 def run_child(args, phase: str) -> dict:
@@ -113,6 +137,92 @@ def run_child(args, phase: str) -> dict:
     return result
 
 
+def paired_rounds(args) -> dict[str, list[dict]]:
+    """`args.rounds` rounds of the three phases, the order reversed every other round."""
+    phases = ("engine", "hf", "engine_nocache")
+    runs: dict[str, list[dict]] = {p: [] for p in phases}
+    for r in range(args.rounds):
+        order = phases if r % 2 == 0 else phases[::-1]
+        print(f"round {r + 1}/{args.rounds} ({', '.join(order)})", flush=True)
+        for phase in order:
+            runs[phase].append(run_child(args, phase))
+        engine, hf, nocache = (runs[p][-1]["tok_per_s"] for p in phases)
+        print(f"  round {r + 1}: engine / transformers {engine / hf:.2f}x, "
+              f"caching on / off {engine / nocache:.3f}", flush=True)
+    return runs
+
+
+def summarize(args, runs: dict[str, list[dict]], ttft: dict) -> dict:
+    tps = {k: [x["tok_per_s"] for x in v] for k, v in runs.items()}
+    ratios = [e / h for e, h in zip(tps["engine"], tps["hf"])]
+    caching = [e / n for e, n in zip(tps["engine"], tps["engine_nocache"])]
+    bookkeeping = [(e["scheduler_kv_s"] - n["scheduler_kv_s"]) / e["elapsed_s"]
+                   for e, n in zip(runs["engine"], runs["engine_nocache"])]
+    return {
+        "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
+                     "output_len": args.output_len, "dtype": "bfloat16", "threads": 2},
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "load_average_at_end": os.getloadavg()},
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "rounds": args.rounds,
+        "engine_tok_per_s_median": median(tps["engine"]),
+        "hf_tok_per_s_median": median(tps["hf"]),
+        "engine_vs_hf": median(ratios),
+        "engine_vs_hf_per_round": ratios,
+        # Noisy: whole-run throughput with caching on vs off (different processes).
+        "prefix_caching_cost_end_to_end": 1 - median(caching),
+        "caching_on_vs_off_per_round": caching,
+        # Exact: extra scheduler + KV-manager time with caching on, as a share of the run.
+        "prefix_caching_cost_bookkeeping": median(bookkeeping),
+        "ttft": ttft,
+        "peak_rss_mib": {k: max(x["peak_rss_mib"] for x in v) for k, v in runs.items()} | {"ttft": ttft["peak_rss_mib"]},
+        "runs": runs,
+    }
+
+
+def write_results(args, summary: dict) -> None:
+    ttft = summary["ttft"]
+    md = [
+        "# Offline throughput (latest run)", "",
+        (f"{args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens, bf16, "
+        f"2 threads; median of {args.rounds} paired rounds (engine, transformers and the engine without "
+        "prefix caching once each per round, fresh processes, the order reversed every other round). "
+        f"Load average at the end of the run: {summary['machine']['load_average_at_end'][0]:.1f} "
+        f"on {os.cpu_count()} cores."), "",
+        "| measure | value |", "| --- | --- |",
+        f"| engine (median) | {summary['engine_tok_per_s_median']:.1f} tok/s |",
+        f"| transformers generate (median) | {summary['hf_tok_per_s_median']:.1f} tok/s |",
+        f"| **engine / transformers, median of the per-round ratios** | **{summary['engine_vs_hf']:.2f}x** |",
+        "| per-round ratios | " + ", ".join(f"{r:.2f}" for r in summary["engine_vs_hf_per_round"]) + " |",
+        f"| prefix caching cost at 0 % hits: extra scheduler + KV-manager time | {100 * summary['prefix_caching_cost_bookkeeping']:.2f} % of the run |",
+        f"| same, whole-run throughput on vs off (median of per-round ratios; noisy) | {100 * summary['prefix_caching_cost_end_to_end']:+.1f} % |",
+        f"| TTFT 1,000-token prompt, cold (median of {TTFT_TRIALS}) | {1000 * ttft['ttft_cold_s']:.0f} ms |",
+        f"| TTFT with a cached 900-token prefix (median) | {1000 * ttft['ttft_cached_900_s']:.0f} ms ({ttft['speedup']:.1f}x faster, median of paired trials) |",
+        "| peak RSS (MiB) | " + ", ".join(f"{k} {v:.0f}" for k, v in summary["peak_rss_mib"].items()) + " |",
+        "", f"Run on {summary['date']} ({summary['machine']['platform']}).",
+    ]
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (RESULTS / f"{args.name}.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+def run_profile(args) -> None:
+    from step_profile import format_breakdown
+
+    result = run_child(args, "profile")
+    md = ["# Offline engine step breakdown (latest `--profile` run)", "",
+          (f"{args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens, bf16, "
+          f"2 threads, prefix caching on; one run: {result['tok_per_s']:.1f} tok/s with the timers on. "
+          f"Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores."), ""]
+    md += format_breakdown(result["breakdown_s"], result["steps"], out=lambda _: None)
+    md += ["", f"Run on {time.strftime('%Y-%m-%d %H:%M')} ({platform.platform()}).",
+           "Parts: see benchmarks/step_profile.py."]
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.name}_profile.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None)
@@ -120,7 +230,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=200)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of each phase")
+    parser.add_argument("--rounds", type=int, default=MIN_ROUNDS,
+                        help=f"paired rounds (at least {MIN_ROUNDS}); the result is their median")
+    parser.add_argument("--name", default="offline_throughput", help="results file name (no suffix)")
+    parser.add_argument("--profile", action="store_true",
+                        help="one engine run with the step breakdown instead of the comparison")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     if args.model is None:
@@ -135,55 +249,20 @@ def main() -> None:
         result = {
             "engine": lambda: phase_engine(args, prompts, caching=True),
             "engine_nocache": lambda: phase_engine(args, prompts, caching=False),
+            "profile": lambda: phase_engine(args, prompts, caching=True, profile=True),
             "hf": lambda: phase_hf(args, prompts),
             "ttft": lambda: phase_ttft(args, tokenizer),
         }[args.phase]()
         print(json.dumps(result))
         return
-
-    runs: dict[str, list[dict]] = {"engine": [], "engine_nocache": [], "hf": []}
-    for r in range(args.rounds):
-        print(f"round {r + 1}/{args.rounds}", flush=True)
-        for phase in ("engine", "hf", "engine_nocache"):
-            runs[phase].append(run_child(args, phase))
+    if args.profile:
+        run_profile(args)
+        return
+    if args.rounds < MIN_ROUNDS:
+        parser.error(f"--rounds must be at least {MIN_ROUNDS} (the result is a median of paired rounds)")
+    runs = paired_rounds(args)
     ttft = run_child(args, "ttft")
-    best = {k: max(v, key=lambda x: x["tok_per_s"]) for k, v in runs.items()}
-    summary = {
-        "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
-                     "output_len": args.output_len, "dtype": "bfloat16", "threads": 2},
-        "machine": {"platform": platform.platform(), "processor": platform.processor()},
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "engine_tok_per_s": best["engine"]["tok_per_s"],
-        "hf_tok_per_s": best["hf"]["tok_per_s"],
-        "engine_vs_hf": best["engine"]["tok_per_s"] / best["hf"]["tok_per_s"],
-        # Noisy: whole-run throughput with caching on vs off (different processes).
-        "prefix_caching_cost_end_to_end": 1 - best["engine"]["tok_per_s"] / best["engine_nocache"]["tok_per_s"],
-        # Exact: extra scheduler + KV-manager time with caching on, as a share of the run.
-        "prefix_caching_cost_bookkeeping": (
-            min(r["scheduler_kv_s"] for r in runs["engine"]) - min(r["scheduler_kv_s"] for r in runs["engine_nocache"])
-        ) / best["engine"]["elapsed_s"],
-        "ttft": ttft,
-        "peak_rss_mib": {k: max(x["peak_rss_mib"] for x in v) for k, v in runs.items()} | {"ttft": ttft["peak_rss_mib"]},
-        "runs": runs,
-    }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "offline_throughput.json").write_text(json.dumps(summary, indent=2) + "\n")
-    md = [
-        "# Offline throughput (latest run)", "",
-        f"{args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens, bf16, 2 threads; best of {args.rounds} alternating rounds.", "",
-        "| measure | value |", "| --- | --- |",
-        f"| engine | {summary['engine_tok_per_s']:.1f} tok/s |",
-        f"| transformers generate | {summary['hf_tok_per_s']:.1f} tok/s |",
-        f"| **engine / transformers** | **{summary['engine_vs_hf']:.2f}x** |",
-        f"| prefix caching cost at 0 % hits: extra scheduler + KV-manager time | {100 * summary['prefix_caching_cost_bookkeeping']:.2f} % of the run |",
-        f"| same, whole-run throughput on vs off (noisy, separate processes) | {100 * summary['prefix_caching_cost_end_to_end']:+.1f} % |",
-        f"| TTFT 1,000-token prompt, cold | {1000 * ttft['ttft_cold_s']:.0f} ms |",
-        f"| TTFT with a cached 900-token prefix | {1000 * ttft['ttft_cached_900_s']:.0f} ms ({ttft['speedup']:.1f}x faster) |",
-        "| peak RSS (MiB) | " + ", ".join(f"{k} {v:.0f}" for k, v in summary["peak_rss_mib"].items()) + " |",
-        "", f"Run on {summary['date']} ({summary['machine']['platform']}).",
-    ]
-    (RESULTS / "offline_throughput.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    write_results(args, summarize(args, runs, ttft))
 
 
 if __name__ == "__main__":

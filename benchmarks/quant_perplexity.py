@@ -37,30 +37,37 @@ TEXT = Path(__file__).parent / "data" / "coriolanus_act1.txt"
 RESULTS = Path(__file__).parent / "results"
 
 
-def window_nll(llm: LLM, ids: list[int]) -> tuple[float, int]:
-    """Sum of -log p(token | prefix) over ids[1:], as one prefill of `ids`; and the count."""
+def window_nll(llm: LLM, ids: list[int], chunk: int = 0) -> tuple[float, int]:
+    """Sum of -log p(token | prefix) over ids[1:], as one prefill of `ids` (or prefill chunks of
+    `chunk` tokens, each over the cached context before it); and the count."""
     runner = llm.engine.runner
     n, block = len(ids), runner.block_size
     blocks = torch.arange((n + block - 1) // block, dtype=torch.int32)
-    meta = AttentionMetadata(
-        num_seqs=1, num_tokens=n, query_lens=[n], seq_lens=[n],
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens_tensor=torch.tensor([n], dtype=torch.int32), block_tables=blocks[None],
-        slot_mapping=torch.arange(n, dtype=torch.int64), max_query_len=n, max_seq_len=n, num_decodes=0)
+    step = chunk or n
+    logits = []
     with torch.inference_mode():
-        hidden = runner.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta)
-        logits = runner.model.compute_logits(hidden[:-1]).float()
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            meta = AttentionMetadata(
+                num_seqs=1, num_tokens=hi - lo, query_lens=[hi - lo], seq_lens=[hi],
+                query_start_loc=torch.tensor([0, hi - lo], dtype=torch.int32),
+                seq_lens_tensor=torch.tensor([hi], dtype=torch.int32), block_tables=blocks[None],
+                slot_mapping=torch.arange(lo, hi, dtype=torch.int64), max_query_len=hi - lo, max_seq_len=hi,
+                num_decodes=0)
+            hidden = runner.model(torch.tensor(ids[lo:hi]), torch.arange(lo, hi), runner.kv_caches, meta)
+            logits.append(runner.model.compute_logits(hidden).float())
+        logits = torch.cat(logits)[:-1]
         nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum")
     return float(nll), n - 1
 
 
-def perplexity(llm: LLM, tokens: list[int], window: int) -> float:
+def perplexity(llm: LLM, tokens: list[int], window: int, chunk: int = 0) -> float:
     total, count = 0.0, 0
     for start in range(0, len(tokens) - 1, window):
-        chunk = tokens[start:start + window]
-        if len(chunk) < 2:
+        piece = tokens[start:start + window]
+        if len(piece) < 2:
             break
-        nll, n = window_nll(llm, chunk)
+        nll, n = window_nll(llm, piece, chunk)
         total, count = total + nll, count + n
     return math.exp(total / count)
 
@@ -88,25 +95,31 @@ def main() -> None:
             ("int4 g32", plain, dict(dtype="bfloat16", quantization="int4", quant_group_size=32)),
             ("int4 g64", plain, dict(dtype="bfloat16", quantization="int4", quant_group_size=64)),
             ("w8a8", plain, dict(dtype="bfloat16", quantization="w8a8")),
+            ("int8, prefill in 64-token chunks (batched-decode row count: `torch._int_mm`)", plain,
+             dict(dtype="bfloat16", quantization="int8", chunk=64)),
             ("Q4_1 GGUF served natively (int4 g32)", q41, dict(dtype="bfloat16")),
             ("fp8 KV (`kv_cache_dtype: fp8_e4m3`, bf16 weights)", plain, dict(dtype="bfloat16", kv_cache_dtype="fp8_e4m3")),
             ("int8 KV (`kv_cache_dtype: int8`, bf16 weights)", plain, dict(dtype="bfloat16", kv_cache_dtype="int8")),
         ]
         tokens = None
+        labels = [label for label, _, _ in cases]
         if only:
             cases = [c for c in cases if any(c[0].startswith(o) for o in only)]
         if any(model == q41 for _, model, _ in cases):
             convert_gguf_quantized(default_gguf_path(), q41)
         for label, model, opts in cases:
             t0 = time.perf_counter()
+            opts = dict(opts)
+            chunk = opts.pop("chunk", 0)
             llm = LLM(model, **common, **opts)
             tokens = tokens or llm.tokenizer.encode(text, add_special_tokens=False)
-            ppl = perplexity(llm, tokens, args.window)
+            ppl = perplexity(llm, tokens, args.window, chunk)
             rows.append({"mode": label, "ppl": ppl, "seconds": time.perf_counter() - t0})
             print(f"{label:40s} ppl {ppl:.4f}", flush=True)
             del llm
-    order = [label for label, _, _ in cases]
-    rows += [r for r in kept if r["mode"] not in order]
+    done = {r["mode"] for r in rows}
+    rows += [r for r in kept if r["mode"] not in done]
+    rows.sort(key=lambda r: labels.index(r["mode"]) if r["mode"] in labels else len(labels))
     base = next(r["ppl"] for r in rows if r["mode"].startswith("bf16"))
     for r in rows:
         r["vs_bf16_pct"] = 100 * (r["ppl"] / base - 1)

@@ -10,7 +10,10 @@ Measurements (issue 12), each in a fresh child process that reports its own memo
 Each round runs every mode once, in an order rotated every round; a mode's ratio is the median
 over rounds of (mode / bf16 of the same round).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/quantized.py [--rounds 5] [--modes int8,int4,w8a8]
+    PYTHONPATH=. .venv/bin/python benchmarks/quantized.py [--rounds 5] [--modes int8,int4,w8a8,fp8kv]
+
+Mode `fp8kv` is bf16 weights with `kv_cache_dtype: fp8_e4m3` (the batch phase's 640 MiB KV
+budget then holds ~1.9x the blocks).
 
 Writes benchmarks/results/quantized.{json,md}.
 """
@@ -36,6 +39,17 @@ def _rss_mib() -> float:
     return 0.0
 
 
+def _cpu_model() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "unknown")
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    isa = [f for f in ("avx512_bf16", "avx512_vnni", "amx_int8", "amx_bf16") if f in flags]
+    return f"{name}, {text.count('processor')} logical CPUs, {' '.join(isa) or 'no avx512_bf16/vnni/amx'}"
+
+
 def _checkpoint_numel(model_dir) -> int:
     from safetensors import safe_open
 
@@ -54,6 +68,8 @@ def _llm(args, mode: str, **opts):
     from engine import LLM
     from engine.model.default_model import default_model_dir
 
+    if mode == "fp8kv":  # bf16 weights, fp8 KV cache (kv_cache_dtype fp8_e4m3)
+        return LLM(default_model_dir(), dtype="bfloat16", num_threads=args.threads, kv_cache_dtype="fp8_e4m3", **opts)
     quant = None if mode == "bf16" else mode
     return LLM(default_model_dir(), dtype="bfloat16", num_threads=args.threads, quantization=quant, **opts)
 
@@ -101,7 +117,7 @@ def phase(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--modes", default="int8,int4,w8a8")
+    ap.add_argument("--modes", default="int8,int4,w8a8,fp8kv")
     ap.add_argument("--phases", default="decode,ttft,batch")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=64)
@@ -127,16 +143,17 @@ def main() -> None:
                 results[name][mode].append(out)
                 print(f"round {r} {name:6s} {mode:5s} {out['value']:.3f} peak {out['peak_rss_mib']:.0f} MiB",
                       file=sys.stderr, flush=True)
-    report(args, modes, results)
+        report(args, modes, results, rounds_done=r + 1)  # a stopped run still leaves its rounds
 
 
-def report(args, modes: list[str], results: dict) -> None:
+def report(args, modes: list[str], results: dict, rounds_done: int) -> None:
     higher_better = {"decode": True, "ttft": False, "batch": True}
     units = {"decode": "tok/s", "ttft": "s", "batch": "tok/s"}
     summary = {}
     lines = ["# Quantized modes vs bf16 (default model, latest run)", "",
-             f"{args.threads} threads, {args.rounds} paired rounds (order rotated each round), median of "
-             "per-round ratios to bf16 (>1 = faster). Busy shared machine: absolute numbers are rough.", "",
+             f"{args.threads} threads, {rounds_done} of {args.rounds} paired rounds (order rotated each round), median of "
+             "per-round ratios to bf16 (>1 = faster). Busy shared machine: absolute numbers are rough.",
+             f"CPU: {_cpu_model()}.", "",
              "| measure | mode | median | ratio vs bf16 | per-round ratios | peak RSS MiB |",
              "| --- | --- | --- | --- | --- | --- |"]
     for name, per_mode in results.items():

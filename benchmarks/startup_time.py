@@ -11,6 +11,11 @@ its time is reported apart; without `--prepare` the first start builds everythin
 To measure a fresh clone without touching the shared venv: `git clone /work/main /tmp/x`, then
 `--checkout /tmp/x` (the clone's own code is put first on PYTHONPATH; its model_store/ starts
 empty). The ports are picked free (port 0), so the script runs beside other servers.
+
+`--compare REV_A REV_B --cache DIR` measures later starts of two revisions of that clone (git
+checkout in it) on the same prepared caches, in paired rounds with the order reversed every
+other round, and prints each round's ratio and the median: on a busy machine only a paired
+ratio means anything.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 from _common import RESULTS
 
@@ -86,6 +92,22 @@ def time_start(checkout: Path, env: dict[str, str], timeout: float) -> dict:
     return {"ready_s": round(ready, 2), "lines": lines}
 
 
+def compare(args, checkout: Path, env: dict[str, str]) -> dict:
+    """Paired rounds of one start of each revision; the median ratio REV_B / REV_A."""
+    revs = args.compare
+    times: dict[str, list[float]] = {rev: [] for rev in revs}
+    for r in range(args.rounds):
+        for rev in (revs if r % 2 == 0 else revs[::-1]):
+            subprocess.run(["git", "-C", str(checkout), "checkout", "-q", rev], check=True)
+            print(f"round {r + 1}, {rev}:", flush=True)
+            times[rev].append(time_start(checkout, env, args.timeout)["ready_s"])
+        print(f"  round {r + 1}: {revs[1]} / {revs[0]} = {times[revs[1]][-1] / times[revs[0]][-1]:.2f}",
+              flush=True)
+    ratios = [b / a for a, b in zip(times[revs[0]], times[revs[1]])]
+    return {"ready_s": times, "ratios": ratios, "median_ratio": median(ratios),
+            "median_ready_s": {rev: median(t) for rev, t in times.items()}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkout", type=Path, default=REPO, help="the checkout to run (default: this one)")
@@ -94,13 +116,25 @@ def main() -> int:
     ap.add_argument("--starts", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--name", default="startup_time", help="results file name (without suffix)")
+    ap.add_argument("--cache", type=Path, help="PAGEDSERVE_CACHE_DIR to use (kept); default: the user's")
+    ap.add_argument("--compare", nargs=2, metavar=("REV_A", "REV_B"),
+                    help="paired starts of two revisions of --checkout (a clone: it is checked out)")
+    ap.add_argument("--rounds", type=int, default=5, help="paired rounds of --compare")
     args = ap.parse_args()
     checkout = args.checkout.resolve()
     with tempfile.TemporaryDirectory(prefix="pagedserve-startup-") as tmp:
-        env = environment(checkout, Path(tmp) / "cache" if args.fresh_cache else None)
+        cache = Path(tmp) / "cache" if args.fresh_cache else args.cache
+        env = environment(checkout, cache)
         result: dict = {"checkout": str(checkout), "fresh_cache": args.fresh_cache,
                         "machine": platform.processor() or platform.machine(),
                         "load_before": os.getloadavg()[0], "starts": []}
+        if args.compare:
+            result["compare"] = compare(args, checkout, env)
+            result["load_after"] = os.getloadavg()[0]
+            print(json.dumps({k: v for k, v in result["compare"].items() if k != "ready_s"}))
+            RESULTS.mkdir(exist_ok=True)
+            (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+            return 0
         if args.prepare:
             print("pagedserve prepare:", flush=True)
             result["prepare"] = time_prepare(checkout, env)

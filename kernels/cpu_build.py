@@ -72,9 +72,13 @@ class CpuExtension:
     def folder(self) -> Path:
         return build_dir() / f"{self.name}_{build_tag(self.source, self.cflags)}"
 
+    @property
+    def library(self) -> Path:
+        return self.folder / f"{self.module_name}.so"
+
     def is_built(self) -> bool:
         """Built and loaded once here before (a load then needs no compiler and no message)."""
-        return (self.folder / BUILT_MARK).is_file() and (self.folder / f"{self.module_name}.so").is_file()
+        return (self.folder / BUILT_MARK).is_file() and self.library.is_file()
 
     def load(self):
         """The extension module, compiling it first if needed; None if unavailable."""
@@ -82,12 +86,12 @@ class CpuExtension:
             return None
         if self.is_built():
             try:
-                return _import_built(self.module_name, self.folder / f"{self.module_name}.so")
+                return _import_built(self.module_name, self.library)
             except ImportError as exc:  # a damaged build: make it again
                 logger.warning("CPU extension %s: the build in %s does not load (%s); rebuilding",
                                self.name, self.folder, exc)
                 (self.folder / BUILT_MARK).unlink(missing_ok=True)
-        if not (self.folder / f"{self.module_name}.so").is_file():  # else: ninja checks it
+        if not self.library.is_file():  # else a build without its mark: ninja checks it
             logger.warning("building the CPU extension %s into %s (once per machine and checkout, "
                            "~30-60 s; `pagedserve prepare` does this at install)", self.name, self.folder)
         return self.build()
@@ -107,7 +111,7 @@ class CpuExtension:
                 build_directory=str(folder),
                 verbose=False,
             )
-        except Exception as exc:  # no compiler, no ninja, ...: the torch path still works
+        except Exception as exc:  # noqa: BLE001 -- no compiler, no ninja, ...: the torch path still works
             logger.warning("CPU extension %s unavailable, using the torch path: %s", self.name, exc)
             return None
         (folder / BUILT_MARK).write_text(f"{self.module_name}.so\n")

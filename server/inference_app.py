@@ -38,9 +38,9 @@ from typing import Any
 
 from aiohttp import web
 
-from handlers.base_handler import BaseHandler, HandlerError
 from engine.inputs import pooling_sampling_params
 from engine.pooling import PoolingParams
+from handlers.base_handler import BaseHandler, HandlerError
 from handlers.llm_input import ParsedBody, decode_body, parse_predictions_body
 from handlers.openai_embeddings import parse_embeddings_request
 from handlers.openai_protocol import (
@@ -351,9 +351,12 @@ async def models(request: web.Request) -> web.Response:
 
 @routes.get(r"/v1/models/{id:[^{}/:]+}", name="model")
 async def model(request: web.Request) -> web.Response:
-    """One model by the id /v1/models lists (`name` or `name@version`); 404 if none."""
+    """One model by the id /v1/models lists (`name` or `name@version`); 404 if none. Its
+    `name` and `ready` fields answer KServe v1's model status call on the same path."""
     name = request.match_info["id"]
-    return web.json_response(_model_entry(name, _resolve(request, request.app[STATE_KEY], *split_model(name))))
+    version = _resolve(request, request.app[STATE_KEY], *split_model(name))
+    return web.json_response({**_model_entry(name, version), "name": name,
+                              "ready": bool(version.pool.ready_engines())})
 
 
 def _model_entry(name: str, version: ModelVersion) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 from server.memory_budget import Footprint, MemoryBudget, ModelTooLargeError, fmt, version_sizes
-from server.workers import NoWorkerError, WorkerSlot, WorkerStatus
+from server.workers import NoWorkerError, WorkerSlot, WorkerStartFailed, WorkerStatus
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
@@ -165,7 +165,8 @@ class ModelLifecycle:
     def _lru_victim(self, exclude: ModelVersion) -> ModelVersion | None:
         candidates = [v for v in self.registry.all_versions()
                       if v is not exclude and v.min_workers == 0 and not v.pinned
-                      and v.in_flight == 0 and v.pool.slots and id(v) not in self._bringing_up]
+                      and v.in_flight == 0 and v.pool.slots and id(v) not in self._bringing_up
+                      and not any(s.status is WorkerStatus.STARTING for s in v.pool.slots)]
         return min(candidates, key=lambda v: v.last_used, default=None)
 
     async def unload(self, entry: ModelVersion, why: str) -> None:
@@ -178,12 +179,10 @@ class ModelLifecycle:
 
     # -- requests --------------------------------------------------------------------------
     async def ready_worker(self, entry: ModelVersion) -> AsyncLLM:
-        """A ready worker of `entry`, loading or waking one first when there is none, within
-        the version's responseTimeout (NoWorkerError with the reason otherwise)."""
-        from server.workers import WorkerStartFailed
-
+        """A ready worker of `entry` (for its limits), loading or waking one first when none is,
+        within the version's responseTimeout (NoWorkerError with the reason otherwise)."""
         if entry.pool.ready_engines():
-            return entry.pick_worker()
+            return self._any_ready(entry)
         task = self._bringing_up.get(id(entry))
         if task is None:
             task = asyncio.get_running_loop().create_task(self._bring_up(entry))
@@ -200,7 +199,17 @@ class ModelLifecycle:
                 raise
             raise NoWorkerError(f"model {entry.name!r} version {entry.version!r} could not be "
                                 f"loaded: {exc}") from None
-        return entry.pick_worker()
+        return self._any_ready(entry)
+
+    @staticmethod
+    def _any_ready(entry: ModelVersion) -> AsyncLLM:
+        """One ready worker (its limits are every worker's): the router picks the one that
+        serves the request later, once the prompt is tokenized (server.routing)."""
+        ready = entry.pool.ready_engines()
+        if not ready:
+            raise NoWorkerError(f"model {entry.name!r} version {entry.version!r} has no ready "
+                                "worker right now; retry shortly")
+        return ready[0]
 
     async def _bring_up(self, entry: ModelVersion) -> None:
         if entry.pool.sleeping_slots():

@@ -34,34 +34,30 @@ def _route(act: Callable[[web.Request, ModelVersion], Awaitable[str]]):
         state = request.app[STATE_KEY]
         entry = state.registry.resolve(request.match_info["model"], request.match_info["version"])
         return web.json_response({"status": await act(request, entry)})
+    handle.__doc__ = act.__doc__  # the route's description (server.openapi)
     return handle
 
 
 async def _sleep(request: web.Request, entry: ModelVersion) -> str:
+    """Free the version's weights and KV pools, keeping its processes; needs --enable-model-api."""
     await request.app[STATE_KEY].registry.lifecycle.sleep(entry)
     return f"Model {entry.name} version {entry.version} is asleep"
 
 
 async def _wake(request: web.Request, entry: ModelVersion) -> str:
-    lifecycle = request.app[STATE_KEY].registry.lifecycle
-    try:
-        await lifecycle.wake(entry)
-    except RuntimeError as exc:  # no room: NoWorkerError from the budget means 507 here
-        from server.memory_budget import ModelTooLargeError
-        from server.workers import NoWorkerError
-
-        if isinstance(exc, NoWorkerError):
-            raise ModelTooLargeError(str(exc)) from None
-        raise
+    """Load a sleeping version again (room made in the memory budget first; no room: 507)."""
+    await request.app[STATE_KEY].registry.lifecycle.wake(entry)  # no room: 507
     return f"Model {entry.name} version {entry.version} is awake"
 
 
 async def _pin(request: web.Request, entry: ModelVersion) -> str:
+    """Never unload the version (keep-alive, LRU eviction)."""
     request.app[STATE_KEY].registry.set_pinned(entry, True)
     return f"Model {entry.name} version {entry.version} is pinned"
 
 
 async def _unpin(request: web.Request, entry: ModelVersion) -> str:
+    """Let the version be unloaded again."""
     request.app[STATE_KEY].registry.set_pinned(entry, False)
     return f"Model {entry.name} version {entry.version} is no longer pinned"
 

@@ -33,6 +33,8 @@ from server.archives import (
 from server.auth import Api, auth_middleware
 from server.errors import error_body
 from server.generation import ErrorReply
+from server.lifecycle import LifecycleConflict, ModelLifecycle
+from server.lifecycle_routes import ROUTES as LIFECYCLE_ROUTES
 from server.management_params import (
     MAX_PAGE,
     ListParams,
@@ -42,8 +44,6 @@ from server.management_params import (
     UnregisterParams,
     read_params,
 )
-from server.lifecycle import LifecycleConflict, ModelLifecycle
-from server.lifecycle_routes import ROUTES as LIFECYCLE_ROUTES
 from server.memory_budget import ModelTooLargeError
 from server.middleware import drain_middleware, error_middleware
 from server.registry import (

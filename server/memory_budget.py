@@ -85,9 +85,11 @@ def weights_bytes(model_dir: Path, dtype_bytes: int) -> int:
 
 def kv_pool_bytes(config: EngineConfig, hf_config: dict) -> int:
     """Bytes of the KV pool the engine allocates for `config` (engine.model_runner's rule)."""
+    from engine.attention.kv_quant import parse_kv_cache_dtype
     from engine.model.loader import kv_cache_bytes_per_block
 
-    per_block = kv_cache_bytes_per_block(hf_config, config.block_size, config.torch_dtype)
+    per_block = kv_cache_bytes_per_block(hf_config, config.block_size, config.torch_dtype,
+                                         parse_kv_cache_dtype(config.kv_cache_dtype))
     blocks = config.num_kv_blocks if config.num_kv_blocks is not None else (
         config.kv_cache_memory // per_block)
     return blocks * per_block

@@ -84,7 +84,7 @@ class ServerMetrics:
 
     def render(self, names: Collection[str] = ()) -> bytes:
         """The Prometheus text of every family, or only of those in `names` (a family matches
-        by its name, its exposed name such as `x_total`, or any of its sample names)."""
+        by its name or the name of any of its samples, such as `x_total` or `x_bucket`)."""
         if not names:
             return generate_latest(self.registry)
         return generate_latest(_Only(self.registry, frozenset(names)))
@@ -93,15 +93,16 @@ class ServerMetrics:
 class _Only:
     """The families of a registry that `names` asks for (a collector for `generate_latest`)."""
 
+    SUFFIXES = ("total", "created", "bucket", "count", "sum", "info")  # sample name suffixes
+
     def __init__(self, registry: CollectorRegistry, names: frozenset[str]) -> None:
         self._registry = registry
         self._names = names
 
     def collect(self) -> Iterator:
         for family in self._registry.collect():
-            exposed = f"{family.name}_total" if family.type == "counter" else family.name
-            if (family.name in self._names or exposed in self._names
-                    or any(s.name in self._names for s in family.samples)):
+            if family.name in self._names or any(
+                    f"{family.name}_{suffix}" in self._names for suffix in self.SUFFIXES):
                 yield family
 
 

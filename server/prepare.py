@@ -37,14 +37,17 @@ def build_missing_kernels(out: Out, *, why: str = "") -> list[str]:
     """Build the CPU extensions not built yet, saying what and why; their names."""
     missing = [ext for ext in cpu_extensions() if not ext.is_built()]
     for ext in missing:
-        out(f"pagedserve: building the CPU kernel {ext.name} into {ext.folder} "
-            f"(once per machine and checkout, ~30-60 s{why})")
+        if ext.library.is_file():  # built before builds were marked: cpp_extension checks it
+            out(f"pagedserve: checking the earlier build of the CPU kernel {ext.name} in {ext.folder}")
+        else:
+            out(f"pagedserve: building the CPU kernel {ext.name} into {ext.folder} "
+                f"(once per machine and checkout, ~30-60 s{why})")
         start = time.perf_counter()
         if ext.build() is None:
             out(f"pagedserve: the CPU kernel {ext.name} could not be built (see the warning "
                 "above); the engine uses its plain-torch path")
         else:
-            out(f"pagedserve: built {ext.name} in {time.perf_counter() - start:.0f} s")
+            out(f"pagedserve: {ext.name} ready in {time.perf_counter() - start:.0f} s")
     return [ext.name for ext in missing]
 
 

@@ -2,7 +2,8 @@
 handler's parser (handlers.llm_input):
 
 - `application/json`: the JSON object (as before);
-- `text/plain`: the whole body is the prompt (UTF-8);
+- `text/plain`: the whole body is the prompt (UTF-8), unless it is a JSON object (what a
+  browser's `fetch` sends by default);
 - `multipart/form-data` (`curl -F data=@file`), or a url-encoded form that names an input: a
   `data` or `body` field is the input (a JSON object, or else the prompt text); otherwise the
   fields are the body's fields (`prompt` as text, the rest read as JSON values when they
@@ -19,9 +20,7 @@ without an input field (400); a body over max_request_size is aiohttp's 413 befo
 from __future__ import annotations
 
 import asyncio
-from email import policy
 from email.message import Message
-from email.parser import BytesParser
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -33,6 +32,7 @@ from server.generation import ErrorReply
 
 INPUT_FIELDS = ("data", "body")  # TorchServe's names for a request's input in a form
 MAX_FORM_FIELDS = 64
+MAX_PART_HEADER_BYTES = 8192
 TEXT_FIELDS = frozenset({"prompt"})  # form fields that are always text, never JSON
 
 
@@ -61,6 +61,11 @@ async def read_predictions_body(request, executor, max_bytes: int) -> dict[str, 
         return max_new_tokens(form_body(form, max_bytes))
     if kind == "application/json" or (kind != "text/plain" and raw.lstrip()[:1] == b"{"):
         return max_new_tokens(_json(raw, max_bytes))
+    if kind == "text/plain" and raw.lstrip()[:1] == b"{":  # a browser's fetch() sends JSON so
+        try:
+            return max_new_tokens(decode_body(raw, max_bytes))
+        except HandlerError:
+            pass  # not a JSON object: the prompt text
     if kind == "application/x-www-form-urlencoded":  # curl -d's type, whatever the body is
         fields = urlencoded_fields(raw)
         if fields is not None:
@@ -69,25 +74,58 @@ async def read_predictions_body(request, executor, max_bytes: int) -> dict[str, 
 
 
 def multipart_fields(raw: bytes, content_type: str) -> dict[str, bytes]:
-    """The named parts of a multipart/form-data body (the last one of a repeated name wins)."""
-    if "boundary=" not in content_type:
+    """The named parts of a multipart/form-data body (RFC 7578; the last one of a repeated name
+    wins). Split with `bytes.find` on the boundary, so the time is linear in the body's size
+    whatever it holds (a line-based parser takes seconds over megabytes of short lines)."""
+    boundary = _param(content_type, "content-type", "boundary")
+    if not boundary:
         raise ErrorReply(400, "multipart/form-data without a boundary parameter in Content-Type")
-    head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode()
-    message: Message = BytesParser(policy=policy.HTTP).parsebytes(head + raw)
-    if not message.is_multipart():
-        raise ErrorReply(400, "the multipart/form-data body holds no parts")
-    fields: dict[str, bytes] = {}
-    for i, part in enumerate(message.iter_parts()):
-        if i >= MAX_FORM_FIELDS:
-            raise ErrorReply(400, f"the multipart/form-data body has more than {MAX_FORM_FIELDS} parts")
-        name = part.get_param("name", header="content-disposition")
-        if not isinstance(name, str) or not name:
-            raise ErrorReply(400, f"multipart part {i} has no name (Content-Disposition: form-data; name=...)")
-        payload = part.get_payload(decode=True)
-        fields[name] = payload if isinstance(payload, bytes) else b""
-    if not fields:
+    if not boundary.isascii() or len(boundary) > 70:  # RFC 2046's rule
+        raise ErrorReply(400, "the multipart boundary must be 1 to 70 ASCII characters")
+    delimiter = b"--" + boundary.encode("ascii")
+    first = raw.find(delimiter)
+    if first < 0 or (first > 0 and raw[first - 2:first] != b"\r\n"):
         raise ErrorReply(400, "the multipart/form-data body holds no parts (is the boundary right?)")
+    fields: dict[str, bytes] = {}
+    pos = first + len(delimiter)
+    while raw[pos:pos + 2] != b"--":  # the close delimiter ends the body
+        if len(fields) >= MAX_FORM_FIELDS:
+            raise ErrorReply(400, f"the multipart/form-data body has more than {MAX_FORM_FIELDS} parts")
+        line_end = raw.find(b"\r\n", pos)
+        end = raw.find(b"\r\n" + delimiter, line_end)
+        if line_end < 0 or end < 0:
+            raise ErrorReply(400, "the multipart/form-data body is cut short: a part does not end "
+                                  "with the boundary")
+        name, value = _part(raw[line_end + 2:end], len(fields))
+        fields[name] = value
+        pos = end + 2 + len(delimiter)
+    if not fields:
+        raise ErrorReply(400, "the multipart/form-data body holds no parts")
     return fields
+
+
+def _part(part: bytes, i: int) -> tuple[str, bytes]:
+    """A part's form name and content."""
+    head_end = 0 if part.startswith(b"\r\n") else part.find(b"\r\n\r\n")
+    if head_end < 0 or head_end > MAX_PART_HEADER_BYTES:
+        raise ErrorReply(400, f"multipart part {i} has no header block (Content-Disposition) ending "
+                              "in an empty line")
+    headers = part[:head_end].decode("latin-1").split("\r\n")
+    content = part[head_end + (2 if head_end == 0 else 4):]
+    disposition = next((h.partition(":")[2] for h in headers
+                        if h.partition(":")[0].strip().lower() == "content-disposition"), "")
+    name = _param(disposition, "content-disposition", "name")
+    if not name:
+        raise ErrorReply(400, f"multipart part {i} has no name (Content-Disposition: form-data; name=...)")
+    return name, content
+
+
+def _param(value: str, header: str, key: str) -> str | None:
+    """A parameter of a header value (quoted or not), as the email package reads it."""
+    message = Message()
+    message[header] = value
+    found = message.get_param(key, header=header)
+    return found if isinstance(found, str) else None
 
 
 def urlencoded_fields(raw: bytes) -> dict[str, bytes] | None:

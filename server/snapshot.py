@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 
+from server.lifecycle import state_of
 from server.management_params import MAX_WORKERS
 from server.registry import MAX_NAME_LENGTH, NAME_PATTERN, VERSION_PATTERN
 from server.safe_write import write_atomically
@@ -62,8 +63,6 @@ def entries_of(registry: ModelRegistry) -> list[SnapshotEntry]:
 
 def _saved_state(v: Any) -> str:
     """What a restart should bring back: a version loading now counts as loaded."""
-    from server.lifecycle import state_of
-
     state = state_of(v)
     return "loaded" if state == "loading" else state
 

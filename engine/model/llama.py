@@ -172,7 +172,10 @@ class LlamaModel(nn.Module):
         self, spec: LlamaSpec, dtype: torch.dtype, backend: AttentionBackend, ops: CpuFusedOps | None = None
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
+        # Given its (empty) weight, nn.Embedding skips its random init: on the meta device that
+        # init alone imports torch._dynamo (seconds of every worker's start); load_weights fills it.
+        weight = torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(LlamaDecoderLayer(spec, dtype, backend, ops) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, ops)
 
@@ -214,7 +217,9 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
             if quant is not None and quant.method is not QuantMethod.NONE:
                 self._swap_quantized(quant)
-        self.to_empty(device=self.device)
+        # to_empty's empty_like on meta tensors goes through torch's Python refs, whose first use
+        # imports sympy (~1-2 s of a worker's start); a plain empty of each shape does not.
+        self._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=self.device))
         self.requires_grad_(False)
         # pack_linear_weights(), or (quantized, tied) an Int8Linear over the embedding's storage
         self.packed_lm_head: PackedLinear | Int8Linear | None = None

@@ -137,7 +137,12 @@ def _float(raw: torch.Tensor, kind: str, tensor: Any) -> torch.Tensor:
     bt = block_type(kind)
     if bt is not None:
         return decode(raw, bt)
-    values = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[kind])
+    try:
+        values = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[kind])
+    except (NotImplementedError, KeyError):
+        raise ValueError(f"GGUF tensor {tensor.name}: type {kind} has no decoder here or in the gguf package "
+                         f"(native: {', '.join(t.value for t in GGUFBlockType)}; F32/F16/BF16; other types "
+                         "gguf de-quantizes); re-quantize the file with llama.cpp to one of those") from None
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(raw.shape[0], -1)
 
 

@@ -2,13 +2,15 @@
 
 - `Int8Linear`: int8 weights, one float scale per output channel (symmetric). Few rows (decode)
   run `aten._weight_int8pack_mm` (weight-only: activations stay in the model dtype), which loses
-  to bf16 from a few dozen rows on. Mode `int8` then de-quantizes the weight to the model dtype
-  for the call and uses `F.linear` (weights-only numerics everywhere: quantizing activations per
-  token cost 3.8 % perplexity on the default model); mode `w8a8` instead runs `torch._int_mm`
-  (VNNI int8 dot products) on activations quantized per token at run time, from 2 rows on.
+  to bf16 from a few dozen rows on. More rows run `torch._int_mm` (VNNI int8 dot products) on
+  activations quantized per token at run time, the call's largest input channels kept apart in
+  float32 (`_w8a8_mm`): mode `w8a8` from 2 rows on, mode `int8` for 17..255 rows (batched
+  decode); mode `int8` de-quantizes the weight for calls of 256+ rows and uses `F.linear`, so
+  prefill keeps weight-only numerics.
 - `Int4Linear`: 4-bit codes in groups of 32/64/128 along the input, asymmetric (a scale and an
   offset per group: `w = q * scale + offset`). Few rows run `aten._weight_int4pack_mm_for_cpu`;
-  many rows de-quantize the weight to the model dtype for that call and use `F.linear`.
+  many rows de-quantize the weight to the model dtype for that call and use `F.linear`, except
+  on a CPU without bf16 dot products, where the kernel runs at every row count.
 - `Int8Embedding`: the token table as int8 rows with a scale each; with tied embeddings the
   LM head is an `Int8Linear` over the same storage.
 
@@ -25,7 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 INT4_GROUP_SIZES = (32, 64, 128)
-INT8_WEIGHT_ONLY_MAX_ROWS = 16  # mode int8: more rows quantize activations (torch._int_mm)
+INT8_WEIGHT_ONLY_MAX_ROWS = 16  # more rows: torch._int_mm on activations quantized per token
+# Mode int8 from this many rows on (prefill-sized calls) de-quantizes the weight for the call:
+# the copy's cost is spread over enough rows to stay within a few % of bf16, and prefill keeps
+# weight-only numerics. Batched decode steps (17..255 rows) run torch._int_mm instead.
+INT8_DEQUANT_MIN_ROWS = 256
 INT4_KERNEL_MAX_ROWS = 32  # more rows de-quantize the weight for the call and use F.linear
 # The LM head (49152 x 576 here) sees at most one row per sequence: de-quantizing it per call
 # would cost far more than the weight-only kernel at any batch size, so it always uses the kernel.
@@ -40,14 +46,30 @@ class QuantMethod(enum.Enum):
     W8A8 = "w8a8"
 
 
-def cpu_has_vnni() -> bool:
-    """True where the CPU reports VNNI int8 dot products (avx512_vnni or avx_vnni) or AMX."""
+def _cpu_flags() -> list[str]:
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            return next((line for line in f if line.startswith("flags")), "").split()
     except OSError:
-        return False
-    return any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
+        return []
+
+
+def cpu_has_vnni() -> bool:
+    """True where the CPU reports VNNI int8 dot products (avx512_vnni or avx_vnni) or AMX."""
+    return any(flag in _cpu_flags() for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
+
+
+def cpu_has_bf16_dot() -> bool:
+    """True where the CPU has bf16 dot products (avx512_bf16 or AMX). Without them oneDNN
+    emulates bf16 GEMMs: measured ~7 GFLOP/s at 64 rows on an Ice Lake-class Xeon (fp32: 130)."""
+    return any(flag in _cpu_flags() for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def int4_kernel_max_rows() -> int:
+    """Rows up to which int4 runs its weight-only kernel: INT4_KERNEL_MAX_ROWS where bf16 GEMMs
+    are native; on a CPU without bf16 dot products the kernel beat de-quantize + bf16 GEMM at
+    every row count measured (1-512), so it always runs."""
+    return INT4_KERNEL_MAX_ROWS if cpu_has_bf16_dot() else 1 << 62
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,12 +110,30 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
 
 
-def _w8a8_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`x [M, K]` quantized per row to int8 (symmetric), `torch._int_mm` with int32 sums, rescaled."""
+# W8A8: this many input channels with the largest |x| in a call stay out of the int8 product and
+# are multiplied in float32 (LLM.int8()-style outlier decomposition): a few activation channels
+# of the default model are 10-100x the rest, and quantizing them per token crushes every other
+# channel of that token to a handful of levels.
+W8A8_OUTLIER_CHANNELS = 8
+
+
+def _w8a8_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+             outliers: int = W8A8_OUTLIER_CHANNELS) -> torch.Tensor:
+    """`x [M, K]` quantized per row to int8 (symmetric), `torch._int_mm` with int32 sums, rescaled;
+    the `outliers` input channels of largest max |x| over the call's rows are left out of the
+    int8 product and added back as a float32 product with the same int8 weight columns."""
     xf = x.float()
+    extra = None
+    if outliers:
+        cols = xf.abs().amax(dim=0).topk(min(outliers, xf.shape[1])).indices
+        extra = xf[:, cols] @ qweight[:, cols].float().t()
+        xf = xf.index_fill(1, cols, 0.0)
     x_scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
     xq = torch.round(xf / x_scale).to(torch.int8)  # |x| / x_scale <= 127 by construction
-    return (torch._int_mm(xq, qweight.t()).float() * x_scale * scale).to(x.dtype)
+    acc = torch._int_mm(xq, qweight.t()).float() * x_scale
+    if extra is not None:
+        acc += extra
+    return (acc * scale).to(x.dtype)
 
 
 class _QuantBase(nn.Module):
@@ -135,9 +175,12 @@ class Int8Linear(_QuantBase):
     """int8 per-output-channel weights; see the module docstring for the kernels per row count."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 weight_only_max_rows: int = INT8_WEIGHT_ONLY_MAX_ROWS, quantize_activations: bool = False) -> None:
+                 weight_only_max_rows: int = INT8_WEIGHT_ONLY_MAX_ROWS,
+                 dequant_min_rows: int = INT8_DEQUANT_MIN_ROWS) -> None:
         super().__init__(in_features, out_features, bias, dtype)
-        self.weight_only_max_rows, self.quantize_activations = weight_only_max_rows, quantize_activations
+        # Rows <= weight_only_max_rows: weight-only kernel; < dequant_min_rows: torch._int_mm on
+        # activations quantized per token; more: the weight de-quantized for the call.
+        self.weight_only_max_rows, self.dequant_min_rows = weight_only_max_rows, dequant_min_rows
         self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scale", torch.empty(out_features, dtype=torch.float32))
         self.register_buffer("kernel_scale", torch.empty(out_features, dtype=dtype))
@@ -173,7 +216,7 @@ class Int8Linear(_QuantBase):
         rows = self._rows(x)
         if rows.shape[0] <= self.weight_only_max_rows:
             out = torch.ops.aten._weight_int8pack_mm(rows.to(self.dtype), self.qweight, self.kernel_scale)
-        elif self.quantize_activations:
+        elif rows.shape[0] < self.dequant_min_rows:
             out = _w8a8_mm(rows, self.qweight, self.scale)
         else:
             out = F.linear(rows.to(self.dtype), self.qweight.to(self.dtype) * self.kernel_scale[:, None])
@@ -184,12 +227,13 @@ class Int4Linear(_QuantBase):
     """int4 weights in groups along the input, asymmetric; see the module docstring."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 group_size: int = 32, kernel_max_rows: int = INT4_KERNEL_MAX_ROWS) -> None:
+                 group_size: int = 32, kernel_max_rows: int | None = None) -> None:
         super().__init__(in_features, out_features, bias, dtype)
         check_group_size(in_features, group_size)
         if out_features % _INT4_BLOCK_N:
             raise ValueError(f"int4 needs output features divisible by {_INT4_BLOCK_N}, got {out_features}; use int8")
-        self.group_size, self.kernel_max_rows = group_size, kernel_max_rows
+        self.group_size = group_size
+        self.kernel_max_rows = int4_kernel_max_rows() if kernel_max_rows is None else kernel_max_rows
         groups = in_features // group_size
         # Loading form (codes, float32 scale/offset), replaced by the kernel's layout in finalize.
         self.register_buffer("codes", torch.empty(out_features, in_features, dtype=torch.uint8))
@@ -272,7 +316,7 @@ def make_quant_linear(method: QuantMethod, in_features: int, out_features: int, 
     if method is QuantMethod.INT8:
         return Int8Linear(in_features, out_features, bias, dtype)
     if method is QuantMethod.W8A8:
-        return Int8Linear(in_features, out_features, bias, dtype, weight_only_max_rows=1, quantize_activations=True)
+        return Int8Linear(in_features, out_features, bias, dtype, weight_only_max_rows=1, dequant_min_rows=1 << 62)
     if method is QuantMethod.INT4:
         return Int4Linear(in_features, out_features, bias, dtype, group_size)
     raise ValueError(f"no quantized layer for {method.value}")

@@ -81,7 +81,7 @@ def translate(data: Any, source: str = "model-config.yaml") -> tuple[Any, list[s
     handler = data["handler"]
     engine_config = handler.get("vllm_engine_config") or {}
     if not isinstance(engine_config, dict):
-        raise ValueError(f"{source}: handler.vllm_engine_config: must be a mapping of vLLM engine "
+        raise ValueError(f"{source}: handler.vllm_engine_config: must be a mapping of vLLM engine "  # noqa: TRY004
                          f"arguments, got {type(engine_config).__name__}")
     options: dict[str, Any] = {k: v for k, v in handler.items() if k not in VLLM_HANDLER_KEYS}
     for key, value in engine_config.items():

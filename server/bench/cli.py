@@ -166,8 +166,12 @@ def _table(record: dict) -> str:
             f"{lv['level']:>16} {lv['request_throughput']:8.2f} {lv['output_throughput']:10.1f} "
             f"{_ms(ttft, 'median'):>9} {_ms(ttft, top):>10} {_ms(tpot, 'median'):>9} "
             f"{_ms(lv['e2el_ms'], 'median'):>9} {_ms(lv['e2el_ms'], top):>10} "
-            f"{lv['goodput'] if 'goodput' in lv else '-':>8.8} {lv.get('failed', 0):>6}")
+            f"{_goodput(lv):>8} {lv.get('failed', 0):>6}")
     return "\n".join(rows) + "\n(latencies in ms)"
+
+
+def _goodput(level: dict) -> str:
+    return f"{level['goodput']:.2f}" if "goodput" in level else "-"
 
 
 def _ms(dist: dict | None, key: str) -> str:

@@ -55,7 +55,8 @@ class ServeTarget:
 
     def session(self) -> aiohttp.ClientSession:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        return aiohttp.ClientSession(headers=headers,
+        # No connection cap: the sweep's concurrency is the only limit.
+        return aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=self.timeout_s))
 
 

@@ -358,8 +358,13 @@ def test_refuses_custom_handler_code_unless_allowed(tmp_path, dest, handler, cod
 
 
 def test_refuses_unknown_or_missing_handler(tmp_path, dest):
-    refuse(make_zip(tmp_path / "a.mar", valid_entries(handler="vllm_handler")), dest, "unknown handler")
+    refuse(make_zip(tmp_path / "a.mar", valid_entries(handler="text_classifier")), dest, "unknown handler")
     refuse(make_zip(tmp_path / "b.mar", valid_entries(handler="mine.py")), dest, "not in the archive")
+
+
+def test_torchserve_vllm_handler_is_the_built_in_handler(tmp_path, dest):
+    opened = open_archive(make_zip(tmp_path / "v.mar", valid_entries(handler="vllm_handler")), dest)
+    assert opened.custom_handler is None
 
 
 def test_folder_is_verified_in_place(tmp_path, model_dir):

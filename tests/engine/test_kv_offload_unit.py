@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from engine.attention.kv_quant import KVCacheDtype, quantize_kv
 from engine.config import EngineConfig
 from engine.kv_offload.config import KVOffloadConfig, merge_kv_offload
 from engine.kv_offload.disk import DiskBudget
@@ -171,10 +172,16 @@ def _store(mgr, request, blocks):
     assert mgr.flush()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def _cache(dtype) -> torch.Tensor:
+    """A layer's paged KV tensor: float, or a quantized KV cache's uint8 rows (codes + scale)."""
+    values = torch.randn(2, NB, BS, H, D)
+    return quantize_kv(values, KVCacheDtype(dtype)) if isinstance(dtype, str) else values.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "fp8_e4m3"])
 def test_round_trip_is_bit_exact_from_cpu_and_disk(tmp_path, dtype):
     torch.manual_seed(0)
-    kv = [torch.randn(2, NB, BS, H, D).to(dtype) for _ in range(L)]
+    kv = [_cache(dtype) for _ in range(L)]
     ref = [k.clone() for k in kv]
     prompt = list(range(1000, 1000 + 200))  # 3 full chunks of 64 + 8 tokens
     mgr = _manager(tmp_path, kv)

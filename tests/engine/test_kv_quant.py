@@ -139,3 +139,12 @@ def test_engine_with_quantized_kv(tiny_model_dir):
     again, cached_again = _run(engine, "b", prompt)
     assert cached_first == 0 and cached_again == 32
     assert again == first and len(first) == 8
+
+
+def test_offload_keys_tell_kv_dtypes_apart(tiny_model_dir):
+    """One disk folder shared by a bf16-KV and an fp8-KV engine of one model never mixes their chunks."""
+    from engine.kv_offload.manager import model_fingerprint
+
+    keys = {model_fingerprint(tiny_model_dir, torch.bfloat16, kind) for kind in ("auto", "fp8_e4m3", "int8")}
+    assert len(keys) == 3
+    assert model_fingerprint(tiny_model_dir, torch.bfloat16) == model_fingerprint(tiny_model_dir, torch.bfloat16, "auto")

@@ -79,3 +79,14 @@ def test_bad_input_is_refused():
         decode(torch.zeros(2, 20, dtype=torch.uint8), GGUFBlockType.Q4_0)
     with pytest.raises(ValueError, match="not a 4-bit type"):
         int4_groups(torch.zeros(2, 34, dtype=torch.uint8), GGUFBlockType.Q8_0)
+
+
+def test_a_type_with_no_decoder_is_refused_naming_the_tensor():
+    """Q8_1 has no decoder here and gguf cannot de-quantize it either: a clear error, no fallback."""
+    from types import SimpleNamespace
+
+    from engine.model.quant_convert import _float
+
+    raw = torch.zeros(1, gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1][1], dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight: type Q8_1 has no decoder.*native: Q4_0"):
+        _float(raw, "Q8_1", SimpleNamespace(name="blk.0.attn_q.weight"))

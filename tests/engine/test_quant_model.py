@@ -116,3 +116,20 @@ def test_bad_options_are_refused():
         LLM(default_model_dir(), quantization="int3")
     with pytest.raises(ValueError, match="quant_group_size must be 32, 64 or 128"):
         LLM(default_model_dir(), quantization="int4", quant_group_size=48)
+
+
+def test_w8a8_without_vnni_is_refused_naming_what_to_use(monkeypatch):
+    """On a CPU that reports no VNNI / AMX (simulated: this one has it), w8a8 says to use int8 or int4."""
+    import engine.model.quant_spec as quant_spec
+
+    monkeypatch.setattr(quant_spec, "cpu_has_vnni", lambda: False)
+    with pytest.raises(ValueError, match=r"w8a8' needs a CPU with VNNI.*use 'int8' or 'int4'"):
+        quant_spec.resolve_spec({}, "w8a8", 32, "cpu")
+    assert quant_spec.resolve_spec({}, "int8", 32, "cpu").method.value == "int8"
+
+
+def test_a_group_size_that_does_not_divide_a_layer_is_refused():
+    with pytest.raises(ValueError, match=r"group size 128 does not divide the layer's 576 input features; "
+                                         r"choose one of \[32, 64\]"):
+        LLM(default_model_dir(), dtype="bfloat16", num_kv_blocks=8, max_model_len=64, quantization="int4",
+            quant_group_size=128)

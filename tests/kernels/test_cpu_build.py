@@ -1,6 +1,11 @@
-"""The CPU extensions' build folders: one per source content, flags and checkout."""
+"""The CPU extensions' build folders: one per source content, flags and checkout; a built one
+loads directly (no cpp_extension, no message)."""
 
 from __future__ import annotations
+
+import logging
+
+import pytest
 
 from kernels.cpu_build import build_tag
 
@@ -19,3 +24,33 @@ def test_the_tag_follows_content_flags_and_the_source_path(tmp_path):
     before = build_tag(a / "k.cpp", FLAGS)
     (a / "k.cpp").write_text("int f() { return 2; }\n")
     assert build_tag(a / "k.cpp", FLAGS) != before
+
+
+def test_an_empty_cache_has_nothing_built_and_disabled_kernels_load_as_none(tmp_path, monkeypatch):
+    from kernels.cpu_paged_attention import EXTENSION
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    assert EXTENSION.folder.parent == tmp_path / "torch_extensions"
+    assert not EXTENSION.is_built()
+    monkeypatch.setenv("PAGEDSERVE_DISABLE_CPU_KERNELS", "1")
+    assert EXTENSION.load() is None
+    assert not (tmp_path / "torch_extensions").exists()  # nothing was built
+
+
+def test_a_built_extension_loads_without_cpp_extension_and_without_a_message(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    from kernels.cpu_paged_attention import EXTENSION
+
+    if EXTENSION.load() is None:  # built here once (shared cache) unless there is no compiler
+        pytest.skip("the CPU extension cannot be built on this machine")
+    assert EXTENSION.is_built()
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a built extension must not go through cpp_extension")
+
+    monkeypatch.setattr(cpp_extension, "load", no_build)
+    with caplog.at_level(logging.DEBUG, logger="kernels.cpu_build"):
+        module = EXTENSION.load()
+    assert callable(module.paged_decode_attention)
+    assert caplog.records == []

@@ -32,9 +32,10 @@ def test_v1_predict_round_trip(tiny_server, expected):
     r = tiny_server.post("inference", f"/v1/models/{TINY}:predict",
                          json={"instances": instances, "parameters": {"max_new_tokens": 4, "temperature": 0}})
     assert r.json() == {"predictions": expected}
-    # /v1/models/{id} is still OpenAI's model route.
+    # /v1/models/{id} is still OpenAI's model route, with KServe v1's model status beside it.
     r = tiny_server.get("inference", f"/v1/models/{TINY}")
     assert r.status == 200 and r.json()["id"] == TINY and r.json()["object"] == "model"
+    assert r.json()["name"] == TINY and r.json()["ready"] is True
 
 
 def test_v2_infer_round_trip(tiny_server, expected):

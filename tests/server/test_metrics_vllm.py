@@ -37,29 +37,33 @@ def scrape(server, query: str = "") -> dict[str, dict]:
     return out
 
 
-def value(families, sample: str, **labels) -> float:
+def value(families, sample: str, default: float | None = None, **labels) -> float:
     for fam in families.values():
         found = [s.value for s in fam.get(sample, [])
                  if all(s.labels.get(k) == v for k, v in labels.items())]
         if found:
             return sum(found)
+    if default is not None:
+        return default
     raise AssertionError(f"no {sample} {labels} in {sorted(families)}")
 
 
-def complete(server, max_tokens: int) -> dict:
+def complete(server, max_tokens: int, prompt: str = PROMPT) -> dict:
     r = server.post("inference", "/v1/completions",
-                    json={"model": TINY, "prompt": PROMPT, "max_tokens": max_tokens,
+                    json={"model": TINY, "prompt": prompt, "max_tokens": max_tokens,
                           "temperature": 0, "ignore_eos": True})
     assert r.status == 200, r.text
     return r.json()
 
 
 def test_vllm_names_move_after_requests(vllm_server):
+    # Idle first (the workers push their stats about once a second).
+    vllm_server.wait_for(lambda: value(scrape(vllm_server), "vllm:kv_cache_usage_perc",
+                                       model_name=TINY) == 0, timeout=30, what="KV cache idle")
     before = scrape(vllm_server)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
         assert before[name], name  # the engine families, present before any request
-    assert value(before, "vllm:kv_cache_usage_perc", model_name=TINY) == 0
     queries0 = value(before, "vllm:prefix_cache_queries_total", model_name=TINY)
     hits0 = value(before, "vllm:prefix_cache_hits_total", model_name=TINY)
 
@@ -71,33 +75,37 @@ def test_vllm_names_move_after_requests(vllm_server):
                                        model_name=TINY) > hits0, timeout=30, what="cache hits")
     after = scrape(vllm_server)
     v = lambda name, **kw: value(after, name, model_name=TINY, **kw)  # noqa: E731
-    assert v("vllm:request_success_total", finished_reason="length") == 2
-    assert v("vllm:e2e_request_latency_seconds_count") == 2
-    assert v("vllm:e2e_request_latency_seconds_sum") > 0
-    assert v("vllm:time_to_first_token_seconds_count") == 2
-    assert v("vllm:inter_token_latency_seconds_count") == 2 * 4
-    assert v("vllm:time_per_output_token_seconds_count") == 2 * 4
-    assert v("vllm:request_time_per_output_token_seconds_count") == 2
+
+    def moved(name: str, **kw) -> float:  # what these two requests added (any test order)
+        return v(name, **kw) - value(before, name, default=0.0, model_name=TINY, **kw)
+
+    assert moved("vllm:request_success_total", finished_reason="length") == 2
+    assert moved("vllm:e2e_request_latency_seconds_count") == 2
+    assert moved("vllm:e2e_request_latency_seconds_sum") > 0
+    assert moved("vllm:time_to_first_token_seconds_count") == 2
+    assert moved("vllm:inter_token_latency_seconds_count") == 2 * 4
+    assert moved("vllm:time_per_output_token_seconds_count") == 2 * 4
+    assert moved("vllm:request_time_per_output_token_seconds_count") == 2
     for phase in ("queue", "prefill", "decode", "inference"):
-        assert v(f"vllm:request_{phase}_time_seconds_count") == 2, phase
-    assert v("vllm:prompt_tokens_total") == 2 * prompt_tokens
-    assert v("vllm:generation_tokens_total") == 10
-    assert v("vllm:request_prompt_tokens_sum") == 2 * prompt_tokens
-    assert v("vllm:request_generation_tokens_bucket", le="5.0") == 2
-    assert v("vllm:request_generation_tokens_bucket", le="2.0") == 0
+        assert moved(f"vllm:request_{phase}_time_seconds_count") == 2, phase
+    assert moved("vllm:prompt_tokens_total") == 2 * prompt_tokens
+    assert moved("vllm:generation_tokens_total") == 10
+    assert moved("vllm:request_prompt_tokens_sum") == 2 * prompt_tokens
+    assert moved("vllm:request_generation_tokens_bucket", le="5.0") == 2
+    assert moved("vllm:request_generation_tokens_bucket", le="2.0") == 0
     assert v("vllm:prefix_cache_queries_total") >= queries0 + 2 * prompt_tokens
     hits = v("vllm:prefix_cache_hits_total") - hits0
     assert 16 <= hits < prompt_tokens  # the second found its full blocks, not the last token
     assert 0 <= v("vllm:kv_cache_usage_perc") <= 1
     assert v("vllm:gpu_cache_usage_perc") == v("vllm:kv_cache_usage_perc")
-    assert v("vllm:num_preemptions_total") == 0
+    assert moved("vllm:num_preemptions_total") == 0
     # Today's names are kept beside them.
     assert value(after, "pagedserve_requests_total", model=TINY, status="200") >= 2
     assert value(after, "pagedserve_generation_tokens_total", model=TINY) >= 10
 
 
 def test_grafana_dashboard_queries_exposed_names(vllm_server):
-    complete(vllm_server, 2)  # every histogram has a sample
+    complete(vllm_server, 2, prompt="Grafana " + PROMPT)  # every histogram has a sample
     exposed = {s for fam in scrape(vllm_server).values() for s in fam}
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
@@ -109,6 +117,7 @@ def test_grafana_dashboard_queries_exposed_names(vllm_server):
 
 
 def test_name_filter_as_torchserve(vllm_server):
+    complete(vllm_server, 2, prompt="Filter " + PROMPT)
     only = scrape(vllm_server, "?name[]=vllm:num_requests_running&name[]=pagedserve_requests_total"
                                "&name[]=vllm:e2e_request_latency_seconds_bucket")
     # (the text parser reads each counter's and histogram's `_created` sample as a family)

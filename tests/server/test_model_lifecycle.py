@@ -68,6 +68,17 @@ def unload(srv, *versions: str) -> None:
         srv.call(lifecycle.unload(entry(srv, v), "test reset"))
 
 
+def reset(srv) -> None:
+    """Every version unpinned and unloaded, the budget large: each test starts from here."""
+    lifecycle = srv.state.registry.lifecycle
+    lifecycle.budget.total = 8 << 30
+    for model, version in ((MODEL, "1.0"), (MODEL, "2.0"), (MODEL, "3.0"), ("lcka", "1.0")):
+        assert srv.put("management", f"/models/{model}/{version}/unpin").status == 200
+        if entry(srv, version, model).pool.slots:
+            srv.call(lifecycle.unload(entry(srv, version, model), "test reset"))
+    lifecycle.evictions.clear()
+
+
 def predict(srv, version: str, model: str = MODEL, **fields) -> dict:
     body = {"prompt": "1, 2, 3, 4,", "max_tokens": 4, "temperature": 0, **fields}
     r = srv.post("inference", f"/predictions/{model}/{version}", json=body)
@@ -102,7 +113,8 @@ class RssSampler:
         self._thread.join(5)
 
 
-def test_load_on_demand_then_three_versions_in_a_budget_of_two(srv):
+def test_three_versions_in_a_budget_of_two_lru_pinning_and_requests_in_flight(srv):
+    reset(srv)
     assert describe(srv, "1.0")["state"] == "unloaded"
     predict(srv, "1.0")  # loaded on demand: the request waited for the worker, no 503
     desc = describe(srv, "1.0")
@@ -110,42 +122,64 @@ def test_load_on_demand_then_three_versions_in_a_budget_of_two(srv):
     footprint = desc["workers"][0]["footprint"]
     assert footprint["overheadMeasured"] and footprint["weights"] > 0 and footprint["kvPool"] > 0
     lifecycle = srv.state.registry.lifecycle
-    lifecycle.budget.total = int(footprint["total"] * 2.5)  # room for two workers, not three
-    lifecycle.evictions.clear()
+    budget = lifecycle.budget.total = int(footprint["total"] * 2.5)  # two workers, not three
     with RssSampler(srv) as sampler:
-        for version in ["2.0", "3.0", "1.0"]:
+        for version in ["2.0", "3.0", "1.0"]:  # round-robin: each later load evicts the LRU
             predict(srv, version)
-    # 2.0 fits beside 1.0; each later load unloads the least recently used version.
-    assert [v for _, v, _ in lifecycle.evictions] == ["1.0", "2.0"]
+        assert [v for _, v, _ in lifecycle.evictions] == ["1.0", "2.0"]
+        # 3.0 is now the least recently used; pinned, it stays and 1.0 goes instead.
+        assert srv.put("management", f"/models/{MODEL}/3.0/pin").status == 200
+        predict(srv, "2.0")
+        assert [v for _, v, _ in lifecycle.evictions] == ["1.0", "2.0", "1.0"]
+        predict(srv, "3.0", keep_alive=0)  # keep-alive does not unload a pinned version either
+        desc = describe(srv, "3.0")
+        assert (desc["state"], desc["pinned"], desc["expiresAt"]) == ("loaded", True, None)
     assert sampler.samples > 5
-    assert sampler.peak <= lifecycle.budget.total, (sampler.peak, lifecycle.budget.total)
+    assert sampler.peak <= budget, (sampler.peak, budget)
     gauges = {line.split()[0]: float(line.split()[1])
               for line in srv.get("metrics", "/metrics").text.splitlines()
               if line.startswith("pagedserve_memory_budget")}
-    assert gauges["pagedserve_memory_budget_bytes"] == lifecycle.budget.total
+    assert gauges["pagedserve_memory_budget_bytes"] == budget
     assert gauges["pagedserve_memory_budget_used_bytes"] >= 2 * footprint["weights"]
     assert gauges["pagedserve_memory_budget_free_bytes"] == (
-        lifecycle.budget.total - gauges["pagedserve_memory_budget_used_bytes"])
-    lifecycle.budget.total = 8 << 30
-    unload(srv, "1.0", "3.0")
+        budget - gauges["pagedserve_memory_budget_used_bytes"])
+    # A request in flight on 2.0 (held open here) keeps it from being evicted: a load of 1.0
+    # that cannot fit otherwise gets 503 with the reason, and nothing serving is disturbed.
+    held = entry(srv, "2.0").admit()
+    srv.call(_enter(held))
+    try:
+        lifecycle.budget.total = lifecycle.used() + footprint["total"] // 2
+        r = srv.post("inference", f"/predictions/{MODEL}/1.0", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status == 503, r.text
+        assert "no idle, unpinned version" in r.json()["message"] and "free" in r.json()["message"]
+        assert describe(srv, "2.0")["state"] == "loaded"
+    finally:
+        srv.call(_exit(held))
+    reset(srv)
 
 
-def test_keep_alive_from_the_model_config_unloads_after_idle(srv):
-    predict(srv, "1.0", model="lcka")
+async def _enter(cm) -> None:
+    cm.__enter__()
+
+
+async def _exit(cm) -> None:
+    cm.__exit__(None, None, None)
+
+
+def test_keep_alive_from_the_model_config_from_the_request_zero_and_forever(srv):
+    reset(srv)
+    predict(srv, "1.0", model="lcka")  # model-config keepAlive: 1
     desc = describe(srv, "1.0", model="lcka")
     assert desc["keepAlive"] == 1 and desc["expiresAt"] is not None
-    srv.wait_for(lambda: describe(srv, "1.0", model="lcka")["state"] == "unloaded", 60,
-                 what="keep-alive unload")
-
-
-def test_keep_alive_zero_unloads_after_the_request_and_minus_one_keeps(srv):
-    predict(srv, "2.0", keep_alive=0)
+    predict(srv, "2.0", keep_alive=0)  # unloaded right after the request
     srv.wait_for(lambda: describe(srv, "2.0")["state"] == "unloaded", 60, what="unload")
     out = predict(srv, "2.0", keep_alive="-1")
     assert out["choices"][0]["token_ids"]
     desc = describe(srv, "2.0")
     assert desc["state"] == "loaded" and desc["expiresAt"] is None
-    unload(srv, "2.0")
+    srv.wait_for(lambda: describe(srv, "1.0", model="lcka")["state"] == "unloaded", 60,
+                 what="keep-alive unload")
+    assert describe(srv, "2.0")["state"] == "loaded"
 
 
 def test_bad_keep_alive_is_a_400_naming_the_field(srv):
@@ -155,24 +189,6 @@ def test_bad_keep_alive_is_a_400_naming_the_field(srv):
     r = srv.post("inference", "/v1/completions",
                  json={"model": f"{MODEL}@2.0", "prompt": "hi", "keep_alive": True})
     assert r.status == 400 and r.json()["error"]["param"] == "keep_alive"
-
-
-def test_pinned_version_is_never_unloaded(srv):
-    assert srv.put("management", f"/models/{MODEL}/1.0/pin").status == 200
-    lifecycle = srv.state.registry.lifecycle
-    try:
-        predict(srv, "1.0", keep_alive=0)  # keep-alive does not unload a pinned version
-        footprint = describe(srv, "1.0")["workers"][0]["footprint"]["total"]
-        lifecycle.budget.total = int(footprint * 2.5)
-        lifecycle.evictions.clear()
-        for version in ["2.0", "3.0"]:
-            predict(srv, version)
-        assert [v for _, v, _ in lifecycle.evictions] == ["2.0"]  # 1.0 was older, but pinned
-        assert describe(srv, "1.0")["state"] == "loaded" and describe(srv, "1.0")["pinned"]
-    finally:
-        lifecycle.budget.total = 8 << 30
-        assert srv.put("management", f"/models/{MODEL}/1.0/unpin").status == 200
-    unload(srv, "1.0", "2.0", "3.0")
 
 
 def test_a_budget_smaller_than_one_model_refuses_the_registration(srv):
@@ -189,6 +205,9 @@ def test_a_budget_smaller_than_one_model_refuses_the_registration(srv):
 
 
 def test_sleep_and_wake_round_trip(srv):
+    srv.state.registry.lifecycle.budget.total = 8 << 30
+    if entry(srv, "3.0").pool.slots:
+        unload(srv, "3.0")  # the first request below is a cold load
     started = time.monotonic()
     before = predict(srv, "3.0", max_tokens=8)["choices"][0]["token_ids"]
     cold_s = time.monotonic() - started  # a load on demand: a new worker process
@@ -213,19 +232,39 @@ def test_sleep_and_wake_round_trip(srv):
     assert describe(srv, "3.0")["workers"][0]["pid"] == worker["pid"]
 
 
-def test_sleep_conflicts_and_the_snapshot_keeps_the_states(srv):
-    assert srv.put("management", f"/models/{MODEL}/2.0/sleep").status == 409  # nothing loaded
-    assert srv.put("management", f"/models/{MODEL}/3.0/sleep").status == 200
-    assert srv.put("management", f"/models/{MODEL}/1.0/pin").status == 200
-    saved = {(e["name"], e["version"]): e
-             for e in json.loads(open(srv.config.snapshot_path).read())["models"]}
-    assert saved[(MODEL, "3.0")]["state"] == "sleeping"
-    assert saved[(MODEL, "2.0")]["state"] == "unloaded"
-    assert saved[(MODEL, "1.0")]["pinned"] is True
-
-
 def test_the_lifecycle_api_needs_the_model_api(inprocess_factory, lc_store):
     server = inprocess_factory(model_store=str(lc_store), load_models=[f"{MODEL}=lc-1.0.mar"])
     r = server.put("management", f"/models/{MODEL}/1.0/sleep")
     assert r.status == 405 and "--enable-model-api" in r.json()["message"]
     assert server.put("management", f"/models/{MODEL}/1.0/sleep", token=None).status == 401
+
+
+def test_the_snapshot_keeps_the_states_and_a_restart_restores_them(srv, inprocess_factory,
+                                                                   lc_store, tmp_path):
+    srv.state.registry.lifecycle.budget.total = 8 << 30
+    for v in ("1.0", "2.0", "3.0"):
+        assert srv.put("management", f"/models/{MODEL}/{v}/unpin").status == 200
+    if entry(srv, "1.0").pool.slots:
+        unload(srv, "1.0")
+    assert srv.put("management", f"/models/{MODEL}/1.0/sleep").status == 409  # nothing loaded
+    predict(srv, "2.0", keep_alive=-1)  # (loaded already when the earlier tests ran)
+    predict(srv, "3.0", keep_alive=-1)
+    assert srv.put("management", f"/models/{MODEL}/3.0/sleep").status == 200
+    assert srv.put("management", f"/models/{MODEL}/1.0/pin").status == 200
+    saved = {e["version"]: (e["state"], e["pinned"])
+             for e in json.loads(open(srv.config.snapshot_path).read())["models"]
+             if e["name"] == MODEL}
+    expected = {"1.0": ("unloaded", True), "2.0": ("loaded", False), "3.0": ("sleeping", False)}
+    assert saved == expected
+    snapshot = tmp_path / "snapshot.json"
+    snapshot.write_bytes(open(srv.config.snapshot_path, "rb").read())
+    reset(srv)  # the second server's workers must fit beside what is left of this one
+    again = inprocess_factory(model_store=str(lc_store), enable_model_api=True,
+                              memory_budget="8GiB", snapshot_path=str(snapshot))
+    again.wait_for(lambda: "pagedserve: ready" in again.log_text(), what="restore finished")
+    states = {v: (describe(again, v)["state"], describe(again, v)["pinned"]) for v in expected}
+    assert states == expected
+    # Restored in parallel; a progress line per worker (2.0's, and 3.0's before it slept).
+    progress = [line for line in again.lines if line.startswith("pagedserve: worker ")]
+    assert len(progress) == 2 and all("ready in" in line for line in progress), again.log_tail()
+    again.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -94,8 +95,34 @@ def test_put_with_a_raw_body_as_curl_upload_file_sends_it(server):
         server.state.registry.resolve(TINY).tokenizer.encode("Once upon a time"))
 
 
+@pytest.mark.skipif(shutil.which("curl") is None, reason="needs the curl command")
+def test_the_curl_commands_torchserve_documents(server, tmp_path):
+    """`curl -T file`, `curl -F data=@file`, `curl -d text`, exactly as a user types them."""
+    expected = text_of(server.post("inference", f"/predictions/{TINY}", json=GREEDY))
+    (tmp_path / "request.json").write_text(json.dumps(GREEDY))
+    (tmp_path / "prompt.txt").write_text("Once upon a time")
+    url = server.url("inference", f"/predictions/{TINY}")
+    auth = ["-H", f"Authorization: Bearer {server.keys['inference']}"]
+
+    def curl(*args: str) -> dict:
+        out = subprocess.run(["curl", "-sS", "--fail-with-body", *auth, url, *args], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120, check=False)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return json.loads(out.stdout)
+
+    assert curl("-T", "request.json")["choices"][0]["text"] == expected
+    assert curl("-F", "data=@request.json")["choices"][0]["text"] == expected
+    assert curl("-d", "@request.json")["choices"][0]["text"] == expected
+    prompt_tokens = {curl("-T", "prompt.txt")["usage"]["prompt_tokens"],
+                     curl("-F", "data=@prompt.txt")["usage"]["prompt_tokens"],
+                     curl("-d", "Once upon a time")["usage"]["prompt_tokens"]}
+    assert prompt_tokens == {len(server.state.registry.resolve(TINY).tokenizer.encode("Once upon a time"))}
+
+
 def test_plain_text_body_is_the_prompt(server):
-    r = send(server, b'{"not": "json here"}', "text/plain")  # text/plain: never parsed as JSON
+    expected = text_of(server.post("inference", f"/predictions/{TINY}", json=GREEDY))
+    assert text_of(send(server, json.dumps(GREEDY).encode(), "text/plain")) == expected  # fetch()'s type
+    r = send(server, b'{not json, a prompt', "text/plain")
     assert r.status == 200, r.text
     r = send(server, "Grüße, 1, 2".encode(), "text/plain; charset=utf-8")
     assert r.status == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
@@ -120,8 +147,12 @@ def test_multipart_form_data(server):
 
 @pytest.mark.parametrize("case, body, kind, status, words", [
     ("no boundary", b"--x\r\n\r\n", "multipart/form-data", 400, "boundary"),
+    ("non-ASCII boundary", b"--\xe9\r\n", "multipart/form-data; boundary=\xe9", 400, "ASCII"),
     ("no parts", b"just text, no delimiters", "multipart/form-data; boundary=zz", 400, "no parts"),
     ("unnamed part", *multipart((None, b"x")), 400, "no name"),
+    ("cut short", b"--zz\r\nContent-Disposition: form-data; name=data\r\n\r\nhi", "multipart/form-data; boundary=zz",
+     400, "cut short"),
+    ("no header block", b"--zz\r\nhi\r\n--zz--", "multipart/form-data; boundary=zz", 400, "no header block"),
     ("too many parts", *multipart(*[(f"f{i}", b"1") for i in range(65)]), 400, "more than 64"),
     ("input plus fields", *multipart(("data", b"hi"), ("temperature", b"0")), 400, "belong inside"),
     ("no input field", *multipart(("temperature", b"0")), 400, "no input"),
