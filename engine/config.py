@@ -114,7 +114,7 @@ class EngineConfig:
     # extracted archive): the engine loads it as it is, without re-hashing or re-checking it.
     model_verified: bool = False
     # Tiered KV offload through LMCache: {"cpu_size_gb", "disk_path", "disk_size_gb",
-    # "chunk_size"} (engine.kv_offload.config); None = off. Normalised (defaults filled) here.
+    # "chunk_size", "remote_url"} (engine.kv_offload.config); None = off. Normalised (defaults filled) here.
     kv_offload: dict | None = None
     # Speculative decoding: {"method": "ngram", "num_speculative_tokens", "prompt_lookup_max",
     # "prompt_lookup_min"} (engine.spec_decode.config); None = off. Normalised here.

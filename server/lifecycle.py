@@ -95,9 +95,6 @@ class ModelLifecycle:
         return sum(self.charge(v, s) for v in self.registry.all_versions() for s in v.pool.slots
                    if s.status is not WorkerStatus.STOPPED)
 
-    def free(self) -> int:
-        return max(0, self.budget.total - self.used())
-
     def on_worker_ready(self, entry: ModelVersion, slot: WorkerSlot) -> None:
         """Measure a worker that just became ready: its overhead, the estimate for the next.
         While the server starts, each ready worker is a progress line (`progress`)."""

@@ -116,7 +116,7 @@ _OFFLOAD_COUNTERS = (
     ("store_time_s", "store_time_seconds", "Time spent storing KV to the offload tiers", []),
     ("faults", "faults", "Offload failures absorbed by recomputing", []),
 )
-_OFFLOAD_FIELDS = ("hit_tokens_cpu", "hit_tokens_disk", *(c[0] for c in _OFFLOAD_COUNTERS[1:]))
+_OFFLOAD_FIELDS = ("hit_tokens_cpu", "hit_tokens_disk", "hit_tokens_remote", *(c[0] for c in _OFFLOAD_COUNTERS[1:]))
 
 
 class EngineCollector:
@@ -202,6 +202,7 @@ class EngineCollector:
                 total = {k: sum(o.get(k, 0) for o in offloads) for k in _OFFLOAD_FIELDS}
                 offload["hit_tokens"].add_metric([*key, "cpu"], total["hit_tokens_cpu"])
                 offload["hit_tokens"].add_metric([*key, "disk"], total["hit_tokens_disk"])
+                offload["hit_tokens"].add_metric([*key, "remote"], total["hit_tokens_remote"])
                 for field_name, *_ in _OFFLOAD_COUNTERS[1:]:
                     offload[field_name].add_metric(key, total[field_name])
         yield from fams.values()

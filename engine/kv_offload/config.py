@@ -2,7 +2,9 @@
 `LLM(kv_offload=...)`, parsed and checked without importing LMCache.
 
 Tiers: the engine's own block pool first, then LMCache's CPU memory (`cpu_size_gb`), then a
-local disk folder (`disk_path`, at most `disk_size_gb`) that survives restarts. Absent means off.
+local disk folder (`disk_path`, at most `disk_size_gb`) that survives restarts, then a shared
+Redis server (`remote_url`, `redis://host:port[/db]`) that every worker, server and machine
+pointing at it reads and writes. Absent means off.
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 DEFAULT_CHUNK_SIZE = 256
-KEYS = ("cpu_size_gb", "disk_path", "disk_size_gb", "chunk_size")
+KEYS = ("cpu_size_gb", "disk_path", "disk_size_gb", "chunk_size", "remote_url")
+REMOTE_SCHEMES = ("redis", "rediss")
 
 
 def _number(key: str, value: Any) -> float:
@@ -29,6 +33,7 @@ class KVOffloadConfig:
     disk_path: str | None = None  # None: CPU-memory tier only
     disk_size_gb: float | None = None  # required with disk_path
     chunk_size: int = DEFAULT_CHUNK_SIZE  # tokens per LMCache chunk; a multiple of block_size
+    remote_url: str | None = None  # redis://host:port[/db]: a Redis tier shared by every user
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cpu_size_gb", _number("cpu_size_gb", self.cpu_size_gb))
@@ -47,6 +52,8 @@ class KVOffloadConfig:
         chunk = self.chunk_size
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
             raise ValueError(f"kv_offload.chunk_size={chunk!r}: must be a positive integer")
+        if self.remote_url is not None:
+            _check_remote_url(self.remote_url)
 
     @classmethod
     def from_options(cls, options: Any, block_size: int) -> KVOffloadConfig:
@@ -69,6 +76,25 @@ class KVOffloadConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _check_remote_url(url: Any) -> None:
+    """`redis://host:port[/db]` (or `rediss://` for TLS), with a host and a port."""
+    form = "redis://host:port[/db]"
+    if not isinstance(url, str):
+        raise ValueError(f"kv_offload.remote_url={url!r}: must be a URL such as {form}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"kv_offload.remote_url={url!r}: not a valid URL ({form})") from None
+    if parts.scheme not in REMOTE_SCHEMES:
+        raise ValueError(f"kv_offload.remote_url={url!r}: the scheme must be one of "
+                         f"{', '.join(REMOTE_SCHEMES)} ({form})")
+    if not parts.hostname or port is None:
+        raise ValueError(f"kv_offload.remote_url={url!r}: needs a host and a port ({form})")
+    if parts.path not in ("", "/") and not parts.path[1:].isdigit():
+        raise ValueError(f"kv_offload.remote_url={url!r}: the path may only be a database number ({form})")
 
 
 def merge_kv_offload(defaults: dict[str, Any] | None, model: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -14,7 +14,8 @@ Flow per request (the scheduler and engine core call in):
    thread.
 
 Faults (LMCache raising, a chunk that cannot be read, a failed disk write, an unwritable disk
-folder) are logged as warnings and counted; the affected tokens are simply recomputed.
+folder, a Redis server that is down or not answering) are logged as warnings and counted; the
+affected tokens are simply recomputed.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 from engine.kv_cache.hashing import BlockHash, hash_block, root_hash, sha256
 from engine.kv_offload.config import KVOffloadConfig
 from engine.kv_offload.disk import DiskBudget, check_writable
+from engine.kv_offload.remote import RemoteProbe, RemoteState, close_redis_backend
 from engine.kv_offload.stats import KVOffloadStats
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,8 @@ logger = logging.getLogger(__name__)
 CPU_BACKEND = "LocalCPUBackend"
 DISK_PLUGIN = "fs"
 DISK_BACKEND = f"RemoteBackend-{DISK_PLUGIN}"
+REDIS_PLUGIN = "redis"
+REDIS_BACKEND = f"RemoteBackend-{REDIS_PLUGIN}"
 # Bump when the chunk layout or key scheme changes: old disk files then simply miss.
 # v2: chunk hashes are the prefix cache's block hashes (the first chunk chains from its root).
 LAYOUT_VERSION = "v2"
@@ -92,7 +96,8 @@ def model_fingerprint(model_dir: str | Path, dtype: torch.dtype, kv_cache_dtype:
 class _PendingLoad:
     lookup_id: str
     hit_end: int  # tokens LMCache holds (chunk-aligned)
-    cpu_end: int  # the first cpu_end tokens of it are in the CPU tier, the rest on disk
+    cpu_end: int  # the first cpu_end tokens of it are in the CPU tier,
+    disk_end: int  # then up to disk_end on disk, the rest in Redis
 
 
 class KVOffloadManager:
@@ -139,6 +144,10 @@ class KVOffloadManager:
             else:
                 self.disk = DiskBudget(path, int(config.disk_size_gb * 1024**3))
                 extra = {f"remote_storage_plugin.{DISK_PLUGIN}.base_path": str(path), "use_exists_sync": True}
+        plugins = [DISK_PLUGIN] if self.disk is not None else []
+        if config.remote_url is not None:  # behind the CPU and disk tiers (LMCache asks in order)
+            plugins.append(REDIS_PLUGIN)
+            extra[f"remote_storage_plugin.{REDIS_PLUGIN}.redis_url"] = config.remote_url
 
         self.instance_id = f"pagedserve-{uuid.uuid4().hex}"
         lmc_config = LMCacheEngineConfig.from_defaults(
@@ -149,7 +158,7 @@ class KVOffloadManager:
             remote_url=None,
             remote_serde="naive",
             save_unfull_chunk=True,  # the prompt's tail chunk, cut to whole blocks (see store_computed)
-            remote_storage_plugins=[DISK_PLUGIN] if self.disk is not None else None,
+            remote_storage_plugins=plugins or None,
             extra_config=extra or None,
             lmcache_instance_id=self.instance_id,
         )
@@ -176,10 +185,15 @@ class KVOffloadManager:
             if self.disk is not None and self._disk_backend is None:
                 self._fault("disk_unavailable", "LMCache could not open the disk tier; CPU tier only")
                 self.disk = None
+            self._redis_backend = backends.get(REDIS_BACKEND)
+            if config.remote_url is not None and self._redis_backend is None:
+                self._fault("remote_unavailable", f"LMCache could not open the Redis tier at "
+                            f"{config.remote_url}; running without it")
         except BaseException:
             self.close()
             raise
         self._disk_put_failures = 0
+        self._remote = RemoteProbe(config.remote_url) if config.remote_url is not None else None
         self._retrieve_batch = max(1, int(config.cpu_size_gb * 1024**3 / 4) // self.chunk_bytes)
         self._lookup_counter = 0
         self._pending: dict[str, _PendingLoad] = {}
@@ -210,6 +224,8 @@ class KVOffloadManager:
         # Keys cover [0, max_end): whole chunks, then the tail cut to whole blocks, which matches
         # the tail chunk a request with the same prompt stored.
         tokens = request.all_token_ids[:max_end]
+        if self._remote is not None and not self._remote_usable(rid):
+            return 0
         self._lookup_counter += 1
         lookup_id = f"{rid}#{self._lookup_counter}"
         self.stats.lookups += 1
@@ -226,8 +242,11 @@ class KVOffloadManager:
         if end <= num_computed:
             self._unpin(lookup_id)
             return 0
+        # LMCache asks the tiers in order: CPU, then disk, then Redis, each for the chunks after
+        # the previous tier's hits.
         cpu_end = len(mapping.get(CPU_BACKEND, ())) * self.chunk_size
-        self._pending[rid] = _PendingLoad(lookup_id, hit, cpu_end)
+        disk_end = cpu_end + len(mapping.get(DISK_BACKEND, ())) * self.chunk_size
+        self._pending[rid] = _PendingLoad(lookup_id, hit, cpu_end, disk_end)
         return end - num_computed
 
     def load(self, request, block_ids: list[int], start: int, end: int) -> int:
@@ -279,8 +298,10 @@ class KVOffloadManager:
         self.stats.load_time_s += time.perf_counter() - t0
         self.stats.loaded_bytes += loaded * self.chunk_bytes // C
         cpu_part = max(0, min(loaded_end, pending.cpu_end) - start)
+        disk_part = max(0, min(loaded_end, pending.disk_end) - start) - cpu_part
         self.stats.hit_tokens_cpu += cpu_part
-        self.stats.hit_tokens_disk += loaded - cpu_part
+        self.stats.hit_tokens_disk += disk_part
+        self.stats.hit_tokens_remote += loaded - cpu_part - disk_part
         return loaded
 
     def forget(self, request_id: str) -> None:
@@ -378,7 +399,11 @@ class KVOffloadManager:
             if getattr(self, "_disk_backend", None) is not None:
                 self.flush(timeout=30.0)
         finally:
+            if getattr(self, "_redis_backend", None) is not None:
+                close_redis_backend(self._redis_backend)
             self._builder.destroy(self.instance_id)
+            if getattr(self, "_remote", None) is not None:
+                self._remote.close()
             self._connector.kv_caches = []  # drop LMCache's path to the engine's KV pool
 
     # -- helpers ---------------------------------------------------------------------------
@@ -392,6 +417,19 @@ class KVOffloadManager:
             self.engine.lookup_unpin(lookup_id)
         except Exception as exc:  # noqa: BLE001
             self._fault("unpin", f"LMCache unpin failed: {exc!r}")
+
+    def _remote_usable(self, rid: str) -> bool:
+        """Ping Redis before a lookup (LMCache waits on Redis without a time limit, and counts
+        nothing). Down (refused): counted, warned, and the lookup goes on: LMCache fails fast
+        there and the local tiers still serve. Slow (no answer within the probe's timeout):
+        counted, warned, and this request recomputes rather than wait."""
+        state = self._remote.check()
+        if state is RemoteState.UP:
+            return True
+        kind = "remote_down" if state is RemoteState.DOWN else "remote_slow"
+        self._fault(kind, f"Redis at {self.config.remote_url} is {state.value}; request {rid} "
+                    + ("uses the local tiers only" if state is RemoteState.DOWN else "recomputes its prompt"))
+        return state is RemoteState.DOWN
 
     def _fault(self, kind: str, message: str) -> None:
         self.stats.count_fault(kind)

@@ -17,6 +17,7 @@ class KVOffloadStats:
     lookups: int = 0
     hit_tokens_cpu: int = 0
     hit_tokens_disk: int = 0
+    hit_tokens_remote: int = 0  # from the shared Redis tier
     stored_tokens: int = 0
     stored_chunks: int = 0
     loaded_bytes: int = 0
@@ -29,7 +30,7 @@ class KVOffloadStats:
 
     @property
     def hit_tokens(self) -> int:
-        return self.hit_tokens_cpu + self.hit_tokens_disk
+        return self.hit_tokens_cpu + self.hit_tokens_disk + self.hit_tokens_remote
 
     def count_fault(self, kind: str) -> None:
         self.faults += 1

@@ -24,7 +24,7 @@ from tests.engine.kv_helpers import make_manager, make_request
 def test_defaults_are_filled_and_paths_made_absolute(tmp_path):
     cfg = EngineConfig(model="m", kv_offload={"disk_path": str(tmp_path / "kv"), "disk_size_gb": 2})
     assert cfg.kv_offload == {"cpu_size_gb": 1.0, "disk_path": str(tmp_path / "kv"), "disk_size_gb": 2.0,
-                              "chunk_size": 256}
+                              "chunk_size": 256, "remote_url": None}
     assert cfg.kv_offload_config.chunk_size == 256
     assert EngineConfig(model="m").kv_offload_config is None
 
@@ -55,7 +55,7 @@ def test_disk_path_that_is_a_file_is_refused(tmp_path):
 def test_model_config_handler_kv_offload():
     ok = ModelConfig(handler={"kv_offload": {"cpu_size_gb": 2, "disk_path": "/tmp/kv", "disk_size_gb": 4}})
     assert ok.resolved()["handler"]["kv_offload"] == {
-        "cpu_size_gb": 2.0, "disk_path": "/tmp/kv", "disk_size_gb": 4.0, "chunk_size": 256}
+        "cpu_size_gb": 2.0, "disk_path": "/tmp/kv", "disk_size_gb": 4.0, "chunk_size": 256, "remote_url": None}
     assert ModelConfig().resolved()["handler"]["kv_offload"] is None
     with pytest.raises(ModelConfigError, match=r"handler\.kv_offload\.cpu_size_gb=0: must be a positive"):
         ModelConfig(handler={"kv_offload": {"cpu_size_gb": 0}})
