@@ -135,10 +135,24 @@ def module_server_factory(tmp_path_factory, model_store, archive_cache) -> Itera
         s.stop()
 
 
+@pytest.fixture(scope="session")
+def shared_server(tmp_path_factory, model_store, archive_cache) -> Iterator[ServerProcess]:
+    """One real server for the whole session (one per xdist worker): smollm2 (1 worker)
+    registered at start, token auth on. Only for modules that leave it as they found it: no
+    scaling, registering, draining or signals (those start their own with module_server_factory),
+    and no assertion that a prompt of 16+ tokens is not yet in the prefix cache unless the prompt
+    is the module's own."""
+    servers: list[ServerProcess] = []
+    yield _factory(tmp_path_factory, model_store, archive_cache, servers)(models=[f"{MODEL}={ARCHIVE}"])
+    for s in servers:
+        s.stop()
+
+
 @pytest.fixture(scope="module")
-def server(module_server_factory) -> ServerProcess:
-    """One server per module: smollm2 (1 worker) registered at start, token auth on."""
-    return module_server_factory(models=[f"{MODEL}={ARCHIVE}"])
+def server(shared_server) -> ServerProcess:
+    """The session's shared real server (see `shared_server`), alive at the module's start."""
+    shared_server.check_alive()
+    return shared_server
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT = object()  # "send the right key"
 START_TIMEOUT_S = 300.0
+BIND_ATTEMPTS = 3  # starts tried when a chosen port was taken before the server bound it
 
 
 def free_port() -> int:
@@ -177,10 +178,23 @@ class ServerProcess(HttpApi):
         return self
 
     def start(self, timeout: float = START_TIMEOUT_S, ready: bool = True) -> ServerProcess:
-        """Spawn and wait until every port answers (and, with `ready`, /ready is 200)."""
-        self.spawn()
-        self.wait_ready(timeout, ready=ready)
-        return self
+        """Spawn and wait until every port answers (and, with `ready`, /ready is 200).
+
+        A port from `free_port` is free when chosen, not when the server binds it seconds later:
+        another process (a parallel test worker) may take it in between. A start that fails on
+        that alone is retried on fresh ports."""
+        attempts = BIND_ATTEMPTS
+        while True:
+            logged = len(self.log_text())
+            self.spawn()
+            try:
+                self.wait_ready(timeout, ready=ready)
+                return self
+            except RuntimeError:
+                attempts -= 1
+                if not attempts or "address already in use" not in self.log_text()[logged:]:
+                    raise
+                self.ports = {}
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S, ready: bool = True) -> None:
         deadline = time.monotonic() + timeout
