@@ -141,7 +141,8 @@ async def phase(base: str, model: str, seed: int, args) -> dict:
     return {"model": model, "routing": POLICIES[model], "wall_s": wall, "requests": len(turns),
             "prompt_tokens": prompt, "completion_tokens": out,
             "hit_rate": sum(t["cached_tokens"] for t in turns) / prompt,
-            "hit_rate_followups": sum(t["cached_tokens"] for t in later) / sum(t["prompt_tokens"] for t in later),
+            "hit_rate_followups": (sum(t["cached_tokens"] for t in later) / sum(t["prompt_tokens"] for t in later)
+                                   if later else 0.0),
             "tok_per_s": (prompt + out) / wall, "req_per_s": len(turns) / wall,
             "mean_latency_s": statistics.fmean(t["latency_s"] for t in turns)}
 
