@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -146,6 +147,7 @@ def main() -> None:
             bench.server.state.registry.resolve(MODEL, "1.0").pool.slots[0])
     finally:
         bench.stop()
+        shutil.rmtree(tmp, ignore_errors=True)  # the archive and its extraction (~1 GiB)
     result = {"cases": cases, "memory": memory, "footprint": footprint,
               "rounds": args.rounds, "threads": args.threads, "cpus": os.cpu_count(),
               "load_average": os.getloadavg(), "machine": platform.machine(),

@@ -72,14 +72,35 @@ def perplexity(llm: LLM, tokens: list[int], window: int, chunk: int = 0) -> floa
     return math.exp(total / count)
 
 
+def write_results(rows: list[dict], kept: list[dict], labels: list[str], num_tokens: int, args) -> None:
+    """Write benchmarks/results/quant_perplexity.{json,md}: this run's rows, then the kept ones."""
+    done = {r["mode"] for r in rows}
+    rows = [dict(r) for r in rows] + [r for r in kept if r["mode"] not in done]
+    rows.sort(key=lambda r: labels.index(r["mode"]) if r["mode"] in labels else len(labels))
+    base = next(r["ppl"] for r in rows if r["mode"].startswith("bf16"))
+    for r in rows:
+        r["vs_bf16_pct"] = 100 * (r["ppl"] / base - 1)
+    RESULTS.mkdir(exist_ok=True)
+    meta = {"tokens": num_tokens, "window": args.window, "threads": args.threads,
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "platform": platform.platform()}
+    (RESULTS / "quant_perplexity.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    lines = ["# Perplexity by quantization mode (default model, SmolLM2-135M-Instruct)", "",
+             f"{meta['tokens']} tokens of *Coriolanus* (benchmarks/data/coriolanus_act1.txt), windows of "
+             f"{args.window} tokens, {meta['when']}.", "",
+             "| mode | perplexity | vs bf16 |", "| --- | --- | --- |"]
+    lines += [f"| {r['mode']} | {r['ppl']:.3f} | {r['vs_bf16_pct']:+.2f} % |" for r in rows]
+    (RESULTS / "quant_perplexity.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", default="", help="comma-separated mode labels (or label prefixes) to rerun; "
+    ap.add_argument("--only", default="", help="'|'-separated mode labels (or label prefixes) to rerun; "
                                                "the other rows, bf16 included, are kept from the last results file")
     args = ap.parse_args()
-    only = [o.strip() for o in args.only.split(",") if o.strip()]
+    only = [o.strip() for o in args.only.split("|") if o.strip()]
     old = RESULTS / "quant_perplexity.json"
     kept = json.loads(old.read_text())["rows"] if only and old.exists() else []
     plain = default_model_dir()
@@ -117,23 +138,7 @@ def main() -> None:
             rows.append({"mode": label, "ppl": ppl, "seconds": time.perf_counter() - t0})
             print(f"{label:40s} ppl {ppl:.4f}", flush=True)
             del llm
-    done = {r["mode"] for r in rows}
-    rows += [r for r in kept if r["mode"] not in done]
-    rows.sort(key=lambda r: labels.index(r["mode"]) if r["mode"] in labels else len(labels))
-    base = next(r["ppl"] for r in rows if r["mode"].startswith("bf16"))
-    for r in rows:
-        r["vs_bf16_pct"] = 100 * (r["ppl"] / base - 1)
-    RESULTS.mkdir(exist_ok=True)
-    meta = {"tokens": len(tokens), "window": args.window, "threads": args.threads,
-            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "platform": platform.platform()}
-    (RESULTS / "quant_perplexity.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    lines = ["# Perplexity by quantization mode (default model, SmolLM2-135M-Instruct)", "",
-             f"{meta['tokens']} tokens of *Coriolanus* (benchmarks/data/coriolanus_act1.txt), windows of "
-             f"{args.window} tokens, {meta['when']}.", "",
-             "| mode | perplexity | vs bf16 |", "| --- | --- | --- |"]
-    lines += [f"| {r['mode']} | {r['ppl']:.3f} | {r['vs_bf16_pct']:+.2f} % |" for r in rows]
-    (RESULTS / "quant_perplexity.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+            write_results(rows, kept, labels, len(tokens), args)  # after each mode: a stopped run keeps its rows
 
 
 if __name__ == "__main__":

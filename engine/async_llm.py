@@ -165,11 +165,17 @@ class AsyncLLM:
         if self._sleep_answer is not None:
             raise RuntimeError(f"{self.name} is already going to sleep or waking up")
         self._sleep_answer = self._loop.create_future()
+        # The worker sends no heartbeat while it loads or frees its weights (seconds to
+        # minutes for a large model): its silence is bounded by `timeout` instead.
+        heartbeat = self._client.heartbeat_timeout
+        if heartbeat is not None:
+            self._client.heartbeat_timeout = max(heartbeat, timeout)
         try:
             send()
             answer = await asyncio.wait_for(self._sleep_answer, timeout)
         finally:
             self._sleep_answer = None
+            self._client.heartbeat_timeout = heartbeat
         if answer.error is not None:
             raise RuntimeError(f"{self.name}: {answer.error}")
         return answer

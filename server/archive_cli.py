@@ -32,6 +32,11 @@ def add_archive_parser(sub: argparse._SubParsersAction) -> None:
                                        "(Q4_0/Q4_1/Q4_K -> int4, others int8) unless --quantize says otherwise")
     source.add_argument("--default-model", action="store_true",
                         help="the bundled SmolLM2-135M-Instruct (no download)")
+    source.add_argument("--lora-dir", help="a PEFT LoRA adapter folder (adapter_config.json + "
+                                           "adapter_model.safetensors); needs --base-model")
+    p.add_argument("--base-model", metavar="NAME[:VERSION]",
+                   help="with --lora-dir: the base model the adapter runs on; its archive is looked "
+                        "up in --export-path and its weights' hash recorded in the manifest")
     p.add_argument("--quantize", choices=["none", "int8", "int4", "w8a8"],
                    help="quantize the weights at archive time (default: none, or a GGUF's own "
                         "quantization; 'none' with --gguf de-quantizes it to float32)")
@@ -54,10 +59,23 @@ def run_archive(args: argparse.Namespace) -> int:
         return _inspect(Path(args.inspect), args.allow_custom_handlers)
     missing = [flag for flag, value in (("--model-name", args.model_name), ("--version", args.version))
                if not value]
-    if not (args.model_dir or args.gguf or args.default_model):
-        missing.append("one of --model-dir, --gguf, --default-model")
+    if not (args.model_dir or args.gguf or args.default_model or args.lora_dir):
+        missing.append("one of --model-dir, --gguf, --default-model, --lora-dir")
+    if args.lora_dir and not args.base_model:
+        missing.append("--base-model (with --lora-dir)")
     if missing:
         raise ValueError(f"archive needs {', '.join(missing)} (or --inspect FILE)")
+    if args.base_model and not args.lora_dir:
+        raise ValueError("--base-model goes with --lora-dir")
+    if args.lora_dir:
+        from engine.lora.archive import write_lora_archive
+
+        base, _, base_version = args.base_model.partition(":")
+        print(write_lora_archive(args.lora_dir, args.export_path, model_name=args.model_name,
+                                 version=args.version, base_model=base, base_version=base_version or None,
+                                 model_store=args.export_path, archive_format=args.archive_format,
+                                 force=args.force))
+        return 0
     if args.config_file:
         from engine.model.model_config import load_model_config
 

@@ -39,6 +39,7 @@ from engine.inputs import (
     PromptSpec,
     validate_input,
 )
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -152,13 +153,15 @@ class Prepared:
 
 
 async def prepare(state: ServerState, version: ModelVersion, spec: PromptSpec,
-                  params: SamplingParams, *, client: str = "", pooling: PoolingParams | None = None) -> Prepared:
+                  params: SamplingParams, *, client: str = "", pooling: PoolingParams | None = None,
+                  lora: LoRARequest | None = None) -> Prepared:
     """The engine's prepare step (engine.inputs) with the front end's bounds: the
     structured-output constraint is checked on its own bounded pool (a per-`client` share, a
     time limit), then, in the thread pool, a prompt that cannot fit is refused before it is
     tokenized, and the workers' length rules apply (a worker is loaded or woken first when
     none is ready); then the router picks the worker. With `pooling`, a pooling request
-    (engine.pooling: the prompt's embedding, no tokens)."""
+    (engine.pooling: the prompt's embedding, no tokens). `lora`: the LoRA adapter the request
+    runs under (None: the base model)."""
     try:
         if params.structured_outputs is not None:
             await state.limits.grammar.check(client, params.structured_outputs)
@@ -176,6 +179,7 @@ async def prepare(state: ServerState, version: ModelVersion, spec: PromptSpec,
         raise ErrorReply(400, str(exc), param=exc.field) from None
     except HandlerError as exc:
         raise ErrorReply.from_handler_error(exc) from None
+    inp.lora = lora
     return Prepared(version.pick_worker(inp.token_ids), inp)
 
 

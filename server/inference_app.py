@@ -30,6 +30,7 @@ version, `admit` it (jobQueueSize), parse, tokenize off the loop, pick a worker,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -57,6 +58,7 @@ from handlers.openai_responses_api import (
 )
 from handlers.openai_tools import ToolParser, tool_prompt
 from server import kserve, openapi
+from server.adapters import RegisteredAdapter
 from server.auth import auth_middleware
 from server.errors import error_body
 from server.fanout import FanOut
@@ -89,6 +91,7 @@ from server.state import STATE_KEY, ServerState
 from server.streaming import StreamFormat
 
 OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "responses", "embeddings", "models", "model"})
+ADAPTER_KEY = web.RequestKey("pagedserve_adapter", RegisteredAdapter)  # a request naming a LoRA adapter
 OPENAI_PATH = re.compile(r"(/predictions/[^/]+/[^/]+)?/v1(/.*)?")  # /v1/... of a version too
 KSERVE_PATH = re.compile(r"/v2(/.*)?")
 # Health probes: never drained away, and public unless health_needs_token.
@@ -209,12 +212,13 @@ async def predictions(request: web.Request) -> web.StreamResponse:
     else:  # a custom handler reads any body: JSON or not is its call
         raw = await request.read()
         shaper = HandlerShaper(version.name, request[REQUEST_ID_KEY], handler=handler)
-    with version.admit(keep_alive):
+    with version.admit(keep_alive), _adapter_in_flight(request):
         if handler is None:
             parsed = _handler_call(parse_predictions_body, body)
         else:
             parsed = await _custom_preprocess(request, state, handler, raw)
-        job = await prepare(state, version, parsed.prompt, parsed.params, client=request.remote or "")
+        job = await prepare(state, version, parsed.prompt, parsed.params, client=request.remote or "",
+                            lora=_lora(request))
         return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
 
 
@@ -269,14 +273,15 @@ async def _openai(request: web.Request, parse: Callable[[dict[str, Any]], OpenAI
     state = request.app[STATE_KEY]
     body = await _read_json(request)
     version, asked = _openai_model(request, state, body)
-    with version.admit(_keep_alive(body)):
+    with version.admit(_keep_alive(body)), _adapter_in_flight(request):
         parsed = _handler_call(parse, body)
         responses_request = parsed if isinstance(parsed, ResponsesRequest) else None
         parsed = parsed.chat if responses_request is not None else parsed
         template = getattr(version.tokenizer, "chat_template", None)
         specs = [tool_prompt(spec, parsed.tools, template) if spec.messages is not None else spec
                  for spec in parsed.prompts]
-        jobs = [await prepare(state, version, spec, parsed.params, client=request.remote or "") for spec in specs]
+        jobs = [await prepare(state, version, spec, parsed.params, client=request.remote or "", lora=_lora(request))
+                for spec in specs]
         job = jobs[0] if len(jobs) == 1 else FanOut(jobs, parsed.params.n).prepared()
         shaper = _openai_shaper(request, version, asked, responses_request or parsed, jobs)
         return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
@@ -290,12 +295,12 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     body = await _read_json(request)
     version, asked = _openai_model(request, state, body)
-    with version.admit(_keep_alive(body)):
+    with version.admit(_keep_alive(body)), _adapter_in_flight(request):
         parsed = _handler_call(parse_embeddings_request, body)
         params = pooling_sampling_params()
         try:
-            jobs = [await prepare(state, version, spec, params, client=request.remote or "", pooling=PoolingParams())
-                    for spec in parsed.prompts]
+            jobs = [await prepare(state, version, spec, params, client=request.remote or "", pooling=PoolingParams(),
+                                  lora=_lora(request)) for spec in parsed.prompts]
         except ErrorReply as exc:  # the engine names the prompt; this body calls it `input`
             exc.param = "input" if exc.param == "prompt" else exc.param
             raise
@@ -346,7 +351,10 @@ async def models(request: web.Request) -> web.Response:
             if model.default_version in model.versions:
                 entries.append((model.name, model.versions[model.default_version]))
             entries += [(f"{model.name}@{v}", entry) for v, entry in sorted(model.versions.items())]
-    return web.json_response({"object": "list", "data": [_model_entry(name, v) for name, v in entries]})
+    data = [_model_entry(name, v) for name, v in entries]
+    if "model" not in request.match_info:
+        data += [_adapter_entry(a) for a in state.adapters.sorted()]
+    return web.json_response({"object": "list", "data": data})
 
 
 @routes.get(r"/v1/models/{id:[^{}/:]+}", name="model")
@@ -355,14 +363,22 @@ async def model(request: web.Request) -> web.Response:
     `name` and `ready` fields answer KServe v1's model status call on the same path."""
     name = request.match_info["id"]
     version = _resolve(request, request.app[STATE_KEY], *split_model(name))
-    return web.json_response({**_model_entry(name, version), "name": name,
-                              "ready": bool(version.pool.ready_engines())})
+    adapter = request.get(ADAPTER_KEY)
+    entry = _model_entry(name, version) if adapter is None else _adapter_entry(adapter)
+    return web.json_response({**entry, "name": name, "ready": bool(version.pool.ready_engines())})
 
 
 def _model_entry(name: str, version: ModelVersion) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": int(version.registered_at.timestamp()),
             "owned_by": "pagedserve", "root": version.name, "version": version.version,
             "max_model_len": _max_model_len(version)}
+
+
+def _adapter_entry(adapter: RegisteredAdapter) -> dict[str, Any]:
+    """A LoRA adapter as /v1/models lists it: its base model version is its `parent`."""
+    return {**_model_entry(adapter.name, adapter.base), "root": adapter.name, "version": adapter.version,
+            "created": int(adapter.registered_at.timestamp()), "parent": adapter.base.name,
+            "parent_version": adapter.base.version}
 
 
 def _max_model_len(version: ModelVersion) -> int | None:
@@ -381,12 +397,29 @@ def _bodies() -> dict[Callable, openapi.Body]:
 
 
 def _resolve(request: web.Request, state: ServerState, name: str, version: str | None) -> ModelVersion:
+    """The model version to run; for a LoRA adapter's name, its base version (the adapter is
+    kept in `request[ADAPTER_KEY]`)."""
     try:
         found = state.registry.resolve(name, version)
     except ModelNotFoundError as exc:
-        raise ErrorReply(404, str(exc), param="model") from None
+        adapter = state.adapters.get(name) if version is None else None
+        if adapter is None:
+            raise ErrorReply(404, str(exc), param="model") from None
+        request[ADAPTER_KEY] = adapter
+        found = adapter.base
     request[MODEL_KEY] = found.name
     return found
+
+
+def _lora(request: web.Request):
+    adapter = request.get(ADAPTER_KEY)
+    return None if adapter is None else adapter.lora
+
+
+def _adapter_in_flight(request: web.Request) -> contextlib.AbstractContextManager:
+    """Counts the request against its adapter while it runs (unregistering waits for it)."""
+    adapter = request.get(ADAPTER_KEY)
+    return contextlib.nullcontext() if adapter is None else adapter.track()
 
 
 def _keep_alive(body: dict[str, Any]) -> float | None:

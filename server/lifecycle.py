@@ -43,7 +43,7 @@ SLEEP_TIMEOUT_S = 60.0
 
 
 class LifecycleConflict(RuntimeError):
-    """A sleep that cannot happen now (requests in flight, nothing loaded): 409."""
+    """A sleep that cannot happen (requests in flight, nothing loaded, KV offload on): 409."""
 
 
 class ModelLifecycle:
@@ -94,9 +94,6 @@ class ModelLifecycle:
     def used(self) -> int:
         return sum(self.charge(v, s) for v in self.registry.all_versions() for s in v.pool.slots
                    if s.status is not WorkerStatus.STOPPED)
-
-    def free(self) -> int:
-        return max(0, self.budget.total - self.used())
 
     def on_worker_ready(self, entry: ModelVersion, slot: WorkerSlot) -> None:
         """Measure a worker that just became ready: its overhead, the estimate for the next.
@@ -267,15 +264,19 @@ class ModelLifecycle:
                                         "loaded worker to put to sleep")
             answers = await asyncio.gather(*(s.engine.sleep(SLEEP_TIMEOUT_S) for s in slots),
                                            return_exceptions=True)
+            failed = []
             for slot, answer in zip(slots, answers):
-                if isinstance(answer, BaseException):
-                    logger.error("worker %s of %s %s did not sleep: %s", slot.id, entry.name,
-                                 entry.version, answer)
+                if isinstance(answer, BaseException):  # busy after all, or KV offload on
+                    failed.append(f"worker {slot.id}: {answer}")
                     continue
                 slot.status = WorkerStatus.SLEEPING
                 slot.sleep_rss = answer.rss_bytes
             entry.expires_at = None
         self.registry.save_state()
+        if failed:
+            raise LifecycleConflict(f"model {entry.name!r} version {entry.version!r}: "
+                                    f"{len(failed)} of {len(slots)} workers did not sleep ("
+                                    f"{'; '.join(failed)})")
 
     async def wake(self, entry: ModelVersion, *, for_request: bool = False) -> None:
         """Load the sleeping workers' weights and KV pools again (room made first)."""

@@ -24,6 +24,7 @@ from engine.schema import SchemaError
 from handlers.base_handler import HandlerError
 from handlers.json_body import decode_json_body
 from server import openapi
+from server.adapters import is_adapter
 from server.archives import (
     ArchiveNotFoundError,
     LoadedArchive,
@@ -152,6 +153,9 @@ async def list_models(request: web.Request) -> web.Response:
     page = models[start:start + limit]
     body: dict[str, Any] = {"models": [
         {"modelName": m.name, "modelUrl": m.versions[m.default_version].url} for m in page]}
+    if start + limit >= len(models):  # LoRA adapters after the models, on the last page
+        body["models"] += [{"modelName": a.name, "modelUrl": a.url, "parent": a.base.name}
+                           for a in state.adapters.sorted()]
     if start + limit < len(models):
         body["nextPageToken"] = str(start + limit)
     return web.json_response(body)
@@ -167,7 +171,14 @@ async def register_model(request: web.Request) -> web.Response:
     if not url.strip():
         raise SchemaError("url: is required", "url")
     path = resolve_url(url, state.config.model_store_path, state.config.allowed_urls)
-    archive = _with_register_params(await state.registry.open(path), params)
+    archive = await state.registry.open(path)
+    if is_adapter(archive):  # a LoRA adapter: attached to its base version's workers
+        adapter = await state.adapters.register(state.registry, archive,
+                                                _display_url(url, path, state.config.model_store_path),
+                                                params.model_name)
+        return _status(f'Adapter "{adapter.name}" Version: {adapter.version} registered on model '
+                       f'"{adapter.base.name}" version {adapter.base.version}')
+    archive = _with_register_params(archive, params)
     entry = await state.registry.register(
         archive, url=_display_url(url, path, state.config.model_store_path), name=params.model_name,
         initial_workers=params.initial_workers, synchronous=synchronous,
@@ -209,6 +220,9 @@ async def describe_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     version = request.match_info.get("version")
     registry = state.registry
+    adapter = state.adapters.get(name)
+    if adapter is not None and name not in registry.models and version in (None, "all", adapter.version):
+        return web.json_response([adapter.describe()])
     if version == "all":
         registry.resolve(name)  # 404 for an unknown model
         model = registry.models[name]
@@ -251,6 +265,14 @@ async def unregister_model(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     _check_model_api(state)
     read_params(request.query, UnregisterParams)
+    name = request.match_info["model"]
+    if name in state.adapters.adapters and name not in state.registry.models:
+        adapter = await state.adapters.unregister(name)  # returns once its requests in flight are done
+        return _status(f'Adapter "{adapter.name}" version: {adapter.version} unregistered')
+    attached = state.adapters.attached_to(state.registry.resolve(name, request.match_info.get("version")))
+    if attached:
+        raise ForbiddenError(f"Can't remove model {name}: LoRA adapters run on it "
+                             f"({', '.join(a.name for a in attached)}); unregister them first")
     entry = await state.registry.unregister(request.match_info["model"],
                                             request.match_info.get("version"))
     return _status(f'Model "{entry.name}" version: {entry.version} unregistered')

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from server.adapters import AdapterRegistry
 from server.auth import Api, KeyStore
 from server.config import ServerConfig
 from server.limits import RequestLimits
@@ -62,6 +63,7 @@ class ServerState:
     executor: concurrent.futures.ThreadPoolExecutor  # tokenization etc. off the event loop
     limits: RequestLimits = field(default_factory=RequestLimits)  # grammar checks, prompt bounds
     drain: Drain = field(default_factory=Drain)
+    adapters: AdapterRegistry = field(default_factory=AdapterRegistry)  # LoRA adapters on the models' workers
 
     @property
     def inference_key(self) -> str | None:

@@ -38,14 +38,6 @@ class LoRAManager:
         self.loaded.move_to_end(key)
         return adapter
 
-    def remove(self, name: str) -> None:
-        """Forget every adapter of this name (memory and slot)."""
-        for key in [k for k in self.loaded if k[0] == name]:
-            self.slots.forget(self.loaded.pop(key).key)
-
-    def list_adapters(self) -> list[str]:
-        return sorted({name for name, _ in self.loaded})
-
     def build_batch(self, adapters: list[LoRAAdapter | None], num_rows: list[int],
                     use_triton: bool | None = None) -> LoRABatch | None:
         """The step's LoRABatch for requests in row order (`num_rows[i]` token rows of request i,

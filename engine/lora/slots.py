@@ -113,7 +113,3 @@ class LoRASlots:
             g.b[out : out + sizes[part], row : row + r].copy_(b)
         self.resident[adapter.key] = slot
         self.num_loads += 1
-
-    def forget(self, key: str) -> None:
-        """Drop an adapter from its slot (its slot is reused by the next load)."""
-        self.resident.pop(key, None)

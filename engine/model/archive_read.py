@@ -331,6 +331,11 @@ def _verify(top: Path, hashes: dict[str, str], allow_custom_handlers: bool) -> O
     custom = resolve_handler(model["handler"], {n: root / n for n in content}, allow_custom_handlers)
     if "files" in manifest:
         _check_hashes(manifest["files"], content)
+    if "lora" in model:  # a LoRA adapter archive (engine.lora.archive): no model of its own
+        from engine.lora.archive import check_lora_record
+
+        check_lora_record(model["lora"], content)
+        return OpenedArchive(root, manifest, None, custom)
 
     configs = sorted({posixpath.dirname(n) for n in content if posixpath.basename(n) == "config.json"})
     model_rel = "" if "config.json" in content else (configs[0] if len(configs) == 1 else None)

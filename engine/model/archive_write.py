@@ -63,7 +63,7 @@ def write_archive(model_dir: str | Path, export_path: str | Path, *, model_name:
                   handler: str = BUILTIN_HANDLER, config_file: str | Path | None = None,
                   extra_files: Iterable[str | Path] = (),
                   archive_format: ArchiveFormat | str = ArchiveFormat.DEFAULT, force: bool = False,
-                  progress: ProgressFn | None = None) -> Path:
+                  progress: ProgressFn | None = None, lora: dict[str, Any] | None = None) -> Path:
     """Package `model_dir` into `<export_path>/<model_name>.mar|.tar.gz|/`; return that path.
 
     The model directory's files (hidden ones and `__pycache__` skipped) go to the archive root;
@@ -71,7 +71,8 @@ def write_archive(model_dir: str | Path, export_path: str | Path, *, model_name:
     (a folder keeps its name). `handler` is `"llm"` (built in) or a path to a handler `.py` file,
     which is copied in. `MAR-INF/MANIFEST.json` follows TorchServe's schema plus a `files` map
     of each file's sha256 (see `archive_manifest`). `progress(bytes_done, bytes_total)` is called
-    as data is copied. Refuses an existing destination unless `force`.
+    as data is copied. Refuses an existing destination unless `force`. With `lora` (the
+    manifest's `model.lora` record, see engine.lora.archive) `model_dir` is a PEFT adapter folder.
     """
     fmt = ArchiveFormat(archive_format)
     check_model_name(model_name)
@@ -95,8 +96,10 @@ def write_archive(model_dir: str | Path, export_path: str | Path, *, model_name:
         else:
             _add(sources, extra.name, extra)
     model: dict[str, Any] = {"modelName": model_name, "modelVersion": version, "handler": handler_name}
-    serialized, quant = _check_model(sources)
+    serialized, quant = _check_model(sources) if lora is None else (_check_adapter(sources), None)
     model["serializedFile"] = serialized
+    if lora is not None:
+        model["lora"] = lora
     if quant is not None:  # pagedserve's extension: what the weights are quantized to
         model["quantization"] = quant.record()
     if config_file is not None:
@@ -191,6 +194,16 @@ def _check_model(sources: dict[str, _Source]) -> tuple[str, QuantSpec | None]:
         if preferred in sources:
             return preferred, quant
     return weights[0], quant
+
+
+def _check_adapter(sources: dict[str, _Source]) -> str:
+    from engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, read_adapter_config
+
+    missing = [name for name in (CONFIG_FILE, WEIGHTS_FILE) if name not in sources]
+    if missing:
+        raise ValueError(f"the adapter folder has no {' or '.join(missing)}")
+    read_adapter_config(sources[CONFIG_FILE].path.parent)  # ValueError for what cannot be served
+    return WEIGHTS_FILE
 
 
 def _manifest(model: dict[str, Any], hashes: dict[str, str]) -> bytes:

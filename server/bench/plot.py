@@ -18,7 +18,7 @@ def plot_curve(levels: Sequence[dict], path: str | Path, title: str, x_key: str 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(5 * len(panels), 4.2), dpi=100)
+    fig = Figure(figsize=(max(6.5, 5 * len(panels)), 4.2), dpi=100)
     FigureCanvasAgg(fig)
     xs = [lv[x_key] for lv in levels]
     for i, (key, label) in enumerate(panels):
@@ -36,7 +36,7 @@ def plot_curve(levels: Sequence[dict], path: str | Path, title: str, x_key: str 
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, format="png")

@@ -121,8 +121,8 @@ def test_name_filter_as_torchserve(vllm_server):
     only = scrape(vllm_server, "?name[]=vllm:num_requests_running&name[]=pagedserve_requests_total"
                                "&name[]=vllm:e2e_request_latency_seconds_bucket")
     # (the text parser reads each counter's and histogram's `_created` sample as a family)
-    assert sorted(n for n in only if not n.endswith("_created")) == ["pagedserve_requests", "vllm:e2e_request_latency_seconds",
-                            "vllm:num_requests_running"]
+    assert sorted(n for n in only if not n.endswith("_created")) == [
+        "pagedserve_requests", "vllm:e2e_request_latency_seconds", "vllm:num_requests_running"]
     assert "vllm:e2e_request_latency_seconds_count" in only["vllm:e2e_request_latency_seconds"]
     assert scrape(vllm_server, "?name[]=no_such_metric") == {}
 

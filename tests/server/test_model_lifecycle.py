@@ -5,6 +5,7 @@ worker processes; the budget is set from the first worker's measured footprint."
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
 import time
@@ -173,7 +174,17 @@ def test_keep_alive_from_the_model_config_from_the_request_zero_and_forever(srv)
     assert desc["keepAlive"] == 1 and desc["expiresAt"] is not None
     predict(srv, "2.0", keep_alive=0)  # unloaded right after the request
     srv.wait_for(lambda: describe(srv, "2.0")["state"] == "unloaded", 60, what="unload")
-    out = predict(srv, "2.0", keep_alive="-1")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # describe shows the load going on
+        reply = pool.submit(predict, srv, "2.0", keep_alive="-1")
+        seen: set[str] = set()
+
+        def loading() -> bool:
+            seen.add(describe(srv, "2.0")["state"])
+            return "loading" in seen or reply.done()
+
+        srv.wait_for(loading, 60, what="loading")
+        out = reply.result(300)
+    assert "loading" in seen, seen  # a worker start takes seconds: polled every 50 ms
     assert out["choices"][0]["token_ids"]
     desc = describe(srv, "2.0")
     assert desc["state"] == "loaded" and desc["expiresAt"] is None
