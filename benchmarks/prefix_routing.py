@@ -7,7 +7,9 @@ kind of workload against one of them: `--conversations` chats at once, each `--t
 long; a chat's first user message is a document of about `--doc-words` random words (its own,
 new in every phase, so no phase profits from an earlier one's cache), each later turn appends
 the assistant's reply and a short question, and a chat sends its next turn when the last reply
-arrived. Replies are `--max-tokens` tokens (greedy, EOS ignored) over
+arrived (plus, with `--think-s`, a random pause of up to that many seconds, seeded: without it
+the chats' turns arrive in lock-step, and least-loaded's turn-taking can keep sending a chat to
+the same worker by accident). Replies are `--max-tokens` tokens (greedy, EOS ignored) over
 `POST /v1/chat/completions`.
 
 Per phase: the prefix-cache hit rate (prompt tokens the workers served from their prefix cache,
@@ -108,7 +110,10 @@ def words(seed: int, n: int) -> str:
 async def conversation(session, base: str, model: str, seed: int, args) -> list[dict]:
     messages = [{"role": "user", "content": f"Read this and answer questions about it: {words(seed, args.doc_words)}"}]
     turns = []
+    pause = random.Random(seed)
     for turn in range(args.turns):
+        if turn and args.think_s:  # a user reads the reply before the next question
+            await asyncio.sleep(pause.uniform(0, args.think_s))
         body = {"model": model, "messages": messages, "max_tokens": args.max_tokens, "temperature": 0,
                 "ignore_eos": True}
         t0 = time.monotonic()
@@ -141,7 +146,8 @@ async def phase(base: str, model: str, seed: int, args) -> dict:
     return {"model": model, "routing": POLICIES[model], "wall_s": wall, "requests": len(turns),
             "prompt_tokens": prompt, "completion_tokens": out,
             "hit_rate": sum(t["cached_tokens"] for t in turns) / prompt,
-            "hit_rate_followups": sum(t["cached_tokens"] for t in later) / sum(t["prompt_tokens"] for t in later),
+            "hit_rate_followups": (sum(t["cached_tokens"] for t in later) / sum(t["prompt_tokens"] for t in later)
+                                   if later else 0.0),
             "tok_per_s": (prompt + out) / wall, "req_per_s": len(turns) / wall,
             "mean_latency_s": statistics.fmean(t["latency_s"] for t in turns)}
 
@@ -182,6 +188,8 @@ def main() -> None:
     ap.add_argument("--doc-words", type=int, default=300)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--kv-cache-memory", default="256MiB")
+    ap.add_argument("--think-s", type=float, default=0.0,
+                    help="each follow-up waits a random 0..think-s seconds (seeded) after the reply")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="prefix-routing-") as tmp:
         workdir = Path(tmp)
