@@ -269,11 +269,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
 async def _openai(request: web.Request, parse: Callable[[dict[str, Any]], OpenAIRequest | ResponsesRequest]
                   ) -> web.StreamResponse:
-    started = time.monotonic()
-    state = request.app[STATE_KEY]
-    body = await _read_json(request)
-    version, asked = _openai_model(request, state, body)
-    with version.admit(_keep_alive(body)), _adapter_in_flight(request):
+    started, state, body, version, asked = await _openai_begin(request)
+    with _admitted(request, version, body):
         parsed = _handler_call(parse, body)
         responses_request = parsed if isinstance(parsed, ResponsesRequest) else None
         parsed = parsed.chat if responses_request is not None else parsed
@@ -291,11 +288,8 @@ async def _openai(request: web.Request, parse: Callable[[dict[str, Any]], OpenAI
 @routes.post("/predictions/{model}/{version}/v1/embeddings", name="embeddings_version")
 async def embeddings(request: web.Request) -> web.StreamResponse:
     """One pooling request per input (a list: server.fanout), answered whole."""
-    started = time.monotonic()
-    state = request.app[STATE_KEY]
-    body = await _read_json(request)
-    version, asked = _openai_model(request, state, body)
-    with version.admit(_keep_alive(body)), _adapter_in_flight(request):
+    started, state, body, version, asked = await _openai_begin(request)
+    with _admitted(request, version, body):
         parsed = _handler_call(parse_embeddings_request, body)
         params = pooling_sampling_params()
         try:
@@ -307,6 +301,23 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
         job = jobs[0] if len(jobs) == 1 else FanOut(jobs, 1).prepared()
         return await respond(request, state, version, job, EmbeddingsShaper(parsed, asked), stream=False,
                              started=started)
+
+
+async def _openai_begin(request: web.Request) -> tuple[float, ServerState, dict[str, Any], ModelVersion, str]:
+    """An OpenAI route's start: its arrival time, the state, the JSON body, the version it asks
+    for and the name to answer with."""
+    started = time.monotonic()
+    state = request.app[STATE_KEY]
+    body = await _read_json(request)
+    return (started, state, body, *_openai_model(request, state, body))
+
+
+@contextlib.contextmanager
+def _admitted(request: web.Request, version: ModelVersion, body: dict[str, Any]):
+    """An OpenAI request counted in flight on its version (with its `keep_alive`) and on its
+    LoRA adapter, for the whole `with` block."""
+    with version.admit(_keep_alive(body)), _adapter_in_flight(request):
+        yield
 
 
 def _openai_model(request: web.Request, state: ServerState, body: dict[str, Any]) -> tuple[ModelVersion, str]:
