@@ -214,9 +214,14 @@ class ModelLifecycle:
         elif entry.pool.size == 0:
             await self.start_workers(entry, 1, wait=True, for_request=True)
             self.registry.save_state()
-        while not entry.pool.ready_engines():  # workers starting or restarting: wait for one
-            if not entry.pool.size:
+        while not entry.pool.ready_engines():  # workers starting: wait for one
+            slots = entry.pool.active_slots()
+            if not slots:
                 raise RuntimeError("its workers were stopped while it loaded")
+            if all(s.last_error for s in slots):  # each failed or died since it last served:
+                # a crash loop or a restart after a crash, not a load; answer now (503)
+                raise NoWorkerError(f"model {entry.name!r} version {entry.version!r} has no "
+                                    f"ready worker (last error: {slots[0].last_error}); retry shortly")
             await asyncio.sleep(0.05)
 
     def on_idle(self, entry: ModelVersion, keep_alive: float | None) -> None:
