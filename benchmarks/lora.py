@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -148,7 +149,8 @@ def main() -> None:
         "# LoRA: mixed-adapter batch vs no adapter", "",
         f"Default model, bf16, {args.threads} torch thread(s), batch {args.batch} x {args.prompt_len} prompt tokens, {args.max_tokens} output "
         f"tokens each, 4 adapters of rank {args.rank} on all seven projections (a quarter of the rows each). "
-        "Ran on the shared 2-core machine while other jobs were running: only the ratios are meaningful.", "",
+        f"Load average when it ended: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
+        "(on a busy machine only the ratios mean something).", "",
         "| round | order | plain tok/s | mixed tok/s | ratio |", "| --- | --- | --- | --- | --- |",
         *[f"| {i} | {' then '.join(r['order'])} | {r['plain_tok_per_s']:.1f} | {r['mixed_tok_per_s']:.1f} | "
           f"{r['ratio']:.3f} |" for i, r in enumerate(rounds)], "",
