@@ -23,6 +23,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 BUILT_MARK = "pagedserve_built"  # in the build folder once the extension built and loaded
+BUILD_FLOCK = ".pagedserve_build.flock"  # builders of one folder take turns on it (flock)
 
 
 def build_dir() -> Path:
@@ -97,25 +98,41 @@ class CpuExtension:
         return self.build()
 
     def build(self):
-        """Compile (or, when up to date, just load) with cpp_extension; None if unavailable."""
+        """Compile (or, when up to date, just load) with cpp_extension; None if unavailable.
+
+        Builders of one folder take turns on a kernel lock (flock: released when its process
+        ends, however it ends). cpp_extension's own `lock` file is not: a build killed
+        mid-compile leaves it behind and every later build would wait on it forever. Holding the
+        flock, no other build of the folder is running, so such a file is stale and removed."""
+        import fcntl
+
         from torch.utils.cpp_extension import load
 
         folder = self.folder
         folder.mkdir(parents=True, exist_ok=True)
-        try:
-            module = load(
-                name=self.module_name,
-                sources=[str(self.source)],
-                extra_cflags=list(self.cflags),
-                extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch already loaded
-                build_directory=str(folder),
-                verbose=False,
-            )
-        except Exception as exc:  # noqa: BLE001 -- no compiler, no ninja, ...: the torch path still works
-            logger.warning("CPU extension %s unavailable, using the torch path: %s", self.name, exc)
-            return None
-        (folder / BUILT_MARK).write_text(f"{self.module_name}.so\n")
-        return module
+        with open(folder / BUILD_FLOCK, "w") as turn:
+            fcntl.flock(turn, fcntl.LOCK_EX)
+            if self.is_built():  # another process built it while this one waited
+                return self.load()
+            stale = folder / "lock"
+            if stale.exists():
+                logger.warning("CPU extension %s: removing %s left by a build that did not finish",
+                               self.name, stale)
+                stale.unlink(missing_ok=True)
+            try:
+                module = load(
+                    name=self.module_name,
+                    sources=[str(self.source)],
+                    extra_cflags=list(self.cflags),
+                    extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch already loaded
+                    build_directory=str(folder),
+                    verbose=False,
+                )
+            except Exception as exc:  # noqa: BLE001 -- no compiler, no ninja, ...: the torch path still works
+                logger.warning("CPU extension %s unavailable, using the torch path: %s", self.name, exc)
+                return None
+            (folder / BUILT_MARK).write_text(f"{self.module_name}.so\n")
+            return module
 
 
 def _import_built(module_name: str, path: Path):

@@ -54,3 +54,37 @@ def test_a_built_extension_loads_without_cpp_extension_and_without_a_message(mon
         module = EXTENSION.load()
     assert callable(module.paged_decode_attention)
     assert caplog.records == []
+
+
+PYBIND_ONLY = """
+#include <pybind11/pybind11.h>
+int answer() { return 42; }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }
+"""
+
+
+def test_a_lock_left_by_a_killed_build_does_not_stall_the_next_build(tmp_path, monkeypatch):
+    """cpp_extension waits forever on a `lock` file a killed build left; the build removes it
+    (it holds the folder's flock, so no other build is running) and builds."""
+    import subprocess
+    import sys
+    import textwrap
+
+    (tmp_path / "k.cpp").write_text(PYBIND_ONLY)
+    script = textwrap.dedent(f"""
+        from pathlib import Path
+        from kernels.cpu_build import CpuExtension
+        ext = CpuExtension("stale_lock_test", Path({str(tmp_path / "k.cpp")!r}), ("-O0",))
+        ext.folder.mkdir(parents=True)
+        (ext.folder / "lock").write_text("")  # what a build killed mid-compile leaves
+        module = ext.build()
+        assert module is not None and module.answer() == 42
+        assert not (ext.folder / "lock").exists() and ext.is_built()
+        print("built")
+    """)
+    env = {**__import__("os").environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("PAGEDSERVE_DISABLE_CPU_KERNELS", None)
+    # Before the fix this waited on the lock for ever: the timeout turns that into a failure.
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "built" in done.stdout, done.stderr[-2000:]
