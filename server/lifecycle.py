@@ -218,8 +218,9 @@ class ModelLifecycle:
             slots = entry.pool.active_slots()
             if not slots:
                 raise RuntimeError("its workers were stopped while it loaded")
-            if all(s.last_error for s in slots):  # each failed or died since it last served:
-                # a crash loop or a restart after a crash, not a load; answer now (503)
+            if all(s.start_failed for s in slots):  # no start is expected to succeed: a
+                # broken model in a start-failure loop; answer now (503). A restart after a
+                # crash is waited for like a load.
                 raise NoWorkerError(f"model {entry.name!r} version {entry.version!r} has no "
                                     f"ready worker (last error: {slots[0].last_error}); retry shortly")
             await asyncio.sleep(0.05)

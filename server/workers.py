@@ -67,6 +67,7 @@ class WorkerSlot:
     failures: int = 0  # consecutive deaths / failed starts
     restarts: int = 0  # total restarts, for the describe API
     last_error: str | None = None
+    start_failed: bool = False  # its last start failed (cleared once a start succeeds)
     task: asyncio.Task | None = None  # the start / restart in progress
     starting: bool = False  # inside engine.start(): its threads own the engine's sockets
     overhead: int | None = None  # measured when ready: RSS minus weights and KV pool
@@ -170,6 +171,7 @@ class WorkerPool:
                     slot.starting = False
             except (RuntimeError, ValueError, OSError, TimeoutError) as exc:  # EngineStartError too
                 slot.last_error = str(exc) or type(exc).__name__
+                slot.start_failed = True
                 slot.failures += 1
                 logger.error("worker %s of %s failed to start: %s", slot.id, self.label, exc)
                 if engine is not None:
@@ -186,6 +188,7 @@ class WorkerPool:
             slot.status = WorkerStatus.READY
             slot.ready_since = time.monotonic()
             slot.last_error = None
+            slot.start_failed = False
             self._on_ready(slot)
             logger.info("worker %s of %s ready (pid %s)", slot.id, self.label, engine.pid)
             self._on_change()

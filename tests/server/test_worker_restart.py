@@ -41,7 +41,8 @@ def test_kill_9_worker_is_restarted_with_backoff(inprocess_factory, caplog):
 
     # Dying again soon after: the back-off doubles.
     os.kill(second["pid"], signal.SIGKILL)
-    s.wait_for(lambda: worker(s, MODEL)["status"] == "READY" and worker(s, MODEL)["restarts"] == 2,
+    # One describe per check: two could see the old worker READY, then the count of its death.
+    s.wait_for(lambda: (w := worker(s, MODEL))["status"] == "READY" and w["restarts"] == 2,
                timeout=120, what="second restart")
     delays = [float(d) for d in re.findall(r"died; restarting in ([0-9.]+)s", caplog.text)]
     assert delays == [0.5, 1.0]
