@@ -14,7 +14,7 @@ copies several times slower and erratic:
 
 A restore covers the prompt but its last block (the last token must be computed). The run covers
 the default chunk_size 256 and 128. Each phase runs in a fresh child process (its own peak RSS);
-each case reports the best and the median over its prompts.
+each case reports the median over its prompts and the median ratio of paired measurements.
 Results go to benchmarks/results/kv_offload_ttft.{json,md}.
 
     .venv/bin/python benchmarks/kv_offload_ttft.py [--prompt-len 2000] [--trials 3]
@@ -197,15 +197,14 @@ def main() -> None:
 
 
 def summarize(first: dict, restart: dict) -> dict:
-    """Best-of (min) and median TTFT per case, cold / restored ratios of both, and the median of
-    the ratios of measurement pairs taken next to each other (the most robust on a busy machine)."""
+    """Median TTFT per case, cold / restored ratios of the medians, and the median of the ratios
+    of measurement pairs taken next to each other (the most robust on a busy machine)."""
     cases = {"cold": first["cold_s"] + restart["cold_s"], "cpu": first["cpu_hit_s"],
              "disk": restart["disk_hit_s"], "disk_dropped": restart["disk_hit_dropped_s"]}
     out = {"restored_tokens": first["restored_tokens"],
            "peak_rss_mib": {"first": first["peak_rss_mib"], "restart": restart["peak_rss_mib"]}}
-    for stat, fn in (("min", min), ("median", statistics.median)):
-        values = {case: fn(v) for case, v in cases.items() if v}
-        out[stat] = {"ttft_s": values,
+    values = {case: statistics.median(v) for case, v in cases.items() if v}
+    out["median"] = {"ttft_s": values,
                      "speedup": {case: values["cold"] / v for case, v in values.items() if case != "cold"}}
     restart_cold = restart["cold_s"]
     if len(restart_cold) == len(restart["disk_hit_s"]) + len(restart["disk_hit_dropped_s"]):
@@ -224,7 +223,7 @@ def render(summary: dict) -> str:
          "nothing cached; CPU tier = the same prompt after the engine's block pool was emptied by other "
          "prompts; disk = a new process on the same folder, with the chunk files in the OS page cache (as "
          "right after a restart) and dropped from it with posix_fadvise (read from the device). "
-         f"{2 * w['trials']} prompts per phase; cells show best-of (min) and median TTFT with cold / restored "
+         f"{2 * w['trials']} prompts per phase; cells show the median TTFT with the cold / restored "
          "ratios, and (bold) the median ratio of pairs measured next to each other: a restored prompt and "
          "the cold prompt run just before (CPU tier) or just after it (disk)."), "",
         ("| chunk_size | restored tokens | cold | CPU tier | disk (page cache) | disk (dropped from page cache) "
@@ -233,15 +232,13 @@ def render(summary: dict) -> str:
     ]
 
     def cell(row, case):
-        parts = []
-        for stat in ("min", "median"):
-            t = row[stat]["ttft_s"].get(case)
-            if t is None:
-                return "n/a"
-            ratio = row[stat]["speedup"].get(case)
-            parts.append(f"{1000 * t:.0f} ms" + (f" ({ratio:.1f}x)" if ratio else ""))
+        t = row["median"]["ttft_s"].get(case)
+        if t is None:
+            return "n/a"
+        ratio = row["median"]["speedup"].get(case)
         paired = row.get("paired_speedup_median", {}).get(case)
-        return " / ".join(parts) + (f"; paired **{paired:.1f}x**" if paired else "")
+        return (f"{1000 * t:.0f} ms" + (f" ({ratio:.1f}x)" if ratio else "")
+                + (f"; paired **{paired:.1f}x**" if paired else ""))
 
     for chunk_size, row in summary["by_chunk_size"].items():
         md.append(
