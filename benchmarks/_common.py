@@ -1,13 +1,18 @@
-"""What the benchmark scripts share: workload prompts, peak memory, and running one phase of a
-script in a fresh child process (its last stdout line is the phase's JSON result)."""
+"""What the benchmark scripts share: workload prompts, peak memory, running one phase of a
+script in a fresh child process (its last stdout line is the phase's JSON result), and a
+`pagedserve serve` process on free ports."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import resource
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -37,3 +42,44 @@ def run_phase(script: str, args: list[str]) -> dict:
     if out.returncode != 0:
         raise RuntimeError(f"{Path(script).name} {' '.join(args)} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(workdir: Path, models: list[str], timeout: float) -> tuple[subprocess.Popen, dict[str, str]]:
+    """`pagedserve serve` (token auth off, one engine thread per worker) over `workdir/store`
+    with `models` (NAME=ARCHIVE), on free ports; returns once it is ready and lists every model
+    (another process may have taken a port picked as free), with each API's base URL."""
+    repo = Path(__file__).resolve().parent.parent
+    ports = {api: free_port() for api in ("inference", "management", "metrics")}
+    # One engine thread: on a shared 2-core machine a 2-thread worker's OpenMP threads stall
+    # whenever one of them is descheduled.
+    env = {**os.environ, "PYTHONPATH": str(repo), "PAGEDSERVE_WORKER_THREADS": "1"}
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model-store", str(workdir / "store"),
+           *(["--models", *models] if models else []), "--disable-token-auth",
+           *(arg for api, port in ports.items() for arg in (f"--{api}-address", f"127.0.0.1:{port}"))]
+    with open(workdir / "server.log", "ab") as log:
+        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+    urls = {api: f"http://127.0.0.1:{port}" for api, port in ports.items()}
+    wanted = {m.split("=", 1)[0] for m in models}
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {(workdir / 'server.log').read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(urls["inference"] + "/ready", timeout=5) as ready, \
+                    urllib.request.urlopen(urls["inference"] + "/v1/models", timeout=5) as listed:
+                names = {m["id"] for m in json.loads(listed.read())["data"]}
+                if ready.status == 200 and wanted <= names:
+                    return proc, urls
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait(30)
+            raise TimeoutError("server not ready")
+        time.sleep(0.5)

@@ -38,16 +38,15 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from _common import RESULTS, peak_rss_mib
+from _common import start_server as common_start_server
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_NAME = "bench"
@@ -165,10 +164,6 @@ async def phase(base: str, name: str | None, args) -> dict:
         return result
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_store(store: Path) -> None:
@@ -196,34 +191,9 @@ def worker_pid(management: str) -> int:
 
 
 def start_server(workdir: Path) -> tuple[subprocess.Popen, str, str]:
-    import urllib.request
+    proc, urls = common_start_server(workdir, [f"{MODEL_NAME}={MODEL_NAME}.mar"], timeout=900)
+    return proc, urls["inference"], urls["management"]
 
-    ports = {api: free_port() for api in ("inference", "management", "metrics")}
-    # One engine thread: on a shared 2-core machine a 2-thread worker's OpenMP threads stall
-    # whenever one of them is descheduled, which would swamp what the attacks do.
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDSERVE_WORKER_THREADS": "1"}
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model-store", str(workdir / "store"),
-           "--models", f"{MODEL_NAME}={MODEL_NAME}.mar", "--disable-token-auth",
-           *(arg for api, port in ports.items() for arg in (f"--{api}-address", f"127.0.0.1:{port}"))]
-    with open(workdir / "server.log", "ab") as log:
-        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{ports['inference']}"
-    deadline = time.monotonic() + 900
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {(workdir / 'server.log').read_text()[-3000:]}")
-        try:
-            # Ready, and ours (another server may have taken a port picked as free): it lists the model.
-            with urllib.request.urlopen(base + "/ready", timeout=5) as ready, \
-                    urllib.request.urlopen(base + "/v1/models", timeout=5) as models:
-                names = [m["id"] for m in json.loads(models.read())["data"]]
-                if ready.status == 200 and MODEL_NAME in names:
-                    return proc, base, f"http://127.0.0.1:{ports['management']}"
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError("server not ready")
-        time.sleep(0.5)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -32,25 +32,20 @@ import os
 import platform
 import random
 import signal
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 from _common import RESULTS
+from _common import start_server as common_start_server
 
 REPO = Path(__file__).resolve().parent.parent
 POLICIES = {"ll": "least_loaded", "pa": "prefix_affinity"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_store(store: Path, args) -> None:
@@ -72,31 +67,9 @@ def write_store(store: Path, args) -> None:
 
 
 def start_server(workdir: Path) -> tuple[subprocess.Popen, str, str]:
-    ports = {api: free_port() for api in ("inference", "management", "metrics")}
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDSERVE_WORKER_THREADS": "1"}
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model-store", str(workdir / "store"),
-           "--models", *(f"{n}={n}.mar" for n in POLICIES), "--disable-token-auth",
-           *(arg for api, port in ports.items() for arg in (f"--{api}-address", f"127.0.0.1:{port}"))]
-    with open(workdir / "server.log", "ab") as log:
-        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{ports['inference']}"
-    deadline = time.monotonic() + 1200
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {(workdir / 'server.log').read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(base + "/ready", timeout=5) as ready, \
-                    urllib.request.urlopen(base + "/v1/models", timeout=5) as models:
-                names = {m["id"] for m in json.loads(models.read())["data"]}
-                if ready.status == 200 and set(POLICIES) <= names:
-                    return proc, base, f"http://127.0.0.1:{ports['metrics']}"
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            proc.wait(30)
-            raise TimeoutError("server not ready")
-        time.sleep(1.0)
+    proc, urls = common_start_server(workdir, [f"{n}={n}.mar" for n in POLICIES], timeout=1200)
+    return proc, urls["inference"], urls["metrics"]
+
 
 
 def words(seed: int, n: int) -> str:
