@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.logits_processors import apply_logit_bias
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.manager import LoRAManager, lora_shapes
+from engine.model.compile import compile_buckets, compiled_forward_for
 from engine.model.loader import (
     allocate_kv_caches,
     kv_cache_bytes_per_block,
@@ -60,15 +61,19 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.kv_dtype = parse_kv_cache_dtype(config.kv_cache_dtype)
         self.backend = select_backend(self.device, config.attention_backend, self.kv_dtype)
+        buckets = compile_buckets(config, self.dtype, self.device)
         self.model = load_model(
             model_dir, self.dtype, self.device, self.backend,
             max_model_len=max_model_len, fused_ops=select_fused_ops(self.device, self.dtype),
             quant=resolve_spec(hf_config, config.quantization, config.quant_group_size, config.device),
+            pack_linear=not buckets,
         )
         self.bytes_per_block = kv_cache_bytes_per_block(hf_config, self.block_size, self.dtype, self.kv_dtype)
         self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)
         self.kv_caches = allocate_kv_caches(hf_config, self.num_blocks, self.block_size, self.dtype, self.device,
                                             self.kv_dtype)
+        # torch.compile'd forward for the steps it covers (config.compile), compiled here, before ready.
+        self.compiled = compiled_forward_for(config, self.model, self.backend, self.kv_caches, buckets)
         self.sampler = Sampler()
         # LoRA adapters: read on first use, at most max_loras resident (slots allocated lazily).
         self.lora = LoRAManager(lora_shapes(self.model.spec), config.max_loras, config.max_lora_rank,
@@ -114,7 +119,8 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows, sample_ids, spec_ids = batch
         lora = self.lora.build_batch([self.requests[r].lora for r in order],
                                      [so.num_scheduled_tokens[r] for r in order])
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)
+        compiled = self.compiled is not None and self.compiled.covers(len(input_ids), lora)
+        hidden = (self.compiled if compiled else self.model)(input_ids, positions, self.kv_caches, meta, lora)
         result = ModelRunnerOutput({})
         if any(self.requests[r].pooling_params is not None for r in sample_ids):
             sample_rows, sample_ids = self._pool(hidden, sample_rows, sample_ids, result)

@@ -76,9 +76,12 @@ def load_model(
     max_model_len: int | None = None,
     fused_ops: CpuFusedOps | None = None,
     quant: QuantSpec | None = None,
+    pack_linear: bool = True,
 ) -> LlamaForCausalLM:
     """Build the model from `model_dir/config.json` and fill it from its safetensors files.
 
+    `pack_linear`: on CPU in bfloat16, pack the projections for oneDNN (`pack_linear_weights`);
+    a model for torch.compile keeps plain weights (inductor packs the ones it freezes).
     Raises ValueError for an unsupported architecture/config, a missing or unexpected tensor,
     a shape mismatch, or a directory with only pickle checkpoints. `quant` (see
     `engine.model.quant_spec.resolve_spec`) loads quantized layers, tensor by tensor.
@@ -90,7 +93,7 @@ def load_model(
         quant=quant,
     )
     model.load_weights(iter_safetensors(files))
-    if model.dtype == torch.bfloat16 and model.device.type == "cpu" and packed_linear_supported():
+    if pack_linear and model.dtype == torch.bfloat16 and model.device.type == "cpu" and packed_linear_supported():
         model.pack_linear_weights()
     return model.eval()
 
