@@ -7,7 +7,9 @@ it to float32 one chunk of output rows at a time (a chunk stays in cache) and mu
 float32 into the matching columns of the output, which is rounded to bf16 once. Products of two
 bf16 values are exact in float32 and a bf16 GEMM accumulates in float32 too, so the results
 match `F.linear` up to summation order. Calls of fewer rows (batch-1 decode: bound by reading
-the weight, where converting it would double the bytes moved) run `F.linear` in bf16.
+the weight, where converting it would double the bytes moved) run the `bf16_gemv` C++ kernel
+(kernels/csrc/bf16_gemv.cpp: each weight row read once, widened by a shift, float32 FMAs), or
+`F.linear` in bf16 where the extension cannot be built.
 
 Measured per call, 2 threads, [rows, 576] x [576, 1536] in ms, bf16 `F.linear` -> this: 1 row
 0.073 -> 0.131 (hence `min_rows`), 4 rows 0.35 -> 0.15, 64 rows 2.8 -> 0.71, 1,000 rows 32 -> 6.7;
@@ -16,12 +18,26 @@ the 49152-row LM head at 64 rows 69 -> 24 (benchmarks/bench_packed_linear.py).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_build import CpuExtension
+
+_SOURCE = Path(__file__).resolve().parent / "csrc" / "bf16_gemv.cpp"
+_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+EXTENSION = CpuExtension("bf16_gemv", _SOURCE, _CFLAGS)
+
 UPCAST_MIN_ROWS = 4  # fewer rows: bf16 F.linear (the weight read dominates)
-CHUNK_ROWS = 512  # output rows converted at a time: 512 x 1536 float32 = 3 MiB
+CHUNK_ROWS = 512
+GEMV_MAX_ROWS = 8  # the C++ kernel's limit  # output rows converted at a time: 512 x 1536 float32 = 3 MiB
+
+
+def load_gemv():
+    """Compile (first call on a machine, ~30 s) or load the few-rows kernel; None if unavailable."""
+    return EXTENSION.load()
 
 
 def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -43,28 +59,33 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 class UpcastLinear(nn.Module):
-    """`y = x @ weight.T + bias` for bf16 `x [..., in]` and a bf16 `weight [out, in]`."""
+    """`y = x @ weight.T + bias` for bf16 `x [..., in]` and a bf16 `weight [out, in]`; `gemv` is
+    the loaded `bf16_gemv` extension (`load_gemv()`) for calls of fewer than `min_rows` rows, or
+    None for `F.linear` there."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int = UPCAST_MIN_ROWS) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int = UPCAST_MIN_ROWS,
+                 gemv=None) -> None:
         super().__init__()
         if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
             raise ValueError("UpcastLinear takes a 2-D bfloat16 CPU weight")
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
+        if gemv is not None and min_rows - 1 > GEMV_MAX_ROWS:
+            raise ValueError(f"the few-rows kernel takes at most {GEMV_MAX_ROWS} rows (min_rows={min_rows})")
         self.min_rows = min_rows
+        self.gemv = gemv
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> UpcastLinear:
-        return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] < self.min_rows:
-            out = F.linear(rows, self.weight, self.bias)
+            if self.gemv is None:
+                out = F.linear(rows, self.weight, self.bias)
+            else:
+                out = self.gemv.bf16_linear_few_rows(rows.contiguous(), self.weight, self.bias)
         else:
             out = upcast_linear(rows, self.weight, self.bias)
         return out.view(*x.shape[:-1], self.out_features)

@@ -13,7 +13,7 @@ exactly like the torch code they replace, so results are bit-identical either wa
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -290,19 +290,20 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Int8Linear(self.lm_head.in_features, self.lm_head.out_features, False, self.dtype,
                                       weight_only_max_rows=HEAD_WEIGHT_ONLY_MAX_ROWS)
 
-    def pack_linear_weights(self, linear_cls: type[PackedLinear] | type[UpcastLinear] = PackedLinear) -> None:
+    def pack_linear_weights(self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module] = PackedLinear) -> None:
         """Swap every bf16 projection and the LM head for a CPU linear layer (after the weights
         are loaded): a PackedLinear (oneDNN then skips its per-call weight reorder) or, on a CPU
         without bf16 dot products, an UpcastLinear (float32 GEMMs). Quantized layers stay."""
         for _, parent, name in self._projections():
             if isinstance(getattr(parent, name), nn.Linear):
-                setattr(parent, name, linear_cls.from_linear(getattr(parent, name)))
+                linear = getattr(parent, name)
+                setattr(parent, name, make(linear.weight, linear.bias))
         if self.packed_lm_head is not None or isinstance(self.lm_head, Int8Linear):
             return
         if self.lm_head is None:  # tied: the embedding keeps its plain table for lookups
-            self.packed_lm_head = linear_cls(self.model.embed_tokens.weight, None)
+            self.packed_lm_head = make(self.model.embed_tokens.weight, None)
         else:
-            self.packed_lm_head = linear_cls.from_linear(self.lm_head)
+            self.packed_lm_head = make(self.lm_head.weight, self.lm_head.bias)
             self.lm_head = None
 
     def checkpoint_names(self) -> set[str]:

@@ -6,6 +6,7 @@ refused, never opened.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ from engine.model.quant_spec import QuantSpec
 from kernels.cpu_fused_ops import CpuFusedOps, load_fused_ops
 from kernels.cpu_isa import cpu_has_bf16_dot
 from kernels.cpu_packed_linear import PackedLinear, packed_linear_supported
-from kernels.cpu_upcast_linear import UpcastLinear
+from kernels.cpu_upcast_linear import UpcastLinear, load_gemv
 
 _INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -94,7 +95,7 @@ def load_model(
     model.load_weights(iter_safetensors(files))
     if model.dtype == torch.bfloat16 and model.device.type == "cpu":
         if not cpu_has_bf16_dot():
-            model.pack_linear_weights(UpcastLinear)
+            model.pack_linear_weights(functools.partial(UpcastLinear, gemv=load_gemv()))
         elif packed_linear_supported():
             model.pack_linear_weights(PackedLinear)
     return model.eval()

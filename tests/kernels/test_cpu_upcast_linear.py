@@ -8,7 +8,15 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_isa import cpu_flags, cpu_has_bf16_dot, cpu_has_vnni
-from kernels.cpu_upcast_linear import UpcastLinear, upcast_linear
+from kernels.cpu_upcast_linear import GEMV_MAX_ROWS, UpcastLinear, load_gemv, upcast_linear
+
+
+@pytest.fixture(scope="module")
+def gemv():
+    ext = load_gemv()
+    if ext is None:
+        pytest.skip("the bf16_gemv extension cannot be built here")
+    return ext
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 64, 300])
@@ -47,6 +55,29 @@ def test_few_rows_take_the_bf16_path_and_leading_dims_stay():
         layer(torch.randn(3, 15).bfloat16())
     with pytest.raises(ValueError, match="bfloat16"):
         UpcastLinear(w.float(), None)
+
+
+@pytest.mark.parametrize("rows", range(1, GEMV_MAX_ROWS + 1))
+@pytest.mark.parametrize("in_features", [576, 100, 7])  # a multiple of 64, of neither 64 nor 16
+def test_few_rows_kernel_matches_the_float32_product(gemv, rows, in_features):
+    gen = torch.Generator().manual_seed(rows * 1000 + in_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    w = torch.randn(70, in_features, generator=gen).bfloat16()
+    b = torch.randn(70, generator=gen).bfloat16()
+    got = UpcastLinear(w, b, min_rows=GEMV_MAX_ROWS + 1, gemv=gemv)(x)
+    want = F.linear(x.float(), w.float(), b.float()).bfloat16()
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 70)
+    torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-2)
+
+
+def test_few_rows_kernel_refuses_what_it_cannot_take(gemv):
+    w = torch.randn(8, 16).bfloat16()
+    with pytest.raises(RuntimeError, match="at most 8 rows"):
+        gemv.bf16_linear_few_rows(torch.randn(9, 16).bfloat16(), w, None)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        gemv.bf16_linear_few_rows(torch.randn(1, 16), w, None)
+    with pytest.raises(ValueError, match="at most"):
+        UpcastLinear(w, None, min_rows=GEMV_MAX_ROWS + 2, gemv=gemv)
 
 
 def test_weight_shares_storage_with_the_tied_embedding():
