@@ -64,7 +64,12 @@ def run_dtype(dtype_name: str, rounds: int, threads: int, cache_dir: str) -> dic
     from engine.attention.selector import select_backend
     from engine.model.compile import CompiledForward
     from engine.model.default_model import default_model_dir
-    from engine.model.loader import allocate_kv_caches, load_model, read_config, select_fused_ops
+    from engine.model.loader import (
+        allocate_kv_caches,
+        load_model,
+        read_config,
+        select_fused_ops,
+    )
     from engine.process_setup import tune_glibc_malloc
 
     tune_glibc_malloc()
@@ -90,7 +95,8 @@ def run_dtype(dtype_name: str, rounds: int, threads: int, cache_dir: str) -> dic
             ids = torch.randint(0, model.spec.vocab_size, (tokens,), generator=gen)
             pos = torch.arange(tokens) if tokens == PREFILL else torch.full((tokens,), CONTEXT - 1)
             meta = make_meta()
-            sides = {"eager": lambda: model(ids, pos, kv, meta), "compiled": lambda: compiled(ids, pos, kv, meta)}
+            sides = {"eager": lambda ids=ids, pos=pos, meta=meta: model(ids, pos, kv, meta),
+                     "compiled": lambda ids=ids, pos=pos, meta=meta: compiled(ids, pos, kv, meta)}
             diff = (sides["eager"]().float() - sides["compiled"]().float()).abs().max().item()
             ratios, times = [], {"eager": [], "compiled": []}
             for r in range(rounds):
@@ -111,6 +117,26 @@ def run_dtype(dtype_name: str, rounds: int, threads: int, cache_dir: str) -> dic
                   f"{out['cases'][name]['compiled_ms_median']} ms, rounds {out['cases'][name]['ratios']}, "
                   f"median eager/compiled {out['cases'][name]['median_ratio']}", flush=True)
     return out
+
+
+def write_markdown(results: dict, path: Path) -> None:
+    lines = [
+        "# Compiled forward vs eager (benchmarks/compile_bench.py)", "",
+        (f"Default model, {results['threads']} threads, {results['rounds']} paired rounds (order alternating), "
+        f"median of per-round eager/compiled time ratios (> 1: compiled faster). Load average "
+        f"{results['load_before']:.1f} before, {results['load_after']:.1f} after: a busy shared machine "
+        "(other developers' tests and benchmarks running), figures are rough."), "",
+        "| dtype | case | eager ms | compiled ms | eager / compiled (median) | per-round ratios | max abs diff |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for d in results["dtypes"]:
+        for name, c in d["cases"].items():
+            rounds = ", ".join(f"{x:.2f}" for x in c["ratios"])
+            lines.append(f"| {d['dtype']} | {name} | {c['eager_ms_median']} | {c['compiled_ms_median']} | "
+                         f"**{c['median_ratio']}** | {rounds} | {c['max_abs_diff']:.3g} |")
+    lines += ["", "Cold compile of the three buckets (1, 16, 512 tokens): "
+              + ", ".join(f"{d['dtype']} {d['compile_s']} s" for d in results["dtypes"]) + "."]
+    path.write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
@@ -139,6 +165,7 @@ def main() -> None:
             print("\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")))
     results["load_after"] = os.getloadavg()[0]
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    write_markdown(results, Path(args.out).with_suffix(".md"))
     print(f"load average before {results['load_before']:.1f}, after {results['load_after']:.1f}; wrote {args.out}")
 
 

@@ -95,9 +95,9 @@ def run_dtype(dtype_name: str, tokens: int, rounds: int, threads: int) -> dict:
 def write_markdown(results: dict, path: Path) -> None:
     lines = [
         "# Prefill vs matmul floor (benchmarks/prefill_floor.py)", "",
-        f"{results['tokens']}-token prompt, default model, {results['threads']} threads, {results['rounds']} paired "
+        (f"{results['tokens']}-token prompt, default model, {results['threads']} threads, {results['rounds']} paired "
         f"rounds (order alternating), median of per-round ratios. Load average {results['load_before']:.1f} before, "
-        f"{results['load_after']:.1f} after: a busy shared machine, figures are rough.", "",
+        f"{results['load_after']:.1f} after: a busy shared machine, figures are rough."), "",
         "| dtype | TTFT ms | matmul floor ms | attention ms | TTFT / floor (median) | per-round ratios |",
         "| --- | --- | --- | --- | --- | --- |",
     ]

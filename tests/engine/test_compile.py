@@ -56,7 +56,7 @@ def _greedy(engine: EngineCore, prompts: list[list[int]], max_tokens: int) -> li
     return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 
-TINY = dict(num_kv_blocks=64, block_size=4, max_num_batched_tokens=4, max_model_len=96)
+TINY = {"num_kv_blocks": 64, "block_size": 4, "max_num_batched_tokens": 4, "max_model_len": 96}
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,7 @@ def test_real_model_greedy_unchanged_with_compiled_decode(default_model_dir, tmp
 
     tokenizer = load_tokenizer(default_model_dir)
     prompt = tokenizer.encode("1, 2, 3, 4,", add_special_tokens=False)
-    options = dict(model=str(default_model_dir), dtype="bfloat16", num_kv_blocks=16, max_model_len=128)
+    options = {"model": str(default_model_dir), "dtype": "bfloat16", "num_kv_blocks": 16, "max_model_len": 128}
     (eager,) = _greedy(EngineCore(EngineConfig(**options)), [prompt], 8)
     engine = EngineCore(EngineConfig(**options, compile="always", compile_max_tokens=1,
                                      compile_cache_dir=str(tmp_path)))
