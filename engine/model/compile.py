@@ -60,7 +60,8 @@ class AutoPolicy:
 # so "auto" stays eager everywhere.
 AUTO_POLICY = AutoPolicy({})
 
-
+# Dynamo keeps compiled graphs per code object, and every CompiledForward shares `_forward`'s:
+# one graph per bucket and instance. Its default limit of 8 would fall back to eager past that.
 _RECOMPILE_LIMIT = 64
 
 
@@ -97,9 +98,8 @@ class CompiledForward:
         self.backend = backend
         self.buckets = tuple(sorted(buckets))
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        # One graph per bucket and instance (instances share `_forward`'s code object, where dynamo
-        # keeps its compiled entries): its default of 8 per code object would fall back to eager.
-        self._limit = _RECOMPILE_LIMIT
+        # freezing: the weights become constants of each graph, so inductor can pack them for its
+        # own matmul kernels (a packed copy per bucket: memory grows with the bucket count).
         self._compiled = torch.compile(self._forward, dynamic=False, fullgraph=True, options={"freezing": True})
         self.warm = False
 
@@ -126,7 +126,7 @@ class CompiledForward:
         if size != n:
             input_ids = torch.nn.functional.pad(input_ids, (0, size - n))
             positions = torch.nn.functional.pad(positions, (0, size - n))
-        with torch._dynamo.config.patch(recompile_limit=self._limit):
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
             hidden = self._compiled(input_ids, positions, kv_caches, AttentionStep(self.backend, meta))
         return hidden[:n]
 
@@ -148,10 +148,9 @@ class CompiledForward:
         with temporary_cache_dir(str(self.cache_dir)), torch.inference_mode():
             for size in self.buckets:
                 ids = torch.zeros(size, dtype=torch.int64, device=device)
-                with torch._dynamo.config.patch(recompile_limit=self._limit):
+                with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
                     self._compiled(ids, ids.clone(), kv_caches, AttentionStep(self.backend, empty))
         self.warm = True
-
 
 
 def compile_buckets(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> tuple[int, ...]:

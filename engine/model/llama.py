@@ -108,7 +108,8 @@ class LlamaAttention(nn.Module):
         self.ops = ops
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+        meta: AttentionMetadata | AttentionStep,
         lora: LoRALayer | None = None,
     ) -> torch.Tensor:
         num_tokens = h.shape[0]
@@ -168,7 +169,7 @@ class LlamaDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | AttentionStep,
         lora: LoRALayer | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`h` is the previous layer's MLP output, not yet added to `residual` (None: first layer,
@@ -255,10 +256,12 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | AttentionStep,
         lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """Run `input_ids [T]` at `positions [T]` (int64); returns final-normed hidden states [T, hidden].
+        `meta`: the step's AttentionMetadata, or under torch.compile an AttentionStep (attention
+        then runs as one opaque custom op, engine.attention.compiled_op).
         `lora`: each row's LoRA adapter slot and the resident adapters (None: the base model only)."""
         if len(kv_caches) != self.spec.num_layers:
             raise ValueError(f"expected {self.spec.num_layers} KV caches, got {len(kv_caches)}")

@@ -83,8 +83,9 @@ def load_model(
 ) -> LlamaForCausalLM:
     """Build the model from `model_dir/config.json` and fill it from its safetensors files.
 
-    `pack_linear`: on CPU in bfloat16, pack the projections for oneDNN (`pack_linear_weights`);
-    a model for torch.compile keeps plain weights (inductor packs the ones it freezes).
+    `pack_linear`: on CPU in bfloat16, swap the projections for packed or upcasting layers
+    (`pack_linear_weights`); a model for torch.compile keeps plain nn.Linear weights, which
+    inductor freezes and packs itself.
     Raises ValueError for an unsupported architecture/config, a missing or unexpected tensor,
     a shape mismatch, or a directory with only pickle checkpoints. `quant` (see
     `engine.model.quant_spec.resolve_spec`) loads quantized layers, tensor by tensor.
