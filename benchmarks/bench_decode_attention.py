@@ -3,6 +3,7 @@
     python benchmarks/bench_decode_attention.py [--batch 64] [--contexts uniform|skewed]
         [--dtype bfloat16] [--no-malloc-tune] [--compile]
     python benchmarks/bench_decode_attention.py --kv-compare [--batches 16,64] [--prefill-len 1000]
+        [--kv-variants auto,fp8_e4m3,int8,fp8_e4m3-torch,int8-torch]
 
 Each variant runs over `--layers` distinct caches in turn (default 30, like the model), so every
 call reads a cache that is cold as in a real step; rounds are interleaved and the median ms per
@@ -195,7 +196,7 @@ def kv_compare(args) -> None:
     print("| --- | --- | --- | --- | --- |")
     with torch.inference_mode():
         for label, (cache, meta, q, kv) in workloads:
-            steps = {name: kv_variant(name, ext, cache, meta, q, kv, args.layers) for name in KV_VARIANTS}
+            steps = {name: kv_variant(name, ext, cache, meta, q, kv, args.layers) for name in args.kv_variants}
             for step in steps.values():
                 step()  # warm-up (first touch of the caches, the decode plan)
             times = paired_rounds(steps, args.rounds, args.reps)
@@ -220,11 +221,15 @@ def main() -> None:
     parser.add_argument("--kv-compare", action="store_true", help="bf16 vs fp8_e4m3 / int8 KV cache (see above)")
     parser.add_argument("--batches", default="16,64", help="--kv-compare's decode batch sizes")
     parser.add_argument("--prefill-len", type=int, default=1000, help="--kv-compare's prompt (0: none)")
+    parser.add_argument("--kv-variants", default=",".join(KV_VARIANTS), help="--kv-compare's variants (auto first)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tuned = False if args.no_malloc_tune else tune_glibc_malloc()
     if args.kv_compare:
         args.batches = [int(b) for b in args.batches.split(",")]
+        args.kv_variants = args.kv_variants.split(",")
+        if args.kv_variants[0] != "auto" or not set(args.kv_variants) <= set(KV_VARIANTS):
+            parser.error(f"--kv-variants: auto first, then any of {', '.join(KV_VARIANTS[1:])}")
         print(f"malloc_tuned={tuned}")
         kv_compare(args)
         return
