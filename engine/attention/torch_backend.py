@@ -176,7 +176,7 @@ class TorchAttentionBackend(AttentionBackend):
         if num_decodes == meta.num_seqs:
             return self._decode(query, kv_cache, meta, scale)
         out = torch.empty_like(query)
-        short = self._short_chunks(meta) if self._cpu_kernels is not None and query.device.type == "cpu" else None
+        short = self._short_chunks(meta) if self._kernel_runs(query) else None
         if short is not None:
             # Decodes and short chunks (speculative verification) as rows of the decode kernel.
             rows = short.token_rows
@@ -194,6 +194,12 @@ class TorchAttentionBackend(AttentionBackend):
             start = end
         return out
 
+    def _kernel_runs(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+        """Whether the compiled kernels take `tensor` (on CPU; float32 / bfloat16 values: `dtype`,
+        or the tensor's own); float16 and other devices take the torch path."""
+        return (self._cpu_kernels is not None and tensor.device.type == "cpu"
+                and (dtype or tensor.dtype) in (torch.float32, torch.bfloat16))
+
     def _short_chunks(self, meta: AttentionMetadata) -> _ShortChunks | None:
         """The step's decodes and short chunks as decode-kernel rows (None: no short chunk)."""
         if self._short is not None and self._short.meta is meta:
@@ -203,7 +209,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Rows [0, num_decodes): one query token per sequence, one SDPA call per length group."""
-        if self._cpu_kernels is not None and query.device.type == "cpu":
+        if self._kernel_runs(query):
             n = query.shape[0]
             return paged_decode_attention(
                 self._cpu_kernels, query, kv_cache[0], kv_cache[1],
@@ -234,7 +240,7 @@ class TorchAttentionBackend(AttentionBackend):
     def _read_context(self, cache: torch.Tensor, blocks: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
         """Tokens [0, length) of one sequence from `cache` (a layer's K or V) as `[length, kv_heads,
         head_dim]` values in `dtype`, de-quantized when the cache is quantized."""
-        if self._kv_quant is not None and self._cpu_kernels is not None and cache.device.type == "cpu":
+        if self._kv_quant is not None and self._kernel_runs(cache, dtype):
             return gather_dequantize(self._cpu_kernels, cache, blocks, length, self._kv_quant, dtype)
         num_kv_heads, width = cache.shape[2:]
         return self.read_kv(cache.index_select(0, blocks).view(-1, num_kv_heads, width)[:length], dtype)

@@ -117,6 +117,21 @@ def test_cpu_backend_reads_the_quantized_cache_with_the_kernel(kind):
     assert torch.equal(fused, plain)
 
 
+@pytest.mark.parametrize("kind", [KVCacheDtype.AUTO, *QUANTIZED], ids=lambda k: k.value)
+def test_float16_queries_take_the_torch_path(kind):
+    """The compiled kernels take float32 / bfloat16 only: a float16 model on CPU still attends
+    (through gather + SDPA) with the kernels loaded, equal to the float64 reference."""
+    g = torch.Generator().manual_seed(4)
+    meta = make_meta([(1, 40), (1, 9), (3, 20), (12, 12)], g)
+    values = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=g)
+    cache = quantize_kv(values, kind) if kind.quantized else values.half()
+    q = torch.randn(meta.num_tokens, HEADS, HEAD_DIM, generator=g).half()
+    k = torch.randn(meta.num_tokens, KV_HEADS, HEAD_DIM, generator=g).half()
+    out = select_backend("cpu", "auto", kind).forward(q, k, k, cache, meta, 0.3)
+    read = dequantize_kv(cache, kind, torch.float32) if kind.quantized else cache.float()
+    torch.testing.assert_close(out.double(), reference(q, read, meta, 0.3), atol=5e-3, rtol=5e-3)
+
+
 def test_backend_refuses_a_cache_of_the_wrong_kind():
     g = torch.Generator().manual_seed(2)
     meta = make_meta([(1, 5)], g)
