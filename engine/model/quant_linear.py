@@ -9,8 +9,11 @@
   prefill keeps weight-only numerics.
 - `Int4Linear`: 4-bit codes in groups of 32/64/128 along the input, asymmetric (a scale and an
   offset per group: `w = q * scale + offset`). Few rows run `aten._weight_int4pack_mm_for_cpu`;
-  many rows de-quantize the weight to the model dtype for that call and use `F.linear`, except
-  on a CPU without bf16 dot products, where the kernel runs at every row count.
+  more rows de-quantize the weight for that call with the int4_dequant C++ kernel (one pass
+  from the packed layout to float32 `W^T`; on a CPU without bf16 dot products 512 columns at a
+  time, each chunk multiplied in float32 while it is in cache) and run GEMMs on it. Without that extension the
+  de-quantization is plain torch (~100x slower), and a CPU without bf16 dot products then keeps
+  the weight-only kernel at every row count.
 - `Int8Embedding`: the token table as int8 rows with a scale each; with tied embeddings the
   LM head is an `Int8Linear` over the same storage.
 
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_int4_dequant import int4pack_dequant_t, int4pack_linear, scale_and_shift
 from kernels.cpu_isa import cpu_has_bf16_dot, cpu_has_vnni
 
 __all__ = ["cpu_has_vnni"]  # re-exported for quant_spec's check of w8a8
@@ -223,13 +227,19 @@ class Int4Linear(_QuantBase):
     """int4 weights in groups along the input, asymmetric; see the module docstring."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 group_size: int = 32, kernel_max_rows: int | None = None) -> None:
+                 group_size: int = 32, kernel_max_rows: int | None = None, dequant=None) -> None:
         super().__init__(in_features, out_features, bias, dtype)
         check_group_size(in_features, group_size)
         if out_features % _INT4_BLOCK_N:
             raise ValueError(f"int4 needs output features divisible by {_INT4_BLOCK_N}, got {out_features}; use int8")
         self.group_size = group_size
-        self.kernel_max_rows = int4_kernel_max_rows() if kernel_max_rows is None else kernel_max_rows
+        # `dequant`: the loaded int4_dequant extension (kernels.cpu_int4_dequant), which makes
+        # de-quantizing for a call cheap (~0.2 ms for 1536 x 576 on one thread): calls above
+        # INT4_KERNEL_MAX_ROWS rows then run one GEMM on the de-quantized weight on every CPU.
+        self.dequant = dequant
+        if kernel_max_rows is None:
+            kernel_max_rows = INT4_KERNEL_MAX_ROWS if dequant is not None else int4_kernel_max_rows()
+        self.kernel_max_rows = kernel_max_rows
         groups = in_features // group_size
         # Loading form (codes, float32 scale/offset), replaced by the kernel's layout in finalize.
         self.register_buffer("codes", torch.empty(out_features, in_features, dtype=torch.uint8))
@@ -281,6 +291,14 @@ class Int4Linear(_QuantBase):
         if rows.shape[0] <= self.kernel_max_rows:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size,
                                                              self.scales_and_zeros)
+        elif self.dequant is not None and not cpu_has_bf16_dot():
+            # float32 GEMMs on cache-sized de-quantized chunks (bf16 GEMMs are emulated here).
+            out = int4pack_linear(self.dequant, rows, self.packed, *scale_and_shift(self.scales_and_zeros),
+                                  self.group_size)
+        elif self.dequant is not None:  # one bf16 GEMM on the whole de-quantized weight
+            weight_t = int4pack_dequant_t(self.dequant, self.packed, *scale_and_shift(self.scales_and_zeros),
+                                          self.group_size)
+            out = F.linear(rows, weight_t.to(self.dtype).t())
         else:
             out = _dequantized_linear(rows, self.dequantized, self.dtype)
         return self._finish(out.to(x.dtype), x)
@@ -317,11 +335,13 @@ class Int8Embedding(nn.Module):
 
 
 def make_quant_linear(method: QuantMethod, in_features: int, out_features: int, bias: bool,
-                      dtype: torch.dtype, group_size: int) -> _QuantBase:
+                      dtype: torch.dtype, group_size: int, int4_dequant=None) -> _QuantBase:
+    """The quantized layer of `method`; `int4_dequant` is the loaded int4_dequant extension
+    (`kernels.cpu_int4_dequant.load_int4_dequant()`) for int4, or None."""
     if method is QuantMethod.INT8:
         return Int8Linear(in_features, out_features, bias, dtype)
     if method is QuantMethod.W8A8:
         return Int8Linear(in_features, out_features, bias, dtype, w8a8=True)
     if method is QuantMethod.INT4:
-        return Int4Linear(in_features, out_features, bias, dtype, group_size)
+        return Int4Linear(in_features, out_features, bias, dtype, group_size, dequant=int4_dequant)
     raise ValueError(f"no quantized layer for {method.value}")
