@@ -132,17 +132,18 @@ class TensorParallelModel:
             yield
         except Exception as exc:
             # A rank died, or rank 0 failed part-way: either way the ranks are out of step.
-            self._failure = f"{self._describe_ranks(wait=1.0)} ({what} raised {type(exc).__name__}: {exc})"
+            ended = self._describe_ranks(wait=1.0)
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            self._failure = f"{what} failed: {ended}" if ended else f"{what} raised {type(exc).__name__}: {first_line}"
             raise TensorParallelError(f"tensor-parallel group failed: {self._failure}") from exc
 
     def _describe_ranks(self, wait: float = 0.0) -> str:
-        """Which ranks ended and how (waiting up to `wait` s for a dying one to be reaped)."""
+        """Which ranks ended and how ('' when none did), waiting up to `wait` s for a dying one."""
         deadline = time.monotonic() + wait
         for process in self.ranks:
             process.join(max(0.0, deadline - time.monotonic()))
-        ended = [f"rank {rank} (pid {p.pid}) {_how_it_ended(p.exitcode)}"
-                 for rank, p in enumerate(self.ranks, start=1) if p.exitcode is not None]
-        return "; ".join(ended) if ended else "every rank is alive"
+        return "; ".join(f"rank {rank} (pid {p.pid}) {_how_it_ended(p.exitcode)}"
+                         for rank, p in enumerate(self.ranks, start=1) if p.exitcode is not None)
 
     def _wait_for_ranks(self) -> None:
         """Block until every other rank has loaded its shard; RuntimeError naming the first
