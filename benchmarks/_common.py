@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import random
 import resource
 import socket
@@ -42,6 +43,18 @@ def run_phase(script: str, args: list[str]) -> dict:
     if out.returncode != 0:
         raise RuntimeError(f"{Path(script).name} {' '.join(args)} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def cpu_description() -> str:
+    """The CPU's model name, logical CPU count and the matmul-relevant ISA flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "unknown")
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    isa = [f for f in ("avx512_bf16", "avx512_vnni", "amx_int8", "amx_bf16") if f in flags]
+    return f"{name}, {text.count('processor')} logical CPUs, {' '.join(isa) or 'no avx512_bf16/vnni/amx'}"
 
 
 def free_port() -> int:

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import RESULTS, make_prompts, peak_rss_mib, run_phase
+from _common import RESULTS, cpu_description, make_prompts, peak_rss_mib, run_phase
 
 
 def _rss_mib() -> float:
@@ -37,17 +37,6 @@ def _rss_mib() -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def _cpu_model() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or "unknown"
-    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "unknown")
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
-    isa = [f for f in ("avx512_bf16", "avx512_vnni", "amx_int8", "amx_bf16") if f in flags]
-    return f"{name}, {text.count('processor')} logical CPUs, {' '.join(isa) or 'no avx512_bf16/vnni/amx'}"
 
 
 def _checkpoint_numel(model_dir) -> int:
@@ -153,7 +142,7 @@ def report(args, modes: list[str], results: dict, rounds_done: int) -> None:
     lines = ["# Quantized modes vs bf16 (default model, latest run)", "",
              f"{args.threads} threads, {rounds_done} of {args.rounds} paired rounds (order rotated each round), median of "
              "per-round ratios to bf16 (>1 = faster). Busy shared machine: absolute numbers are rough.",
-             f"CPU: {_cpu_model()}.", "",
+             f"CPU: {cpu_description()}.", "",
              "| measure | mode | median | ratio vs bf16 | per-round ratios | peak RSS MiB |",
              "| --- | --- | --- | --- | --- | --- |"]
     for name, per_mode in results.items():

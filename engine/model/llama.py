@@ -36,6 +36,7 @@ from engine.model.quant_linear import (
 from engine.model.quant_spec import QUANT_LEAVES, QuantSpec
 from kernels.cpu_fused_ops import CpuFusedOps
 from kernels.cpu_packed_linear import PackedLinear
+from kernels.cpu_upcast_linear import UpcastLinear
 
 if TYPE_CHECKING:
     from engine.parallel.group import TensorParallelGroup
@@ -248,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
         self._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=self.device))
         self.requires_grad_(False)
         # pack_linear_weights(), or (quantized, tied) an Int8Linear over the embedding's storage
-        self.packed_lm_head: PackedLinear | Int8Linear | None = None
+        self.packed_lm_head: PackedLinear | UpcastLinear | Int8Linear | None = None
         freqs = torch.arange(max_len, dtype=torch.float32, device=self.device)[:, None] * rope_inv_freq(spec).to(
             self.device
         )
@@ -320,18 +321,20 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Int8Linear(self.lm_head.in_features, self.lm_head.out_features, False, self.dtype,
                                       weight_only_max_rows=HEAD_WEIGHT_ONLY_MAX_ROWS)
 
-    def pack_linear_weights(self) -> None:
-        """Swap every bf16 projection and the LM head for a PackedLinear (CPU, after the
-        weights are loaded): oneDNN then skips its per-call weight reorder. Quantized layers stay."""
+    def pack_linear_weights(self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module] = PackedLinear) -> None:
+        """Swap every bf16 projection and the LM head for a CPU linear layer (after the weights
+        are loaded): a PackedLinear (oneDNN then skips its per-call weight reorder) or, on a CPU
+        without bf16 dot products, an UpcastLinear (float32 GEMMs). Quantized layers stay."""
         for _, parent, name in self._projections():
             if isinstance(getattr(parent, name), nn.Linear):
-                setattr(parent, name, PackedLinear.from_linear(getattr(parent, name)))
+                linear = getattr(parent, name)
+                setattr(parent, name, make(linear.weight, linear.bias))
         if self.packed_lm_head is not None or isinstance(self.lm_head, Int8Linear):
             return
         if self.lm_head is None:  # tied: the embedding keeps its plain table for lookups
-            self.packed_lm_head = PackedLinear(self.model.embed_tokens.weight, None)
+            self.packed_lm_head = make(self.model.embed_tokens.weight, None)
         else:
-            self.packed_lm_head = PackedLinear.from_linear(self.lm_head)
+            self.packed_lm_head = make(self.lm_head.weight, self.lm_head.bias)
             self.lm_head = None
 
     def checkpoint_names(self) -> set[str]:

@@ -6,6 +6,7 @@ refused, never opened.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,9 @@ from engine.model.llama import LlamaForCausalLM
 from engine.model.llama_spec import LlamaSpec
 from engine.model.quant_spec import QuantSpec
 from kernels.cpu_fused_ops import CpuFusedOps, load_fused_ops
-from kernels.cpu_packed_linear import packed_linear_supported
+from kernels.cpu_isa import cpu_has_bf16_dot
+from kernels.cpu_packed_linear import PackedLinear, packed_linear_supported
+from kernels.cpu_upcast_linear import UpcastLinear, load_gemv
 
 if TYPE_CHECKING:
     from engine.parallel.group import TensorParallelGroup
@@ -100,8 +103,11 @@ def load_model(
         from engine.parallel.sharding import iter_rank_tensors
 
         model.load_weights(iter_rank_tensors(files, model.spec, tp.rank, tp.size))
-    if model.dtype == torch.bfloat16 and model.device.type == "cpu" and packed_linear_supported():
-        model.pack_linear_weights()
+    if model.dtype == torch.bfloat16 and model.device.type == "cpu":
+        if not cpu_has_bf16_dot():
+            model.pack_linear_weights(functools.partial(UpcastLinear, gemv=load_gemv()))
+        elif packed_linear_supported():
+            model.pack_linear_weights(PackedLinear)
     return model.eval()
 
 

@@ -26,6 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_isa import cpu_has_bf16_dot, cpu_has_vnni
+
+__all__ = ["cpu_has_vnni"]  # re-exported for quant_spec's check of w8a8
+
 INT4_GROUP_SIZES = (32, 64, 128)
 INT8_WEIGHT_ONLY_MAX_ROWS = 16  # more rows: torch._int_mm on activations quantized per token
 # Mode int8 from this many rows on (prefill-sized calls) de-quantizes the weight for the call:
@@ -44,25 +48,6 @@ class QuantMethod(enum.Enum):
     INT8 = "int8"
     INT4 = "int4"
     W8A8 = "w8a8"
-
-
-def _cpu_flags() -> list[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            return next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return []
-
-
-def cpu_has_vnni() -> bool:
-    """True where the CPU reports VNNI int8 dot products (avx512_vnni or avx_vnni) or AMX."""
-    return any(flag in _cpu_flags() for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
-
-
-def cpu_has_bf16_dot() -> bool:
-    """True where the CPU has bf16 dot products (avx512_bf16 or AMX). Without them oneDNN
-    emulates bf16 GEMMs: measured ~7 GFLOP/s at 64 rows on an Ice Lake-class Xeon (fp32: 130)."""
-    return any(flag in _cpu_flags() for flag in ("avx512_bf16", "amx_bf16"))
 
 
 def int4_kernel_max_rows() -> int:
@@ -219,7 +204,8 @@ class Int8Linear(_QuantBase):
         elif rows.shape[0] < self.dequant_min_rows:
             out = _w8a8_mm(rows, self.qweight, self.scale)
         else:
-            out = F.linear(rows.to(self.dtype), self.qweight.to(self.dtype) * self.kernel_scale[:, None])
+            out = _dequantized_linear(rows, lambda dtype: self.qweight.to(dtype) * self.kernel_scale[:, None].to(dtype),
+                                      self.dtype)
         return self._finish(out.to(x.dtype), x)
 
 
@@ -286,8 +272,17 @@ class Int4Linear(_QuantBase):
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size,
                                                              self.scales_and_zeros)
         else:
-            out = F.linear(rows, self.dequantized(self.dtype))
+            out = _dequantized_linear(rows, self.dequantized, self.dtype)
         return self._finish(out.to(x.dtype), x)
+
+
+def _dequantized_linear(rows: torch.Tensor, weight_in, dtype: torch.dtype) -> torch.Tensor:
+    """`rows @ weight.T` with the weight de-quantized for this call by `weight_in(dtype)`: in
+    `dtype`, except bf16 on a CPU without bf16 dot products, which multiplies in float32 (an
+    emulated bf16 GEMM is ~4-5x slower there, kernels.cpu_isa)."""
+    if dtype == torch.bfloat16 and rows.device.type == "cpu" and not cpu_has_bf16_dot():
+        return F.linear(rows.float(), weight_in(torch.float32)).to(dtype)
+    return F.linear(rows.to(dtype), weight_in(dtype))
 
 
 class Int8Embedding(nn.Module):
