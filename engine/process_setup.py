@@ -99,7 +99,8 @@ def release_free_memory() -> bool:
 
 
 def resident_bytes(pid: int | str = "self") -> int:
-    """Resident memory (RSS) of a process from Linux's /proc; 0 where unknown."""
+    """Resident memory (RSS) of a process and of the processes it started (a tensor-parallel
+    worker's ranks are part of the worker), from Linux's /proc; 0 where unknown."""
     import os
 
     try:
@@ -107,4 +108,10 @@ def resident_bytes(pid: int | str = "self") -> int:
             pages = int(f.read().split()[1])
     except (OSError, ValueError, IndexError):
         return 0
-    return pages * os.sysconf("SC_PAGE_SIZE")
+    pid = os.getpid() if pid == "self" else pid
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(child) for child in f.read().split()]
+    except (OSError, ValueError):
+        children = []
+    return pages * os.sysconf("SC_PAGE_SIZE") + sum(resident_bytes(child) for child in children)

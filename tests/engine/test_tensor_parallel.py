@@ -26,6 +26,7 @@ from engine.model.loader import kv_pool_size, read_config, safetensors_files
 from engine.model.model_config import ModelConfig, ModelConfigError
 from engine.parallel.driver import TensorParallelError
 from engine.parallel.messages import decode, encode, forward_message, read_forward
+from engine.process_setup import resident_bytes
 from engine.parallel.sharding import TensorSlice, check_tensor_parallel, iter_rank_tensors, tensor_slice
 
 PROMPTS = ["1, 2, 3, 4,", "The capital of Germany is", "def fibonacci(n):"]
@@ -106,6 +107,26 @@ def test_tp2_embeddings_equal_tp1(tiny_pair):
     ref, tp = tiny_pair
     for a, b in zip(ref.embed(PROMPTS), tp.embed(PROMPTS)):
         assert b == pytest.approx(a, abs=1e-5)
+
+
+def test_sleep_stops_the_ranks_and_wake_starts_them_again(tiny_pair):
+    ref, tp = tiny_pair
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True)
+    ranks = tp.engine.runner.tp.ranks
+    tp.engine.sleep()
+    assert [p.exitcode for p in ranks] == [0]
+    tp.engine.wake()
+    assert tp.engine.runner.tp.pids != [p.pid for p in ranks]
+    assert_same_generation(ref.generate(PROMPTS, params), tp.generate(PROMPTS, params))
+
+
+def test_a_workers_resident_memory_counts_its_ranks(tiny_pair):
+    [pid] = tiny_pair[1].engine.runner.tp.pids
+    rank = resident_bytes(pid)
+    assert rank > 50 << 20  # a process with torch imported and its shard loaded
+    with open("/proc/self/statm") as f:
+        own = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    assert resident_bytes() >= own + rank - (16 << 20)  # give or take what moved between the reads
 
 
 def test_lora_is_refused_with_tensor_parallelism(tiny_pair, tmp_path):
