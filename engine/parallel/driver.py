@@ -71,11 +71,11 @@ class TensorParallelModel:
         ]
         self._failure: str | None = None
         self._closed = False
-        for process in self.ranks:
-            process.start()
         # Dropped without close(): the ranks are killed rather than left waiting.
         self._finalizer = weakref.finalize(self, _kill, list(self.ranks))
         try:
+            for process in self.ranks:
+                process.start()
             self.model = load_rank(config, str(model_dir), max_model_len, self.group, backend)
             self._wait_for_ranks()
             self.group.connect(self._store)
@@ -209,6 +209,8 @@ def _how_it_ended(exitcode: int | None) -> str:
 
 def _kill(processes: list[multiprocessing.Process]) -> None:
     for process in processes:
+        if process.pid is None:  # never started
+            continue
         if process.is_alive():
             process.kill()
         process.join(1.0)

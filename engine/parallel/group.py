@@ -7,13 +7,15 @@ nothing process-wide: several groups can live in one process, e.g. a test's engi
   on its own device). A collective waits at most `COMPUTE_TIMEOUT` for a silent rank; a rank
   that died is noticed at once (its sockets close) and the collective raises.
 - control: rank 0's messages to the others (engine.parallel.messages), always gloo over CPU
-  tensors. The other ranks wait on it between steps, for as long as the worker stays idle.
+  tensors. The other ranks wait on it between steps, for as long as the worker stays idle (up
+  to `IDLE_TIMEOUT`, a year: past it a rank exits, and rank 0's health check restarts the worker).
 Both rendezvous through a TCPStore that rank 0 opens on a free loopback port.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +35,7 @@ def rank_device(device: str | torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
-def _gloo(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
+def _gloo(store: dist.Store, rank: int, size: int, timeout: timedelta) -> Any:
     # init_process_group builds its gloo groups the same way; the device pins them to loopback.
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
@@ -41,7 +43,7 @@ def _gloo(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.P
     return dist.ProcessGroupGloo(store, rank, size, options)
 
 
-def _nccl(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
+def _nccl(store: dist.Store, rank: int, size: int, timeout: timedelta) -> Any:
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     return dist.ProcessGroupNCCL(store, rank, size, options)
@@ -55,8 +57,9 @@ class TensorParallelGroup:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not in a group of {size}")
         self.rank, self.size, self.device = rank, size, device
-        self._compute: dist.ProcessGroup | None = None
-        self._control: dist.ProcessGroup | None = None
+        # c10d backends (ProcessGroupGloo / ProcessGroupNCCL), used directly as init_process_group would
+        self._compute: Any = None
+        self._control: Any = None
 
     def connect(self, store: dist.Store) -> None:
         """Join the other ranks (each calls this with the same store); blocks until all have."""

@@ -68,11 +68,12 @@ def shard_spec(spec: LlamaSpec, size: int) -> LlamaSpec:
 @dataclasses.dataclass(frozen=True, slots=True)
 class TensorSlice:
     """The part of one checkpoint tensor a rank holds: `length` entries of dimension `dim` from
-    `start`, or (`zeros`) a zero tensor of the checkpoint's shape."""
+    `start` (the whole tensor has `full` there), or (`zeros`) a zero tensor of its shape."""
 
     dim: int = 0
     start: int = 0
     length: int = 0
+    full: int = 0
     zeros: bool = False
 
 
@@ -80,24 +81,25 @@ def tensor_slice(name: str, spec: LlamaSpec, rank: int, size: int) -> TensorSlic
     """What rank `rank` of `size` holds of the HF tensor `name`; None: the whole tensor."""
     local = shard_spec(spec, size)
     if name in _VOCAB_TENSORS:
-        return TensorSlice(0, rank * local.vocab_size, local.vocab_size)
+        return TensorSlice(0, rank * local.vocab_size, local.vocab_size, spec.vocab_size)
     match = _LAYER_TENSOR.match(name)
     if match is None:
         return None  # norms (and anything load_weights will refuse by name)
     proj, leaf = match.group(2), match.group(3)
     d = spec.head_dim
     if proj == "q_proj":
-        return TensorSlice(0, rank * local.num_heads * d, local.num_heads * d)
+        return TensorSlice(0, rank * local.num_heads * d, local.num_heads * d, spec.num_heads * d)
     if proj in ("k_proj", "v_proj"):
         first = rank * spec.num_kv_heads // size  # replicated heads: ranks share one
-        return TensorSlice(0, first * d, local.num_kv_heads * d)
+        return TensorSlice(0, first * d, local.num_kv_heads * d, spec.num_kv_heads * d)
     if proj in ("gate_proj", "up_proj"):
-        return TensorSlice(0, rank * local.intermediate_size, local.intermediate_size)
+        return TensorSlice(0, rank * local.intermediate_size, local.intermediate_size, spec.intermediate_size)
     if proj in ("o_proj", "down_proj"):
         if leaf == "bias":
             return None if rank == 0 else TensorSlice(zeros=True)
-        width = local.num_heads * d if proj == "o_proj" else local.intermediate_size
-        return TensorSlice(1, rank * width, width)
+        width, full = ((local.num_heads * d, spec.num_heads * d) if proj == "o_proj"
+                       else (local.intermediate_size, spec.intermediate_size))
+        return TensorSlice(1, rank * width, width, full)
     return None
 
 
@@ -115,5 +117,10 @@ def iter_rank_tensors(files: list[Path], spec: LlamaSpec, rank: int, size: int
                     yield name, torch.zeros_like(f.get_tensor(name))
                 else:
                     view = f.get_slice(name)
+                    shape = view.get_shape()
+                    if len(shape) <= part.dim or shape[part.dim] != part.full:
+                        # The rank's slice alone could fit: check the whole tensor's size.
+                        raise ValueError(f"tensor {name} has shape {tuple(shape)}, expected {part.full} "
+                                         f"along dimension {part.dim}")
                     stop = part.start + part.length
                     yield name, view[part.start:stop] if part.dim == 0 else view[:, part.start:stop]

@@ -6,6 +6,7 @@ divide and options that do not combine are refused; each rank reads only its sli
 from __future__ import annotations
 
 import dataclasses
+import json
 import multiprocessing
 import os
 import re
@@ -176,6 +177,17 @@ def test_sizes_that_do_not_divide_are_refused_before_any_rank_starts(default_mod
     assert set(multiprocessing.active_children()) == before
 
 
+def test_a_failed_start_leaves_no_rank_behind(mqa_model, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(mqa_model, broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "intermediate_size": 64}))  # not the weights' 96
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match=r"tensor model\.layers\.0\.mlp\.\w+_proj\.weight has shape \(\d+, \d+\), expected 64 along"):
+        LLM(broken, dtype="float32", num_kv_blocks=16, tensor_parallel_size=2)
+    assert set(multiprocessing.active_children()) == before
+
+
 def spec(**sizes) -> LlamaSpec:
     base = dict(architecture="LlamaForCausalLM", vocab_size=48, hidden_size=32, intermediate_size=24,
                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6,
@@ -199,16 +211,16 @@ def test_check_names_the_size_that_does_not_divide(sizes, size, named):
 
 def test_tensor_slices_follow_the_heads():
     s = spec()  # 4 query heads, 2 KV heads of 8, at TP = 4: one query head, a KV head shared by 2 ranks
-    assert tensor_slice("model.layers.0.self_attn.q_proj.weight", s, 3, 4) == TensorSlice(0, 24, 8)
+    assert tensor_slice("model.layers.0.self_attn.q_proj.weight", s, 3, 4) == TensorSlice(0, 24, 8, 32)
     assert [tensor_slice("model.layers.1.self_attn.k_proj.weight", s, r, 4) for r in range(4)] == \
-        [TensorSlice(0, 0, 8), TensorSlice(0, 0, 8), TensorSlice(0, 8, 8), TensorSlice(0, 8, 8)]
-    assert tensor_slice("model.layers.0.self_attn.o_proj.weight", s, 2, 4) == TensorSlice(1, 16, 8)
-    assert tensor_slice("model.layers.0.mlp.down_proj.weight", s, 1, 2) == TensorSlice(1, 12, 12)
-    assert tensor_slice("model.layers.0.mlp.up_proj.bias", s, 1, 2) == TensorSlice(0, 12, 12)
+        [TensorSlice(0, 0, 8, 16), TensorSlice(0, 0, 8, 16), TensorSlice(0, 8, 8, 16), TensorSlice(0, 8, 8, 16)]
+    assert tensor_slice("model.layers.0.self_attn.o_proj.weight", s, 2, 4) == TensorSlice(1, 16, 8, 32)
+    assert tensor_slice("model.layers.0.mlp.down_proj.weight", s, 1, 2) == TensorSlice(1, 12, 12, 24)
+    assert tensor_slice("model.layers.0.mlp.up_proj.bias", s, 1, 2) == TensorSlice(0, 12, 12, 24)
     # A row-parallel bias is added once: rank 0 holds it, the others zeros.
     assert tensor_slice("model.layers.0.mlp.down_proj.bias", s, 0, 2) is None
     assert tensor_slice("model.layers.0.self_attn.o_proj.bias", s, 1, 2) == TensorSlice(zeros=True)
-    assert tensor_slice("model.embed_tokens.weight", s, 1, 2) == TensorSlice(0, 24, 24)
+    assert tensor_slice("model.embed_tokens.weight", s, 1, 2) == TensorSlice(0, 24, 24, 48)
     assert tensor_slice("model.layers.0.input_layernorm.weight", s, 1, 2) is None
 
 
@@ -225,7 +237,7 @@ def test_a_rank_reads_exactly_its_slices(mqa_model):
                 expected = full.narrow(where.dim, where.start, where.length)
             assert torch.equal(part, expected), name
     # the single KV head, copied on rank 1: rows 0..15 of k_proj
-    assert tensor_slice("model.layers.0.self_attn.k_proj.weight", model_spec, 1, 2) == TensorSlice(0, 0, 16)
+    assert tensor_slice("model.layers.0.self_attn.k_proj.weight", model_spec, 1, 2) == TensorSlice(0, 0, 16, 16)
 
 
 def test_messages_round_trip_typed_tensors():

@@ -55,9 +55,9 @@ def server(inprocess_factory, tp_store):
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_model, default_model_dir, server):
+def expected(tiny_model, default_model_dir, inprocess_factory):
     """Greedy token ids of each model at TP = 1, offline in this process (float32, the same
-    torch path as the server's workers: the server fixture set PAGEDSERVE_DISABLE_CPU_KERNELS)."""
+    torch path as the server's workers: inprocess_factory set PAGEDSERVE_DISABLE_CPU_KERNELS)."""
     threads = torch.get_num_threads()
     params = SamplingParams(max_tokens=8, temperature=0)
     out = {}
