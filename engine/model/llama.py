@@ -35,6 +35,7 @@ from engine.model.quant_linear import (
 )
 from engine.model.quant_spec import QUANT_LEAVES, QuantSpec
 from kernels.cpu_fused_ops import CpuFusedOps
+from kernels.cpu_int4_dequant import load_int4_dequant
 from kernels.cpu_packed_linear import PackedLinear
 from kernels.cpu_upcast_linear import UpcastLinear
 
@@ -309,12 +310,15 @@ class LlamaForCausalLM(nn.Module):
     def _swap_quantized(self, quant: QuantSpec) -> None:
         """Replace (on the meta device, before allocation) the projections, the embedding and
         an untied LM head by quantized layers; nothing full-precision is ever allocated for them."""
+        uses_int4 = any(quant.method_for(q) is QuantMethod.INT4 for q, _, _ in self._projections())
+        int4_dequant = load_int4_dequant() if uses_int4 and self.device.type == "cpu" else None
         for qualified, parent, name in self._projections():
             linear = getattr(parent, name)
             method = quant.method_for(qualified)
             if method is not QuantMethod.NONE:
                 setattr(parent, name, make_quant_linear(method, linear.in_features, linear.out_features,
-                                                        linear.bias is not None, self.dtype, quant.group_size))
+                                                        linear.bias is not None, self.dtype, quant.group_size,
+                                                        int4_dequant))
         emb = self.model.embed_tokens
         self.model.embed_tokens = Int8Embedding(emb.num_embeddings, emb.embedding_dim, self.dtype)
         if self.lm_head is not None:
