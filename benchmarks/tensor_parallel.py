@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import RESULTS, cpu_description, make_prompts, run_phase  # noqa: E402
+from benchmarks._common import RESULTS, cpu_description, make_prompts, run_phase
 
 
 def phase(args: argparse.Namespace) -> dict:
@@ -86,14 +86,14 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# Tensor parallelism: TP = {args.tp} vs TP = 1 (offline, default model, {args.dtype})", "",
-             f"{result['cpu']}; {args.threads} threads per worker (shared among its ranks); load average at the "
-             f"end {result['load_average'][0]:.1f}. {args.num_prompts} prompts x {args.prompt_len} tokens, "
-             f"{args.output_len} greedy output tokens each.", "",
+             (f"{result['cpu']}; {args.threads} threads per worker (shared among its ranks); load average at the "
+              f"end {result['load_average'][0]:.1f}. {args.num_prompts} prompts x {args.prompt_len} tokens, "
+              f"{args.output_len} greedy output tokens each."), "",
              f"| round | TP=1 tok/s | TP={args.tp} tok/s | ratio | identical output |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {i} | {r['tp1']['output_tok_s']:.1f} | {r[f'tp{args.tp}']['output_tok_s']:.1f} | {r['ratio']:.2f} | "
               f"{r['identical']} |" for i, r in enumerate(rounds, 1)]
-    lines += ["", f"Median ratio TP={args.tp} / TP=1: **{result['median_ratio']:.2f}x**; outputs identical in every "
-              f"round: {result['all_identical']}."]
+    lines += ["", (f"Median ratio TP={args.tp} / TP=1: **{result['median_ratio']:.2f}x**; outputs identical in every "
+                   f"round: {result['all_identical']}.")]
     (RESULTS / f"{args.out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

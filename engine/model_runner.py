@@ -68,7 +68,8 @@ class ModelRunner:
         # Tensor parallelism (engine.parallel): this process is rank 0 and drives the others.
         self.tp: TensorParallelModel | None = None
         if config.tensor_parallel_size > 1:
-            from engine.parallel.driver import LoRAUnsupported, TensorParallelModel  # torch.distributed
+            # imported here: it imports torch.distributed, which a single-process worker never needs
+            from engine.parallel.driver import LoRAUnsupported, TensorParallelModel
 
             self.model = self.tp = TensorParallelModel(config, model_dir, self.backend, max_model_len, quant)
         else:

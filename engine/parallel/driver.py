@@ -35,7 +35,14 @@ from engine.model.loader import kv_pool_size, read_config
 from engine.model.quant_spec import QuantMethod, QuantSpec
 from engine.parallel.group import LOOPBACK, TensorParallelGroup, rank_device
 from engine.parallel.messages import Kind, Message, forward_message
-from engine.parallel.rank_worker import STORE_TIMEOUT, RankArgs, error_key, load_rank, ready_key, run_rank
+from engine.parallel.rank_worker import (
+    STORE_TIMEOUT,
+    RankArgs,
+    error_key,
+    load_rank,
+    ready_key,
+    run_rank,
+)
 from engine.parallel.sharding import shard_spec
 from engine.process_setup import rank_threads
 

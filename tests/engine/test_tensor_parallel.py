@@ -27,8 +27,13 @@ from engine.model.loader import kv_pool_size, read_config, safetensors_files
 from engine.model.model_config import ModelConfig, ModelConfigError
 from engine.parallel.driver import TensorParallelError
 from engine.parallel.messages import decode, encode, forward_message, read_forward
+from engine.parallel.sharding import (
+    TensorSlice,
+    check_tensor_parallel,
+    iter_rank_tensors,
+    tensor_slice,
+)
 from engine.process_setup import resident_bytes
-from engine.parallel.sharding import TensorSlice, check_tensor_parallel, iter_rank_tensors, tensor_slice
 
 PROMPTS = ["1, 2, 3, 4,", "The capital of Germany is", "def fibonacci(n):"]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, logprobs=3)
@@ -91,7 +96,7 @@ def test_tp2_on_a_tiny_model_generates_what_tp1_does(tiny_pair):
 
 
 def test_tp2_replicates_the_single_kv_head(tiny_pair):
-    ref, tp = tiny_pair
+    tp = tiny_pair[1]
     runner = tp.engine.runner
     assert (runner.model.rank_spec.num_heads, runner.model.rank_spec.num_kv_heads) == (2, 1)
     assert runner.kv_caches[0].shape[3] == 1  # this rank's copy of the one KV head
@@ -189,10 +194,10 @@ def test_a_failed_start_leaves_no_rank_behind(mqa_model, tmp_path):
 
 
 def spec(**sizes) -> LlamaSpec:
-    base = dict(architecture="LlamaForCausalLM", vocab_size=48, hidden_size=32, intermediate_size=24,
-                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6,
-                max_position_embeddings=64, rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=True,
-                qkv_bias=False, o_bias=True, mlp_bias=True, sliding_window=None)
+    base = {"architecture": "LlamaForCausalLM", "vocab_size": 48, "hidden_size": 32, "intermediate_size": 24,
+            "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 64, "rope_theta": 10000.0, "rope_scaling": None, "tie_word_embeddings": True,
+            "qkv_bias": False, "o_bias": True, "mlp_bias": True, "sliding_window": None}
     return LlamaSpec(**{**base, **sizes})
 
 
