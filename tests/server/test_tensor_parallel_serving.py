@@ -2,7 +2,8 @@
 `parallelLevel: N` (TorchServe's keys): one worker is N processes. Greedy output of the default
 model at TP = 3 and of the tiny model at TP = 2 equals the same model at TP = 1 (offline, float32);
 kill -9 of a rank mid-stream ends the stream with an error, the supervisor starts the group again
-and the next request succeeds. In-process server; the real model only where the issue asks."""
+and the next request succeeds; registering a size the model cannot split is a 400 naming it.
+In-process server; the real model only where the issue asks."""
 
 from __future__ import annotations
 
@@ -34,12 +35,19 @@ handler:
 
 @pytest.fixture(scope="module")
 def tp_store(tmp_path_factory, tiny_model, default_model_dir):
-    """`tinytp.mar` (the tiny model, TP = 2) and `smoltp` (the default model, TP = 3; a folder
-    archive, verified in place: no extracted copy); removed at the end of the module."""
+    """`tinytp.mar` (the tiny model, TP = 2), `smoltp` (the default model, TP = 3; a folder
+    archive, verified in place: no extracted copy) and `three.mar` (a model of 3 heads, TP = 2:
+    refused); removed at the end of the module."""
+    transformers = pytest.importorskip("transformers")
     store = tmp_path_factory.mktemp("tp_store")
     build = tmp_path_factory.mktemp("tp_build")
+    three = build / "three"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=24, intermediate_size=32, num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=3,
+        vocab_size=64)).save_pretrained(three, safe_serialization=True)
     for name, model, level, kv, archive_format in (("tinytp", tiny_model, 2, "8MiB", "default"),
-                                                    ("smoltp", default_model_dir, 3, "32MiB", "no-archive")):
+                                                    ("smoltp", default_model_dir, 3, "32MiB", "no-archive"),
+                                                    ("three", three, 2, "8MiB", "default")):
         config = build / f"{name}.yaml"
         config.write_text(TP_CONFIG.format(level=level, kv=kv))
         write_archive(model, store, model_name=name, version="1.0", config_file=config,
@@ -51,7 +59,8 @@ def tp_store(tmp_path_factory, tiny_model, default_model_dir):
 
 @pytest.fixture(scope="module")
 def server(inprocess_factory, tp_store):
-    return inprocess_factory(model_store=str(tp_store), load_models=["tinytp=tinytp.mar", "smoltp=smoltp"])
+    return inprocess_factory(model_store=str(tp_store), load_models=["tinytp=tinytp.mar", "smoltp=smoltp"],
+                             enable_model_api=True)
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +132,9 @@ def test_kill_9_of_a_rank_mid_stream_restarts_the_group(server, expected):
     assert new_rank != rank
     assert not os.path.exists(f"/proc/{before['pid']}/cmdline") or not rank_pids(before["pid"])
     assert greedy(server, "tinytp") == expected["tinytp"]
+
+
+def test_registering_a_size_the_model_cannot_split_is_a_400_naming_it(server):
+    r = server.post("management", "/models?url=three.mar")
+    assert r.status == 400, r.text
+    assert "tensor_parallel_size=2 does not divide the model's 3 query heads" in r.json()["message"]
