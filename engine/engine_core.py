@@ -125,6 +125,7 @@ class EngineCore:
             raise RuntimeError("the worker has unfinished requests; it sleeps only when idle")
         if self.kv_offload is not None:
             raise RuntimeError("a worker with KV offload on cannot sleep")
+        self.runner.shutdown()  # tensor-parallel ranks exit: wake starts them again
         self.runner = None  # the model's parameters and the KV tensors go with it
         self.sleeping = True
 
@@ -165,10 +166,13 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def shutdown(self) -> None:
-        """Release what the engine holds beyond its own memory (threads, files): the KV offload
-        tier finishes its queued disk writes and LMCache is destroyed. Idempotent."""
+        """Release what the engine holds beyond its own memory (threads, files, processes): the KV
+        offload tier finishes its queued disk writes and LMCache is destroyed; tensor-parallel
+        ranks exit. Idempotent."""
         if self.kv_offload is not None:
             self.kv_offload.close()
+        if self.runner is not None:
+            self.runner.shutdown()
         self.structured_output.shutdown()
 
     def kv_offload_stats(self) -> dict | None:
@@ -192,8 +196,17 @@ class EngineCore:
         )
 
     def set_num_threads(self, n: int) -> None:
-        """Torch intra-op threads for the following steps."""
-        torch.set_num_threads(n)
+        """Torch intra-op threads for the following steps (shared among tensor-parallel ranks)."""
+        if self.runner is not None and self.runner.tp is not None:
+            self.runner.tp.set_num_threads(n)
+        else:
+            torch.set_num_threads(n)
+
+    def check_health(self) -> None:
+        """Raise (TensorParallelError) when a part of the engine outside this process, a
+        tensor-parallel rank, is gone: the engine cannot step any more."""
+        if self.runner is not None and self.runner.tp is not None:
+            self.runner.tp.check_health()
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, execute, update. Returns the news of every request that got a token, and
