@@ -22,7 +22,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def make_prompts(tokenizer, num: int, length: int, seed: int) -> list[list[int]]:
     """Distinct prompts of exactly `length` tokens: random words, so no two share a prefix."""
     rng = random.Random(seed)
-    words = [w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3][:5000]
+    # Sorted: get_vocab()'s order differs between processes, and paired phases run in separate ones.
+    words = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3)[:5000]
     return [tokenizer.encode(" ".join(rng.choice(words) for _ in range(length * 2)),
                              add_special_tokens=False)[:length] for _ in range(num)]
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -164,6 +165,33 @@ def phase_latency_hf(args, tokenizer) -> dict:
     return _latency(args, tokenizer, generate)
 
 
+def phase_floor(args) -> dict:
+    """The batch-1 decode floor of this machine: bytes a decode step must read (the bf16 weights,
+    the tied LM head once) over the memory read bandwidth (2 threads summing a 1 GiB tensor that
+    no cache holds, median of 5)."""
+    import torch
+    from safetensors import safe_open
+
+    from engine.model.loader import safetensors_files
+
+    torch.set_num_threads(2)
+    numel = 0
+    for path in safetensors_files(args.model):
+        with safe_open(str(path), "pt") as f:
+            numel += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    big = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
+    big.sum()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        big.sum()
+        times.append(time.perf_counter() - start)
+    bandwidth = big.numel() * 4 / median(times)
+    weight_bytes = 2 * numel
+    return {"read_gb_per_s": bandwidth / 1e9, "bf16_weight_bytes": weight_bytes,
+            "batch1_floor_ms": 1000 * weight_bytes / bandwidth}
+
+
 def phase_ttft(args, tokenizer) -> dict:
     from engine import LLM, SamplingParams
 
@@ -269,6 +297,12 @@ def write_results(args, summary: dict) -> None:
          f"**{summary['batch1_decode_vs_hf']:.2f}x** ({summary['batch1_decode_tok_per_s_median']['engine']:.1f} vs "
          f"{summary['batch1_decode_tok_per_s_median']['hf']:.1f} tok/s) |"),
         "| per-round ratios | " + ", ".join(f"{r:.2f}" for r in summary["batch1_decode_vs_hf_per_round"]) + " |",
+        (f"| batch-1 decode floor: bf16 weight bytes / memory read bandwidth | "
+         f"{summary['batch1_floor']['batch1_floor_ms']:.1f} ms per token "
+         f"({summary['batch1_floor']['bf16_weight_bytes'] / 2**20:.0f} MiB at "
+         f"{summary['batch1_floor']['read_gb_per_s']:.1f} GB/s; the engine's median: "
+         f"{1000 / summary['batch1_decode_tok_per_s_median']['engine']:.1f} ms, transformers' "
+         f"{1000 / summary['batch1_decode_tok_per_s_median']['hf']:.1f} ms) |"),
         (f"| TTFT of a 1,000-token prompt, engine / transformers (median of per-round ratios; lower is better) | "
          f"**{summary['ttft_1000_vs_hf']:.2f}x** ({1000 * summary['ttft_1000_s_median']['engine']:.0f} vs "
          f"{1000 * summary['ttft_1000_s_median']['hf']:.0f} ms) |"),
@@ -334,6 +368,7 @@ def main() -> None:
             "ttft": lambda: phase_ttft(args, tokenizer),
             "latency_engine": lambda: phase_latency_engine(args, tokenizer),
             "latency_hf": lambda: phase_latency_hf(args, tokenizer),
+            "floor": lambda: phase_floor(args),
         }[args.phase]()
         print(json.dumps(result))
         return
@@ -344,7 +379,9 @@ def main() -> None:
         parser.error(f"--rounds must be at least {MIN_ROUNDS} (the result is a median of paired rounds)")
     runs = paired_rounds(args)
     ttft = run_child(args, "ttft")
-    write_results(args, summarize(args, runs, ttft))
+    summary = summarize(args, runs, ttft)
+    summary["batch1_floor"] = run_child(args, "floor")
+    write_results(args, summary)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ _DTYPES = {
     "fp16": torch.float16,
 }
 
+MAX_TENSOR_PARALLEL = 64  # ranks of one worker
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
     "b": 1,
@@ -132,11 +134,17 @@ class EngineConfig:
     # at most that many adapters; more are swapped in LRU order), each of rank <= max_lora_rank.
     max_loras: Annotated[int, Meta(ge=1)] = 4
     max_lora_rank: Annotated[int, Meta(ge=1)] = 16
+    # Tensor parallelism (engine.parallel): the worker runs as this many processes joined by
+    # torch.distributed (gloo on CPU, NCCL on CUDA with one device each), each holding 1/N of
+    # the heads, the MLP and the vocabulary. Not combined with quantization, LoRA adapters,
+    # KV offload or speculative decoding (refused).
+    tensor_parallel_size: Annotated[int, Meta(ge=1, le=MAX_TENSOR_PARALLEL)] = 1
     # torch.compile of the forward (engine.model.compile): "none" (eager), "auto" (compiled only
     # where benchmarks/compile_bench.py measured a gain) or "always"; compiled before the worker
-    # says ready. compile_max_tokens: the largest token bucket compiled (buckets are powers of
-    # two; default max_num_batched_tokens, capped by what "auto" measured); bigger steps run eager.
-    # compile_cache_dir: inductor's on-disk cache (default <cache>/inductor).
+    # says ready (not with tensor parallelism: eager). compile_max_tokens: the largest token
+    # bucket compiled (buckets are powers of two; default max_num_batched_tokens, capped by what
+    # "auto" measured); bigger steps run eager. compile_cache_dir: inductor's on-disk cache
+    # (default <cache>/inductor).
     compile: str | CompileMode = CompileMode.NONE
     compile_max_tokens: Annotated[int, Meta(ge=1)] | None = None
     compile_cache_dir: str | None = None
@@ -189,6 +197,7 @@ class EngineConfig:
         if self.quant_group_size not in (32, 64, 128) or isinstance(self.quant_group_size, bool):
             raise ValueError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size!r}")
         self.kv_cache_dtype = parse_kv_cache_dtype(self.kv_cache_dtype).value
+        self._check_tensor_parallel()
         self.kv_offload_config = None
         if self.kv_offload is not None:
             self.kv_offload_config = KVOffloadConfig.from_options(self.kv_offload, self.block_size)
@@ -197,6 +206,21 @@ class EngineConfig:
         if self.speculative is not None:
             self.speculative_config = SpeculativeConfig.from_options(self.speculative)
             self.speculative = asdict(self.speculative_config)
+
+    def _check_tensor_parallel(self) -> None:
+        size = self.tensor_parallel_size
+        if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_TENSOR_PARALLEL:
+            raise ValueError(f"tensor_parallel_size must be an integer from 1 to {MAX_TENSOR_PARALLEL}, got {size!r}")
+        if size == 1:
+            return
+        unsupported = [name for name, on in (
+            ("quantization", self.quantization not in (None, "none")),
+            ("kv_offload", self.kv_offload is not None),
+            ("speculative", self.speculative is not None),
+        ) if on]
+        if unsupported:
+            raise ValueError(f"{unsupported[0]} is not supported with tensor_parallel_size={size}; "
+                             f"turn it off or use tensor_parallel_size=1")
 
     def resolve_max_model_len(self, model_max_positions: int) -> int:
         if self.max_model_len is None:

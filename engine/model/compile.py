@@ -155,9 +155,10 @@ class CompiledForward:
 
 def compile_buckets(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> tuple[int, ...]:
     """The token buckets `config.compile` compiles for a model of `dtype` on `device`; empty
-    where it stays eager ("none"; "auto" where AUTO_POLICY has no bucket for this dtype and
-    device, or for a quantized model, which was not measured)."""
-    if config.compile is CompileMode.NONE:
+    where it stays eager ("none"; tensor parallelism, whose model is not compiled; "auto" where
+    AUTO_POLICY has no bucket for this dtype and device, or for a quantized model, which was not
+    measured)."""
+    if config.compile is CompileMode.NONE or config.tensor_parallel_size > 1:
         return ()
     largest = config.compile_max_tokens or config.max_num_batched_tokens
     if config.compile is CompileMode.AUTO:

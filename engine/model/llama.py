@@ -14,7 +14,7 @@ exactly like the torch code they replace, so results are bit-identical either wa
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,9 @@ from kernels.cpu_fused_ops import CpuFusedOps
 from kernels.cpu_int4_dequant import load_int4_dequant
 from kernels.cpu_packed_linear import PackedLinear
 from kernels.cpu_upcast_linear import UpcastLinear
+
+if TYPE_CHECKING:
+    from engine.parallel.group import TensorParallelGroup
 
 # HF projection name -> (fused module name, shard index).
 _FUSED = {
@@ -106,6 +109,8 @@ class LlamaAttention(nn.Module):
         self.scale = spec.head_dim**-0.5
         self.backend = backend
         self.ops = ops
+        # Tensor parallelism (engine.parallel.layers): sums the ranks' partial o_proj outputs.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
@@ -128,7 +133,8 @@ class LlamaAttention(nn.Module):
         else:
             out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         out = out.reshape(num_tokens, -1)
-        return self.o_proj(out) if lora is None else lora.add("o", out, self.o_proj(out))
+        out = self.o_proj(out) if lora is None else lora.add("o", out, self.o_proj(out))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class LlamaMLP(nn.Module):
@@ -138,6 +144,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * size, bias=spec.mlp_bias, dtype=dtype)
         self.down_proj = nn.Linear(size, spec.hidden_size, bias=spec.mlp_bias, dtype=dtype)
         self.ops = ops
+        # Tensor parallelism (engine.parallel.layers): sums the ranks' partial down_proj outputs.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, h: torch.Tensor, lora: LoRALayer | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(h)
@@ -149,7 +157,8 @@ class LlamaMLP(nn.Module):
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return self.down_proj(act) if lora is None else lora.add("down", act, self.down_proj(act))
+        out = self.down_proj(act) if lora is None else lora.add("down", act, self.down_proj(act))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -206,6 +215,10 @@ class LlamaForCausalLM(nn.Module):
     `quant` swaps the projections, the embedding and the LM head for quantized layers (see
     engine.model.quant_spec for which); they are filled by `load_weights` from full-precision
     tensors (quantized one tensor at a time) or from a quantized checkpoint's tensors.
+    `tp` makes this model one rank's shard of a tensor-parallel model (engine.parallel): its
+    modules are sized by `rank_spec` (its heads, MLP and vocabulary slices; `spec` stays the
+    whole model's), `load_weights` expects the rank's slices, and `compute_logits` returns the
+    whole vocabulary on rank 0 and None on the others.
     """
 
     def __init__(
@@ -217,9 +230,17 @@ class LlamaForCausalLM(nn.Module):
         max_model_len: int | None = None,
         fused_ops: CpuFusedOps | None = None,
         quant: QuantSpec | None = None,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         spec = config if isinstance(config, LlamaSpec) else LlamaSpec.from_hf(config)
+        self.tp = tp
+        if tp is None:
+            self.rank_spec = spec
+        else:
+            from engine.parallel.sharding import shard_spec
+
+            self.rank_spec = shard_spec(spec, tp.size)
         max_len = max_model_len or spec.max_position_embeddings
         if spec.sliding_window is not None and spec.sliding_window < max_len:
             raise ValueError(
@@ -227,13 +248,18 @@ class LlamaForCausalLM(nn.Module):
                 f"supported; it only works when max_model_len <= {spec.sliding_window} (got {max_len})"
             )
         self.spec, self.dtype, self.device, self.max_model_len = spec, dtype, torch.device(device), max_len
+        local = self.rank_spec
         with torch.device("meta"):
-            self.model = LlamaModel(spec, dtype, backend, fused_ops)
+            self.model = LlamaModel(local, dtype, backend, fused_ops)
             self.lm_head = None
             if not spec.tie_word_embeddings:
-                self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
+                self.lm_head = nn.Linear(spec.hidden_size, local.vocab_size, bias=False, dtype=dtype)
             if quant is not None and quant.method is not QuantMethod.NONE:
                 self._swap_quantized(quant)
+            if tp is not None:
+                from engine.parallel.layers import parallelize
+
+                parallelize(self.model, tp, local.vocab_size)
         # to_empty's empty_like on meta tensors goes through torch's Python refs, whose first use
         # imports sympy (~1-2 s of a worker's start); a plain empty of each shape does not.
         self._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=self.device))
@@ -247,8 +273,8 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", freqs.cos().to(dtype), persistent=False)
         self.register_buffer("rope_sin", freqs.sin().to(dtype), persistent=False)
         self._shard_sizes = {
-            "qkv_proj": [spec.num_heads * spec.head_dim] + [spec.num_kv_heads * spec.head_dim] * 2,
-            "gate_up_proj": [spec.intermediate_size] * 2,
+            "qkv_proj": [local.num_heads * local.head_dim] + [local.num_kv_heads * local.head_dim] * 2,
+            "gate_up_proj": [local.intermediate_size] * 2,
         }
 
     def forward(
@@ -274,9 +300,14 @@ class LlamaForCausalLM(nn.Module):
             return self.model.norm(h)
         return self.model.norm(h, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """`hidden [N, hidden]` -> logits `[N, vocab]` in the model dtype (the sampler widens
-        them to float32 only when it needs to)."""
+        them to float32 only when it needs to). Tensor-parallel: each rank computes its slice of
+        the vocabulary; rank 0 gets them gathered, the other ranks None."""
+        logits = self._rank_logits(hidden)
+        return logits if self.tp is None else self.tp.gather_vocab(logits)
+
+    def _rank_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_lm_head is not None:
             return self.packed_lm_head(hidden)
         if isinstance(self.lm_head, Int8Linear):
