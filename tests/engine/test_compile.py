@@ -84,6 +84,8 @@ def test_compile_buckets_follow_the_option():
         expected = token_buckets(8, AUTO_POLICY.max_tokens[dtype]) if dtype in AUTO_POLICY.max_tokens else ()
         assert compile_buckets(EngineConfig(model="m", max_num_batched_tokens=8, compile="auto"), dtype, cpu) == expected
     assert compile_buckets(EngineConfig(model="m", compile="auto", quantization="int8"), torch.bfloat16, cpu) == ()
+    tensor_parallel = EngineConfig(model="m", compile="always", tensor_parallel_size=2)
+    assert compile_buckets(tensor_parallel, torch.float32, cpu) == ()  # a TP worker stays eager
 
 
 def test_compiled_engine_matches_eager_greedy(tiny_model_dir, compiled_engine):
