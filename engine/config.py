@@ -131,6 +131,10 @@ class EngineConfig:
     # at most that many adapters; more are swapped in LRU order), each of rank <= max_lora_rank.
     max_loras: Annotated[int, Meta(ge=1)] = 4
     max_lora_rank: Annotated[int, Meta(ge=1)] = 16
+    # Schedule and prepare step k+1 while step k's forward runs on a thread of the engine's own
+    # (engine.engine_core.EngineCore.step). Output is the same; off by default (measured on 2
+    # CPU cores: benchmarks/results/async_scheduling.md).
+    async_scheduling: bool = False
     torch_dtype: torch.dtype = field(init=False)
     kv_offload_config: KVOffloadConfig | None = field(init=False)
     speculative_config: SpeculativeConfig | None = field(init=False)
@@ -159,6 +163,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be true or false, got {self.async_scheduling!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.attention_backend not in BACKEND_NAMES:
