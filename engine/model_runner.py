@@ -15,6 +15,7 @@ from engine.input_batch import InputBatch, StepInputs
 from engine.logits_processors import apply_logit_bias
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.manager import LoRAManager, lora_shapes
+from engine.lora.punica import LoRABatch
 from engine.model.loader import (
     allocate_kv_caches,
     kv_cache_bytes_per_block,
@@ -62,7 +63,7 @@ class PreparedStep:
     sample_ids: list[str]
     spec_ids: list[str]
     states: dict[str, CachedRequestState]  # every scheduled request's
-    lora: object | None  # the step's LoRABatch
+    lora: LoRABatch | None
     input_ids: torch.Tensor | None = None
 
 
