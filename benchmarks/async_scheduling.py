@@ -17,22 +17,24 @@ import hashlib
 import json
 import os
 import platform
+import random
 import sys
 import time
 from pathlib import Path
 from statistics import median
 
-from _common import RESULTS, make_prompts, run_phase
+from _common import RESULTS, run_phase
 
 MIN_ROUNDS = 5
 
 
 def phase(args, async_scheduling: bool) -> dict:
-    from transformers import AutoTokenizer
-
     from engine import LLM, SamplingParams
 
-    prompts = make_prompts(AutoTokenizer.from_pretrained(args.model), args.num_prompts, args.prompt_len, seed=0)
+    # Seeded token ids: _common.make_prompts draws words from the tokenizer's vocabulary in its
+    # dict order, which differs between processes, and the two sides must run the same prompts.
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 30000) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, kv_cache_memory="512MiB",
               max_num_seqs=len(prompts), async_scheduling=async_scheduling)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)

@@ -174,11 +174,14 @@ class InputBatch:
         query_start[1:] = cu
         seq_lens_out = buf.seq_lens[:num_seqs]
         seq_lens_out[:] = seq_lens
-        max_blocks = int(self.num_blocks[rows].max())
+        num_blocks = self.num_blocks[rows]
+        max_blocks = int(num_blocks.max())
+        block_tables = self.block_table[rows, :max_blocks]
+        block_tables[np.arange(max_blocks)[None, :] >= num_blocks[:, None]] = 0  # stale ids of old rows
         return StepInputs(
             req_ids=list(req_ids), rows=rows, query_lens=num_scheduled, query_start_loc=query_start,
             seq_lens=seq_lens_out, positions=positions, slot_mapping=slots,
-            block_tables=self.block_table[rows, :max_blocks], input_ids=buf.input_ids[:total],
+            block_tables=block_tables, input_ids=buf.input_ids[:total],
             token_index=token_index,
         )
 
