@@ -132,8 +132,8 @@ class EngineConfig:
     max_loras: Annotated[int, Meta(ge=1)] = 4
     max_lora_rank: Annotated[int, Meta(ge=1)] = 16
     # Schedule and prepare step k+1 while step k's forward runs on a thread of the engine's own
-    # (engine.engine_core.EngineCore.step). Output is the same; off by default (measured on 2
-    # CPU cores: benchmarks/results/async_scheduling.md).
+    # (engine.engine_core.EngineCore.step). Output is the same; off by default until measured on
+    # a quiet machine (benchmarks/results/async_scheduling.md).
     async_scheduling: bool = False
     torch_dtype: torch.dtype = field(init=False)
     kv_offload_config: KVOffloadConfig | None = field(init=False)
