@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import random
 import resource
 import socket
@@ -21,7 +22,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def make_prompts(tokenizer, num: int, length: int, seed: int) -> list[list[int]]:
     """Distinct prompts of exactly `length` tokens: random words, so no two share a prefix."""
     rng = random.Random(seed)
-    words = [w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3][:5000]
+    # Sorted: get_vocab()'s order differs between processes, and paired phases run in separate ones.
+    words = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3)[:5000]
     return [tokenizer.encode(" ".join(rng.choice(words) for _ in range(length * 2)),
                              add_special_tokens=False)[:length] for _ in range(num)]
 
@@ -42,6 +44,18 @@ def run_phase(script: str, args: list[str]) -> dict:
     if out.returncode != 0:
         raise RuntimeError(f"{Path(script).name} {' '.join(args)} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def cpu_description() -> str:
+    """The CPU's model name, logical CPU count and the matmul-relevant ISA flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "unknown")
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    isa = [f for f in ("avx512_bf16", "avx512_vnni", "amx_int8", "amx_bf16") if f in flags]
+    return f"{name}, {text.count('processor')} logical CPUs, {' '.join(isa) or 'no avx512_bf16/vnni/amx'}"
 
 
 def free_port() -> int:

@@ -2,6 +2,8 @@
 
     python benchmarks/bench_decode_attention.py [--batch 64] [--contexts uniform|skewed]
         [--dtype bfloat16] [--no-malloc-tune] [--compile]
+    python benchmarks/bench_decode_attention.py --kv-compare [--batches 16,64] [--prefill-len 1000]
+        [--kv-variants auto,fp8_e4m3,int8,fp8_e4m3-torch,int8-torch]
 
 Each variant runs over `--layers` distinct caches in turn (default 30, like the model), so every
 call reads a cache that is cold as in a real step; rounds are interleaved and the median ms per
@@ -18,6 +20,16 @@ Variants:
 --compile measures only `compiled` and then `backend` again: once inductor's compiled code has
 run, eager ops in the same process were seen 2-3x slower (its OpenMP pool competes with torch's),
 so compiled and eager numbers must come from separate runs.
+
+--kv-compare times the attention of a whole decode step (all `--layers` layers: quantize and
+write the new K/V, attend) for each KV cache dtype, as the engine runs it on CPU (the backend with
+the compiled kernel), against bf16 KV: `auto` (bf16), `fp8_e4m3`, `int8`, and each quantized kind
+without the compiled kernel (`*-torch`: gather + de-quantize + SDPA, the path before the kernel
+read quantized caches). Also a whole-prompt prefill of `--prefill-len` tokens (every layer writes
+its K/V and attends; quantized kinds read them back through the cache). Paired rounds: every
+round times every variant, the order reversed every other round; the result is the median of the
+per-round ratios bf16 time / variant time (> 1: faster than bf16). The matmuls of a step do not
+depend on the KV dtype and are not timed.
 """
 
 from __future__ import annotations
@@ -31,9 +43,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import write_kv_cache
+from engine.attention.kv_quant import KVCacheDtype, quantize_kv
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend, _build_decode_plan
 from engine.process_setup import tune_glibc_malloc
+from kernels.cpu_paged_attention import load_cpu_kernels
 
 
 def context_lengths(kind: str, batch: int, g: torch.Generator) -> list[int]:
@@ -117,6 +131,82 @@ def ms_per_layer(fn, caches: list[torch.Tensor], reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+KV_VARIANTS = ("auto", "fp8_e4m3", "int8", "fp8_e4m3-torch", "int8-torch")
+
+
+def prefill_batch(length: int, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype):
+    """One whole prompt of `length` tokens in scrambled blocks."""
+    g = torch.Generator().manual_seed(1)
+    num_blocks = (length + block_size - 1) // block_size
+    table = torch.randperm(num_blocks + 4, generator=g)[:num_blocks]
+    pos = torch.arange(length)
+    meta = AttentionMetadata(
+        num_seqs=1, num_tokens=length, query_lens=[length], seq_lens=[length],
+        query_start_loc=torch.tensor([0, length], dtype=torch.int32),
+        seq_lens_tensor=torch.tensor([length], dtype=torch.int32), block_tables=table[None].int(),
+        slot_mapping=table[pos // block_size] * block_size + pos % block_size,
+        max_query_len=length, max_seq_len=length, num_decodes=0,
+    )
+    cache = torch.zeros(2, num_blocks + 4, block_size, kv_heads, head_dim, dtype=dtype)
+    q = torch.randn(length, heads, head_dim, generator=g).to(dtype)
+    kv = torch.randn(length, kv_heads, head_dim, generator=g).to(dtype)
+    return cache, meta, q, kv
+
+
+def kv_variant(name: str, ext, cache, meta, q, kv, layers: int):
+    """A function that runs one step's attention (all layers) with KV variant `name`."""
+    kind = KVCacheDtype(name.removesuffix("-torch"))
+    backend = TorchAttentionBackend(cpu_kernels=None if name.endswith("-torch") else ext, kv_dtype=kind)
+    if kind.quantized:
+        cache = quantize_kv(cache, kind)
+    caches = [cache.clone() for _ in range(layers)]
+    scale = q.shape[-1] ** -0.5
+
+    def step() -> None:
+        for c in caches:
+            backend.forward(q, kv, kv, c, meta, scale)
+    return step
+
+
+def paired_rounds(steps: dict, rounds: int, reps: int) -> dict[str, list[float]]:
+    """ms per step of every variant, each round in alternating order (median of `reps` runs)."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for r in range(rounds):
+        for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+            runs = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                steps[name]()
+                runs.append(time.perf_counter() - start)
+            times[name].append(statistics.median(runs) * 1e3)
+    return times
+
+
+def kv_compare(args) -> None:
+    ext = load_cpu_kernels()
+    if ext is None:
+        raise SystemExit("the CPU kernel could not be built: --kv-compare compares it")
+    dtype = getattr(torch, args.dtype)
+    workloads = [(f"decode B={b}", make_batch(b, args.contexts, 9, 3, 64, 16, dtype)) for b in args.batches]
+    if args.prefill_len:
+        workloads.append((f"prefill {args.prefill_len} tokens", prefill_batch(args.prefill_len, 9, 3, 64, 16, dtype)))
+    print(f"{args.dtype} queries, threads={args.threads}, layers={args.layers}, contexts {args.contexts}, "
+          f"{args.rounds} paired rounds; ratio = bf16 KV time / variant time (median of per-round ratios)")
+    print("| workload | KV | median ms per step | ratio vs bf16 KV | per-round ratios |")
+    print("| --- | --- | --- | --- | --- |")
+    with torch.inference_mode():
+        for label, (cache, meta, q, kv) in workloads:
+            steps = {name: kv_variant(name, ext, cache, meta, q, kv, args.layers) for name in args.kv_variants}
+            for step in steps.values():
+                step()  # warm-up (first touch of the caches, the decode plan)
+            times = paired_rounds(steps, args.rounds, args.reps)
+            for name, values in times.items():
+                ratios = [base / t for base, t in zip(times["auto"], values)]
+                print(f"| {label} | {name} | {statistics.median(values):.2f} | {statistics.median(ratios):.3f}x | "
+                      + ", ".join(f"{x:.2f}" for x in ratios) + " |")
+            del steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=64)
@@ -128,9 +218,21 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--no-malloc-tune", action="store_true")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--kv-compare", action="store_true", help="bf16 vs fp8_e4m3 / int8 KV cache (see above)")
+    parser.add_argument("--batches", default="16,64", help="--kv-compare's decode batch sizes")
+    parser.add_argument("--prefill-len", type=int, default=1000, help="--kv-compare's prompt (0: none)")
+    parser.add_argument("--kv-variants", default=",".join(KV_VARIANTS), help="--kv-compare's variants (auto first)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tuned = False if args.no_malloc_tune else tune_glibc_malloc()
+    if args.kv_compare:
+        args.batches = [int(b) for b in args.batches.split(",")]
+        args.kv_variants = args.kv_variants.split(",")
+        if args.kv_variants[0] != "auto" or not set(args.kv_variants) <= set(KV_VARIANTS):
+            parser.error(f"--kv-variants: auto first, then any of {', '.join(KV_VARIANTS[1:])}")
+        print(f"malloc_tuned={tuned}")
+        kv_compare(args)
+        return
     dtype = getattr(torch, args.dtype)
     cache, meta, q, kv = make_batch(args.batch, args.contexts, 9, 3, 64, 16, dtype)
     scale = 64**-0.5

@@ -1,8 +1,12 @@
 """Offline throughput: this engine vs Hugging Face transformers batched generate, one run.
 
 Workload (issue 2): 64 prompts of about 200 tokens, 128 output tokens each, EOS ignored,
-bfloat16, 2 threads, the default model. Also: prefix caching on vs off at a 0 % hit rate, and
-time to first token of a 1,000-token prompt with and without a cached 900-token prefix.
+bfloat16, 2 threads, the default model. Latency (issue 14), engine vs transformers: batch-1
+decode tokens/s (a 32-token prompt, `--decode-tokens` generated; the rate is (N - 1) /
+(time(N tokens) - time(1 token)), so prefill is excluded) and time to first token of a
+1,000-token prompt (median of 3 distinct prompts per child). Also: prefix caching on vs off at a
+0 % hit rate, and time to first token of a 1,000-token prompt with and without a cached
+900-token prefix.
 
 Method (issue 14): each measurement runs in a fresh child process (so each reports its own peak
 RSS and none inherits another's allocator state). A round runs the engine, transformers and the
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -31,7 +36,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from _common import RESULTS, make_prompts, peak_rss_mib, run_phase
+from _common import RESULTS, cpu_description, make_prompts, peak_rss_mib, run_phase
 
 MIN_ROUNDS = 5  # fewer paired rounds than this give no result worth a median
 TTFT_TRIALS = 5
@@ -107,6 +112,86 @@ def phase_hf(args, prompts) -> dict:
     return {"elapsed_s": elapsed, "output_tokens": n_out, "tok_per_s": n_out / elapsed, "peak_rss_mib": peak_rss_mib()}
 
 
+LATENCY_TTFT_PROMPTS = 3
+
+
+def _latency(args, tokenizer, generate) -> dict:
+    """Batch-1 decode rate and 1,000-token TTFT of `generate(prompt_ids, max_new_tokens)`."""
+    short = make_prompts(tokenizer, 1, 32, seed=3000)[0]
+    generate(short, 2)  # warm-up
+    t0 = time.perf_counter()
+    generate(short, 1)
+    t1 = time.perf_counter()
+    generate(short, args.decode_tokens)
+    t2 = time.perf_counter()
+    decode = (args.decode_tokens - 1) / ((t2 - t1) - (t1 - t0))
+    ttfts = []
+    for i in range(LATENCY_TTFT_PROMPTS):
+        prompt = make_prompts(tokenizer, 1, 1000, seed=4000 + i)[0]
+        start = time.perf_counter()
+        generate(prompt, 1)
+        ttfts.append(time.perf_counter() - start)
+    return {"decode_tok_per_s": decode, "ttft_1000_s": median(ttfts), "ttft_trials_s": ttfts,
+            "peak_rss_mib": peak_rss_mib()}
+
+
+def phase_latency_engine(args, tokenizer) -> dict:
+    from engine import LLM, SamplingParams
+
+    # Prefix caching off: every TTFT prompt is computed in full, as transformers does.
+    llm = LLM(args.model, dtype="bfloat16", num_threads=2, kv_cache_memory="256MiB",
+              max_num_batched_tokens=2048, enable_prefix_caching=False)
+
+    def generate(prompt, n):
+        llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True, temperature=0))
+
+    return _latency(args, tokenizer, generate)
+
+
+def phase_latency_hf(args, tokenizer) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
+    model.eval()
+
+    def generate(prompt, n):
+        with torch.inference_mode():
+            ids = torch.tensor([prompt])
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
+
+    return _latency(args, tokenizer, generate)
+
+
+def phase_floor(args) -> dict:
+    """The batch-1 decode floor of this machine: bytes a decode step must read (the bf16 weights,
+    the tied LM head once) over the memory read bandwidth (2 threads summing a 1 GiB tensor that
+    no cache holds, median of 5)."""
+    import torch
+    from safetensors import safe_open
+
+    from engine.model.loader import safetensors_files
+
+    torch.set_num_threads(2)
+    numel = 0
+    for path in safetensors_files(args.model):
+        with safe_open(str(path), "pt") as f:
+            numel += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    big = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
+    big.sum()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        big.sum()
+        times.append(time.perf_counter() - start)
+    bandwidth = big.numel() * 4 / median(times)
+    weight_bytes = 2 * numel
+    return {"read_gb_per_s": bandwidth / 1e9, "bf16_weight_bytes": weight_bytes,
+            "batch1_floor_ms": 1000 * weight_bytes / bandwidth}
+
+
 def phase_ttft(args, tokenizer) -> dict:
     from engine import LLM, SamplingParams
 
@@ -133,28 +218,34 @@ def phase_ttft(args, tokenizer) -> dict:
 def run_child(args, phase: str) -> dict:
     result = run_phase(__file__, ["--phase", phase, "--model", args.model, "--num-prompts", str(args.num_prompts),
                                   "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
-                                  "--dtype", args.dtype])
+                                  "--decode-tokens", str(args.decode_tokens), "--dtype", args.dtype])
     print(f"  {phase}: {result}", flush=True)
     return result
 
 
 def paired_rounds(args) -> dict[str, list[dict]]:
-    """`args.rounds` rounds of the three phases, the order reversed every other round."""
-    phases = ("engine", "hf", "engine_nocache")
+    """`args.rounds` rounds of the five phases, the order reversed every other round."""
+    phases = ("engine", "hf", "engine_nocache", "latency_engine", "latency_hf")
     runs: dict[str, list[dict]] = {p: [] for p in phases}
     for r in range(args.rounds):
         order = phases if r % 2 == 0 else phases[::-1]
         print(f"round {r + 1}/{args.rounds} ({', '.join(order)})", flush=True)
         for phase in order:
             runs[phase].append(run_child(args, phase))
-        engine, hf, nocache = (runs[p][-1]["tok_per_s"] for p in phases)
+        engine, hf, nocache = (runs[p][-1]["tok_per_s"] for p in phases[:3])
+        lat_e, lat_h = runs["latency_engine"][-1], runs["latency_hf"][-1]
         print(f"  round {r + 1}: engine / transformers {engine / hf:.2f}x, "
-              f"caching on / off {engine / nocache:.3f}", flush=True)
+              f"caching on / off {engine / nocache:.3f}, batch-1 decode "
+              f"{lat_e['decode_tok_per_s'] / lat_h['decode_tok_per_s']:.2f}x, TTFT "
+              f"{lat_e['ttft_1000_s'] / lat_h['ttft_1000_s']:.2f}x of transformers'", flush=True)
     return runs
 
 
 def summarize(args, runs: dict[str, list[dict]], ttft: dict) -> dict:
-    tps = {k: [x["tok_per_s"] for x in v] for k, v in runs.items()}
+    tps = {k: [x["tok_per_s"] for x in v] for k, v in runs.items() if not k.startswith("latency")}
+    decode_ratios = [e["decode_tok_per_s"] / h["decode_tok_per_s"]
+                     for e, h in zip(runs["latency_engine"], runs["latency_hf"])]
+    ttft_ratios = [e["ttft_1000_s"] / h["ttft_1000_s"] for e, h in zip(runs["latency_engine"], runs["latency_hf"])]
     ratios = [e / h for e, h in zip(tps["engine"], tps["hf"])]
     caching = [e / n for e, n in zip(tps["engine"], tps["engine_nocache"])]
     bookkeeping = [(e["scheduler_kv_s"] - n["scheduler_kv_s"]) / e["elapsed_s"]
@@ -162,7 +253,7 @@ def summarize(args, runs: dict[str, list[dict]], ttft: dict) -> dict:
     return {
         "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
                      "output_len": args.output_len, "dtype": "bfloat16", "threads": 2},
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+        "machine": {"platform": platform.platform(), "cpu": cpu_description(),
                     "load_average_at_end": os.getloadavg()},
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "rounds": args.rounds,
@@ -171,6 +262,13 @@ def summarize(args, runs: dict[str, list[dict]], ttft: dict) -> dict:
         "engine_vs_hf": median(ratios),
         "engine_vs_hf_per_round": ratios,
         # Noisy: whole-run throughput with caching on vs off (different processes).
+        "batch1_decode_tok_per_s_median": {k: median(x["decode_tok_per_s"] for x in runs[f"latency_{k}"])
+                                           for k in ("engine", "hf")},
+        "batch1_decode_vs_hf": median(decode_ratios),
+        "batch1_decode_vs_hf_per_round": decode_ratios,
+        "ttft_1000_s_median": {k: median(x["ttft_1000_s"] for x in runs[f"latency_{k}"]) for k in ("engine", "hf")},
+        "ttft_1000_vs_hf": median(ttft_ratios),
+        "ttft_1000_vs_hf_per_round": ttft_ratios,
         "prefix_caching_cost_end_to_end": 1 - median(caching),
         "caching_on_vs_off_per_round": caching,
         # Exact: extra scheduler + KV-manager time with caching on, as a share of the run.
@@ -195,12 +293,26 @@ def write_results(args, summary: dict) -> None:
         f"| transformers generate (median) | {summary['hf_tok_per_s_median']:.1f} tok/s |",
         f"| **engine / transformers, median of the per-round ratios** | **{summary['engine_vs_hf']:.2f}x** |",
         "| per-round ratios | " + ", ".join(f"{r:.2f}" for r in summary["engine_vs_hf_per_round"]) + " |",
+        (f"| batch-1 decode, engine / transformers (median of per-round ratios; {args.decode_tokens} tokens) | "
+         f"**{summary['batch1_decode_vs_hf']:.2f}x** ({summary['batch1_decode_tok_per_s_median']['engine']:.1f} vs "
+         f"{summary['batch1_decode_tok_per_s_median']['hf']:.1f} tok/s) |"),
+        "| per-round ratios | " + ", ".join(f"{r:.2f}" for r in summary["batch1_decode_vs_hf_per_round"]) + " |",
+        (f"| batch-1 decode floor: bf16 weight bytes / memory read bandwidth | "
+         f"{summary['batch1_floor']['batch1_floor_ms']:.1f} ms per token "
+         f"({summary['batch1_floor']['bf16_weight_bytes'] / 2**20:.0f} MiB at "
+         f"{summary['batch1_floor']['read_gb_per_s']:.1f} GB/s; the engine's median: "
+         f"{1000 / summary['batch1_decode_tok_per_s_median']['engine']:.1f} ms, transformers' "
+         f"{1000 / summary['batch1_decode_tok_per_s_median']['hf']:.1f} ms) |"),
+        (f"| TTFT of a 1,000-token prompt, engine / transformers (median of per-round ratios; lower is better) | "
+         f"**{summary['ttft_1000_vs_hf']:.2f}x** ({1000 * summary['ttft_1000_s_median']['engine']:.0f} vs "
+         f"{1000 * summary['ttft_1000_s_median']['hf']:.0f} ms) |"),
+        "| per-round ratios | " + ", ".join(f"{r:.2f}" for r in summary["ttft_1000_vs_hf_per_round"]) + " |",
         f"| prefix caching cost at 0 % hits: extra scheduler + KV-manager time | {100 * summary['prefix_caching_cost_bookkeeping']:.2f} % of the run |",
         f"| same, whole-run throughput on vs off (median of per-round ratios; noisy) | {100 * summary['prefix_caching_cost_end_to_end']:+.1f} % |",
         f"| TTFT 1,000-token prompt, cold (median of {TTFT_TRIALS}) | {1000 * ttft['ttft_cold_s']:.0f} ms |",
         f"| TTFT with a cached 900-token prefix (median) | {1000 * ttft['ttft_cached_900_s']:.0f} ms ({ttft['speedup']:.1f}x faster, median of paired trials) |",
         "| peak RSS (MiB) | " + ", ".join(f"{k} {v:.0f}" for k, v in summary["peak_rss_mib"].items()) + " |",
-        "", f"Run on {summary['date']} ({summary['machine']['platform']}).",
+        "", f"Run on {summary['date']} ({summary['machine']['platform']}; {summary['machine']['cpu']}).",
     ]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -230,6 +342,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=200)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--decode-tokens", type=int, default=64, help="batch-1 decode length")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="the engine's dtype in the throughput and profile phases (transformers and TTFT stay bf16)")
     parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
@@ -255,6 +368,9 @@ def main() -> None:
             "profile": lambda: phase_engine(args, prompts, caching=True, profile=True),
             "hf": lambda: phase_hf(args, prompts),
             "ttft": lambda: phase_ttft(args, tokenizer),
+            "latency_engine": lambda: phase_latency_engine(args, tokenizer),
+            "latency_hf": lambda: phase_latency_hf(args, tokenizer),
+            "floor": lambda: phase_floor(args),
         }[args.phase]()
         print(json.dumps(result))
         return
@@ -265,7 +381,9 @@ def main() -> None:
         parser.error(f"--rounds must be at least {MIN_ROUNDS} (the result is a median of paired rounds)")
     runs = paired_rounds(args)
     ttft = run_child(args, "ttft")
-    write_results(args, summarize(args, runs, ttft))
+    summary = summarize(args, runs, ttft)
+    summary["batch1_floor"] = run_child(args, "floor")
+    write_results(args, summary)
 
 
 if __name__ == "__main__":

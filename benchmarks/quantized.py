@@ -1,14 +1,15 @@
 """Quantized modes vs bf16 on the default model, paired rounds in one run.
 
-Measurements (issue 12), each in a fresh child process that reports its own memory:
+Measurements (issue 12). Each round runs every mode in a fresh child process that loads the
+engine once and takes every measurement, reporting its own memory:
 - decode: batch-1 decode tokens/s (a 32-token prompt, `--decode-tokens` generated; the rate is
   (N - 1) / (time(N tokens) - time(1 token)), so prefill is excluded);
 - ttft: time to first token of a `--ttft-len`-token prompt (prefix caching off);
 - batch: `--batch-prompts` prompts of 200 tokens -> `--batch-output` tokens, output tokens/s;
 - memory: resident set after loading (VmRSS, the checkpoint's memory map already closed) and
-  peak (VmHWM) of the decode child; the bf16 weight bytes are counted from the model.
-Each round runs every mode once, in an order rotated every round; a mode's ratio is the median
-over rounds of (mode / bf16 of the same round).
+  peak (VmHWM) over the child's run; the bf16 weight bytes are counted from the model.
+The order of the modes rotates every round; a mode's ratio is the median over rounds of
+(mode / bf16 of the same round).
 
     PYTHONPATH=. .venv/bin/python benchmarks/quantized.py [--rounds 5] [--modes int8,int4,w8a8,fp8kv]
 
@@ -23,13 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from _common import RESULTS, make_prompts, peak_rss_mib, run_phase
+from _common import RESULTS, cpu_description, make_prompts, peak_rss_mib, run_phase
 
 
 def _rss_mib() -> float:
@@ -37,17 +39,6 @@ def _rss_mib() -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def _cpu_model() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or "unknown"
-    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "unknown")
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
-    isa = [f for f in ("avx512_bf16", "avx512_vnni", "amx_int8", "amx_bf16") if f in flags]
-    return f"{name}, {text.count('processor')} logical CPUs, {' '.join(isa) or 'no avx512_bf16/vnni/amx'}"
 
 
 def _checkpoint_numel(model_dir) -> int:
@@ -75,12 +66,15 @@ def _llm(args, mode: str, **opts):
 
 
 def phase(args) -> dict:
+    """One mode, in this (fresh) process: load once, then every measurement of `args.phases`."""
     from engine import SamplingParams
 
-    if args.phase == "decode":
-        llm = _llm(args, args.mode, num_kv_blocks=64, max_model_len=512)
-        rss = _rss_mib()
-        weight_bytes = 2 * _checkpoint_numel(llm.engine.model_dir)  # the model's weights in bf16
+    # Prefix caching off: the TTFT prompt and the batch's prompts are computed in full.
+    llm = _llm(args, args.mode, kv_cache_memory="640MiB", max_num_seqs=max(args.batch_prompts, 1),
+               max_num_batched_tokens=2048, max_model_len=2048, enable_prefix_caching=False)
+    out = {"rss_after_load_mib": _rss_mib(), "model_bytes": 2 * _checkpoint_numel(llm.engine.model_dir)}
+    phases = args.phases.split(",")
+    if "decode" in phases:
         prompt = make_prompts(llm.tokenizer, 1, 32, seed=1)[0]
         one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
         many = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True, temperature=0)
@@ -90,28 +84,22 @@ def phase(args) -> dict:
         t1 = time.perf_counter()
         llm.generate([prompt], many)
         t2 = time.perf_counter()
-        rate = (args.decode_tokens - 1) / ((t2 - t1) - (t1 - t0))
-        return {"value": rate, "rss_after_load_mib": rss, "peak_rss_mib": peak_rss_mib(),
-                "model_bytes": weight_bytes}
-    if args.phase == "ttft":
-        llm = _llm(args, args.mode, num_kv_blocks=128, max_model_len=2048, enable_prefix_caching=False,
-                   max_num_batched_tokens=2048)
+        out["decode"] = (args.decode_tokens - 1) / ((t2 - t1) - (t1 - t0))
+    if "ttft" in phases:
         prompts = make_prompts(llm.tokenizer, 2, args.ttft_len, seed=2)
         one = SamplingParams(max_tokens=1, temperature=0)
-        llm.generate([prompts[0]], one)  # warm-up
+        llm.generate([prompts[0]], one)  # warm-up at the same length
         t0 = time.perf_counter()
         llm.generate([prompts[1]], one)
-        return {"value": time.perf_counter() - t0, "peak_rss_mib": peak_rss_mib()}
-    llm = _llm(args, args.mode, kv_cache_memory="640MiB", max_num_seqs=args.batch_prompts,
-               max_num_batched_tokens=2048, max_model_len=1024)
-    prompts = make_prompts(llm.tokenizer, args.batch_prompts, 200, seed=3)
-    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
-    params = SamplingParams(max_tokens=args.batch_output, ignore_eos=True, temperature=0)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - t0
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"value": n / elapsed, "peak_rss_mib": peak_rss_mib()}
+        out["ttft"] = time.perf_counter() - t0
+    if "batch" in phases:
+        prompts = make_prompts(llm.tokenizer, args.batch_prompts, 200, seed=3)
+        params = SamplingParams(max_tokens=args.batch_output, ignore_eos=True, temperature=0)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - t0
+        out["batch"] = sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+    return out | {"peak_rss_mib": peak_rss_mib()}
 
 
 def main() -> None:
@@ -134,15 +122,14 @@ def main() -> None:
     passthrough = [f"--threads={args.threads}", f"--decode-tokens={args.decode_tokens}",
                    f"--ttft-len={args.ttft_len}", f"--batch-prompts={args.batch_prompts}",
                    f"--batch-output={args.batch_output}"]
-    results: dict[str, dict[str, list[dict]]] = {p: {m: [] for m in modes} for p in args.phases.split(",")}
+    results: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(args.rounds):
-        for name in results:
-            order = modes[r % len(modes):] + modes[:r % len(modes)]
-            for mode in order:
-                out = run_phase(__file__, [f"--phase={name}", f"--mode={mode}", *passthrough])
-                results[name][mode].append(out)
-                print(f"round {r} {name:6s} {mode:5s} {out['value']:.3f} peak {out['peak_rss_mib']:.0f} MiB",
-                      file=sys.stderr, flush=True)
+        order = modes[r % len(modes):] + modes[:r % len(modes)]
+        for mode in order:
+            out = run_phase(__file__, ["--phase=all", f"--mode={mode}", f"--phases={args.phases}", *passthrough])
+            results[mode].append(out)
+            print(f"round {r} {mode:5s} " + " ".join(f"{k} {out[k]:.3f}" for k in args.phases.split(","))
+                  + f" rss {out['rss_after_load_mib']:.0f} peak {out['peak_rss_mib']:.0f} MiB", file=sys.stderr, flush=True)
         report(args, modes, results, rounds_done=r + 1)  # a stopped run still leaves its rounds
 
 
@@ -151,34 +138,33 @@ def report(args, modes: list[str], results: dict, rounds_done: int) -> None:
     units = {"decode": "tok/s", "ttft": "s", "batch": "tok/s"}
     summary = {}
     lines = ["# Quantized modes vs bf16 (default model, latest run)", "",
-             f"{args.threads} threads, {rounds_done} of {args.rounds} paired rounds (order rotated each round), median of "
-             "per-round ratios to bf16 (>1 = faster). Busy shared machine: absolute numbers are rough.",
-             f"CPU: {_cpu_model()}.", "",
-             "| measure | mode | median | ratio vs bf16 | per-round ratios | peak RSS MiB |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for name, per_mode in results.items():
-        base = [o["value"] for o in per_mode["bf16"]]
+             f"{args.threads} threads, {rounds_done} of {args.rounds} paired rounds (order rotated each round; each mode "
+             "in a fresh process per round), median of per-round ratios to bf16 (>1 = faster; TTFT: bf16 time / "
+             f"mode time). Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.",
+             f"CPU: {cpu_description()}.", "",
+             "| measure | mode | median | ratio vs bf16 | per-round ratios |",
+             "| --- | --- | --- | --- | --- |"]
+    for name in args.phases.split(","):
+        base = [o[name] for o in results["bf16"]]
         for mode in modes:
-            vals = [o["value"] for o in per_mode[mode]]
+            vals = [o[name] for o in results[mode]]
             ratios = [(v / b if higher_better[name] else b / v) for v, b in zip(vals, base)]
-            entry = {"median": statistics.median(vals), "ratio": statistics.median(ratios), "ratios": ratios,
-                     "peak_rss_mib": max(o["peak_rss_mib"] for o in per_mode[mode])}
-            if name == "decode":
-                entry["rss_after_load_mib"] = statistics.median(o["rss_after_load_mib"] for o in per_mode[mode])
-                entry["model_bytes"] = per_mode[mode][0]["model_bytes"]
+            entry = {"median": statistics.median(vals), "ratio": statistics.median(ratios), "ratios": ratios}
             summary.setdefault(name, {})[mode] = entry
             lines.append(f"| {name} ({units[name]}) | {mode} | {entry['median']:.3f} | {entry['ratio']:.2f}x | "
-                         f"{', '.join(f'{x:.2f}' for x in ratios)} | {entry['peak_rss_mib']:.0f} |")
-    if "decode" in summary:
-        bf = summary["decode"]["bf16"]
-        lines += ["", f"Worker memory (decode child, RSS once loaded; bf16 weights are "
-                      f"{bf['model_bytes'] / 2**20:.0f} MiB):", "",
-                  "| mode | RSS after load MiB | saved vs bf16 MiB | saved / bf16 weight bytes |",
-                  "| --- | --- | --- | --- |"]
-        for mode, e in summary["decode"].items():
-            saved = bf["rss_after_load_mib"] - e["rss_after_load_mib"]
-            lines.append(f"| {mode} | {e['rss_after_load_mib']:.0f} | {saved:.0f} | "
-                         f"{100 * saved / (bf['model_bytes'] / 2**20):.0f} % |")
+                         f"{', '.join(f'{x:.2f}' for x in ratios)} |")
+    bf_rss = statistics.median(o["rss_after_load_mib"] for o in results["bf16"])
+    weights_mib = results["bf16"][0]["model_bytes"] / 2**20
+    lines += ["", f"Worker memory (RSS once loaded, before any request; peak over the run, which includes the "
+                  f"640 MiB KV pool's use; the model's weights in bf16 are {weights_mib:.0f} MiB):", "",
+              "| mode | RSS after load MiB | saved vs bf16 MiB | saved / bf16 weight bytes | peak RSS MiB |",
+              "| --- | --- | --- | --- | --- |"]
+    for mode in modes:
+        rss = statistics.median(o["rss_after_load_mib"] for o in results[mode])
+        peak = max(o["peak_rss_mib"] for o in results[mode])
+        summary.setdefault("memory", {})[mode] = {"rss_after_load_mib": rss, "peak_rss_mib": peak,
+                                                  "saved_fraction_of_bf16_weights": (bf_rss - rss) / weights_mib}
+        lines.append(f"| {mode} | {rss:.0f} | {bf_rss - rss:.0f} | {100 * (bf_rss - rss) / weights_mib:.0f} % | {peak:.0f} |")
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lines += ["", f"Workloads: batch-1 decode of {args.decode_tokens} tokens after a 32-token prompt; TTFT of a "
               f"{args.ttft_len}-token prompt; {args.batch_prompts} prompts x 200 tokens -> {args.batch_output} "

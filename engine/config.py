@@ -41,6 +41,8 @@ _DTYPES = {
     "fp16": torch.float16,
 }
 
+MAX_TENSOR_PARALLEL = 64  # ranks of one worker
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
     "b": 1,
@@ -135,6 +137,11 @@ class EngineConfig:
     # (engine.engine_core.EngineCore.step). Output is the same; off by default until measured on
     # a quiet machine (benchmarks/results/async_scheduling.md).
     async_scheduling: bool = False
+    # Tensor parallelism (engine.parallel): the worker runs as this many processes joined by
+    # torch.distributed (gloo on CPU, NCCL on CUDA with one device each), each holding 1/N of
+    # the heads, the MLP and the vocabulary. Not combined with quantization, LoRA adapters,
+    # KV offload or speculative decoding (refused).
+    tensor_parallel_size: Annotated[int, Meta(ge=1, le=MAX_TENSOR_PARALLEL)] = 1
     torch_dtype: torch.dtype = field(init=False)
     kv_offload_config: KVOffloadConfig | None = field(init=False)
     speculative_config: SpeculativeConfig | None = field(init=False)
@@ -180,6 +187,7 @@ class EngineConfig:
         if self.quant_group_size not in (32, 64, 128) or isinstance(self.quant_group_size, bool):
             raise ValueError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size!r}")
         self.kv_cache_dtype = parse_kv_cache_dtype(self.kv_cache_dtype).value
+        self._check_tensor_parallel()
         self.kv_offload_config = None
         if self.kv_offload is not None:
             self.kv_offload_config = KVOffloadConfig.from_options(self.kv_offload, self.block_size)
@@ -188,6 +196,21 @@ class EngineConfig:
         if self.speculative is not None:
             self.speculative_config = SpeculativeConfig.from_options(self.speculative)
             self.speculative = asdict(self.speculative_config)
+
+    def _check_tensor_parallel(self) -> None:
+        size = self.tensor_parallel_size
+        if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_TENSOR_PARALLEL:
+            raise ValueError(f"tensor_parallel_size must be an integer from 1 to {MAX_TENSOR_PARALLEL}, got {size!r}")
+        if size == 1:
+            return
+        unsupported = [name for name, on in (
+            ("quantization", self.quantization not in (None, "none")),
+            ("kv_offload", self.kv_offload is not None),
+            ("speculative", self.speculative is not None),
+        ) if on]
+        if unsupported:
+            raise ValueError(f"{unsupported[0]} is not supported with tensor_parallel_size={size}; "
+                             f"turn it off or use tensor_parallel_size=1")
 
     def resolve_max_model_len(self, model_max_positions: int) -> int:
         if self.max_model_len is None:

@@ -43,17 +43,6 @@ HEARTBEAT_S = 1.0
 _STOP = object()  # tells the output thread to flush and close
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (no orphaned workers)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: the parent-pid check in the loop still ends the process
-
-
 def to_engine_request(msg: EngineCoreRequest) -> Request:
     return Request(
         msg.request_id,
@@ -138,6 +127,7 @@ class EngineCoreProc:
                 if os.getppid() != self.parent_pid:
                     logger.warning("the front end is gone; engine core exits")
                     return
+                core.check_health()  # a tensor-parallel rank that died while idle ends the worker
                 self.outputs.put(EngineCoreOutputs([], core.make_stats(), time.monotonic()))
                 last_sent = time.monotonic()
 
@@ -223,7 +213,9 @@ def _refused_input(frame: bytes, exc: msgspec.ValidationError) -> _RefusedInput:
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int) -> None:
     """Process entry point (multiprocessing, spawn)."""
-    _die_with_parent()
+    from engine.process_setup import die_with_parent  # imports torch, which the worker needs anyway
+
+    die_with_parent()  # no orphaned workers; not Linux: the parent-pid check in the loop
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front end, which stops us
     logging.basicConfig(level=logging.INFO, format=f"[worker {os.getpid()}] %(levelname)s %(name)s: %(message)s")
     proc = EngineCoreProc(input_address, output_address, parent_pid)

@@ -16,6 +16,7 @@ from engine.kv_cache.hashing import get_hash_fn
 from engine.kv_cache.manager import KVCacheManager
 from engine.model.model_source import resolve_model_dir
 from engine.model_runner import ModelRunner, PreparedStep
+from engine.process_setup import release_free_memory
 from engine.request import FinishReason, Request, RequestStatus
 from engine.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from engine.scheduler.scheduler import Scheduler
@@ -63,6 +64,10 @@ class EngineCore:
         self.eos_token_ids = read_eos_token_ids(model_dir, self.hf_config)
         self.sleeping = False
         self.runner = ModelRunner(config, str(model_dir), self.hf_config, self.eos_token_ids, self.max_model_len)
+        # Loading leaves its temporaries (float32 shards, quantization's work tensors) in malloc's
+        # free lists, which tune_glibc_malloc keeps from being trimmed: return them now, or the
+        # worker keeps them resident for its whole life (measured: +95 MiB for int4).
+        release_free_memory()
         # A request alone must always fit the pool, or it would wait forever.
         pool_tokens = self.runner.num_blocks * config.block_size
         if pool_tokens < self.max_model_len:
@@ -92,11 +97,14 @@ class EngineCore:
         spec = config.speculative_config
         self.drafter = None if spec is None else NgramProposer(
             spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        # Async scheduling: drafts depend on the previous step's tokens and the offload tiers
-        # store what a step computed, so with either the engine stays synchronous.
-        self.async_scheduling = config.async_scheduling and self.drafter is None and self.kv_offload is None
+        # Async scheduling: drafts depend on the previous step's tokens, the offload tiers store
+        # what a step computed, and tensor-parallel ranks are driven from the engine's thread:
+        # with any of them the engine stays synchronous.
+        self.async_scheduling = (config.async_scheduling and self.drafter is None and self.kv_offload is None
+                                 and self.runner.tp is None)
         if config.async_scheduling and not self.async_scheduling:
-            logger.info("async_scheduling is off: speculative decoding and KV offload run synchronously")
+            logger.info("async_scheduling is off: speculative decoding, KV offload and tensor "
+                        "parallelism run synchronously")
         self._forward_thread = (ThreadPoolExecutor(1, thread_name_prefix="engine-forward")
                                 if self.async_scheduling else None)
         self._in_flight: tuple[SchedulerOutput, PreparedStep, Future[ModelRunnerOutput]] | None = None
@@ -139,6 +147,7 @@ class EngineCore:
             raise RuntimeError("the worker has unfinished requests; it sleeps only when idle")
         if self.kv_offload is not None:
             raise RuntimeError("a worker with KV offload on cannot sleep")
+        self.runner.shutdown()  # tensor-parallel ranks exit: wake starts them again
         self.runner = None  # the model's parameters and the KV tensors go with it
         self.sleeping = True
 
@@ -183,13 +192,16 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def shutdown(self) -> None:
-        """Release what the engine holds beyond its own memory (threads, files): the KV offload
-        tier finishes its queued disk writes and LMCache is destroyed. Idempotent."""
+        """Release what the engine holds beyond its own memory (threads, files, processes): the
+        async-scheduling thread ends, the KV offload tier finishes its queued disk writes and
+        LMCache is destroyed; tensor-parallel ranks exit. Idempotent."""
         if self._forward_thread is not None:
             self._in_flight = None
             self._forward_thread.shutdown(wait=True)
         if self.kv_offload is not None:
             self.kv_offload.close()
+        if self.runner is not None:
+            self.runner.shutdown()
         self.structured_output.shutdown()
 
     def kv_offload_stats(self) -> dict | None:
@@ -213,10 +225,19 @@ class EngineCore:
         )
 
     def set_num_threads(self, n: int) -> None:
-        """Torch intra-op threads for the following steps."""
-        torch.set_num_threads(n)
+        """Torch intra-op threads for the following steps (shared among tensor-parallel ranks)."""
+        if self.runner is not None and self.runner.tp is not None:
+            self.runner.tp.set_num_threads(n)
+        else:
+            torch.set_num_threads(n)
         if self._forward_thread is not None:  # a thread reads torch's setting once: tell it too
             self._forward_thread.submit(torch.set_num_threads, n)
+
+    def check_health(self) -> None:
+        """Raise (TensorParallelError) when a part of the engine outside this process, a
+        tensor-parallel rank, is gone: the engine cannot step any more."""
+        if self.runner is not None and self.runner.tp is not None:
+            self.runner.tp.check_health()
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, execute, update. Returns the news of every request that got a token, and

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,7 +19,7 @@ from engine.lora.manager import LoRAManager, lora_shapes
 from engine.lora.punica import LoRABatch
 from engine.model.loader import (
     allocate_kv_caches,
-    kv_cache_bytes_per_block,
+    kv_pool_size,
     load_model,
     select_fused_ops,
 )
@@ -30,6 +31,9 @@ from engine.sampling_params import SamplingParams, SamplingType
 from engine.scheduler.output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from engine.spec_decode.rejection import rejection_sample, verify_greedy
 from engine.structured_output import apply_bitmask
+
+if TYPE_CHECKING:
+    from engine.parallel.driver import TensorParallelModel
 
 
 @dataclass(slots=True)
@@ -79,19 +83,27 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.kv_dtype = parse_kv_cache_dtype(config.kv_cache_dtype)
         self.backend = select_backend(self.device, config.attention_backend, self.kv_dtype)
-        self.model = load_model(
-            model_dir, self.dtype, self.device, self.backend,
-            max_model_len=max_model_len, fused_ops=select_fused_ops(self.device, self.dtype),
-            quant=resolve_spec(hf_config, config.quantization, config.quant_group_size, config.device),
-        )
-        self.bytes_per_block = kv_cache_bytes_per_block(hf_config, self.block_size, self.dtype, self.kv_dtype)
-        self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)
-        self.kv_caches = allocate_kv_caches(hf_config, self.num_blocks, self.block_size, self.dtype, self.device,
-                                            self.kv_dtype)
+        quant = resolve_spec(hf_config, config.quantization, config.quant_group_size, config.device)
+        # Tensor parallelism (engine.parallel): this process is rank 0 and drives the others.
+        self.tp: TensorParallelModel | None = None
+        if config.tensor_parallel_size > 1:
+            # imported here: it imports torch.distributed, which a single-process worker never needs
+            from engine.parallel.driver import LoRAUnsupported, TensorParallelModel
+
+            self.model = self.tp = TensorParallelModel(config, model_dir, self.backend, max_model_len, quant)
+        else:
+            self.model = load_model(
+                model_dir, self.dtype, self.device, self.backend,
+                max_model_len=max_model_len, fused_ops=select_fused_ops(self.device, self.dtype), quant=quant,
+            )
+        # The KV heads of this process (a tensor-parallel rank's share); the budget is the worker's.
+        self.bytes_per_block, self.num_blocks = kv_pool_size(config, self.model.rank_spec, self.kv_dtype)
+        self.kv_caches = allocate_kv_caches(self.model.rank_spec, self.num_blocks, self.block_size, self.dtype,
+                                            self.device, self.kv_dtype)
         self.sampler = Sampler()
         # LoRA adapters: read on first use, at most max_loras resident (slots allocated lazily).
         self.lora = LoRAManager(lora_shapes(self.model.spec), config.max_loras, config.max_lora_rank,
-                                self.dtype, self.device)
+                                self.dtype, self.device) if self.tp is None else LoRAUnsupported(self.tp.size)
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}  # seeded requests, until they finish
         self.input_batch = InputBatch(config.max_num_seqs, max_model_len, config.max_num_batched_tokens,
@@ -99,6 +111,11 @@ class ModelRunner:
         # Requests whose token the step launched last is sampling (async scheduling: it runs
         # while the next step is prepared, so that token is not in the batch yet).
         self._pending: set[str] = set()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks this runner started (none without). Idempotent."""
+        if self.tp is not None:
+            self.tp.close()
 
     # -- state -----------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:

@@ -45,18 +45,42 @@ def tune_glibc_malloc(
     )
 
 
+def rank_threads(num_threads: int, size: int) -> int:
+    """Torch threads of each of `size` tensor-parallel ranks sharing `num_threads`: an even share,
+    at least 1 (on 2 cores with 3 ranks: 1 each; more threads than cores make them wait on each
+    other, the big trap on a small CPU)."""
+    return max(1, num_threads // size)
+
+
 def configure_engine_process(config: EngineConfig) -> None:
     """Apply the engine's process-wide settings to the calling process.
 
-    `num_threads` (when set) becomes torch's intra-op thread count; `seed` seeds torch's global
-    RNG (the one draw shared by sampled rows without a per-request seed); on a CPU, glibc
-    malloc keeps large temporaries on the heap.
+    `num_threads` (when set) becomes torch's intra-op thread count; with tensor parallelism the
+    process is rank 0 and takes its even share of them (or of torch's count), as each other rank
+    does (`rank_threads`); `seed` seeds torch's global RNG (the one draw
+    shared by sampled rows without a per-request seed); on a CPU, glibc malloc keeps large
+    temporaries on the heap.
     """
-    if config.num_threads is not None:
-        torch.set_num_threads(config.num_threads)
+    threads = config.num_threads
+    if config.tensor_parallel_size > 1:
+        threads = rank_threads(threads or torch.get_num_threads(), config.tensor_parallel_size)
+    if threads is not None:
+        torch.set_num_threads(threads)
     torch.manual_seed(config.seed)
     if torch.device(config.device).type == "cpu":
         tune_glibc_malloc()
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL the calling process when the thread that started it ends
+    (PR_SET_PDEATHSIG); nothing elsewhere. For processes a parent must never leave behind."""
+    import signal
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def release_free_memory() -> bool:
@@ -75,7 +99,8 @@ def release_free_memory() -> bool:
 
 
 def resident_bytes(pid: int | str = "self") -> int:
-    """Resident memory (RSS) of a process from Linux's /proc; 0 where unknown."""
+    """Resident memory (RSS) of a process and of the processes it started (a tensor-parallel
+    worker's ranks are part of the worker), from Linux's /proc; 0 where unknown."""
     import os
 
     try:
@@ -83,4 +108,10 @@ def resident_bytes(pid: int | str = "self") -> int:
             pages = int(f.read().split()[1])
     except (OSError, ValueError, IndexError):
         return 0
-    return pages * os.sysconf("SC_PAGE_SIZE")
+    pid = os.getpid() if pid == "self" else pid
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(child) for child in f.read().split()]
+    except (OSError, ValueError):
+        children = []
+    return pages * os.sysconf("SC_PAGE_SIZE") + sum(resident_bytes(child) for child in children)

@@ -291,7 +291,10 @@ class Server:
         options = entry.model_config.engine_options()
         options["num_threads"] = self._worker_threads(entry)
         if self.config.kv_offload is not None and "kv_offload" not in options:
-            options["kv_offload"] = self.config.kv_offload
+            if options.get("tensor_parallel_size", 1) == 1:
+                options["kv_offload"] = self.config.kv_offload
+            else:  # the server-wide default does not apply to a tensor-parallel model
+                logger.warning("%s: kv_offload is not used with tensor parallelism", worker_name)
         if entry.model_config.device_type is DeviceType.GPU:
             options["device"] = "cuda"
         # The registry opened and verified the archive (custom handler rules included).

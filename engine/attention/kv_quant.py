@@ -16,6 +16,10 @@ float32), so a pool sized from the same budget holds 1.94x (3.9x) the blocks.
 
 Round-trip error per element, relative to the row's max |x|: int8 <= 1/254 (+ bf16 rounding
 of the scale, 2^-9); e4m3 <= 2^-4 of the element itself (3 mantissa bits), plus the same.
+
+The same layout is read, without this module, by the compiled CPU kernels
+(`kernels/csrc/paged_decode_attention.cpp`: decode attention and a gather + de-quantize pass,
+tested bit-exact against `dequantize_kv`) and by the Triton kernel; a change here changes them.
 """
 
 from __future__ import annotations

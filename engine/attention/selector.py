@@ -37,7 +37,7 @@ def select_backend(device: str | torch.device, name: str = "auto",
     if device.type == "cpu":
         from kernels.cpu_paged_attention import load_cpu_kernels
 
-        return TorchAttentionBackend(cpu_kernels=None if kv_dtype.quantized else load_cpu_kernels(), kv_dtype=kv_dtype)
+        return TorchAttentionBackend(cpu_kernels=load_cpu_kernels(), kv_dtype=kv_dtype)
     return TorchAttentionBackend(kv_dtype=kv_dtype)
 
 

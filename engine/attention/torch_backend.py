@@ -10,10 +10,12 @@ Prefills and prefill chunks run one sequence at a time with SDPA; with the compi
 chunks of at most SHORT_CHUNK_TOKENS tokens (speculative verification) run instead as one kernel
 row per token, together with the decodes.
 
-With a quantized KV cache (`kv_cache_dtype` fp8_e4m3 / int8) the compiled decode kernel is not
-used (it reads model-dtype caches only): decodes take the gather + SDPA path, de-quantizing the
-gathered rows, and every prefill, whole prompts included, reads its keys/values back from the
-cache, so a prompt sees the same (quantized) K/V whether or not its prefix was cached.
+With a quantized KV cache (`kv_cache_dtype` fp8_e4m3 / int8) the compiled decode kernel reads
+the quantized rows itself (codes * scale in its inner loop); without it decodes take the gather +
+SDPA path, de-quantizing the gathered rows. Every prefill, whole prompts included, reads its
+keys/values back from the cache (with the compiled kernels: one gather + de-quantize pass, rounded
+to the query's dtype exactly as `kv_quant.dequantize_kv` rounds), so a prompt sees the same
+(quantized) K/V whether or not its prefix was cached.
 
 On glibc the speed can depend heavily on the allocator: the process that runs the model tunes
 it once (`engine.process_setup.tune_glibc_malloc`). Without it one process ran the batch-64
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from engine.attention.backend import AttentionBackend
 from engine.attention.kv_quant import KVCacheDtype
 from engine.attention.metadata import AttentionMetadata
-from kernels.cpu_paged_attention import paged_decode_attention
+from kernels.cpu_paged_attention import gather_dequantize, paged_decode_attention
 
 # Decodes are split into groups of similar context length so that one long sequence does not
 # pad the whole batch to its length. A group costs a fixed overhead worth about this many padded
@@ -155,8 +157,9 @@ class TorchAttentionBackend(AttentionBackend):
         self._plan: _DecodePlan | None = None
         self._short: _ShortChunks | None = None
         # The compiled CPU decode kernel (kernels.cpu_paged_attention), or None for pure torch;
-        # it reads model-dtype caches only.
-        self._cpu_kernels = None if kv_dtype.quantized else cpu_kernels
+        # it reads model-dtype and quantized caches (`_kv_quant`, its name for the kind).
+        self._cpu_kernels = cpu_kernels
+        self._kv_quant = kv_dtype.value if kv_dtype.quantized else None
 
     def attend(
         self,
@@ -173,13 +176,13 @@ class TorchAttentionBackend(AttentionBackend):
         if num_decodes == meta.num_seqs:
             return self._decode(query, kv_cache, meta, scale)
         out = torch.empty_like(query)
-        short = self._short_chunks(meta) if self._cpu_kernels is not None and query.device.type == "cpu" else None
+        short = self._short_chunks(meta) if self._kernel_runs(query) else None
         if short is not None:
             # Decodes and short chunks (speculative verification) as rows of the decode kernel.
             rows = short.token_rows
             out.index_copy_(0, rows, paged_decode_attention(
                 self._cpu_kernels, query.index_select(0, rows), kv_cache[0], kv_cache[1],
-                short.block_tables, short.seq_lens, scale))
+                short.block_tables, short.seq_lens, scale, self._kv_quant))
         elif num_decodes:
             out[:num_decodes] = self._decode(query[:num_decodes], kv_cache, meta, scale)
         start = num_decodes
@@ -191,6 +194,12 @@ class TorchAttentionBackend(AttentionBackend):
             start = end
         return out
 
+    def _kernel_runs(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+        """Whether the compiled kernels take `tensor` (on CPU; float32 / bfloat16 values: `dtype`,
+        or the tensor's own); float16 and other devices take the torch path."""
+        return (self._cpu_kernels is not None and tensor.device.type == "cpu"
+                and (dtype or tensor.dtype) in (torch.float32, torch.bfloat16))
+
     def _short_chunks(self, meta: AttentionMetadata) -> _ShortChunks | None:
         """The step's decodes and short chunks as decode-kernel rows (None: no short chunk)."""
         if self._short is not None and self._short.meta is meta:
@@ -200,11 +209,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Rows [0, num_decodes): one query token per sequence, one SDPA call per length group."""
-        if self._cpu_kernels is not None and query.device.type == "cpu":
+        if self._kernel_runs(query):
             n = query.shape[0]
             return paged_decode_attention(
                 self._cpu_kernels, query, kv_cache[0], kv_cache[1],
-                meta.block_tables[:n], meta.seq_lens_tensor[:n], scale,
+                meta.block_tables[:n], meta.seq_lens_tensor[:n], scale, self._kv_quant,
             )
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
         plan = self._plan
@@ -228,6 +237,14 @@ class TorchAttentionBackend(AttentionBackend):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
         return out.reshape(batch, num_heads, head_dim)
 
+    def _read_context(self, cache: torch.Tensor, blocks: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """Tokens [0, length) of one sequence from `cache` (a layer's K or V) as `[length, kv_heads,
+        head_dim]` values in `dtype`, de-quantized when the cache is quantized."""
+        if self._kv_quant is not None and self._kernel_runs(cache, dtype):
+            return gather_dequantize(self._cpu_kernels, cache, blocks, length, self._kv_quant, dtype)
+        num_kv_heads, width = cache.shape[2:]
+        return self.read_kv(cache.index_select(0, blocks).view(-1, num_kv_heads, width)[:length], dtype)
+
     def _prefill(
         self,
         query: torch.Tensor,
@@ -239,7 +256,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         """One sequence's chunk of `query_len` tokens that ends its context of `seq_len` tokens."""
-        _, _, block_size, num_kv_heads, width = kv_cache.shape
+        _, _, block_size, num_kv_heads, _ = kv_cache.shape
         query_len, seq_len = meta.query_lens[seq], meta.seq_lens[seq]
         num_heads = query.shape[1]
         # 4-D [1, heads, len, head_dim]: torch's CPU flash kernel takes 4-D inputs only; 3-D ones
@@ -249,11 +266,9 @@ class TorchAttentionBackend(AttentionBackend):
         if query_len == seq_len and not self.kv_dtype.quantized:
             k, v = key.transpose(0, 1)[None], value.transpose(0, 1)[None]
         else:
-            num_blocks = (seq_len + block_size - 1) // block_size
-            blocks = meta.block_tables[seq, :num_blocks]
-            k = self.read_kv(kv_cache[0].index_select(0, blocks).view(-1, num_kv_heads, width)[:seq_len], query.dtype)
-            v = self.read_kv(kv_cache[1].index_select(0, blocks).view(-1, num_kv_heads, width)[:seq_len], query.dtype)
-            k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+            blocks = meta.block_tables[seq, : (seq_len + block_size - 1) // block_size]
+            k = self._read_context(kv_cache[0], blocks, seq_len, query.dtype).transpose(0, 1)[None]
+            v = self._read_context(kv_cache[1], blocks, seq_len, query.dtype).transpose(0, 1)[None]
         if query_len == seq_len:
             # The chunk is the whole context: is_causal (top-left aligned) is right.
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)

@@ -37,8 +37,8 @@ from engine.model.archive_manifest import (
     resolve_handler,
     validate_manifest,
 )
-from engine.model.llama_spec import architecture_of
-from engine.model.model_config import ModelConfigError, load_model_config
+from engine.model.llama_spec import LlamaSpec, architecture_of
+from engine.model.model_config import ModelConfig, ModelConfigError, load_model_config
 
 DEFAULT_MAX_TOTAL_BYTES = 64 << 30
 MAX_ENTRIES = 100_000
@@ -344,8 +344,9 @@ def _verify(top: Path, hashes: dict[str, str], allow_custom_handlers: bool) -> O
         raise ArchiveError("cannot find the model directory: it needs exactly one config.json, "
                            f"found {where}")
     model_prefix = f"{model_rel}/" if model_rel else ""
+    hf_config = _read_json(root / model_prefix / "config.json", "config.json", "invalid")
     try:
-        architecture_of(_read_json(root / model_prefix / "config.json", "config.json", "invalid"))
+        architecture_of(hf_config)
     except ValueError as exc:
         raise ArchiveError(f"the archive's model is not supported: {exc}") from None
     if not any(n.startswith(model_prefix) and n.endswith(".safetensors") for n in content):
@@ -358,10 +359,24 @@ def _verify(top: Path, hashes: dict[str, str], allow_custom_handlers: bool) -> O
     if config_rel is not None:
         model_config = root / (config_rel if config_rel in content else model_prefix + config_rel)
         try:
-            load_model_config(model_config)
+            _check_tensor_parallel(load_model_config(model_config), hf_config)
         except ModelConfigError as exc:
             raise ArchiveError(f"invalid model config: {exc}") from None
     return OpenedArchive(root / model_rel, manifest, model_config, custom)
+
+
+def _check_tensor_parallel(config: ModelConfig, hf_config: Any) -> None:
+    """A tensor-parallel size that the model's heads, MLP or vocabulary do not divide is refused
+    when the archive is opened (naming the sizes), not when its worker starts."""
+    size = config.engine_options().get("tensor_parallel_size", 1)
+    if size == 1:
+        return
+    from engine.parallel.sharding import check_tensor_parallel
+
+    try:
+        check_tensor_parallel(LlamaSpec.from_hf(hf_config), size)
+    except ValueError as exc:
+        raise ModelConfigError(f"{config.source}: {exc}") from None
 
 
 def _archive_root(hashes: dict[str, str]) -> str:

@@ -13,8 +13,8 @@ exactly like the torch code they replace, so results are bit-identical either wa
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +35,12 @@ from engine.model.quant_linear import (
 )
 from engine.model.quant_spec import QUANT_LEAVES, QuantSpec
 from kernels.cpu_fused_ops import CpuFusedOps
+from kernels.cpu_int4_dequant import load_int4_dequant
 from kernels.cpu_packed_linear import PackedLinear
+from kernels.cpu_upcast_linear import UpcastLinear
+
+if TYPE_CHECKING:
+    from engine.parallel.group import TensorParallelGroup
 
 # HF projection name -> (fused module name, shard index).
 _FUSED = {
@@ -96,6 +101,8 @@ class LlamaAttention(nn.Module):
         self.scale = spec.head_dim**-0.5
         self.backend = backend
         self.ops = ops
+        # Tensor parallelism (engine.parallel.layers): sums the ranks' partial o_proj outputs.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -112,7 +119,8 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale).reshape(num_tokens, -1)
-        return self.o_proj(out) if lora is None else lora.add("o", out, self.o_proj(out))
+        out = self.o_proj(out) if lora is None else lora.add("o", out, self.o_proj(out))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class LlamaMLP(nn.Module):
@@ -122,6 +130,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * size, bias=spec.mlp_bias, dtype=dtype)
         self.down_proj = nn.Linear(size, spec.hidden_size, bias=spec.mlp_bias, dtype=dtype)
         self.ops = ops
+        # Tensor parallelism (engine.parallel.layers): sums the ranks' partial down_proj outputs.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, h: torch.Tensor, lora: LoRALayer | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(h)
@@ -132,7 +142,8 @@ class LlamaMLP(nn.Module):
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return self.down_proj(act) if lora is None else lora.add("down", act, self.down_proj(act))
+        out = self.down_proj(act) if lora is None else lora.add("down", act, self.down_proj(act))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -189,6 +200,10 @@ class LlamaForCausalLM(nn.Module):
     `quant` swaps the projections, the embedding and the LM head for quantized layers (see
     engine.model.quant_spec for which); they are filled by `load_weights` from full-precision
     tensors (quantized one tensor at a time) or from a quantized checkpoint's tensors.
+    `tp` makes this model one rank's shard of a tensor-parallel model (engine.parallel): its
+    modules are sized by `rank_spec` (its heads, MLP and vocabulary slices; `spec` stays the
+    whole model's), `load_weights` expects the rank's slices, and `compute_logits` returns the
+    whole vocabulary on rank 0 and None on the others.
     """
 
     def __init__(
@@ -200,9 +215,17 @@ class LlamaForCausalLM(nn.Module):
         max_model_len: int | None = None,
         fused_ops: CpuFusedOps | None = None,
         quant: QuantSpec | None = None,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         spec = config if isinstance(config, LlamaSpec) else LlamaSpec.from_hf(config)
+        self.tp = tp
+        if tp is None:
+            self.rank_spec = spec
+        else:
+            from engine.parallel.sharding import shard_spec
+
+            self.rank_spec = shard_spec(spec, tp.size)
         max_len = max_model_len or spec.max_position_embeddings
         if spec.sliding_window is not None and spec.sliding_window < max_len:
             raise ValueError(
@@ -210,19 +233,24 @@ class LlamaForCausalLM(nn.Module):
                 f"supported; it only works when max_model_len <= {spec.sliding_window} (got {max_len})"
             )
         self.spec, self.dtype, self.device, self.max_model_len = spec, dtype, torch.device(device), max_len
+        local = self.rank_spec
         with torch.device("meta"):
-            self.model = LlamaModel(spec, dtype, backend, fused_ops)
+            self.model = LlamaModel(local, dtype, backend, fused_ops)
             self.lm_head = None
             if not spec.tie_word_embeddings:
-                self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
+                self.lm_head = nn.Linear(spec.hidden_size, local.vocab_size, bias=False, dtype=dtype)
             if quant is not None and quant.method is not QuantMethod.NONE:
                 self._swap_quantized(quant)
+            if tp is not None:
+                from engine.parallel.layers import parallelize
+
+                parallelize(self.model, tp, local.vocab_size)
         # to_empty's empty_like on meta tensors goes through torch's Python refs, whose first use
         # imports sympy (~1-2 s of a worker's start); a plain empty of each shape does not.
         self._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=self.device))
         self.requires_grad_(False)
         # pack_linear_weights(), or (quantized, tied) an Int8Linear over the embedding's storage
-        self.packed_lm_head: PackedLinear | Int8Linear | None = None
+        self.packed_lm_head: PackedLinear | UpcastLinear | Int8Linear | None = None
         freqs = torch.arange(max_len, dtype=torch.float32, device=self.device)[:, None] * rope_inv_freq(spec).to(
             self.device
         )
@@ -230,8 +258,8 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", freqs.cos().to(dtype), persistent=False)
         self.register_buffer("rope_sin", freqs.sin().to(dtype), persistent=False)
         self._shard_sizes = {
-            "qkv_proj": [spec.num_heads * spec.head_dim] + [spec.num_kv_heads * spec.head_dim] * 2,
-            "gate_up_proj": [spec.intermediate_size] * 2,
+            "qkv_proj": [local.num_heads * local.head_dim] + [local.num_kv_heads * local.head_dim] * 2,
+            "gate_up_proj": [local.intermediate_size] * 2,
         }
 
     def forward(
@@ -255,9 +283,14 @@ class LlamaForCausalLM(nn.Module):
             return self.model.norm(h)
         return self.model.norm(h, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """`hidden [N, hidden]` -> logits `[N, vocab]` in the model dtype (the sampler widens
-        them to float32 only when it needs to)."""
+        them to float32 only when it needs to). Tensor-parallel: each rank computes its slice of
+        the vocabulary; rank 0 gets them gathered, the other ranks None."""
+        logits = self._rank_logits(hidden)
+        return logits if self.tp is None else self.tp.gather_vocab(logits)
+
+    def _rank_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_lm_head is not None:
             return self.packed_lm_head(hidden)
         if isinstance(self.lm_head, Int8Linear):
@@ -277,30 +310,35 @@ class LlamaForCausalLM(nn.Module):
     def _swap_quantized(self, quant: QuantSpec) -> None:
         """Replace (on the meta device, before allocation) the projections, the embedding and
         an untied LM head by quantized layers; nothing full-precision is ever allocated for them."""
+        uses_int4 = any(quant.method_for(q) is QuantMethod.INT4 for q, _, _ in self._projections())
+        int4_dequant = load_int4_dequant() if uses_int4 and self.device.type == "cpu" else None
         for qualified, parent, name in self._projections():
             linear = getattr(parent, name)
             method = quant.method_for(qualified)
             if method is not QuantMethod.NONE:
                 setattr(parent, name, make_quant_linear(method, linear.in_features, linear.out_features,
-                                                        linear.bias is not None, self.dtype, quant.group_size))
+                                                        linear.bias is not None, self.dtype, quant.group_size,
+                                                        int4_dequant))
         emb = self.model.embed_tokens
         self.model.embed_tokens = Int8Embedding(emb.num_embeddings, emb.embedding_dim, self.dtype)
         if self.lm_head is not None:
             self.lm_head = Int8Linear(self.lm_head.in_features, self.lm_head.out_features, False, self.dtype,
                                       weight_only_max_rows=HEAD_WEIGHT_ONLY_MAX_ROWS)
 
-    def pack_linear_weights(self) -> None:
-        """Swap every bf16 projection and the LM head for a PackedLinear (CPU, after the
-        weights are loaded): oneDNN then skips its per-call weight reorder. Quantized layers stay."""
+    def pack_linear_weights(self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module] = PackedLinear) -> None:
+        """Swap every bf16 projection and the LM head for a CPU linear layer (after the weights
+        are loaded): a PackedLinear (oneDNN then skips its per-call weight reorder) or, on a CPU
+        without bf16 dot products, an UpcastLinear (float32 GEMMs). Quantized layers stay."""
         for _, parent, name in self._projections():
             if isinstance(getattr(parent, name), nn.Linear):
-                setattr(parent, name, PackedLinear.from_linear(getattr(parent, name)))
+                linear = getattr(parent, name)
+                setattr(parent, name, make(linear.weight, linear.bias))
         if self.packed_lm_head is not None or isinstance(self.lm_head, Int8Linear):
             return
         if self.lm_head is None:  # tied: the embedding keeps its plain table for lookups
-            self.packed_lm_head = PackedLinear(self.model.embed_tokens.weight, None)
+            self.packed_lm_head = make(self.model.embed_tokens.weight, None)
         else:
-            self.packed_lm_head = PackedLinear.from_linear(self.lm_head)
+            self.packed_lm_head = make(self.lm_head.weight, self.lm_head.bias)
             self.lm_head = None
 
     def checkpoint_names(self) -> set[str]:

@@ -6,22 +6,28 @@ refused, never opened.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.kv_quant import KVCacheDtype, kv_row_width, kv_storage_dtype
-from engine.config import resolve_dtype
+from engine.config import EngineConfig, resolve_dtype
 from engine.model.llama import LlamaForCausalLM
 from engine.model.llama_spec import LlamaSpec
 from engine.model.quant_spec import QuantSpec
 from kernels.cpu_fused_ops import CpuFusedOps, load_fused_ops
-from kernels.cpu_packed_linear import packed_linear_supported
+from kernels.cpu_isa import cpu_has_bf16_dot
+from kernels.cpu_packed_linear import PackedLinear, packed_linear_supported
+from kernels.cpu_upcast_linear import UpcastLinear, load_gemv
+
+if TYPE_CHECKING:
+    from engine.parallel.group import TensorParallelGroup
 
 _INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -76,22 +82,32 @@ def load_model(
     max_model_len: int | None = None,
     fused_ops: CpuFusedOps | None = None,
     quant: QuantSpec | None = None,
+    tp: TensorParallelGroup | None = None,
 ) -> LlamaForCausalLM:
     """Build the model from `model_dir/config.json` and fill it from its safetensors files.
 
     Raises ValueError for an unsupported architecture/config, a missing or unexpected tensor,
     a shape mismatch, or a directory with only pickle checkpoints. `quant` (see
-    `engine.model.quant_spec.resolve_spec`) loads quantized layers, tensor by tensor.
+    `engine.model.quant_spec.resolve_spec`) loads quantized layers, tensor by tensor. `tp`: this
+    process's rank of a tensor-parallel group; only its shard is built and read (engine.parallel).
     """
     config = read_config(model_dir)
     files = safetensors_files(model_dir)
     model = LlamaForCausalLM(
         config, resolve_dtype(dtype), device, backend, max_model_len=max_model_len, fused_ops=fused_ops,
-        quant=quant,
+        quant=quant, tp=tp,
     )
-    model.load_weights(iter_safetensors(files))
-    if model.dtype == torch.bfloat16 and model.device.type == "cpu" and packed_linear_supported():
-        model.pack_linear_weights()
+    if tp is None:
+        model.load_weights(iter_safetensors(files))
+    else:
+        from engine.parallel.sharding import iter_rank_tensors
+
+        model.load_weights(iter_rank_tensors(files, model.spec, tp.rank, tp.size))
+    if model.dtype == torch.bfloat16 and model.device.type == "cpu":
+        if not cpu_has_bf16_dot():
+            model.pack_linear_weights(functools.partial(UpcastLinear, gemv=load_gemv()))
+        elif packed_linear_supported():
+            model.pack_linear_weights(PackedLinear)
     return model.eval()
 
 
@@ -105,6 +121,19 @@ def kv_cache_bytes_per_block(config: Any, block_size: int, dtype: str | torch.dt
     spec = _spec(config)
     itemsize = kv_storage_dtype(kv_dtype, resolve_dtype(dtype)).itemsize
     return 2 * spec.num_layers * block_size * spec.num_kv_heads * kv_row_width(spec.head_dim, kv_dtype) * itemsize
+
+
+def kv_pool_size(config: EngineConfig, rank_spec: LlamaSpec, kv_dtype: KVCacheDtype) -> tuple[int, int]:
+    """(bytes one KV block takes in the whole worker, blocks in the pool) for a model whose
+    process holds the KV heads of `rank_spec` (all of them, or a tensor-parallel rank's share).
+
+    `kv_cache_memory` is the whole worker's budget: each of its N tensor-parallel ranks holds
+    every block for its own KV heads, so N ranks with 1/N of the heads hold as many blocks as one
+    process with all of them (KV heads replicated on several ranks cost their copies). Every
+    rank computes the same count."""
+    total = kv_cache_bytes_per_block(rank_spec, config.block_size, config.torch_dtype, kv_dtype) \
+        * config.tensor_parallel_size
+    return total, config.resolve_num_blocks(total)
 
 
 def allocate_kv_caches(

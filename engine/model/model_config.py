@@ -49,7 +49,9 @@ class DeviceType(str, enum.Enum):
 
 
 class ParallelType(str, enum.Enum):
-    """TorchServe's values; pagedserve runs one device per worker, so only the level matters yet."""
+    """TorchServe's values. pagedserve runs tensor parallelism: `tp` with `parallelLevel: N` is
+    `handler.tensor_parallel_size: N`; `custom` leaves it to the handler (TorchServe's vLLM
+    example sets tensor_parallel_size under vllm_engine_config); pp and pptp are refused."""
 
     PP = "pp"
     TP = "tp"
@@ -152,6 +154,25 @@ class ModelConfig:
             raise ModelConfigError(f"{self.source}: minWorkers: must not exceed maxWorkers ({self.max_workers}), "
                                    f"got {self.min_workers}")
         _check_handler(self.source, self.handler)
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        """parallelType/parallelLevel against what runs: tensor parallelism, with the handler's
+        other options (some are refused with it)."""
+        kind, level = self.parallel_type, self.parallel_level
+        if level > 1 and kind in (None, ParallelType.PP, ParallelType.PPTP):
+            named = "unset" if kind is None else kind.value
+            raise ModelConfigError(f"{self.source}: parallelType: {named} with parallelLevel {level} is not "
+                                   "supported; pagedserve runs tensor parallelism (parallelType: tp)")
+        handler_size = self.handler.get("tensor_parallel_size")
+        if kind is ParallelType.TP and handler_size is not None and handler_size != level:
+            raise ModelConfigError(f"{self.source}: handler.tensor_parallel_size: {handler_size} contradicts "
+                                   f"parallelLevel: {level} with parallelType: tp; set one of them")
+        if kind is ParallelType.TP and level > 1:
+            try:
+                EngineConfig(model=_PLACEHOLDER_MODEL, **self.engine_options())
+            except ValueError as exc:
+                raise ModelConfigError(f"{self.source}: parallelLevel: {exc}") from None
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "model-config.yaml") -> ModelConfig:
@@ -179,8 +200,12 @@ class ModelConfig:
         return cls(**kwargs, handler=dict(handler or {}), source=source)
 
     def engine_options(self) -> dict[str, Any]:
-        """The handler's engine options, as keyword arguments for `EngineConfig` / `LLM`."""
-        return {k: v for k, v in self.handler.items() if k != HANDLER_OPTIONS_KEY}
+        """The handler's engine options, as keyword arguments for `EngineConfig` / `LLM`
+        (`parallelType: tp` makes parallelLevel the tensor_parallel_size)."""
+        options = {k: v for k, v in self.handler.items() if k != HANDLER_OPTIONS_KEY}
+        if self.parallel_type is ParallelType.TP and self.parallel_level > 1:
+            options["tensor_parallel_size"] = self.parallel_level
+        return options
 
     @property
     def handler_options(self) -> dict[str, Any]:

@@ -4,13 +4,16 @@
   run `aten._weight_int8pack_mm` (weight-only: activations stay in the model dtype), which loses
   to bf16 from a few dozen rows on. More rows run `torch._int_mm` (VNNI int8 dot products) on
   activations quantized per token at run time, the call's largest input channels kept apart in
-  float32 (`_w8a8_mm`): mode `w8a8` from 2 rows on, mode `int8` for 17..255 rows (batched
-  decode); mode `int8` de-quantizes the weight for calls of 256+ rows and uses `F.linear`, so
+  float32 (`_w8a8_mm`): mode `w8a8` at every row count (its weight stored as `[K, N]` for
+  that), mode `int8` for 17..255 rows (batched decode); mode `int8` de-quantizes the weight for calls of 256+ rows and uses `F.linear`, so
   prefill keeps weight-only numerics.
 - `Int4Linear`: 4-bit codes in groups of 32/64/128 along the input, asymmetric (a scale and an
   offset per group: `w = q * scale + offset`). Few rows run `aten._weight_int4pack_mm_for_cpu`;
-  many rows de-quantize the weight to the model dtype for that call and use `F.linear`, except
-  on a CPU without bf16 dot products, where the kernel runs at every row count.
+  more rows de-quantize the weight for that call with the int4_dequant C++ kernel (one pass
+  from the packed layout to float32 `W^T`; on a CPU without bf16 dot products 512 columns at a
+  time, each chunk multiplied in float32 while it is in cache) and run GEMMs on it. Without that extension the
+  de-quantization is plain torch (~100x slower), and a CPU without bf16 dot products then keeps
+  the weight-only kernel at every row count.
 - `Int8Embedding`: the token table as int8 rows with a scale each; with tied embeddings the
   LM head is an `Int8Linear` over the same storage.
 
@@ -25,6 +28,11 @@ import enum
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels.cpu_int4_dequant import int4pack_dequant_t, int4pack_linear, scale_and_shift
+from kernels.cpu_isa import cpu_has_bf16_dot, cpu_has_vnni
+
+__all__ = ["cpu_has_vnni"]  # re-exported for quant_spec's check of w8a8
 
 INT4_GROUP_SIZES = (32, 64, 128)
 INT8_WEIGHT_ONLY_MAX_ROWS = 16  # more rows: torch._int_mm on activations quantized per token
@@ -44,25 +52,6 @@ class QuantMethod(enum.Enum):
     INT8 = "int8"
     INT4 = "int4"
     W8A8 = "w8a8"
-
-
-def _cpu_flags() -> list[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            return next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return []
-
-
-def cpu_has_vnni() -> bool:
-    """True where the CPU reports VNNI int8 dot products (avx512_vnni or avx_vnni) or AMX."""
-    return any(flag in _cpu_flags() for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
-
-
-def cpu_has_bf16_dot() -> bool:
-    """True where the CPU has bf16 dot products (avx512_bf16 or AMX). Without them oneDNN
-    emulates bf16 GEMMs: measured ~7 GFLOP/s at 64 rows on an Ice Lake-class Xeon (fp32: 130)."""
-    return any(flag in _cpu_flags() for flag in ("avx512_bf16", "amx_bf16"))
 
 
 def int4_kernel_max_rows() -> int:
@@ -129,11 +118,12 @@ def _w8a8_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         extra = xf[:, cols] @ qweight[:, cols].float().t()
         xf = xf.index_fill(1, cols, 0.0)
     x_scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
-    xq = torch.round(xf / x_scale).to(torch.int8)  # |x| / x_scale <= 127 by construction
-    acc = torch._int_mm(xq, qweight.t()).float() * x_scale
+    xq = torch.round(xf.div_(x_scale)).to(torch.int8)  # |x| / x_scale <= 127 by construction
+    # One pass per step over the [M, N] result: int32 * float32 -> float32, then in place.
+    acc = torch.mul(torch._int_mm(xq, qweight.t()), x_scale)
     if extra is not None:
         acc += extra
-    return (acc * scale).to(x.dtype)
+    return acc.mul_(scale).to(x.dtype)
 
 
 class _QuantBase(nn.Module):
@@ -176,12 +166,21 @@ class Int8Linear(_QuantBase):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  weight_only_max_rows: int = INT8_WEIGHT_ONLY_MAX_ROWS,
-                 dequant_min_rows: int = INT8_DEQUANT_MIN_ROWS) -> None:
+                 dequant_min_rows: int = INT8_DEQUANT_MIN_ROWS, w8a8: bool = False) -> None:
         super().__init__(in_features, out_features, bias, dtype)
         # Rows <= weight_only_max_rows: weight-only kernel; < dequant_min_rows: torch._int_mm on
         # activations quantized per token; more: the weight de-quantized for the call.
+        if w8a8:  # torch._int_mm at every row count
+            weight_only_max_rows, dequant_min_rows = 0, 1 << 62
         self.weight_only_max_rows, self.dequant_min_rows = weight_only_max_rows, dequant_min_rows
-        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
+        if w8a8:
+            # Only torch._int_mm reads the weight, and it ran ~2.5x faster on a contiguous [K, N]
+            # int8 matrix than on the transpose of [N, K] at 1,000 rows: `qweight` is the [N, K]
+            # view of such storage (row-wise loading and the outlier columns work on the view).
+            qweight = torch.empty(in_features, out_features, dtype=torch.int8).t()
+        else:
+            qweight = torch.empty(out_features, in_features, dtype=torch.int8)
+        self.register_buffer("qweight", qweight)
         self.register_buffer("scale", torch.empty(out_features, dtype=torch.float32))
         self.register_buffer("kernel_scale", torch.empty(out_features, dtype=dtype))
 
@@ -219,7 +218,8 @@ class Int8Linear(_QuantBase):
         elif rows.shape[0] < self.dequant_min_rows:
             out = _w8a8_mm(rows, self.qweight, self.scale)
         else:
-            out = F.linear(rows.to(self.dtype), self.qweight.to(self.dtype) * self.kernel_scale[:, None])
+            out = _dequantized_linear(rows, lambda dtype: self.qweight.to(dtype) * self.kernel_scale[:, None].to(dtype),
+                                      self.dtype)
         return self._finish(out.to(x.dtype), x)
 
 
@@ -227,13 +227,19 @@ class Int4Linear(_QuantBase):
     """int4 weights in groups along the input, asymmetric; see the module docstring."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 group_size: int = 32, kernel_max_rows: int | None = None) -> None:
+                 group_size: int = 32, kernel_max_rows: int | None = None, dequant=None) -> None:
         super().__init__(in_features, out_features, bias, dtype)
         check_group_size(in_features, group_size)
         if out_features % _INT4_BLOCK_N:
             raise ValueError(f"int4 needs output features divisible by {_INT4_BLOCK_N}, got {out_features}; use int8")
         self.group_size = group_size
-        self.kernel_max_rows = int4_kernel_max_rows() if kernel_max_rows is None else kernel_max_rows
+        # `dequant`: the loaded int4_dequant extension (kernels.cpu_int4_dequant), which makes
+        # de-quantizing for a call cheap (~0.2 ms for 1536 x 576 on one thread): calls above
+        # INT4_KERNEL_MAX_ROWS rows then run one GEMM on the de-quantized weight on every CPU.
+        self.dequant = dequant
+        if kernel_max_rows is None:
+            kernel_max_rows = INT4_KERNEL_MAX_ROWS if dequant is not None else int4_kernel_max_rows()
+        self.kernel_max_rows = kernel_max_rows
         groups = in_features // group_size
         # Loading form (codes, float32 scale/offset), replaced by the kernel's layout in finalize.
         self.register_buffer("codes", torch.empty(out_features, in_features, dtype=torch.uint8))
@@ -285,9 +291,26 @@ class Int4Linear(_QuantBase):
         if rows.shape[0] <= self.kernel_max_rows:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size,
                                                              self.scales_and_zeros)
+        elif self.dequant is not None and not cpu_has_bf16_dot():
+            # float32 GEMMs on cache-sized de-quantized chunks (bf16 GEMMs are emulated here).
+            out = int4pack_linear(self.dequant, rows, self.packed, *scale_and_shift(self.scales_and_zeros),
+                                  self.group_size)
+        elif self.dequant is not None:  # one bf16 GEMM on the whole de-quantized weight
+            weight_t = int4pack_dequant_t(self.dequant, self.packed, *scale_and_shift(self.scales_and_zeros),
+                                          self.group_size)
+            out = F.linear(rows, weight_t.to(self.dtype).t())
         else:
-            out = F.linear(rows, self.dequantized(self.dtype))
+            out = _dequantized_linear(rows, self.dequantized, self.dtype)
         return self._finish(out.to(x.dtype), x)
+
+
+def _dequantized_linear(rows: torch.Tensor, weight_in, dtype: torch.dtype) -> torch.Tensor:
+    """`rows @ weight.T` with the weight de-quantized for this call by `weight_in(dtype)`: in
+    `dtype`, except bf16 on a CPU without bf16 dot products, which multiplies in float32 (an
+    emulated bf16 GEMM is ~4-5x slower there, kernels.cpu_isa)."""
+    if dtype == torch.bfloat16 and rows.device.type == "cpu" and not cpu_has_bf16_dot():
+        return F.linear(rows.float(), weight_in(torch.float32)).to(dtype)
+    return F.linear(rows.to(dtype), weight_in(dtype))
 
 
 class Int8Embedding(nn.Module):
@@ -312,11 +335,13 @@ class Int8Embedding(nn.Module):
 
 
 def make_quant_linear(method: QuantMethod, in_features: int, out_features: int, bias: bool,
-                      dtype: torch.dtype, group_size: int) -> _QuantBase:
+                      dtype: torch.dtype, group_size: int, int4_dequant=None) -> _QuantBase:
+    """The quantized layer of `method`; `int4_dequant` is the loaded int4_dequant extension
+    (`kernels.cpu_int4_dequant.load_int4_dequant()`) for int4, or None."""
     if method is QuantMethod.INT8:
         return Int8Linear(in_features, out_features, bias, dtype)
     if method is QuantMethod.W8A8:
-        return Int8Linear(in_features, out_features, bias, dtype, weight_only_max_rows=1, dequant_min_rows=1 << 62)
+        return Int8Linear(in_features, out_features, bias, dtype, w8a8=True)
     if method is QuantMethod.INT4:
-        return Int4Linear(in_features, out_features, bias, dtype, group_size)
+        return Int4Linear(in_features, out_features, bias, dtype, group_size, dequant=int4_dequant)
     raise ValueError(f"no quantized layer for {method.value}")

@@ -49,6 +49,7 @@ VLLM_KEYS: dict[str, tuple[str, Callable[[Any], Any] | None]] = {
     "kv_cache_memory_bytes": ("kv_cache_memory", None),
     "scheduling_policy": ("scheduling_policy", None),
     "quantization": ("quantization", None),
+    "tensor_parallel_size": ("tensor_parallel_size", None),
 }
 # Values that mean "the default" (or one device) in vLLM: dropped silently.
 _DEFAULTS = {"dtype": "auto", "tensor_parallel_size": 1, "pipeline_parallel_size": 1}

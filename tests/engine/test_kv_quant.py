@@ -9,7 +9,7 @@ import torch
 
 from engine.attention.kv_quant import KVCacheDtype, dequantize_kv, quantize_kv
 from engine.attention.selector import select_backend
-from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.torch_backend import SHORT_CHUNK_TOKENS, TorchAttentionBackend
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.request import Request
@@ -66,9 +66,10 @@ def _triton(kind):
 @pytest.mark.parametrize(("make_backend", "dtype", "tol", "seqs"), [
     (lambda kind: TorchAttentionBackend(kv_dtype=kind), torch.float32, 1e-5, MIXED),
     (lambda kind: TorchAttentionBackend(kv_dtype=kind), torch.bfloat16, 2e-2, MIXED),
+    (lambda kind: select_backend("cpu", "auto", kind), torch.float32, 1e-5, MIXED),  # the compiled kernel
     (lambda kind: select_backend("cpu", "auto", kind), torch.bfloat16, 2e-2, MIXED),
     (_triton, torch.float32, 1e-5, SMALL),
-], ids=["torch-f32", "torch-bf16", "cpu-auto-bf16", "triton-f32"])
+], ids=["torch-f32", "torch-bf16", "cpu-auto-f32", "cpu-auto-bf16", "triton-f32"])
 def test_attention_reads_the_quantized_cache(kind, make_backend, dtype, tol, seqs):
     """Decodes in two length groups, prefill chunks, whole prompts and short chunks in one step:
     each output equals attention over the de-quantized cache, new tokens quantized as written."""
@@ -86,6 +87,49 @@ def test_attention_reads_the_quantized_cache(kind, make_backend, dtype, tol, seq
     assert torch.equal(written, quantize_kv(k, kind))
     values = dequantize_kv(cache, kind, torch.float32)
     torch.testing.assert_close(out.double(), reference(q, values, meta, 0.3), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kind", QUANTIZED, ids=lambda k: k.value)
+def test_cpu_backend_reads_the_quantized_cache_with_the_kernel(kind):
+    """On CPU the backend's decodes are the compiled kernel's output on the quantized rows (not
+    the gather + SDPA path), and its prefills see the same de-quantized values as the torch path."""
+    from kernels.cpu_paged_attention import load_cpu_kernels, paged_decode_attention
+
+    ext = load_cpu_kernels()
+    if ext is None:
+        pytest.skip("the CPU attention kernel could not be built here")
+    g = torch.Generator().manual_seed(3)
+    meta = make_meta([(1, 300), (1, 12), (1, 40)], g)
+    cache = _quantized_cache(kind, g)
+    q = torch.randn(meta.num_tokens, HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    k = torch.randn(meta.num_tokens, KV_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    out = TorchAttentionBackend(cpu_kernels=ext, kv_dtype=kind).forward(q, k, k, cache, meta, 0.3)
+    kernel = paged_decode_attention(ext, q, cache[0], cache[1], meta.block_tables, meta.seq_lens_tensor, 0.3,
+                                    kind.value)
+    assert torch.equal(out, kernel)
+    # A whole prompt and a chunk after cached context (too long to run as kernel rows): the fused
+    # gather + de-quantize pass gives bit for bit what the torch path (index_select + dequantize_kv) gives.
+    meta = make_meta([(30, 30), (SHORT_CHUNK_TOKENS + 1, 50)], g)
+    q = torch.randn(meta.num_tokens, HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    k = torch.randn(meta.num_tokens, KV_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    fused = TorchAttentionBackend(cpu_kernels=ext, kv_dtype=kind).forward(q, k, k, cache.clone(), meta, 0.3)
+    plain = TorchAttentionBackend(kv_dtype=kind).forward(q, k, k, cache.clone(), meta, 0.3)
+    assert torch.equal(fused, plain)
+
+
+@pytest.mark.parametrize("kind", [KVCacheDtype.AUTO, *QUANTIZED], ids=lambda k: k.value)
+def test_float16_queries_take_the_torch_path(kind):
+    """The compiled kernels take float32 / bfloat16 only: a float16 model on CPU still attends
+    (through gather + SDPA) with the kernels loaded, equal to the float64 reference."""
+    g = torch.Generator().manual_seed(4)
+    meta = make_meta([(1, 40), (1, 9), (3, 20), (12, 12)], g)
+    values = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=g)
+    cache = quantize_kv(values, kind) if kind.quantized else values.half()
+    q = torch.randn(meta.num_tokens, HEADS, HEAD_DIM, generator=g).half()
+    k = torch.randn(meta.num_tokens, KV_HEADS, HEAD_DIM, generator=g).half()
+    out = select_backend("cpu", "auto", kind).forward(q, k, k, cache, meta, 0.3)
+    read = dequantize_kv(cache, kind, torch.float32) if kind.quantized else cache.float()
+    torch.testing.assert_close(out.double(), reference(q, read, meta, 0.3), atol=5e-3, rtol=5e-3)
 
 
 def test_backend_refuses_a_cache_of_the_wrong_kind():

@@ -272,17 +272,22 @@ def test_loader_refuses_pickle_only_checkpoints(llama_dir, tmp_path):
 
 
 def test_bfloat16_on_cpu_runs_packed_linears(checkpoint):
-    """bf16 models on CPU run their projections and LM head through PackedLinear (the
-    full-model closeness to HF is test_bfloat16_stays_close); logits match F.linear."""
+    """bf16 models on CPU run their projections and LM head through PackedLinear, or through
+    UpcastLinear where the CPU has no bf16 dot products (the full-model closeness to HF is
+    test_bfloat16_stays_close); logits match F.linear."""
+    from kernels.cpu_isa import cpu_has_bf16_dot
     from kernels.cpu_packed_linear import PackedLinear, packed_linear_supported
+    from kernels.cpu_upcast_linear import UpcastLinear
 
-    if not packed_linear_supported():
+    native = cpu_has_bf16_dot()
+    if native and not packed_linear_supported():
         pytest.skip("no oneDNN bf16 linear here")
+    expected = PackedLinear if native else UpcastLinear
     model = PagedRunner(checkpoint, torch.bfloat16).model
     layer = model.model.layers[0]
     projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    assert all(isinstance(p, PackedLinear) for p in projections)
-    assert isinstance(model.packed_lm_head, PackedLinear)
+    assert all(isinstance(p, expected) for p in projections)
+    assert isinstance(model.packed_lm_head, expected)
     assert isinstance(PagedRunner(checkpoint, torch.float32).model.model.layers[0].mlp.down_proj, torch.nn.Linear)
     if model.spec.tie_word_embeddings:
         hidden = torch.randn(7, model.spec.hidden_size).bfloat16()

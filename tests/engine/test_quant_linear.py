@@ -71,6 +71,22 @@ def test_int4_matches_reference(in_f, out_f, group, rows):
     _check(_loaded(QuantMethod.INT4, in_f, out_f, group), rows, 0.02)
 
 
+@pytest.mark.parametrize("in_f,out_f", SHAPES)
+@pytest.mark.parametrize("rows", [INT4_KERNEL_MAX_ROWS + 1, 300])
+def test_int4_with_the_dequant_kernel_matches_reference(in_f, out_f, rows):
+    """Above INT4_KERNEL_MAX_ROWS rows an int4 layer given the int4_dequant extension
+    de-quantizes with it and runs one GEMM."""
+    from kernels.cpu_int4_dequant import load_int4_dequant
+
+    ext = load_int4_dequant()
+    if ext is None:
+        pytest.skip("the int4_dequant extension cannot be built here")
+    layer = make_quant_linear(QuantMethod.INT4, in_f, out_f, False, torch.bfloat16, 32, int4_dequant=ext)
+    layer.quantize_rows(0, _weight(in_f, out_f))
+    assert layer.kernel_max_rows == INT4_KERNEL_MAX_ROWS
+    _check(layer, rows, 0.02)
+
+
 def test_w8a8_keeps_outlier_channels_out_of_the_int8_product():
     """Activations with a few channels 60x the rest (as the default model's are): leaving the 8
     largest channels out of the per-token int8 quantization cuts the error more than 5x."""

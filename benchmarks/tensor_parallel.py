@@ -1,0 +1,102 @@
+"""Tensor parallelism on this machine: the same offline workload at TP = 1 and TP = N.
+
+Each phase runs in a fresh process (one engine per process; the worker's threads shared among
+its ranks as the engine does): load `LLM(default model, tensor_parallel_size=N, num_threads=T)`,
+one warm-up request, then a timed greedy batch. Phases alternate TP = 1, TP = N for `--rounds`
+rounds; the result is each round's ratio TP=N / TP=1 of output tokens per second and their
+median (paired, as the machine's load drifts), plus whether the outputs were identical.
+
+    .venv/bin/python benchmarks/tensor_parallel.py --tp 3 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import RESULTS, cpu_description, make_prompts, run_phase
+
+
+def phase(args: argparse.Namespace) -> dict:
+    from engine import LLM, SamplingParams
+    from engine.model.default_model import default_model_dir
+
+    start = time.perf_counter()
+    llm = LLM(default_model_dir(), dtype=args.dtype, tensor_parallel_size=args.phase_tp, num_threads=args.threads,
+              kv_cache_memory="256MiB", max_model_len=1024)
+    load_s = time.perf_counter() - start
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    llm.generate([[11, 12, 13, 14]], SamplingParams(max_tokens=4, temperature=0))  # warm-up
+    prompts = json.loads(Path(args.prompts).read_text())
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    llm.shutdown()
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    return {"tp": args.phase_tp, "load_s": load_s, "elapsed_s": elapsed,
+            "output_tok_s": sum(map(len, tokens)) / elapsed,
+            "outputs_sha256": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the worker's torch threads")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--out", default="tensor_parallel")
+    parser.add_argument("--phase-tp", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--prompts", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.phase_tp is not None:
+        print(json.dumps(phase(args)))
+        return
+    from engine.llm import load_tokenizer
+    from engine.model.default_model import default_model_dir
+
+    # Made once here: make_prompts draws from the vocabulary in its dict order, which differs
+    # from one process to the next, so each phase reads the same prompts from a file.
+    prompts_file = RESULTS / f".{args.out}-prompts.json"
+    RESULTS.mkdir(exist_ok=True)
+    prompts_file.write_text(json.dumps(make_prompts(load_tokenizer(default_model_dir()), args.num_prompts,
+                                                    args.prompt_len, seed=0)))
+    common = ["--threads", str(args.threads), "--dtype", args.dtype, "--output-len", str(args.output_len),
+              "--prompts", str(prompts_file)]
+    rounds = []
+    for _ in range(args.rounds):
+        one, many = (run_phase(__file__, ["--phase-tp", str(tp), *common]) for tp in (1, args.tp))
+        rounds.append({"tp1": one, f"tp{args.tp}": many, "ratio": many["output_tok_s"] / one["output_tok_s"],
+                       "identical": one["outputs_sha256"] == many["outputs_sha256"]})
+        print(json.dumps(rounds[-1]), flush=True)
+    prompts_file.unlink()
+    result = {"cpu": cpu_description(), "load_average": os.getloadavg(), "settings": vars(args) | {"phase_tp": None, "prompts": None},
+              "rounds": rounds, "median_ratio": statistics.median(r["ratio"] for r in rounds),
+              "all_identical": all(r["identical"] for r in rounds)}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [f"# Tensor parallelism: TP = {args.tp} vs TP = 1 (offline, default model, {args.dtype})", "",
+             (f"{result['cpu']}; {args.threads} threads per worker (shared among its ranks); load average at the "
+              f"end {result['load_average'][0]:.1f}. {args.num_prompts} prompts x {args.prompt_len} tokens, "
+              f"{args.output_len} greedy output tokens each."), "",
+             f"| round | TP=1 tok/s | TP={args.tp} tok/s | ratio | identical output |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {i} | {r['tp1']['output_tok_s']:.1f} | {r[f'tp{args.tp}']['output_tok_s']:.1f} | {r['ratio']:.2f} | "
+              f"{r['identical']} |" for i, r in enumerate(rounds, 1)]
+    lines += ["", (f"Median ratio TP={args.tp} / TP=1: **{result['median_ratio']:.2f}x**; outputs identical in every "
+                   f"round: {result['all_identical']}.")]
+    (RESULTS / f"{args.out}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""The layers that differ on a tensor-parallel rank, as in Megatron-LM and vLLM.
+
+A rank's projections are built at its shard's sizes (engine.parallel.sharding), so the
+column-parallel ones (q/k/v, gate/up: a slice of the output rows) need nothing more. The
+row-parallel ones (o_proj, down_proj: a slice of the input columns) each give a partial sum of
+the whole output, which an all-reduce completes; the embedding holds a slice of the vocabulary
+and looks up only the ids inside it (zeros elsewhere), which an all-reduce completes as well.
+The LM head's slice of the logits is gathered to rank 0 by `LlamaForCausalLM.compute_logits`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from engine.model.llama import LlamaModel
+    from engine.parallel.group import TensorParallelGroup
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows `[start, start + num_local)` of the embedding table; `forward(ids)` returns the whole
+    embedding of every id (the ranks' lookups summed). `weight` keeps nn.Embedding's name, so the
+    checkpoint's `model.embed_tokens.weight` slice loads into it, and a tied LM head reads it."""
+
+    def __init__(self, num_local: int, dim: int, dtype: torch.dtype, start: int,
+                 group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_local, dim, dtype=dtype))
+        self.start, self.num_local, self.group = start, num_local, group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.num_local)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.group.all_reduce(out)
+
+
+def parallelize(model: LlamaModel, group: TensorParallelGroup, vocab_per_rank: int) -> None:
+    """Make `model` (built at its rank's sizes, on the meta device, before its weights load)
+    rank `group.rank`'s part: a vocabulary-parallel embedding, and an all-reduce after every
+    row-parallel projection."""
+    hidden = model.embed_tokens.embedding_dim
+    model.embed_tokens = VocabParallelEmbedding(vocab_per_rank, hidden, model.embed_tokens.weight.dtype,
+                                                group.rank * vocab_per_rank, group)
+    for layer in model.layers:
+        layer.self_attn.reduce = group.all_reduce
+        layer.mlp.reduce = group.all_reduce

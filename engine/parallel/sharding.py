@@ -1,0 +1,126 @@
+"""How a Llama-family model is cut among tensor-parallel ranks, and each rank's read of its slices.
+
+Rank r of N holds (as vLLM does):
+- query heads `[r*H/N, (r+1)*H/N)` of q_proj (rows) and of o_proj (columns);
+- KV heads `[r*K/N, (r+1)*K/N)` of k_proj / v_proj when N <= K; when N > K, one KV head,
+  `r*K // N`, replicated on the N/K ranks whose query heads use it;
+- rows `[r*I/N, (r+1)*I/N)` of gate_proj and up_proj, the same columns of down_proj;
+- rows `[r*V/N, (r+1)*V/N)` of the embedding and of an untied LM head (the vocabulary);
+- the norms whole. A row-parallel bias (o_proj, down_proj) is added once: rank 0 holds it,
+  the other ranks zeros, so the all-reduce of the partial outputs adds it exactly once.
+
+Sizes that do not divide are refused up front by `check_tensor_parallel`, naming them. Each
+rank reads only its slices from the safetensors files (`safe_open(...).get_slice`), never a
+whole projection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.model.llama_spec import LlamaSpec
+
+_LAYER_TENSOR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
+_VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def check_tensor_parallel(spec: LlamaSpec, size: int) -> None:
+    """ValueError naming every model size that `size` ranks cannot share evenly."""
+    if size == 1:
+        return
+    problems = []
+    if spec.num_heads % size:
+        problems.append(f"{spec.num_heads} query heads")
+    kv = spec.num_kv_heads
+    if kv >= size and kv % size:
+        problems.append(f"{kv} KV heads")
+    if kv < size and size % kv:
+        problems.append(f"{kv} KV heads (with fewer KV heads than ranks, the ranks must be a "
+                        f"multiple of them: each KV head is replicated on tensor_parallel_size / KV heads ranks)")
+    if spec.intermediate_size % size:
+        problems.append(f"MLP intermediate size {spec.intermediate_size}")
+    if spec.vocab_size % size:
+        problems.append(f"vocabulary of {spec.vocab_size} tokens")
+    if problems:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the model's "
+                         f"{', '.join(problems)}; choose a size that divides them")
+
+
+def shard_spec(spec: LlamaSpec, size: int) -> LlamaSpec:
+    """The sizes one of `size` ranks holds (checked first): its query and KV heads, its part of
+    the MLP and of the vocabulary. Hidden size, layers and head size are the model's."""
+    check_tensor_parallel(spec, size)
+    return dataclasses.replace(
+        spec,
+        num_heads=spec.num_heads // size,
+        num_kv_heads=max(1, spec.num_kv_heads // size),
+        intermediate_size=spec.intermediate_size // size,
+        vocab_size=spec.vocab_size // size,
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorSlice:
+    """The part of one checkpoint tensor a rank holds: `length` entries of dimension `dim` from
+    `start` (the whole tensor has `full` there), or (`zeros`) a zero tensor of its shape."""
+
+    dim: int = 0
+    start: int = 0
+    length: int = 0
+    full: int = 0
+    zeros: bool = False
+
+
+def tensor_slice(name: str, spec: LlamaSpec, rank: int, size: int) -> TensorSlice | None:
+    """What rank `rank` of `size` holds of the HF tensor `name`; None: the whole tensor."""
+    local = shard_spec(spec, size)
+    if name in _VOCAB_TENSORS:
+        return TensorSlice(0, rank * local.vocab_size, local.vocab_size, spec.vocab_size)
+    match = _LAYER_TENSOR.match(name)
+    if match is None:
+        return None  # norms (and anything load_weights will refuse by name)
+    proj, leaf = match.group(2), match.group(3)
+    d = spec.head_dim
+    if proj == "q_proj":
+        return TensorSlice(0, rank * local.num_heads * d, local.num_heads * d, spec.num_heads * d)
+    if proj in ("k_proj", "v_proj"):
+        first = rank * spec.num_kv_heads // size  # replicated heads: ranks share one
+        return TensorSlice(0, first * d, local.num_kv_heads * d, spec.num_kv_heads * d)
+    if proj in ("gate_proj", "up_proj"):
+        return TensorSlice(0, rank * local.intermediate_size, local.intermediate_size, spec.intermediate_size)
+    if proj in ("o_proj", "down_proj"):
+        if leaf == "bias":
+            return None if rank == 0 else TensorSlice(zeros=True)
+        width, full = ((local.num_heads * d, spec.num_heads * d) if proj == "o_proj"
+                       else (local.intermediate_size, spec.intermediate_size))
+        return TensorSlice(1, rank * width, width, full)
+    return None
+
+
+def iter_rank_tensors(files: list[Path], spec: LlamaSpec, rank: int, size: int
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Like engine.model.loader.iter_safetensors, but only this rank's slice of each tensor is
+    read from disk."""
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                part = tensor_slice(name, spec, rank, size)
+                if part is None:
+                    yield name, f.get_tensor(name)
+                elif part.zeros:
+                    yield name, torch.zeros_like(f.get_tensor(name))
+                else:
+                    view = f.get_slice(name)
+                    shape = view.get_shape()
+                    if len(shape) <= part.dim or shape[part.dim] != part.full:
+                        # The rank's slice alone could fit: check the whole tensor's size.
+                        raise ValueError(f"tensor {name} has shape {tuple(shape)}, expected {part.full} "
+                                         f"along dimension {part.dim}")
+                    stop = part.start + part.length
+                    yield name, view[part.start:stop] if part.dim == 0 else view[:, part.start:stop]
