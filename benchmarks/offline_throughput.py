@@ -46,7 +46,7 @@ def phase_engine(args, prompts, caching: bool, profile: bool = False) -> dict:
     from engine import LLM, SamplingParams
 
     # KV budget: 64 x (200 + 128) tokens need ~1,350 blocks of 16 (368 KiB each in bf16).
-    llm = LLM(args.model, dtype="bfloat16", num_threads=2, kv_cache_memory="640MiB",
+    llm = LLM(args.model, dtype=args.dtype, num_threads=2, kv_cache_memory="640MiB",
               max_num_seqs=len(prompts), max_num_batched_tokens=2048, enable_prefix_caching=caching)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
@@ -218,7 +218,7 @@ def phase_ttft(args, tokenizer) -> dict:
 def run_child(args, phase: str) -> dict:
     result = run_phase(__file__, ["--phase", phase, "--model", args.model, "--num-prompts", str(args.num_prompts),
                                   "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
-                                  "--decode-tokens", str(args.decode_tokens)])
+                                  "--decode-tokens", str(args.decode_tokens), "--dtype", args.dtype])
     print(f"  {phase}: {result}", flush=True)
     return result
 
@@ -325,7 +325,7 @@ def run_profile(args) -> None:
 
     result = run_child(args, "profile")
     md = ["# Offline engine step breakdown (latest `--profile` run)", "",
-          (f"{args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens, bf16, "
+          (f"{args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens, {args.dtype}, "
           f"2 threads, prefix caching on; one run: {result['tok_per_s']:.1f} tok/s with the timers on. "
           f"Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores."), ""]
     md += format_breakdown(result["breakdown_s"], result["steps"], out=lambda _: None)
@@ -343,6 +343,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=200)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=64, help="batch-1 decode length")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="the engine's dtype in the throughput and profile phases (transformers and TTFT stay bf16)")
     parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=MIN_ROUNDS,
                         help=f"paired rounds (at least {MIN_ROUNDS}); the result is their median")

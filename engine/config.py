@@ -134,6 +134,10 @@ class EngineConfig:
     # at most that many adapters; more are swapped in LRU order), each of rank <= max_lora_rank.
     max_loras: Annotated[int, Meta(ge=1)] = 4
     max_lora_rank: Annotated[int, Meta(ge=1)] = 16
+    # Schedule and prepare step k+1 while step k's forward runs on a thread of the engine's own
+    # (engine.engine_core.EngineCore.step). Output is the same; off by default until measured on
+    # a quiet machine (benchmarks/results/async_scheduling.md).
+    async_scheduling: bool = False
     # Tensor parallelism (engine.parallel): the worker runs as this many processes joined by
     # torch.distributed (gloo on CPU, NCCL on CUDA with one device each), each holding 1/N of
     # the heads, the MLP and the vocabulary. Not combined with quantization, LoRA adapters,
@@ -177,6 +181,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be true or false, got {self.async_scheduling!r}")
         if self.compile_max_tokens is not None and (
             not isinstance(self.compile_max_tokens, int) or isinstance(self.compile_max_tokens, bool)
             or self.compile_max_tokens < 1

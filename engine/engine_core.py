@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -14,10 +15,10 @@ from engine.inputs import InputLimits, validate_input
 from engine.kv_cache.hashing import get_hash_fn
 from engine.kv_cache.manager import KVCacheManager
 from engine.model.model_source import resolve_model_dir
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, PreparedStep
 from engine.process_setup import release_free_memory
 from engine.request import FinishReason, Request, RequestStatus
-from engine.scheduler.output import EngineCoreOutput, SchedulerOutput
+from engine.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.stats import SchedulerStats
 from engine.spec_decode.ngram import NgramProposer, can_draft
@@ -40,9 +41,14 @@ def read_eos_token_ids(model_dir: Path, hf_config: dict) -> frozenset[int]:
 
 
 class EngineCore:
-    """One engine: requests in, per-step outputs out. No threads, no sockets, and no process-wide
-    settings (torch threads, seed, malloc): the process's owner applies those with
-    `engine.process_setup.configure_engine_process` before it builds the engine."""
+    """One engine: requests in, per-step outputs out. No sockets and no process-wide settings
+    (torch threads, seed, malloc): the process's owner applies those with
+    `engine.process_setup.configure_engine_process` before it builds the engine.
+
+    With `async_scheduling` on, one thread of its own runs each step's forward and sampling
+    while the calling thread schedules and prepares the next step and then hands back the
+    finished step's outputs (see `step`). Off (the default), everything runs in the caller.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -91,6 +97,19 @@ class EngineCore:
         spec = config.speculative_config
         self.drafter = None if spec is None else NgramProposer(
             spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        # Async scheduling: drafts depend on the previous step's tokens, the offload tiers store
+        # what a step computed, and tensor-parallel ranks are driven from the engine's thread:
+        # with any of them the engine stays synchronous.
+        self.async_scheduling = (config.async_scheduling and self.drafter is None and self.kv_offload is None
+                                 and self.runner.tp is None)
+        if config.async_scheduling and not self.async_scheduling:
+            logger.info("async_scheduling is off: speculative decoding, KV offload and tensor "
+                        "parallelism run synchronously")
+        self._forward_thread = (ThreadPoolExecutor(1, thread_name_prefix="engine-forward")
+                                if self.async_scheduling else None)
+        self._in_flight: tuple[SchedulerOutput, PreparedStep, Future[ModelRunnerOutput]] | None = None
+        # Unfinished requests that make a step synchronous (grammar, LoRA adapter, pooling).
+        self._sync_only: set[str] = set()
         self.scheduler = self._new_scheduler()
 
     def _new_kv_manager(self) -> KVCacheManager:
@@ -111,6 +130,7 @@ class EngineCore:
             config.scheduling_policy,
             kv_offload=self.kv_offload,
             max_loras=config.max_loras,
+            async_scheduling=self.async_scheduling,
         )
 
     # -- sleep and wake --------------------------------------------------------------------
@@ -121,6 +141,8 @@ class EngineCore:
         the freed heap to the system (`engine.process_setup.release_free_memory`)."""
         if self.sleeping:
             return
+        if not self.scheduler.has_unfinished_requests():
+            self._finish_in_flight()  # a step that only computed dropped tokens
         if self.has_unfinished_requests():
             raise RuntimeError("the worker has unfinished requests; it sleeps only when idle")
         if self.kv_offload is not None:
@@ -155,6 +177,9 @@ class EngineCore:
             request.lora_id = self.runner.lora.load(request.lora).key
         request.eos_token_ids = self.eos_token_ids
         self.scheduler.add_request(request)
+        if (request.sampling_params.structured_outputs is not None or request.lora is not None
+                or request.pooling_params is not None):
+            self._sync_only.add(request.request_id)
         self.structured_output.add_request(request)
         if request.grammar is not None:
             self._compiling[request.request_id] = request
@@ -163,12 +188,16 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests not finished yet, or (async scheduling) a step whose outputs are not out."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def shutdown(self) -> None:
-        """Release what the engine holds beyond its own memory (threads, files, processes): the KV
-        offload tier finishes its queued disk writes and LMCache is destroyed; tensor-parallel
-        ranks exit. Idempotent."""
+        """Release what the engine holds beyond its own memory (threads, files, processes): the
+        async-scheduling thread ends, the KV offload tier finishes its queued disk writes and
+        LMCache is destroyed; tensor-parallel ranks exit. Idempotent."""
+        if self._forward_thread is not None:
+            self._in_flight = None
+            self._forward_thread.shutdown(wait=True)
         if self.kv_offload is not None:
             self.kv_offload.close()
         if self.runner is not None:
@@ -201,6 +230,8 @@ class EngineCore:
             self.runner.tp.set_num_threads(n)
         else:
             torch.set_num_threads(n)
+        if self._forward_thread is not None:  # a thread reads torch's setting once: tell it too
+            self._forward_thread.submit(torch.set_num_threads, n)
 
     def check_health(self) -> None:
         """Raise (TensorParallelError) when a part of the engine outside this process, a
@@ -210,7 +241,47 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, execute, update. Returns the news of every request that got a token, and
-        of every request whose grammar failed to compile."""
+        of every request whose grammar failed to compile.
+
+        With async scheduling a step instead schedules and prepares step k+1 while step k runs,
+        launches k+1 as soon as k is done and returns k's news (so the caller's output
+        processing overlaps k+1 too). A step whose requests include one with a grammar, a LoRA
+        adapter or pooling params runs synchronously, after the step in flight."""
+        if self.async_scheduling and not self._needs_sync():
+            return self._step_async()
+        return self._finish_in_flight() + self._step_sync()
+
+    def _needs_sync(self) -> bool:
+        if self._sync_only:
+            self._sync_only = {r for r in self._sync_only if r in self.scheduler.requests}
+        return bool(self._sync_only)
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        step = self.runner.prepare_step(scheduler_output)  # overlaps the step in flight
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            prev_output, prev_step, future = previous
+            runner_output = future.result()
+            self.runner.record(prev_step, runner_output)
+        if step is not None:
+            self.runner.launch(step)  # its inputs need the tokens just recorded
+            self._in_flight = (scheduler_output, step, self._forward_thread.submit(self.runner.run_step, step))
+        if previous is None:
+            return []
+        return self.scheduler.update_from_output(prev_output, runner_output)  # overlaps the new step
+
+    def _finish_in_flight(self) -> list[EngineCoreOutput]:
+        """Wait for the step in flight (async scheduling), if any, and return its news."""
+        if self._in_flight is None:
+            return []
+        scheduler_output, step, future = self._in_flight
+        self._in_flight = None
+        runner_output = future.result()
+        self.runner.record(step, runner_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _step_sync(self) -> list[EngineCoreOutput]:
         failed = self._fail_broken_grammars() if self._compiling else []
         scheduler_output = self.scheduler.schedule()
         self._add_grammar_bitmask(scheduler_output)

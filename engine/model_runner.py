@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engine.attention.kv_quant import parse_kv_cache_dtype
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.selector import select_backend
 from engine.config import EngineConfig
+from engine.input_batch import InputBatch, StepInputs
 from engine.logits_processors import apply_logit_bias
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.manager import LoRAManager, lora_shapes
+from engine.lora.punica import LoRABatch
 from engine.model.compile import compile_buckets, compiled_forward_for
 from engine.model.loader import (
     allocate_kv_caches,
@@ -36,21 +39,37 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class CachedRequestState:
-    """What the runner remembers of a running request between steps."""
+    """What the runner remembers of a running request between steps, besides its row of the
+    input batch (tokens, computed count, block table)."""
 
     req_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # known output tokens: for penalties and min_tokens
     sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
     generator: torch.Generator | None = None
     pooling_params: PoolingParams | None = None
     lora: LoRAAdapter | None = None
-    output_token_ids: list[int] = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.output_token_ids = self.token_ids[self.num_prompt_tokens :]
+
+@dataclass(slots=True)
+class PreparedStep:
+    """One step's batch, ready to run once its input ids are gathered (`ModelRunner.launch`).
+
+    Rows to sample: the last row of every request that reaches its newest token (`sample_ids`,
+    in order), then the k + 1 last rows of every request with k drafts scheduled (`spec_ids`).
+    The states are captured here so that running the step never looks up the runner's tables
+    (async scheduling changes them for the next step meanwhile)."""
+
+    so: SchedulerOutput
+    inputs: StepInputs
+    meta: AttentionMetadata
+    positions: torch.Tensor
+    sample_rows: torch.Tensor
+    sample_ids: list[str]
+    spec_ids: list[str]
+    states: dict[str, CachedRequestState]  # every scheduled request's
+    lora: LoRABatch | None
+    input_ids: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -92,6 +111,11 @@ class ModelRunner:
                                 self.dtype, self.device) if self.tp is None else LoRAUnsupported(self.tp.size)
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}  # seeded requests, until they finish
+        self.input_batch = InputBatch(config.max_num_seqs, max_model_len, config.max_num_batched_tokens,
+                                      self.block_size)
+        # Requests whose token the step launched last is sampling (async scheduling: it runs
+        # while the next step is prepared, so that token is not in the batch yet).
+        self._pending: set[str] = set()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks this runner started (none without). Idempotent."""
@@ -100,13 +124,17 @@ class ModelRunner:
 
     # -- state -----------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
+        """Apply the scheduler's diffs to the states and the input batch's rows."""
+        batch = self.input_batch
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             self.generators.pop(req_id, None)
+            batch.remove_request(req_id)
         for req_id in so.preempted_req_ids:
             # A preempted request comes back as new; its generator keeps its state, so a seeded
             # request samples the same tokens whether or not it was preempted.
             self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
         for new in so.new_requests:
             params = new.sampling_params
             generator = self.generators.get(new.req_id)
@@ -114,39 +142,61 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed)
                 self.generators[new.req_id] = generator
             self.requests[new.req_id] = CachedRequestState(
-                new.req_id, list(new.token_ids), new.num_prompt_tokens, params,
-                list(new.block_ids), new.num_computed_tokens, generator,
-                pooling_params=new.pooling_params,
+                new.req_id, new.token_ids[: new.num_prompt_tokens], new.token_ids[new.num_prompt_tokens :],
+                params, generator, pooling_params=new.pooling_params,
                 lora=None if new.lora is None else self.lora.load(new.lora),
             )
+            batch.add_request(new.req_id, new.token_ids, new.num_computed_tokens, new.block_ids)
         for cached in so.cached_requests:
-            state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            row = batch.req_index[cached.req_id]
+            if cached.new_block_ids:
+                batch.append_blocks(row, cached.new_block_ids)
+            batch.num_computed_tokens[row] = cached.num_computed_tokens
 
     # -- one step --------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One synchronous step: prepare, run, record the sampled tokens."""
+        step = self.prepare_step(so)
+        if step is None:
+            return ModelRunnerOutput({})
+        result = self.run_step(self.launch(step))
+        self.record(step, result)
+        return result
+
+    def prepare_step(self, so: SchedulerOutput) -> PreparedStep | None:
+        """Apply the scheduler's diffs and build the step's batch (None when nothing is
+        scheduled). With a step still running (async scheduling), its sampled tokens are not
+        known yet: `launch` gathers the input ids after `record` has added them."""
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput({})
-        # Decodes first: the attention backend batches rows [0, num_decodes) together.
-        order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
-        batch = self._prepare_inputs(order, so.num_scheduled_tokens, so.scheduled_spec_tokens)
-        input_ids, positions, meta, sample_rows, sample_ids, spec_ids = batch
-        lora = self.lora.build_batch([self.requests[r].lora for r in order],
-                                     [so.num_scheduled_tokens[r] for r in order])
-        compiled = self.compiled is not None and self.compiled.covers(len(input_ids), lora)
-        hidden = (self.compiled if compiled else self.model)(input_ids, positions, self.kv_caches, meta, lora)
+            return None
+        return self._prepare_inputs(so)
+
+    def launch(self, step: PreparedStep) -> PreparedStep:
+        """Gather the step's input ids (every token it reads is known now); the step's sampled
+        tokens are pending until `record`."""
+        step.input_ids = self.input_batch.gather_input_ids(step.inputs).to(self.device)
+        self._pending = set(step.sample_ids)
+        return step
+
+    @torch.inference_mode()
+    def run_step(self, step: PreparedStep) -> ModelRunnerOutput:
+        """Forward, logits, sampling. Touches only `step` and the model (async scheduling runs
+        it on another thread while the next step is prepared)."""
+        so, sample_rows, sample_ids, spec_ids = step.so, step.sample_rows, step.sample_ids, step.spec_ids
+        compiled = self.compiled is not None and self.compiled.covers(len(step.input_ids), step.lora)
+        hidden = (self.compiled if compiled else self.model)(step.input_ids, step.positions, self.kv_caches,
+                                                             step.meta, step.lora)
         result = ModelRunnerOutput({})
-        if any(self.requests[r].pooling_params is not None for r in sample_ids):
-            sample_rows, sample_ids = self._pool(hidden, sample_rows, sample_ids, result)
+        if any(step.states[r].pooling_params is not None for r in sample_ids):
+            sample_rows, sample_ids = self._pool(hidden, step, result)
         if not sample_ids and not spec_ids:
             return result
         logits = self.model.compute_logits(hidden[sample_rows])
         if spec_ids:
             # Rows [len(sample_ids), ...): k + 1 rows per drafted request, in spec_ids order.
-            self._verify_drafts(logits[len(sample_ids):], spec_ids, so.scheduled_spec_tokens, result)
+            self._verify_drafts(logits[len(sample_ids):], step, result)
             logits = logits[: len(sample_ids)]
         if not sample_ids:
             return result
@@ -154,10 +204,10 @@ class ModelRunner:
             constrained = [(i, so.grammar_rows[r]) for i, r in enumerate(sample_ids) if r in so.grammar_rows]
             if constrained:
                 apply_bitmask(logits, so.grammar_bitmask[[row for _, row in constrained]], [i for i, _ in constrained])
-        states = [self.requests[r] for r in sample_ids]
+        states = [step.states[r] for r in sample_ids]
         sampling_meta = SamplingMetadata.build(
             [s.sampling_params for s in states],
-            [s.token_ids[: s.num_prompt_tokens] for s in states],
+            [s.prompt_token_ids for s in states],
             [s.output_token_ids for s in states],
             [s.generator for s in states],
             self.eos_token_ids,
@@ -165,11 +215,8 @@ class ModelRunner:
             self.device,
         )
         out = self.sampler(logits, sampling_meta)
-        sampled = out.sampled_token_ids.tolist()
-        for state, token in zip(states, sampled):
-            state.token_ids.append(token)
-            state.output_token_ids.append(token)
-            result.sampled_token_ids[state.req_id] = [token]
+        for req_id, token in zip(sample_ids, out.sampled_token_ids.tolist()):
+            result.sampled_token_ids[req_id] = [token]
         if out.logprobs is not None:
             ids = out.logprobs.token_ids.tolist()
             lps = out.logprobs.logprobs.tolist()
@@ -180,24 +227,37 @@ class ModelRunner:
                     result.logprobs[state.req_id] = [Logprobs(ids[row][: k + 1], lps[row][: k + 1], ranks[row])]
         return result
 
-    def _pool(self, hidden: torch.Tensor, rows: torch.Tensor, req_ids: list[str],
+    def record(self, step: PreparedStep, result: ModelRunnerOutput) -> None:
+        """Add the step's sampled (and kept draft) tokens to the states and the batch rows. A
+        request whose row is gone (finished, aborted or preempted since) keeps none."""
+        batch = self.input_batch
+        for req_id, tokens in result.sampled_token_ids.items():
+            row = batch.req_index.get(req_id)
+            if row is not None:
+                step.states[req_id].output_token_ids.extend(tokens)
+                batch.append_tokens(row, tokens)
+        self._pending.clear()
+
+    def _pool(self, hidden: torch.Tensor, step: PreparedStep,
               result: ModelRunnerOutput) -> tuple[torch.Tensor, list[str]]:
-        """Pool the last prompt row of each pooling request among `req_ids` into `result`;
-        returns the rows and ids left to sample (the spec rows after them unchanged)."""
-        pooling = [i for i, r in enumerate(req_ids) if self.requests[r].pooling_params is not None]
-        vectors = pool_last_token(hidden[rows[pooling]], [self.requests[req_ids[i]].pooling_params for i in pooling])
+        """Pool the last prompt row of each pooling request among the step's sampling requests
+        into `result`; returns the rows and ids left to sample (the spec rows after them unchanged)."""
+        rows, req_ids = step.sample_rows, step.sample_ids
+        params = [step.states[r].pooling_params for r in req_ids]
+        pooling = [i for i, p in enumerate(params) if p is not None]
+        vectors = pool_last_token(hidden[rows[pooling]], [params[i] for i in pooling])
         for i, vector in zip(pooling, vectors):
             result.pooled[req_ids[i]] = vector
-        keep = [i for i in range(len(rows)) if i >= len(req_ids) or self.requests[req_ids[i]].pooling_params is None]
+        keep = [i for i in range(len(rows)) if i >= len(req_ids) or params[i] is None]
         return rows[keep], [req_ids[i] for i in keep if i < len(req_ids)]
 
-    def _verify_drafts(self, logits: torch.Tensor, spec_ids: list[str], drafts: dict[str, list[int]],
-                       result: ModelRunnerOutput) -> None:
+    def _verify_drafts(self, logits: torch.Tensor, step: PreparedStep, result: ModelRunnerOutput) -> None:
         """Keep what the target model agrees with of each request's drafts, plus one token of its own."""
+        drafts = step.so.scheduled_spec_tokens
         argmax = logits.max(dim=-1).indices.tolist()  # one call for every greedy row
         row = 0
-        for req_id in spec_ids:
-            state = self.requests[req_id]
+        for req_id in step.spec_ids:
+            state = step.states[req_id]
             k = len(drafts[req_id])
             rows = logits[row : row + k + 1]
             params = state.sampling_params
@@ -211,74 +271,63 @@ class ModelRunner:
                                               [None] * (k + 1), self.eos_token_ids, self.vocab_size, self.device)
                 tokens = rejection_sample(processed_probs(rows.float(), meta), drafts[req_id], state.generator)
             row += k + 1
-            state.token_ids.extend(tokens)
-            state.output_token_ids.extend(tokens)
             result.sampled_token_ids[req_id] = tokens
 
-    def _prepare_inputs(self, order: list[str], num_scheduled: dict[str, int], spec: dict[str, list[int]]):
-        """Flattened inputs of the step. Rows to sample: the last row of every request that
-        reaches its newest token (`sample_ids`, in order), then the k + 1 last rows of every
-        request with k drafts scheduled (`spec_ids`)."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
-        sample_ids: list[str] = []
+    def _prepare_inputs(self, so: SchedulerOutput) -> PreparedStep:
+        """The step's flattened inputs from the input batch (see PreparedStep for the rows to
+        sample). Decodes come first: the attention backend batches rows [0, num_decodes)."""
+        batch = self.input_batch
+        req_ids = list(so.num_scheduled_tokens)
+        num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        order = np.argsort(num_scheduled != 1, kind="stable")
+        req_ids = [req_ids[i] for i in order]
+        num_scheduled = num_scheduled[order]
+        spec = so.scheduled_spec_tokens
+        for req_id, drafts in spec.items():  # the drafts follow the newest known token
+            batch.write_scratch(batch.req_index[req_id], drafts)
+        inputs = batch.prepare(req_ids, num_scheduled)
+        # Known tokens of each sequence, counting the one its previous step is still sampling.
+        known = batch.num_tokens[inputs.rows]
+        if self._pending:
+            known = known + np.fromiter((r in self._pending for r in req_ids), dtype=np.int64, count=len(req_ids))
+        ends = inputs.seq_lens.astype(np.int64)
+        spec_ids = [r for r in req_ids if spec.get(r)]
+        if spec_ids:
+            is_spec = np.fromiter((bool(spec.get(r)) for r in req_ids), dtype=bool, count=len(req_ids))
+            drafted = np.fromiter((len(spec.get(r) or ()) for r in req_ids), dtype=np.int64, count=len(req_ids))
+            if np.any(ends[is_spec] != known[is_spec] + drafted[is_spec]):
+                raise RuntimeError("tokens scheduled for a drafted request do not end at its drafts")
+        else:
+            is_spec = np.zeros(len(req_ids), dtype=bool)
+        if np.any(ends[~is_spec] > known[~is_spec]):
+            raise RuntimeError("a request is scheduled past its known tokens")
+        samples = (ends == known) & ~is_spec
+        cu = inputs.query_start_loc[1:].astype(np.int64)
+        sample_rows = (cu[samples] - 1).tolist()
         spec_rows: list[int] = []
-        spec_ids: list[str] = []
-        max_blocks = 0
-        for req_id in order:
-            state = self.requests[req_id]
-            n = num_scheduled[req_id]
-            start = state.num_computed_tokens
-            end = start + n
-            drafts = spec.get(req_id)
-            if drafts:  # the newest known token, then the drafts after it
-                if end != len(state.token_ids) + len(drafts):
-                    raise RuntimeError(f"{req_id}: {n} tokens scheduled from {start} do not end at its drafts")
-                input_ids.extend(state.token_ids[start:] + drafts)
-                spec_rows.extend(range(len(input_ids) - len(drafts) - 1, len(input_ids)))
-                spec_ids.append(req_id)
-            else:
-                input_ids.extend(state.token_ids[start:end])
-                if end == len(state.token_ids):  # reached the newest token: sample the next one
-                    sample_rows.append(len(input_ids) - 1)
-                    sample_ids.append(req_id)
-            positions.extend(range(start, end))
-            blocks = state.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(n)
-            seq_lens.append(end)
-            max_blocks = max(max_blocks, len(blocks))
-        block_tables = torch.tensor(
-            [b + [0] * (max_blocks - len(b)) for b in (self.requests[r].block_ids for r in order)],
-            dtype=torch.int32,
-        )
-        query_start = [0]
-        for q in query_lens:
-            query_start.append(query_start[-1] + q)
+        for i in np.flatnonzero(is_spec).tolist():  # the newest known token, then the drafts
+            k = len(spec[req_ids[i]])
+            spec_rows.extend(range(int(cu[i]) - k - 1, int(cu[i])))
+        query_lens = num_scheduled.tolist()
+        seq_lens = inputs.seq_lens.tolist()
         dev = self.device
         meta = AttentionMetadata(
-            num_seqs=len(order),
-            num_tokens=len(input_ids),
+            num_seqs=len(req_ids),
+            num_tokens=inputs.num_tokens,
             query_lens=query_lens,
             seq_lens=seq_lens,
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.from_numpy(inputs.query_start_loc).to(dev),
+            seq_lens_tensor=torch.from_numpy(inputs.seq_lens).to(dev),
+            block_tables=torch.from_numpy(inputs.block_tables).to(dev),
+            slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
-            num_decodes=sum(1 for q in query_lens if q == 1),
+            num_decodes=int(np.count_nonzero(num_scheduled == 1)),
         )
-        return (
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta,
+        states = {r: self.requests[r] for r in req_ids}
+        lora = self.lora.build_batch([states[r].lora for r in req_ids], query_lens)
+        return PreparedStep(
+            so, inputs, meta, torch.from_numpy(inputs.positions).to(dev),
             torch.tensor(sample_rows + spec_rows, dtype=torch.int64, device=dev),
-            sample_ids,
-            spec_ids,
+            [r for r, s in zip(req_ids, samples.tolist()) if s], spec_ids, states, lora,
         )

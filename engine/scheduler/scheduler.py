@@ -57,6 +57,14 @@ class Scheduler:
     (sliced by the budget: chunked prefill), then one token per step. When the pool runs out of
     blocks, the running request scheduled last (FCFS) or with the worst priority is preempted:
     its blocks are freed and it is recomputed later.
+
+    Async scheduling (`async_scheduling`): the next step is scheduled before the outputs of the
+    running one arrive. Each scheduled step that samples a request's next token counts one
+    placeholder token for it (known to come, not yet known), so the request is scheduled to
+    decode that token at once; `update_from_output` turns placeholders into tokens. A request
+    found finished one step late was scheduled once more: that step's token is dropped. A
+    request preempted while the step computing its token ran keeps that token, as it would
+    have without async scheduling.
     """
 
     def __init__(
@@ -68,8 +76,12 @@ class Scheduler:
         policy: SchedulingPolicy = SchedulingPolicy.FCFS,
         kv_offload: KVOffloadManager | None = None,
         max_loras: int | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         self.kv = kv_manager
+        self.async_scheduling = async_scheduling
+        # Async scheduling: request id -> tokens scheduled to be sampled whose value is not known yet.
+        self._placeholders: dict[str, int] = {}
         # At most this many LoRA adapters among the running requests (the runner's slots).
         self.max_loras = max_loras
         # KV offload tiers (LMCache): asked for more of a waiting request's prefix than the
@@ -115,6 +127,7 @@ class Scheduler:
 
     def _free(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        self._placeholders.pop(request.request_id, None)
         self.kv.free(request)
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
@@ -149,7 +162,11 @@ class Scheduler:
         # Tokens scheduled now count as computed: the next schedule() may run before outputs
         # arrive (the runner computes exactly what was scheduled).
         for req_id, n in plan.num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if self.async_scheduling and request.pooling_params is None and (
+                    request.num_computed_tokens >= request.num_tokens + self._placeholders.get(req_id, 0)):
+                self._placeholders[req_id] = self._placeholders.get(req_id, 0) + 1
         return output
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -259,7 +276,8 @@ class Scheduler:
         return loaded
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        remaining = request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
+        remaining = (request.num_tokens + self._placeholders.get(request.request_id, 0)
+                     + len(request.spec_token_ids) - request.num_computed_tokens)
         return max(0, min(remaining, budget, self.max_model_len - request.num_computed_tokens))
 
     def _pick_victim(self) -> Request:
@@ -270,6 +288,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
+        self._placeholders.pop(request.request_id, None)  # it is recomputed from its known tokens
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -287,8 +306,13 @@ class Scheduler:
                    if req_id in self.requests and self.requests[req_id].status is RequestStatus.RUNNING]
         for req_id, token_ids in runner_output.sampled_token_ids.items():
             request = self.requests.get(req_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
+            if request is None or request.status not in (RequestStatus.RUNNING, RequestStatus.PREEMPTED):
+                continue  # finished or aborted since the step was scheduled: the token is dropped
+            # (PREEMPTED: async scheduling preempted it while the step that computes this token ran)
+            if req_id in self._placeholders:
+                self._placeholders[req_id] -= 1
+                if not self._placeholders[req_id]:
+                    del self._placeholders[req_id]
             drafts = scheduler_output.scheduled_spec_tokens.get(req_id)
             request.spec_token_ids = []
             if drafts:
@@ -312,7 +336,10 @@ class Scheduler:
                     break
             token_ids = kept
             if finish_reason is not None:
-                self.running.remove(request)
+                if request.status is RequestStatus.RUNNING:
+                    self.running.remove(request)
+                else:
+                    self.waiting.remove(request)
                 self._free(request, _FINISHED_STATUS[finish_reason])
             logprobs = runner_output.logprobs.get(req_id)
             outputs.append(

@@ -3,7 +3,7 @@
 Eight varied prompts (plain and chat, 1 to ~1,500 tokens) run in one mixed batch through our
 engine must give token-for-token the same greedy output as transformers `generate` run on each
 prompt alone: with prefix caching on, with a budget that forces chunked prefill, and with a KV
-pool so small that requests get preempted and recomputed.
+pool so small that requests get preempted and recomputed (also with async scheduling).
 """
 
 from __future__ import annotations
@@ -95,3 +95,12 @@ def test_greedy_parity_under_preemption(default_model_dir, prompts, hf_outputs):
     assert _engine_outputs(llm, prompts) == hf_outputs
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.kv_manager.pool.get_num_free_blocks() == 110
+
+
+def test_greedy_parity_async_scheduling_under_preemption(default_model_dir, prompts, hf_outputs):
+    # Async scheduling (step k+1 scheduled while step k runs) under the same preemption pressure.
+    llm = LLM(default_model_dir, dtype="float32", num_kv_blocks=110, max_num_batched_tokens=512,
+              enable_prefix_caching=False, async_scheduling=True)
+    assert _engine_outputs(llm, prompts) == hf_outputs
+    assert llm.engine.scheduler.num_preemptions > 0
+    llm.shutdown()
