@@ -62,7 +62,7 @@ TINY = {"num_kv_blocks": 64, "block_size": 4, "max_num_batched_tokens": 4, "max_
 @pytest.fixture(scope="module")
 def compiled_engine(tiny_model_dir, tmp_path_factory):
     """The tiny model in float32 with one compiled bucket of 4 tokens (one cold compile: over a
-    minute on a busy 2-core machine per bucket), so every step of this budget runs compiled."""
+    minute on a busy 2-core machine, 16 s on a quieter one), so every step of this budget runs compiled."""
     cache = tmp_path_factory.mktemp("inductor")
     config = EngineConfig(model=str(tiny_model_dir), **TINY, compile_cache_dir=str(cache))
     engine = EngineCore(config)
