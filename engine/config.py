@@ -18,6 +18,7 @@ from msgspec import Meta
 from engine.attention.kv_quant import parse_kv_cache_dtype
 from engine.attention.selector import BACKEND_NAMES
 from engine.kv_offload.config import KVOffloadConfig
+from engine.model.compile import CompileMode
 from engine.spec_decode.config import SpeculativeConfig
 
 
@@ -142,6 +143,15 @@ class EngineConfig:
     # the heads, the MLP and the vocabulary. Not combined with quantization, LoRA adapters,
     # KV offload or speculative decoding (refused).
     tensor_parallel_size: Annotated[int, Meta(ge=1, le=MAX_TENSOR_PARALLEL)] = 1
+    # torch.compile of the forward (engine.model.compile): "none" (eager), "auto" (compiled only
+    # where benchmarks/compile_bench.py measured a gain) or "always"; compiled before the worker
+    # says ready (not with tensor parallelism: eager). compile_max_tokens: the largest token
+    # bucket compiled (buckets are powers of two; default max_num_batched_tokens, capped by what
+    # "auto" measured); bigger steps run eager. compile_cache_dir: inductor's on-disk cache
+    # (default <cache>/inductor).
+    compile: str | CompileMode = CompileMode.NONE
+    compile_max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    compile_cache_dir: str | None = None
     torch_dtype: torch.dtype = field(init=False)
     kv_offload_config: KVOffloadConfig | None = field(init=False)
     speculative_config: SpeculativeConfig | None = field(init=False)
@@ -152,6 +162,7 @@ class EngineConfig:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
         self.prefix_cache_hash = _coerce_enum(PrefixCacheHash, "prefix_cache_hash", self.prefix_cache_hash)
         self.scheduling_policy = _coerce_enum(SchedulingPolicy, "scheduling_policy", self.scheduling_policy)
+        self.compile = _coerce_enum(CompileMode, "compile", self.compile)
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -172,6 +183,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be true or false, got {self.async_scheduling!r}")
+        if self.compile_max_tokens is not None and (
+            not isinstance(self.compile_max_tokens, int) or isinstance(self.compile_max_tokens, bool)
+            or self.compile_max_tokens < 1
+        ):
+            raise ValueError(f"compile_max_tokens must be a positive integer, got {self.compile_max_tokens!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.attention_backend not in BACKEND_NAMES:

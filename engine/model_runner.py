@@ -17,6 +17,7 @@ from engine.logits_processors import apply_logit_bias
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.manager import LoRAManager, lora_shapes
 from engine.lora.punica import LoRABatch
+from engine.model.compile import compile_buckets, compiled_forward_for
 from engine.model.loader import (
     allocate_kv_caches,
     kv_pool_size,
@@ -84,6 +85,7 @@ class ModelRunner:
         self.kv_dtype = parse_kv_cache_dtype(config.kv_cache_dtype)
         self.backend = select_backend(self.device, config.attention_backend, self.kv_dtype)
         quant = resolve_spec(hf_config, config.quantization, config.quant_group_size, config.device)
+        buckets = compile_buckets(config, self.dtype, self.device)
         # Tensor parallelism (engine.parallel): this process is rank 0 and drives the others.
         self.tp: TensorParallelModel | None = None
         if config.tensor_parallel_size > 1:
@@ -95,11 +97,14 @@ class ModelRunner:
             self.model = load_model(
                 model_dir, self.dtype, self.device, self.backend,
                 max_model_len=max_model_len, fused_ops=select_fused_ops(self.device, self.dtype), quant=quant,
+                pack_linear=not buckets,
             )
         # The KV heads of this process (a tensor-parallel rank's share); the budget is the worker's.
         self.bytes_per_block, self.num_blocks = kv_pool_size(config, self.model.rank_spec, self.kv_dtype)
         self.kv_caches = allocate_kv_caches(self.model.rank_spec, self.num_blocks, self.block_size, self.dtype,
                                             self.device, self.kv_dtype)
+        # torch.compile'd forward for the steps it covers (config.compile), compiled here, before ready.
+        self.compiled = compiled_forward_for(config, self.model, self.backend, self.kv_caches, buckets)
         self.sampler = Sampler()
         # LoRA adapters: read on first use, at most max_loras resident (slots allocated lazily).
         self.lora = LoRAManager(lora_shapes(self.model.spec), config.max_loras, config.max_lora_rank,
@@ -180,7 +185,9 @@ class ModelRunner:
         """Forward, logits, sampling. Touches only `step` and the model (async scheduling runs
         it on another thread while the next step is prepared)."""
         so, sample_rows, sample_ids, spec_ids = step.so, step.sample_rows, step.sample_ids, step.spec_ids
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.lora)
+        compiled = self.compiled is not None and self.compiled.covers(len(step.input_ids), step.lora)
+        hidden = (self.compiled if compiled else self.model)(step.input_ids, step.positions, self.kv_caches,
+                                                             step.meta, step.lora)
         result = ModelRunnerOutput({})
         if any(step.states[r].pooling_params is not None for r in sample_ids):
             sample_rows, sample_ids = self._pool(hidden, step, result)

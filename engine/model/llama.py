@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.compiled_op import AttentionStep
 from engine.attention.metadata import AttentionMetadata
 from engine.lora.punica import LoRABatch, LoRALayer
 from engine.model.llama_spec import LlamaSpec, rope_inv_freq
@@ -70,10 +71,11 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        ops = eager_ops(self.ops)
         if residual is None:
-            return self.ops.rms_norm(x, self.weight, self.eps) if self.ops else self._norm(x)
-        if self.ops:
-            return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps), residual
+            return ops.rms_norm(x, self.weight, self.eps) if ops else self._norm(x)
+        if ops:
+            return ops.fused_add_rms_norm(x, residual, self.weight, self.eps), residual
         residual = residual + x
         return self._norm(residual), residual
 
@@ -81,6 +83,12 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+
+def eager_ops(ops: CpuFusedOps | None) -> CpuFusedOps | None:
+    """The fused ops, or None while torch.compile traces (inductor fuses the torch glue itself;
+    the extension's calls cannot be traced)."""
+    return None if ops is None or torch.compiler.is_compiling() else ops
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -105,7 +113,8 @@ class LlamaAttention(nn.Module):
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+        meta: AttentionMetadata | AttentionStep,
         lora: LoRALayer | None = None,
     ) -> torch.Tensor:
         num_tokens = h.shape[0]
@@ -115,10 +124,15 @@ class LlamaAttention(nn.Module):
         qk_heads = self.num_heads + self.num_kv_heads
         # RoPE on q and k together: one pass over [T, heads + kv_heads, head_dim].
         qk = qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, self.head_dim)
-        qk = self.ops.rotary_embedding_(qk, cos, sin) if self.ops else apply_rope(qk, cos, sin)
+        ops = eager_ops(self.ops)
+        qk = ops.rotary_embedding_(qk, cos, sin) if ops else apply_rope(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale).reshape(num_tokens, -1)
+        if isinstance(meta, AttentionStep):  # a compiled forward: one opaque op (engine.attention.compiled_op)
+            out = torch.ops.pagedserve.paged_attention(q, k, v, kv_cache, meta, self.scale)
+        else:
+            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        out = out.reshape(num_tokens, -1)
         out = self.o_proj(out) if lora is None else lora.add("o", out, self.o_proj(out))
         return out if self.reduce is None else self.reduce(out)
 
@@ -137,8 +151,9 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up_proj(h)
         if lora is not None:
             lora.add("gate_up", h, gate_up)
-        if self.ops:
-            act = self.ops.silu_and_mul(gate_up)
+        ops = eager_ops(self.ops)
+        if ops:
+            act = ops.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
@@ -163,7 +178,7 @@ class LlamaDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | AttentionStep,
         lora: LoRALayer | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`h` is the previous layer's MLP output, not yet added to `residual` (None: first layer,
@@ -267,10 +282,12 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | AttentionStep,
         lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """Run `input_ids [T]` at `positions [T]` (int64); returns final-normed hidden states [T, hidden].
+        `meta`: the step's AttentionMetadata, or under torch.compile an AttentionStep (attention
+        then runs as one opaque custom op, engine.attention.compiled_op).
         `lora`: each row's LoRA adapter slot and the resident adapters (None: the base model only)."""
         if len(kv_caches) != self.spec.num_layers:
             raise ValueError(f"expected {self.spec.num_layers} KV caches, got {len(kv_caches)}")

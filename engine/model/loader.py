@@ -82,10 +82,14 @@ def load_model(
     max_model_len: int | None = None,
     fused_ops: CpuFusedOps | None = None,
     quant: QuantSpec | None = None,
+    pack_linear: bool = True,
     tp: TensorParallelGroup | None = None,
 ) -> LlamaForCausalLM:
     """Build the model from `model_dir/config.json` and fill it from its safetensors files.
 
+    `pack_linear`: on CPU in bfloat16, swap the projections for packed or upcasting layers
+    (`pack_linear_weights`); a model for torch.compile keeps plain nn.Linear weights, which
+    inductor freezes and packs itself.
     Raises ValueError for an unsupported architecture/config, a missing or unexpected tensor,
     a shape mismatch, or a directory with only pickle checkpoints. `quant` (see
     `engine.model.quant_spec.resolve_spec`) loads quantized layers, tensor by tensor. `tp`: this
@@ -103,7 +107,7 @@ def load_model(
         from engine.parallel.sharding import iter_rank_tensors
 
         model.load_weights(iter_rank_tensors(files, model.spec, tp.rank, tp.size))
-    if model.dtype == torch.bfloat16 and model.device.type == "cpu":
+    if pack_linear and model.dtype == torch.bfloat16 and model.device.type == "cpu":
         if not cpu_has_bf16_dot():
             model.pack_linear_weights(functools.partial(UpcastLinear, gemv=load_gemv()))
         elif packed_linear_supported():

@@ -1,0 +1,142 @@
+"""Time to first token of a 1,000-token prompt vs its matmul floor, on the default model.
+
+The floor is the prompt's matmuls alone, with the engine's own layers, shapes and dtype, timed
+in the same process: every decoder projection (qkv, o, gate_up, down of each layer) on a
+`[1000, in]` input, and the LM head on the last row only (`[1, hidden]`), as the engine runs
+it. TTFT is an offline `LLM.generate` of the prompt with `max_tokens=1` (prefix caching off, so
+every round prefills the whole prompt; the prompt is token ids, so no tokenizer time). Each
+round times both, alternating which goes first; the result is the median of the per-round
+TTFT/floor ratios (1.0 would be a prefill that costs nothing but its matmuls), every round
+printed, never best-of. The gap is also split into attention (the backend's forward, timed by
+a wrapper) and the rest (glue: embedding, norms, RoPE, activations, the runner's step).
+float32 and bfloat16, one process each.
+
+    .venv/bin/python benchmarks/prefill_floor.py [--rounds 7] [--tokens 1000] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def run_dtype(dtype_name: str, tokens: int, rounds: int, threads: int) -> dict:
+    import torch
+
+    from engine import LLM, SamplingParams
+    from engine.model.default_model import default_model_dir
+
+    llm = LLM(default_model_dir(), dtype=dtype_name, num_threads=threads, enable_prefix_caching=False,
+              max_num_batched_tokens=max(2048, tokens), kv_cache_memory="256MiB")
+    model = llm.engine.runner.model
+    backend = llm.engine.runner.backend
+    vocab = model.spec.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+    attention_s = [0.0]
+    inner = backend.forward
+
+    def timed_forward(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            attention_s[0] += time.perf_counter() - start
+
+    backend.forward = timed_forward  # instance attribute: this benchmark's engine only
+
+    projections = [getattr(parent, name) for _, parent, name in model._projections()]
+    inputs = {p.in_features: torch.randn(tokens, p.in_features, generator=gen).to(model.dtype) for p in projections}
+    last_row = torch.randn(1, model.spec.hidden_size, generator=gen).to(model.dtype)
+
+    @torch.inference_mode()
+    def floor() -> float:
+        start = time.perf_counter()
+        for proj in projections:
+            proj(inputs[proj.in_features])
+        model.compute_logits(last_row)
+        return time.perf_counter() - start
+
+    def ttft() -> tuple[float, float]:
+        prompt = torch.randint(0, vocab, (tokens,), generator=gen).tolist()
+        attention_s[0] = 0.0
+        start = time.perf_counter()
+        llm.generate([prompt], params)
+        return time.perf_counter() - start, attention_s[0]
+
+    ttft()
+    floor()  # warm-up of both
+    rows = []
+    for r in range(rounds):
+        if r % 2 == 0:
+            (t, attn), f = ttft(), floor()
+        else:
+            f = floor()
+            t, attn = ttft()
+        rows.append({"ttft_s": t, "floor_s": f, "attention_s": attn, "ratio": t / f})
+        print(f"{dtype_name} round {r}: ttft {t * 1e3:.0f} ms, floor {f * 1e3:.0f} ms, attention {attn * 1e3:.0f} ms, "
+              f"ratio {t / f:.3f}", flush=True)
+    med = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
+    return {"dtype": dtype_name, "tokens": tokens, "rounds": rows,
+            "median_ratio": round(med["ratio"], 3), "median_ttft_ms": round(med["ttft_s"] * 1e3, 1),
+            "median_floor_ms": round(med["floor_s"] * 1e3, 1), "median_attention_ms": round(med["attention_s"] * 1e3, 1)}
+
+
+def write_markdown(results: dict, path: Path) -> None:
+    lines = [
+        "# Prefill vs matmul floor (benchmarks/prefill_floor.py)", "",
+        (f"{results['tokens']}-token prompt, default model, {results['threads']} threads, {results['rounds']} paired "
+        f"rounds (order alternating), median of per-round ratios. Load average {results['load_before']:.1f} before, "
+        f"{results['load_after']:.1f} after: a busy shared machine, figures are rough."), "",
+        "| dtype | TTFT ms | matmul floor ms | attention ms | TTFT / floor (median) | per-round ratios |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for d in results["dtypes"]:
+        ratios = ", ".join(f"{row['ratio']:.2f}" for row in d["rounds"])
+        lines.append(f"| {d['dtype']} | {d['median_ttft_ms']} | {d['median_floor_ms']} | {d['median_attention_ms']} | "
+                     f"**{d['median_ratio']}** | {ratios} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--tokens", type=int, default=1000)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--name", default="prefill_floor")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(run_dtype(args.child, args.tokens, args.rounds, args.threads)))
+        return
+    results = {"load_before": os.getloadavg()[0], "threads": args.threads, "rounds": args.rounds,
+               "tokens": args.tokens, "dtypes": []}
+    for dtype in args.dtypes.split(","):
+        cmd = [sys.executable, __file__, "--child", dtype, "--rounds", str(args.rounds), "--tokens", str(args.tokens),
+               "--threads", str(args.threads)]
+        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                              text=True, check=False)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            sys.exit(f"{dtype} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        print("\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")))
+        results["dtypes"].append(json.loads(lines[-1][len("RESULT "):]))
+    results["load_after"] = os.getloadavg()[0]
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_markdown(results, RESULTS / f"{args.name}.md")
+    print(f"wrote {RESULTS / args.name}.{{json,md}}")
+
+
+if __name__ == "__main__":
+    main()
