@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_int4_dequant import int4pack_dequant_t, int4pack_linear, scale_and_shift
+from kernels.cpu_int4_dequant import int4pack_dequant_t, int4pack_linear, packed_block_n, scale_and_shift, unpack_codes
 from kernels.cpu_isa import cpu_has_bf16_dot, cpu_has_vnni
 
 __all__ = ["cpu_has_vnni"]  # re-exported for quant_spec's check of w8a8
@@ -44,7 +44,7 @@ INT4_KERNEL_MAX_ROWS = 32  # more rows de-quantize the weight for the call and u
 # The LM head (49152 x 576 here) sees at most one row per sequence: de-quantizing it per call
 # would cost far more than the weight-only kernel at any batch size, so it always uses the kernel.
 HEAD_WEIGHT_ONLY_MAX_ROWS = 1 << 62
-_INT4_BLOCK_N = 64  # output rows per block of the CPU int4 packed layout
+_INT4_BLOCK_N = 64  # the packed layout's block under AVX-512 (32 under AVX2): archives load on both
 
 
 class QuantMethod(enum.Enum):
@@ -270,16 +270,9 @@ class Int4Linear(_QuantBase):
         empty = torch.empty(0, dtype=torch.uint8)
         self.codes, self.scale, self.offset = empty, empty.float(), empty.float()
 
-    def _kernel_codes(self) -> torch.Tensor:
-        """Codes `[N, K]` read back from the CPU packed layout: per block of 64 output rows,
-        `[K, 32]` bytes whose low nibbles are rows 0..31 and high nibbles rows 32..63."""
-        blocks = self.packed.view(self.out_features // _INT4_BLOCK_N, self.in_features, _INT4_BLOCK_N // 2)
-        codes = torch.cat((blocks & 0x0F, blocks >> 4), dim=2)
-        return codes.permute(0, 2, 1).reshape(self.out_features, self.in_features)
-
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         groups = self.in_features // self.group_size
-        q = self._kernel_codes().view(self.out_features, groups, self.group_size).to(dtype) - 8
+        q = unpack_codes(self.packed, packed_block_n()).view(self.out_features, groups, self.group_size).to(dtype) - 8
         sz = self.scales_and_zeros.to(dtype).transpose(0, 1)  # [N, groups, 2]
         return (q * sz[..., :1] + sz[..., 1:]).view(self.out_features, self.in_features)
 

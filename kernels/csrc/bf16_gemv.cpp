@@ -12,7 +12,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -32,6 +32,18 @@ inline float widen(uint16_t bits) {
 inline __m512 widen16(const uint16_t* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 widen8(const uint16_t* p) {
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float reduce_add8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
 #endif
 
@@ -58,6 +70,27 @@ inline void row_dots(const uint16_t* w_row, const float* x, int64_t M, int64_t K
       for (int64_t m = 0; m < M; ++m) sums[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k), sums[m]);
     }
     for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_reduce_add_ps(sums[m]);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  // The same with 8-wide vectors (AVX2 CPUs, e.g. AMD Zen 2/3).
+  if (M == 1) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (; k + 32 <= K; k += 32) {
+      s0 = _mm256_fmadd_ps(widen8(w_row + k), _mm256_loadu_ps(x + k), s0);
+      s1 = _mm256_fmadd_ps(widen8(w_row + k + 8), _mm256_loadu_ps(x + k + 8), s1);
+      s2 = _mm256_fmadd_ps(widen8(w_row + k + 16), _mm256_loadu_ps(x + k + 16), s2);
+      s3 = _mm256_fmadd_ps(widen8(w_row + k + 24), _mm256_loadu_ps(x + k + 24), s3);
+    }
+    for (; k + 8 <= K; k += 8) s0 = _mm256_fmadd_ps(widen8(w_row + k), _mm256_loadu_ps(x + k), s0);
+    acc[0] = reduce_add8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+  } else {
+    __m256 sums[kMaxRows];
+    for (int64_t m = 0; m < M; ++m) sums[m] = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8) {
+      __m256 wv = widen8(w_row + k);
+      for (int64_t m = 0; m < M; ++m) sums[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), sums[m]);
+    }
+    for (int64_t m = 0; m < M; ++m) acc[m] = reduce_add8(sums[m]);
   }
 #else
   for (int64_t m = 0; m < M; ++m) acc[m] = 0.0f;

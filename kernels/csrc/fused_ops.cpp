@@ -19,7 +19,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #include <sleef.h>
 #endif
@@ -182,6 +182,8 @@ static void silu_and_mul_kernel(const T* gu, T* out, int64_t rows, int64_t n, in
         const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x));
         _mm512_storeu_ps(s.data() + i, _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
       }
+#endif
+#if defined(__AVX2__)
       for (; i + 8 <= n_vec; i += 8) {  // torch's AVX2 kernels: 8-float vectors
         float gf[8];
         for (int l = 0; l < 8; ++l) gf[l] = to_float(g[i + l]);
@@ -207,6 +209,9 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up, int64_t vec_bytes) {
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
   auto out = torch::empty({rows, n}, gate_up.options());
 #if !defined(__AVX512F__)
+  if (vec_bytes == 64) vec_bytes = 0;  // not built here: all scalar
+#endif
+#if !defined(__AVX2__)
   vec_bytes = 0;
 #endif
   if (gate_up.scalar_type() == at::kFloat)
