@@ -124,8 +124,8 @@ def write_markdown(results: dict, path: Path) -> None:
         "# Compiled forward vs eager (benchmarks/compile_bench.py)", "",
         (f"Default model, {results['threads']} threads, {results['rounds']} paired rounds (order alternating), "
         f"median of per-round eager/compiled time ratios (> 1: compiled faster). Load average "
-        f"{results['load_before']:.1f} before, {results['load_after']:.1f} after: a busy shared machine "
-        "(other developers' tests and benchmarks running), figures are rough."), "",
+        f"{results['load_before']:.1f} before, {results['load_after']:.1f} after"
+        f"{': a busy shared machine, figures are rough' if results['load_before'] > 1.0 else ''}."), "",
         "| dtype | case | eager ms | compiled ms | eager / compiled (median) | per-round ratios | max abs diff |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]

@@ -97,7 +97,8 @@ def write_markdown(results: dict, path: Path) -> None:
         "# Prefill vs matmul floor (benchmarks/prefill_floor.py)", "",
         (f"{results['tokens']}-token prompt, default model, {results['threads']} threads, {results['rounds']} paired "
         f"rounds (order alternating), median of per-round ratios. Load average {results['load_before']:.1f} before, "
-        f"{results['load_after']:.1f} after: a busy shared machine, figures are rough."), "",
+        f"{results['load_after']:.1f} after"
+        f"{': a busy shared machine, figures are rough' if results['load_before'] > 1.0 else ''}."), "",
         "| dtype | TTFT ms | matmul floor ms | attention ms | TTFT / floor (median) | per-round ratios |",
         "| --- | --- | --- | --- | --- | --- |",
     ]

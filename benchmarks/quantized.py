@@ -16,7 +16,7 @@ The order of the modes rotates every round; a mode's ratio is the median over ro
 Mode `fp8kv` is bf16 weights with `kv_cache_dtype: fp8_e4m3` (the batch phase's 640 MiB KV
 budget then holds ~1.9x the blocks).
 
-Writes benchmarks/results/quantized.{json,md}.
+Writes benchmarks/results/{--name, default quantized}.{json,md}.
 """
 
 from __future__ import annotations
@@ -112,6 +112,7 @@ def main() -> None:
     ap.add_argument("--ttft-len", type=int, default=1000)
     ap.add_argument("--batch-prompts", type=int, default=64)
     ap.add_argument("--batch-output", type=int, default=128)
+    ap.add_argument("--name", default="quantized", help="results file name under benchmarks/results/ (no suffix)")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -170,8 +171,8 @@ def report(args, modes: list[str], results: dict, rounds_done: int) -> None:
               f"{args.ttft_len}-token prompt; {args.batch_prompts} prompts x 200 tokens -> {args.batch_output} "
               f"tokens. Run on {when} ({platform.platform()})."]
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "quantized.json").write_text(json.dumps({"args": vars(args), "summary": summary}, indent=2) + "\n")
-    (RESULTS / "quantized.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "summary": summary}, indent=2) + "\n")
+    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -20,9 +20,9 @@ the run does not favour one side. The headline is the median of the per-round pa
 2-thread worker shares its cores with the front end and the clients, which stalls its OpenMP
 threads; with 1 thread the other core is theirs. Note: the load generator shares the machine with the server (on a 2-core box
 it competes with the worker for CPU), so the overhead measured is an upper bound.
-Results go to benchmarks/results/serve_overhead.{json,md}.
+Results go to benchmarks/results/{--out, default serve_overhead}.{json,md}.
 
-    .venv/bin/python benchmarks/serve_overhead.py [--num-prompts 32] [--output-len 64] [--threads 2,1]
+    .venv/bin/python benchmarks/serve_overhead.py [--num-prompts 32] [--output-len 64] [--threads 2,1] [--out NAME]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import RESULTS, make_prompts, peak_rss_mib, run_phase
+from _common import RESULTS, cpu_description, make_prompts, peak_rss_mib, run_phase
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_NAME = "bench"
@@ -296,6 +296,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads", default="2,1", help="torch threads of the engine / worker; a list compares several")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of each phase")
+    parser.add_argument("--out", default="serve_overhead", help="results file name under benchmarks/results/ (no suffix)")
     parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
@@ -335,12 +336,12 @@ def write_results(args, thread_counts: list[int], runs: dict, rounds_done: int) 
         "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "output_len": args.output_len,
                      "dtype": "bfloat16", "concurrency": args.num_prompts, "cpus": os.cpu_count(),
                      "rounds": rounds_done},
-        "machine": {"platform": platform.platform(), "processor": platform.processor()},
+        "machine": {"platform": platform.platform(), "processor": cpu_description()},
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "by_threads": results,
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "serve_overhead.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(summary, indent=2) + "\n")
     md = [
         "# Serving overhead: HTTP server vs offline engine (latest run)", "",
         (f"{args.num_prompts} concurrent requests x {args.prompt_len} prompt tokens, {args.output_len} output "
@@ -356,12 +357,12 @@ def write_results(args, thread_counts: list[int], runs: dict, rounds_done: int) 
     off_best, http_best = results[str(off_t)]["offline_tok_per_s"], results[str(http_t)]["http_tok_per_s"]
     summary["best_settings"] = {"offline_threads": off_t, "http_threads": http_t,
                                 "throughput_overhead": 1 - http_best / off_best}
-    (RESULTS / "serve_overhead.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(summary, indent=2) + "\n")
     md += [(f"**Each side at its best thread setting** (offline engine {off_t} thread(s): {off_best:.1f} tok/s; "
            f"server, worker with {http_t} thread(s): {http_best:.1f} tok/s): server overhead "
            f"**{100 * (1 - http_best / off_best):+.1f} %** of throughput."), ""]
-    md.append(f"Run on {summary['date']} ({summary['machine']['platform']}).")
-    (RESULTS / "serve_overhead.md").write_text("\n".join(md) + "\n")
+    md.append(f"Run on {summary['date']} ({summary['machine']['platform']}; {summary['machine']['processor']}).")
+    (RESULTS / f"{args.out}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 

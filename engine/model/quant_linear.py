@@ -4,7 +4,8 @@
   run `aten._weight_int8pack_mm` (weight-only: activations stay in the model dtype), which loses
   to bf16 from a few dozen rows on. More rows run `torch._int_mm` (VNNI int8 dot products) on
   activations quantized per token at run time, the call's largest input channels kept apart in
-  float32 (`_w8a8_mm`): mode `w8a8` at every row count (its weight stored as `[K, N]` for
+  float32 (`_w8a8_mm`; the quantization and the rescaling with the outlier product run as one
+  C++ pass each, kernels/csrc/int8_mm_io.cpp): mode `w8a8` at every row count (its weight stored as `[K, N]` for
   that), mode `int8` for 17..255 rows (batched decode); mode `int8` de-quantizes the weight for calls of 256+ rows and uses `F.linear`, so
   prefill keeps weight-only numerics.
 - `Int4Linear`: 4-bit codes in groups of 32/64/128 along the input, asymmetric (a scale and an
@@ -107,21 +108,28 @@ W8A8_OUTLIER_CHANNELS = 8
 
 
 def _w8a8_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-             outliers: int = W8A8_OUTLIER_CHANNELS) -> torch.Tensor:
+             outliers: int = W8A8_OUTLIER_CHANNELS, io=None) -> torch.Tensor:
     """`x [M, K]` quantized per row to int8 (symmetric), `torch._int_mm` with int32 sums, rescaled;
     the `outliers` input channels of largest max |x| over the call's rows are left out of the
-    int8 product and added back as a float32 product with the same int8 weight columns."""
-    xf = x.float()
-    extra = None
+    int8 product and added back as a float32 product with the same int8 weight columns.
+    `io`: the loaded int8_mm_io extension (kernels.cpu_int8_mm_io), which does the quantization
+    and the rescaling with the outlier product as one C++ pass each; None: torch ops (the reference)."""
+    outliers = min(outliers, x.shape[1])
+    if io is not None and x.dtype in (torch.float32, torch.bfloat16):
+        xq, x_scale, x_out, cols = io.int8_quantize_rows(x.contiguous(), outliers)
+        w_out = qweight[:, cols].t().float().contiguous()
+        return io.int8_mm_epilogue(torch._int_mm(xq, qweight.t()), x_scale, scale, x_out, w_out,
+                                   x.dtype == torch.bfloat16)
+    xf = x.float() if x.dtype != torch.float32 else x.clone()  # quantized in place below: never the caller's
     if outliers:
-        cols = xf.abs().amax(dim=0).topk(min(outliers, xf.shape[1])).indices
+        cols = xf.abs().amax(dim=0).topk(outliers).indices
         extra = xf[:, cols] @ qweight[:, cols].float().t()
         xf = xf.index_fill(1, cols, 0.0)
     x_scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
     xq = torch.round(xf.div_(x_scale)).to(torch.int8)  # |x| / x_scale <= 127 by construction
     # One pass per step over the [M, N] result: int32 * float32 -> float32, then in place.
     acc = torch.mul(torch._int_mm(xq, qweight.t()), x_scale)
-    if extra is not None:
+    if outliers:
         acc += extra
     return acc.mul_(scale).to(x.dtype)
 
@@ -166,8 +174,9 @@ class Int8Linear(_QuantBase):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  weight_only_max_rows: int = INT8_WEIGHT_ONLY_MAX_ROWS,
-                 dequant_min_rows: int = INT8_DEQUANT_MIN_ROWS, w8a8: bool = False) -> None:
+                 dequant_min_rows: int = INT8_DEQUANT_MIN_ROWS, w8a8: bool = False, io=None) -> None:
         super().__init__(in_features, out_features, bias, dtype)
+        self.io = io  # the int8_mm_io extension for `_w8a8_mm`, or None
         # Rows <= weight_only_max_rows: weight-only kernel; < dequant_min_rows: torch._int_mm on
         # activations quantized per token; more: the weight de-quantized for the call.
         if w8a8:  # torch._int_mm at every row count
@@ -216,7 +225,7 @@ class Int8Linear(_QuantBase):
         if rows.shape[0] <= self.weight_only_max_rows:
             out = torch.ops.aten._weight_int8pack_mm(rows.to(self.dtype), self.qweight, self.kernel_scale)
         elif rows.shape[0] < self.dequant_min_rows:
-            out = _w8a8_mm(rows, self.qweight, self.scale)
+            out = _w8a8_mm(rows, self.qweight, self.scale, io=self.io)
         else:
             out = _dequantized_linear(rows, lambda dtype: self.qweight.to(dtype) * self.kernel_scale[:, None].to(dtype),
                                       self.dtype)
@@ -328,13 +337,14 @@ class Int8Embedding(nn.Module):
 
 
 def make_quant_linear(method: QuantMethod, in_features: int, out_features: int, bias: bool,
-                      dtype: torch.dtype, group_size: int, int4_dequant=None) -> _QuantBase:
+                      dtype: torch.dtype, group_size: int, int4_dequant=None, int8_mm_io=None) -> _QuantBase:
     """The quantized layer of `method`; `int4_dequant` is the loaded int4_dequant extension
-    (`kernels.cpu_int4_dequant.load_int4_dequant()`) for int4, or None."""
+    (`kernels.cpu_int4_dequant.load_int4_dequant()`) for int4, `int8_mm_io` the int8_mm_io one
+    (`kernels.cpu_int8_mm_io.load_int8_mm_io()`) for int8 / w8a8, or None."""
     if method is QuantMethod.INT8:
-        return Int8Linear(in_features, out_features, bias, dtype)
+        return Int8Linear(in_features, out_features, bias, dtype, io=int8_mm_io)
     if method is QuantMethod.W8A8:
-        return Int8Linear(in_features, out_features, bias, dtype, w8a8=True)
+        return Int8Linear(in_features, out_features, bias, dtype, w8a8=True, io=int8_mm_io)
     if method is QuantMethod.INT4:
         return Int4Linear(in_features, out_features, bias, dtype, group_size, dequant=int4_dequant)
     raise ValueError(f"no quantized layer for {method.value}")
