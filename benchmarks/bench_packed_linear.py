@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from _common import RESULTS, peak_rss_mib
+from _common import RESULTS, cpu_description, peak_rss_mib
 
 MIN_ROUNDS = 5
 
@@ -136,7 +136,7 @@ def main() -> None:
            f"{median(runs['plain']):.1f} tok/s, packed {median(runs['packed']):.1f} tok/s (medians); "
            f"median of the per-round ratios **{engine['speedup']:.2f}x** (per round: "
            + ", ".join(f"{r:.2f}x" for r in engine["per_round"]) + ").",
-           "", f"Peak RSS {peak_mib:.0f} MiB (both engines loaded). Run on {summary['date']} ({summary['platform']})."]
+           "", f"Peak RSS {peak_mib:.0f} MiB (both engines loaded). Run on {summary['date']} ({summary['platform']}; {cpu_description()})."]
     (RESULTS / "bench_packed_linear.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

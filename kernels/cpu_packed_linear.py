@@ -5,11 +5,6 @@ batch sizes that reorder is a large share of the matmul (the 49152-row LM head a
 1.7-2.7x faster packed; the MLP projections ~1.1x; prefill-sized calls about the same:
 benchmarks/bench_packed_linear.py). Packing at load time removes it. The packed
 tensor replaces the plain weight, so memory does not grow. The reference is `F.linear`.
-
-Where the plain weight is held anyway (the tied LM head: the embedding keeps its table for
-lookups), calls of a few rows can run the `bf16_gemv` C++ kernel on it instead: oneDNN's packed
-GEMM reads the 49152 x 576 head at 22 GB/s for one row, the few-rows kernel at 41 GB/s (Zen 4,
-2 threads: 2.6-2.7 vs 1.4-2.0 ms per call, in two runs).
 """
 
 from __future__ import annotations
@@ -20,7 +15,6 @@ from torch import nn
 
 # oneDNN picks the blocked layout for an expected row count; any row count works with it.
 _BATCH_HINT = 64
-GEMV_MIN_ROWS = 3  # the few-rows kernel below this row count, where it is given (measured: 3 rows 3.3 vs 2.8 ms)
 
 
 def packed_linear_supported() -> bool:
@@ -41,10 +35,7 @@ def packed_linear_supported() -> bool:
 class PackedLinear(nn.Module):
     """`y = x @ weight.T + bias` for bf16 `x [..., in]`, with `weight [out, in]` packed."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, few_rows_gemv=None) -> None:
-        """`few_rows_gemv`: the loaded `bf16_gemv` extension, to run calls of fewer than
-        `GEMV_MIN_ROWS` rows on `weight` itself, which this layer then keeps (a reference: pass
-        it only where the plain weight is held anyway)."""
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
             raise ValueError("PackedLinear takes a 2-D bfloat16 CPU weight")
@@ -52,8 +43,6 @@ class PackedLinear(nn.Module):
         self.out_features = weight.shape[0]
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _BATCH_HINT)
         self.bias = None if bias is None else bias.detach().contiguous()
-        self.gemv = few_rows_gemv
-        self.plain_weight = weight.detach() if few_rows_gemv is not None else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> PackedLinear:
@@ -63,8 +52,5 @@ class PackedLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
         rows = x.reshape(-1, self.in_features).contiguous()
-        if self.gemv is not None and rows.shape[0] < GEMV_MIN_ROWS:
-            out = self.gemv.bf16_linear_few_rows(rows, self.plain_weight, self.bias)
-        else:
-            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)

@@ -328,10 +328,10 @@ class LlamaForCausalLM(nn.Module):
     def _swap_quantized(self, quant: QuantSpec) -> None:
         """Replace (on the meta device, before allocation) the projections, the embedding and
         an untied LM head by quantized layers; nothing full-precision is ever allocated for them."""
-        uses_int4 = any(quant.method_for(q) is QuantMethod.INT4 for q, _, _ in self._projections())
-        int4_dequant = load_int4_dequant() if uses_int4 and self.device.type == "cpu" else None
-        uses_int8 = any(quant.method_for(q) in (QuantMethod.INT8, QuantMethod.W8A8) for q, _, _ in self._projections())
-        int8_mm_io = load_int8_mm_io() if uses_int8 and self.device.type == "cpu" else None
+        methods = {quant.method_for(q) for q, _, _ in self._projections()}
+        on_cpu = self.device.type == "cpu"
+        int4_dequant = load_int4_dequant() if on_cpu and QuantMethod.INT4 in methods else None
+        int8_mm_io = load_int8_mm_io() if on_cpu and methods & {QuantMethod.INT8, QuantMethod.W8A8} else None
         for qualified, parent, name in self._projections():
             linear = getattr(parent, name)
             method = quant.method_for(qualified)
@@ -345,14 +345,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Int8Linear(self.lm_head.in_features, self.lm_head.out_features, False, self.dtype,
                                       weight_only_max_rows=HEAD_WEIGHT_ONLY_MAX_ROWS)
 
-    def pack_linear_weights(self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module] = PackedLinear,
-                            make_tied_head: Callable[[torch.Tensor, torch.Tensor | None], nn.Module] | None = None,
-                            ) -> None:
+    def pack_linear_weights(self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module] = PackedLinear) -> None:
         """Swap every bf16 projection and the LM head for a CPU linear layer (after the weights
         are loaded): a PackedLinear (oneDNN then skips its per-call weight reorder) or, on a CPU
-        without bf16 dot products, an UpcastLinear (float32 GEMMs). Quantized layers stay.
-        `make_tied_head`, if given, makes a tied LM head instead of `make` (it may use the
-        embedding's plain table, which is kept for lookups)."""
+        without bf16 dot products, an UpcastLinear (float32 GEMMs). Quantized layers stay."""
         for _, parent, name in self._projections():
             if isinstance(getattr(parent, name), nn.Linear):
                 linear = getattr(parent, name)
@@ -360,7 +356,7 @@ class LlamaForCausalLM(nn.Module):
         if self.packed_lm_head is not None or isinstance(self.lm_head, Int8Linear):
             return
         if self.lm_head is None:  # tied: the embedding keeps its plain table for lookups
-            self.packed_lm_head = (make_tied_head or make)(self.model.embed_tokens.weight, None)
+            self.packed_lm_head = make(self.model.embed_tokens.weight, None)
         else:
             self.packed_lm_head = make(self.lm_head.weight, self.lm_head.bias)
             self.lm_head = None

@@ -111,9 +111,7 @@ def load_model(
         if not cpu_has_bf16_dot():
             model.pack_linear_weights(functools.partial(UpcastLinear, gemv=load_gemv()))
         elif packed_linear_supported():
-            # The tied head's one- and two-row calls (batch-1 decode) read the embedding's plain
-            # table with the few-rows kernel: faster than oneDNN's packed GEMM there.
-            model.pack_linear_weights(PackedLinear, functools.partial(PackedLinear, few_rows_gemv=load_gemv()))
+            model.pack_linear_weights(PackedLinear)
     return model.eval()
 
 

@@ -16,6 +16,7 @@ from kernels.cpu_fused_ops import (
     reference_rotary_embedding,
     reference_silu_and_mul,
 )
+from tests.kernels import built_or_skip
 
 DTYPES = [torch.float32, torch.bfloat16]
 # 576: SmolLM2's hidden size; the others are off every vector width, or long enough for the
@@ -25,10 +26,7 @@ NORM_SIZES = [1, 7, 16, 63, 576, 1000, 4099, 70000]
 
 @pytest.fixture(scope="module")
 def ops():
-    fused = load_fused_ops()
-    if fused is None:
-        pytest.skip("the CPU fused-ops extension could not be built here (no g++/ninja?)")
-    return fused
+    return built_or_skip(load_fused_ops, "fused_ops")
 
 
 def _randn(*shape, dtype, seed, scale=1.0):

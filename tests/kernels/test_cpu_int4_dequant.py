@@ -16,14 +16,12 @@ from kernels.cpu_int4_dequant import (
     scale_and_shift,
     unpack_codes,
 )
+from tests.kernels import built_or_skip
 
 
 @pytest.fixture(scope="module")
 def ext():
-    loaded = load_int4_dequant()
-    if loaded is None:
-        pytest.skip("the int4_dequant extension cannot be built here")
-    return loaded
+    return built_or_skip(load_int4_dequant, "int4_dequant")
 
 
 @pytest.mark.parametrize("in_f,out_f", [(576, 960), (1536, 576), (64, 128)])

@@ -8,14 +8,12 @@ import torch
 
 from engine.model.quant_linear import _w8a8_mm, quantize_int8
 from kernels.cpu_int8_mm_io import load_int8_mm_io
+from tests.kernels import built_or_skip
 
 
 @pytest.fixture(scope="module")
 def ext():
-    loaded = load_int8_mm_io()
-    if loaded is None:
-        pytest.skip("the int8_mm_io extension cannot be built here")
-    return loaded
+    return built_or_skip(load_int8_mm_io, "int8_mm_io")
 
 
 @pytest.mark.parametrize("rows,in_f,out_f", [(17, 576, 960), (64, 1536, 576), (300, 576, 3072), (20, 64, 300)])

@@ -32,36 +32,3 @@ def test_keeps_leading_dims_and_refuses_what_it_cannot_pack():
         PackedLinear(w, None)(torch.randn(3, 15).bfloat16())
     with pytest.raises(ValueError, match="bfloat16"):
         PackedLinear(w.float(), None)
-
-
-class _CountingGemv:
-    """The real few-rows extension, counting its calls."""
-
-    def __init__(self, ext):
-        self.ext, self.calls = ext, 0
-
-    def bf16_linear_few_rows(self, *args):
-        self.calls += 1
-        return self.ext.bf16_linear_few_rows(*args)
-
-
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_few_rows_run_the_gemv_kernel_on_the_plain_weight(with_bias):
-    from kernels.cpu_packed_linear import GEMV_MIN_ROWS
-    from kernels.cpu_upcast_linear import load_gemv
-
-    ext = load_gemv()
-    if ext is None:
-        pytest.skip("the bf16_gemv extension cannot be built here")
-    gemv = _CountingGemv(ext)
-    gen = torch.Generator().manual_seed(7)
-    w = torch.randn(200, 96, generator=gen).bfloat16()
-    b = torch.randn(200, generator=gen).bfloat16() if with_bias else None
-    layer = PackedLinear(w, b, few_rows_gemv=gemv)
-    assert layer.plain_weight.data_ptr() == w.data_ptr()  # a reference, not a copy
-    for rows in range(1, GEMV_MIN_ROWS + 2):
-        x = torch.randn(rows, 96, generator=gen).bfloat16()
-        before = gemv.calls
-        got = layer(x)
-        assert gemv.calls - before == (1 if rows < GEMV_MIN_ROWS else 0), rows
-        torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), rtol=1e-2, atol=2e-2)

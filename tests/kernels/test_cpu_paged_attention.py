@@ -12,14 +12,12 @@ from kernels.cpu_paged_attention import (
     paged_decode_attention,
     reference_paged_decode_attention,
 )
+from tests.kernels import built_or_skip
 
 
 @pytest.fixture(scope="module")
 def ext():
-    kernels = load_cpu_kernels()
-    if kernels is None:
-        pytest.skip("the CPU attention kernel could not be built here (no g++/ninja?)")
-    return kernels
+    return built_or_skip(load_cpu_kernels, "paged_decode")
 
 
 def _inputs(dtype, batch, heads, kv_heads, head_dim, block_size, lens, seed=0):

@@ -9,14 +9,12 @@ import torch.nn.functional as F
 
 from kernels.cpu_isa import cpu_flags, cpu_has_bf16_dot, cpu_has_vnni
 from kernels.cpu_upcast_linear import GEMV_MAX_ROWS, UpcastLinear, load_gemv, upcast_linear
+from tests.kernels import built_or_skip
 
 
 @pytest.fixture(scope="module")
 def gemv():
-    ext = load_gemv()
-    if ext is None:
-        pytest.skip("the bf16_gemv extension cannot be built here")
-    return ext
+    return built_or_skip(load_gemv, "bf16_gemv")
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 64, 300])
