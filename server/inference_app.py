@@ -60,6 +60,7 @@ from handlers.openai_tools import ToolParser, tool_prompt
 from server import kserve, openapi
 from server.adapters import RegisteredAdapter
 from server.auth import auth_middleware
+from server.console import allow_console
 from server.errors import error_body
 from server.fanout import FanOut
 from server.generation import (
@@ -113,6 +114,7 @@ def build_inference_app(state: ServerState, contexts: Iterable[Callable] = ()) -
         auth_middleware(lambda: state.inference_key, public),
     ])
     app[STATE_KEY] = state
+    allow_console(app, state)  # the console's playground (another origin) may call in
     app.add_routes(routes)
     app.add_routes(kserve.routes)
     app.add_routes(openapi.routes("pagedserve inference API", _bodies()))

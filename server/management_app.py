@@ -23,7 +23,7 @@ from engine.model.model_config import ModelConfigError
 from engine.schema import SchemaError
 from handlers.base_handler import HandlerError
 from handlers.json_body import decode_json_body
-from server import openapi
+from server import console, openapi
 from server.adapters import is_adapter
 from server.archives import (
     ArchiveNotFoundError,
@@ -339,12 +339,14 @@ def _observe(request: web.Request, status: int, seconds: float) -> None:
 
 def build_management_app(state: ServerState, contexts: Iterable[Callable] = ()) -> web.Application:
     """The management app over `state`; `contexts` are extra `cleanup_ctx` generators."""
-    app = web.Application(client_max_size=state.config.max_request_size, middlewares=[
+    app = web.Application(client_max_size=state.config.max_request_size)
+    app[STATE_KEY] = state
+    public = console.setup(app)  # the console's page and files: no data, no token needed
+    app.middlewares.extend([
         error_middleware(_shape, EXCEPTION_CODES, _observe),
         drain_middleware(state.drain),
-        auth_middleware(lambda: state.management_key),
+        auth_middleware(lambda: state.management_key, public),
     ])
-    app[STATE_KEY] = state
     app.add_routes(ROUTES)
     app.add_routes(openapi.routes("pagedserve management API", {
         handler: openapi.Body(("application/json",) if handler is register_model else (), query=query)

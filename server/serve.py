@@ -33,6 +33,7 @@ from aiohttp import web
 from server.archives import LoadedArchive, resolve_url
 from server.auth import KeyStore, choose_keys, write_key_file
 from server.config import ServerConfig, ServerConfigError, parse_address
+from server.console import sign_in_link
 from server.connections import ConnectionLimits, GuardedAppRunner
 from server.inference_app import build_inference_app
 from server.lifecycle import BudgetCollector
@@ -212,7 +213,7 @@ class Server:
             await runner.setup()
             self.runners.append(runner)
             await web.TCPSite(runner, host, port).start()
-            self.ports[name] = port = runner.addresses[0][1]  # the real one when 0 was asked
+            self.ports[name] = state.ports[name] = port = runner.addresses[0][1]  # the real one when 0 was asked
             self.out(f"pagedserve: {name} API listening on http://{host}:{port}")
         if keys is not None:
             if write_keys:  # only now that every port is ours
@@ -221,6 +222,11 @@ class Server:
                      f"({'written' if write_keys else 'kept'}; send 'Authorization: Bearer <key>')")
         else:
             self.out("pagedserve: token authorization is OFF (--disable-token-auth)")
+        host, _ = parse_address(config.management_address)
+        host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else (f"[{host}]" if ":" in host else host)
+        # Printed, never logged: the keys ride in the fragment, which the browser keeps to itself.
+        link = sign_in_link(state, f"http://{host}:{self.ports['management']}")
+        self.out(f"pagedserve: console (sign-in link): {link}")
 
     async def _register_at_start(self, restored, opened) -> None:
         """The snapshot's models, then the `load_models` archives (the lifecycle's task)."""

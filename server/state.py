@@ -64,6 +64,7 @@ class ServerState:
     limits: RequestLimits = field(default_factory=RequestLimits)  # grammar checks, prompt bounds
     drain: Drain = field(default_factory=Drain)
     adapters: AdapterRegistry = field(default_factory=AdapterRegistry)  # LoRA adapters on the models' workers
+    ports: dict[str, int] = field(default_factory=dict)  # API -> bound port (server.serve fills it)
 
     @property
     def inference_key(self) -> str | None:
