@@ -281,9 +281,10 @@ def test_phone_width_and_keyboard(browser, srv, shots):
     page = context.new_page()
     try:
         page.goto(srv.url("management", "/console"))
-        page.keyboard.press("Tab")  # the skip link
+        page.wait_for_function("document.activeElement.id === 'signin-token'")  # focused at load
         page.keyboard.press("Tab")
-        assert page.evaluate("document.activeElement.id") == "signin-token"
+        assert page.evaluate("document.activeElement.id") == "signin-inference"
+        page.keyboard.press("Shift+Tab")
         page.keyboard.type(srv.keys["management"])
         page.keyboard.press("Enter")
         expect(card(page, MODEL)).to_be_visible(timeout=30_000)

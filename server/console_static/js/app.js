@@ -30,12 +30,18 @@ class Console {
     });
     $("sign-out").addEventListener("click", () => this.signOut(""));
     this.setupTabs();
-    // The sign-in link carries the keys in the fragment (never sent to the server); take them
-    // and drop the fragment from the address bar and the history at once.
+    window.addEventListener("hashchange", () => this.fromFragment());  // a link opened in this tab
+    if (!this.fromFragment()) $("signin-token").focus();
+  }
+
+  // The sign-in link carries the keys in the fragment (never sent to the server); take them
+  // and drop the fragment from the address bar and the history at once.
+  fromFragment() {
     const params = new URLSearchParams(location.hash.slice(1));
     if (location.hash) history.replaceState(null, "", location.pathname);
-    if (params.get("token")) this.signIn(params.get("token"), params.get("inference_token") || "");
-    else $("signin-token").focus();
+    if (!params.get("token")) return false;
+    this.signIn(params.get("token"), params.get("inference_token") || "");
+    return true;
   }
 
   async signIn(token, inferenceToken) {
