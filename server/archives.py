@@ -35,6 +35,12 @@ class ArchiveNotFoundError(FileNotFoundError):
     """No archive at that URL (404)."""
 
 
+def store_archives(store: Path) -> list[Path]:
+    """The archives in the model store (archive files, extracted archive folders), sorted by
+    name: what `--models all` registers and the console offers to register."""
+    return [p for p in sorted(store.iterdir()) if is_archive(p)] if store.is_dir() else []
+
+
 def resolve_url(url: str, model_store: Path, allowed_urls: list[str]) -> Path:
     """The local archive path a registration URL names, if the URL is allowed."""
     if not isinstance(url, str) or not url.strip():

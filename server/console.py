@@ -27,8 +27,9 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from server.archives import store_archives
 from server.auth import Handler
-from server.config import parse_address
+from server.config import ServerConfig, parse_address
 from server.state import STATE_KEY, ServerState
 
 STATIC_DIR = Path(__file__).parent / "console_static"
@@ -37,7 +38,6 @@ CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; c
                  ".svg": "image/svg+xml", ".txt": "text/plain; charset=utf-8"}
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 UNSPECIFIED = frozenset({"", "0.0.0.0", "::", "[::]"})
-ARCHIVE_SUFFIXES = (".mar", ".zip", ".tar.gz", ".tgz")
 API_CSP = "default-src 'none'; frame-ancestors 'none'"
 
 
@@ -52,7 +52,7 @@ def load_static(root: Path = STATIC_DIR) -> dict[str, StaticFile]:
     these paths are served, so no request path ever reaches the file system."""
     files = {}
     for path in sorted(root.rglob("*")):
-        if path.is_file() and path.suffix in CONTENT_TYPES and path.name != "index.html":
+        if path.is_file() and path.suffix in CONTENT_TYPES and path != root / "index.html":
             rel = path.relative_to(root).as_posix()
             files[f"/console/static/{rel}"] = StaticFile(path.read_bytes(), CONTENT_TYPES[path.suffix])
     return files
@@ -68,12 +68,12 @@ def _is_local(host: str) -> bool:
         return False
 
 
-def inference_origin(state: ServerState, page_host: str) -> str:
+def inference_origin(config: ServerConfig, ports: dict[str, int], page_host: str) -> str:
     """The inference port's origin as the console's page (reached as `page_host`) must name it:
     the page's own host name when the inference port listens on every address or both are
     local, else the configured host."""
-    host, _ = parse_address(state.config.inference_address)
-    port = state.ports.get("inference", 0)
+    host, _ = parse_address(config.inference_address)
+    port = ports.get("inference", 0)
     if host in UNSPECIFIED or (_is_local(host) and _is_local(page_host)):
         host = page_host
     elif ":" in host and not host.startswith("["):
@@ -81,32 +81,32 @@ def inference_origin(state: ServerState, page_host: str) -> str:
     return f"http://{host}:{port}"
 
 
-def console_origin_allowed(state: ServerState, origin: str) -> bool:
+def console_origin_allowed(config: ServerConfig, ports: dict[str, int], origin: str) -> bool:
     """Whether `origin` is the console's: http, the management port, a host that reaches it."""
     scheme, _, rest = origin.partition("://")
     host, _, port = rest.rpartition(":")
-    if scheme != "http" or not port.isdigit() or int(port) != state.ports.get("management"):
+    if scheme != "http" or not port.isdigit() or int(port) != ports.get("management"):
         return False
-    mhost, _ = parse_address(state.config.management_address)
+    mhost, _ = parse_address(config.management_address)
     return mhost in UNSPECIFIED or host.strip("[]") == mhost.strip("[]") or (_is_local(mhost) and _is_local(host))
 
 
-def page_csp(state: ServerState, page_host: str) -> str:
+def page_csp(config: ServerConfig, ports: dict[str, int], page_host: str) -> str:
     return ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-            f"connect-src 'self' {inference_origin(state, page_host)}; base-uri 'none'; "
+            f"connect-src 'self' {inference_origin(config, ports, page_host)}; base-uri 'none'; "
             "form-action 'none'; frame-ancestors 'none'")
 
 
 # -- routes -------------------------------------------------------------------------------
 STATIC_KEY = web.AppKey("pagedserve_console_static", dict)
+INDEX_KEY = web.AppKey("pagedserve_console_index", bytes)
 
 
 async def index(request: web.Request) -> web.Response:
     """The console's page (no token needed: it holds no data; sign-in happens in the page)."""
-    body = (STATIC_DIR / "index.html").read_bytes()
     state = request.app[STATE_KEY]
-    return web.Response(body=body, content_type="text/html", charset="utf-8", headers={
-        "Content-Security-Policy": page_csp(state, _page_host(request)),
+    return web.Response(body=request.app[INDEX_KEY], content_type="text/html", charset="utf-8", headers={
+        "Content-Security-Policy": page_csp(state.config, state.ports, _page_host(request)),
         "Cache-Control": "no-cache"})
 
 
@@ -128,11 +128,9 @@ async def metrics(request: web.Request) -> web.Response:
 async def info(request: web.Request) -> web.Response:
     """Where the playground sends requests and what the register form can name."""
     state = request.app[STATE_KEY]
-    store = state.config.model_store_path
-    archives = sorted(p.name for p in (store.iterdir() if store.is_dir() else [])
-                      if p.name.endswith(ARCHIVE_SUFFIXES) or (p / "MAR-INF" / "MANIFEST.json").is_file())
+    archives = [p.name for p in store_archives(state.config.model_store_path)]
     return web.json_response({
-        "inferenceUrl": inference_origin(state, _page_host(request)),
+        "inferenceUrl": inference_origin(state.config, state.ports, _page_host(request)),
         "modelApi": state.config.enable_model_api,
         "tokenAuth": state.keys is not None,
         "storeArchives": archives,
@@ -156,6 +154,7 @@ def setup(app: web.Application) -> frozenset[str]:
     no token (the page and its static files, which hold no data)."""
     files = load_static()
     app[STATIC_KEY] = files
+    app[INDEX_KEY] = (STATIC_DIR / "index.html").read_bytes()
     app.add_routes(routes())
     app.on_response_prepare.append(security_headers)
     return frozenset({"/console", "/console/", *files})
@@ -181,7 +180,7 @@ def allow_console(app: web.Application, state: ServerState) -> None:
     async def preflight(request: web.Request, handler: Handler) -> web.StreamResponse:
         origin = request.headers.get("Origin")
         if (request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers
-                and origin is not None and console_origin_allowed(state, origin)):
+                and origin is not None and console_origin_allowed(state.config, state.ports, origin)):
             return web.Response(status=204, headers={
                 "Access-Control-Allow-Methods": "GET, POST",
                 "Access-Control-Allow-Headers": "Authorization, Content-Type",
@@ -190,7 +189,7 @@ def allow_console(app: web.Application, state: ServerState) -> None:
 
     async def allow_origin(request: web.Request, response: web.StreamResponse) -> None:
         origin = request.headers.get("Origin")
-        if origin is not None and console_origin_allowed(state, origin):
+        if origin is not None and console_origin_allowed(state.config, state.ports, origin):
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Vary"] = "Origin"
 

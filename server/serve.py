@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from server.archives import LoadedArchive, resolve_url
+from server.archives import LoadedArchive, resolve_url, store_archives
 from server.auth import KeyStore, choose_keys, write_key_file
 from server.config import ServerConfig, ServerConfigError, parse_address
 from server.console import sign_in_link
@@ -65,7 +65,6 @@ handler:
   dtype: bfloat16
   kv_cache_memory: 1GiB
 """
-ARCHIVE_SUFFIXES = (".mar", ".zip", ".tar.gz", ".tgz")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +84,7 @@ def startup_models(config: ServerConfig) -> list[StartupModel]:
         if not sep:
             name, url = None, item
         if url == "all":
-            for path in sorted(store.iterdir()) if store.is_dir() else []:
-                if path.name.endswith(ARCHIVE_SUFFIXES) or (path / "MAR-INF" / "MANIFEST.json").is_file():
-                    out.append(StartupModel(None, path.name, path.resolve()))
+            out.extend(StartupModel(None, path.name, path.resolve()) for path in store_archives(store))
             continue
         if url == "default":
             url = ensure_default_archive(store).name

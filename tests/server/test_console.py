@@ -305,6 +305,26 @@ def test_phone_width_and_keyboard(browser, srv, shots):
 
 
 # -- what the console may do, and what it weighs --------------------------------------------
+def test_inference_port_answers_the_console_origin_only(srv):
+    console = f"http://127.0.0.1:{srv.ports['management']}"
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    ok = srv.request("OPTIONS", "inference", "/v1/chat/completions", token=None,
+                     headers={"Origin": console, **preflight})
+    assert ok.status == 204 and "Authorization" in ok.headers["Access-Control-Allow-Headers"]
+    assert ok.headers["Access-Control-Allow-Origin"] == console
+    other = srv.request("OPTIONS", "inference", "/v1/chat/completions", token=None,
+                        headers={"Origin": "http://evil.example:8081", **preflight})
+    assert "Access-Control-Allow-Origin" not in other.headers
+    # the preflight grants nothing: the key is still checked
+    refused = srv.post("inference", "/v1/completions", json={"model": MODEL, "prompt": "a"},
+                       token=None, headers={"Origin": console})
+    assert refused.status == 401 and refused.headers["Access-Control-Allow-Origin"] == console
+    answered = srv.post("inference", "/v1/completions", headers={"Origin": "http://evil.example:1"},
+                        json={"model": MODEL, "prompt": "a", "max_tokens": 1})
+    assert answered.status == 200 and "Access-Control-Allow-Origin" not in answered.headers
+
+
 def test_console_adds_no_privileges(srv, seen):
     """Every call the console's pages made in this module is a management call that carried
     the key and is refused without it; the page's responses carry the CSP."""

@@ -114,7 +114,7 @@ export class Overview {
     const workers = v.workers || [];
     const ready = workers.filter((w) => w.status === "READY").length;
     const device = (w) => (w.gpu ? "cuda" : v.deviceType || "cpu");
-    entry.body.replaceChildren(
+    entry.body.replaceChildren(...[
       h("dl", { class: "facts" },
         h("dt", { text: "Workers" }),
         h("dd", { class: "workers-count", "data-count": workers.length,
@@ -142,7 +142,8 @@ export class Overview {
           h("button", { type: "button", class: "link", "aria-label": `Remove adapter ${a.modelName}`,
             onclick: (ev) => this.confirmThen(ev.currentTarget, "Confirm remove",
               () => this.call(`Remove adapter ${a.modelName}`, "DELETE", `/models/${encodeURIComponent(a.modelName)}`)) },
-          "remove"))))) : null);
+          "remove"))))) : null,
+    ].filter(Boolean));
   }
 
   // Destructive buttons take a second press within 4 s.
