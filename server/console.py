@@ -10,6 +10,8 @@ both behind the management key:
                                metrics port is another origin, which a page cannot read)
     GET /console/api/info      where the inference port is, whether the model API is on, the
                                archives in the model store (what "register" can name)
+    GET /console/api/history   the chart families' text of the last 15 minutes, sampled every
+                               2 s (server.console_history), so charts start full
 
 The playground calls the inference port directly with the inference key; that port answers
 CORS requests from the console's origin only (`allow_console`). Every management response
@@ -27,6 +29,7 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from server import console_history
 from server.archives import store_archives
 from server.auth import Handler
 from server.config import ServerConfig, parse_address
@@ -156,6 +159,7 @@ def setup(app: web.Application) -> frozenset[str]:
     app[STATIC_KEY] = files
     app[INDEX_KEY] = (STATIC_DIR / "index.html").read_bytes()
     app.add_routes(routes())
+    console_history.setup(app)
     app.on_response_prepare.append(security_headers)
     return frozenset({"/console", "/console/", *files})
 

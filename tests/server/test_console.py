@@ -26,6 +26,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 PAGE_WEIGHT_LIMIT = 300 * 1024
 FIRST_PAINT_LIMIT_MS = 1000
+ADAPTER = "tiny-lora"
 WORKER_TIMEOUT_MS = 300_000  # a worker of the default model starting on a busy 2-core machine
 
 pytestmark = pytest.mark.slow
@@ -43,11 +44,32 @@ def _link(path: Path, dest: Path) -> None:
         shutil.copy(path, dest)
 
 
+def _write_adapter(store: Path, tiny_model: Path, work: Path) -> None:
+    """`tiny-lora.mar`: a LoRA adapter (random, rank 4) on "tiny" 1.0, made with the CLI."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from server.cli import main
+
+    torch.manual_seed(3)
+    with pytest.MonkeyPatch.context() as mp:
+        # transformers 5.x asks for its hub `kernels` package by default; this checkout's own
+        # `kernels` folder shadows that name: turn the hub kernels off, they are not wanted here
+        mp.setenv("USE_HUB_KERNELS", "0")
+        base = LlamaForCausalLM.from_pretrained(tiny_model)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    model.save_pretrained(work / "adapter")
+    assert main(["archive", "--lora-dir", str(work / "adapter"), "--base-model", f"{TINY}:1.0",
+                 "--model-name", ADAPTER, "--version", "1.0", "--export-path", str(store)]) == 0
+
+
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory, model_store, tiny_store, archive_cache):
+def srv(tmp_path_factory, model_store, tiny_store, tiny_model, archive_cache):
     store = tmp_path_factory.mktemp("console_store")
     _link(model_store / ARCHIVE, store / ARCHIVE)
     _link(tiny_store / TINY_ARCHIVE, store / TINY_ARCHIVE)
+    _write_adapter(store, tiny_model, tmp_path_factory.mktemp("console_lora"))
     server = ServerProcess(workdir=tmp_path_factory.mktemp("console_server"), model_store=store,
                            models=[f"{MODEL}={ARCHIVE}"], args=["--enable-model-api"],
                            # the torch path: the C++ kernels are not what these tests are about
@@ -175,6 +197,22 @@ def test_register_and_unload_a_second_model(page, srv, shots):
     tiny = card(page, TINY)
     expect(tiny).to_be_visible(timeout=10_000)
     expect(tiny.locator(".workers-count")).to_have_attribute("data-count", "1")
+    # a LoRA adapter on it: registered the same way, listed on its base, removed from there
+    page.get_by_role("tab", name="Register").click()
+    page.get_by_label("Archive in the model store").select_option(f"{ADAPTER}.mar")
+    page.get_by_role("button", name="Register").click()
+    expect(page.locator("#register-result")).to_contain_text(f'Adapter "{ADAPTER}" Version: 1.0 registered',
+                                                             timeout=60_000)
+    page.get_by_role("tab", name="Overview").click()
+    expect(tiny.locator(".adapters")).to_contain_text(ADAPTER, timeout=10_000)
+    page.locator("#play-model").wait_for(state="attached")
+    assert ADAPTER in page.locator("#play-model option").all_inner_texts()
+    page.screenshot(path=shots / "overview-adapter.png", full_page=True)
+    tiny.get_by_role("button", name=f"Remove adapter {ADAPTER}").click()
+    tiny.get_by_role("button", name=f"Confirm remove: Remove adapter {ADAPTER}").click()
+    expect(page.locator("#action-result")).to_contain_text(f'Adapter "{ADAPTER}" version: 1.0 unregistered',
+                                                           timeout=60_000)
+    expect(tiny.locator(".adapters")).to_have_count(0, timeout=10_000)
     unload = tiny.get_by_role("button", name="Unload")
     unload.click()
     tiny.get_by_role("button", name="Confirm unload").click()
@@ -256,14 +294,18 @@ def _load(srv, n: int) -> None:
 
 
 def test_charts_draw_non_empty_data_after_a_short_load(page, srv, shots):
+    """A short load, then the page opened: its charts already hold the last minutes (the
+    server's samples), not only what came after it was opened."""
+    _load(srv, 4)
+    time.sleep(2.5)  # a sample after the load
+    opened = time.time()
     signed_in(page, srv)
     page.get_by_role("tab", name="Charts").click()
-    time.sleep(2.5)  # a first sample before the load: rates are differences of two polls
-    _load(srv, 4)
     for chart in ("tokens", "requests", "ttft", "itl"):
         fig = page.locator(f"#chart-{chart}")
-        expect(fig).not_to_have_attribute("data-max", re.compile(r"^(0)?$"), timeout=30_000)
+        expect(fig).not_to_have_attribute("data-max", re.compile(r"^(0)?$"), timeout=10_000)
         assert int(fig.get_attribute("data-points")) > 0
+        assert float(fig.get_attribute("data-first")) < opened - 10, "history from before the page"
     assert page.locator("#chart-tokens canvas").count() == 1
     # the canvas is painted: some pixel of the tokens/s chart is not the background
     painted = page.evaluate("""() => { const c = document.querySelector('#chart-tokens canvas');
@@ -336,7 +378,7 @@ def test_console_adds_no_privileges(srv, seen):
              for m, u in calls}
     for expected in [("GET", "/models"), ("POST", "/models"), ("PUT", "/models/M"),
                      ("DELETE", "/models/M"), ("GET", "/console/api/metrics"),
-                     ("GET", "/console/api/info")]:
+                     ("GET", "/console/api/info"), ("GET", "/console/api/history")]:
         assert expected in kinds, (expected, sorted(kinds))
     assert any(p.endswith(("/sleep", "/wake", "/set-default")) for _, p in
                ((m, urllib.parse.urlsplit(u).path) for m, u in calls))

@@ -152,18 +152,20 @@ class Console {
     }
     const adapters = listed.filter((m) => m.parent);
     const names = listed.filter((m) => !m.parent).map((m) => m.modelName);
-    const [versions, metricsText] = await Promise.all([
+    const [versions, metricsText, history] = await Promise.all([
       Promise.all(names.map((n) => api.get(`/models/${encodeURIComponent(n)}/all`).catch((e) => {
         if (e.status === 404) return [];  // unregistered between the two calls
         throw e;
       }))),
       api.get("/console/api/metrics"),
+      api.get("/console/api/history", { since: this.charts.since }),
     ]);
     return {
       time: Date.now(),
       models: names.map((name, i) => ({ name, versions: versions[i] })),
       adapters,
       metrics: parse(metricsText),
+      history: history.samples,
     };
   }
 }

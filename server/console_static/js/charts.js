@@ -1,9 +1,10 @@
 // Live charts of the last 15 minutes, drawn with uPlot (vendored, pinned: vendor/VERSIONS.md)
-// from the server's own metrics as the console polls them: output tokens/s, requests/s, the
-// queue, TTFT and ITL p50 / p99, preemptions; for all models or one.
+// from the server's own metrics, sampled every 2 s by the server (GET /console/api/history,
+// read incrementally at each poll): output tokens/s, requests/s, the queue, TTFT and ITL
+// p50 / p99, preemptions; for all models or one.
 
 import { $, h } from "./dom.js";
-import { bucketDelta, buckets, quantile, sum } from "./prom.js";
+import { bucketDelta, buckets, parse, quantile, sum } from "./prom.js";
 
 const WINDOW_S = 15 * 60;
 const QUANTILE_WINDOW_S = 30;  // percentiles over the requests of the last 30 s
@@ -43,9 +44,14 @@ export class Charts {
     this.select.addEventListener("change", () => this.draw());
   }
 
+  // The time of the newest sample held: the next poll asks for what came after it.
+  get since() { return this.samples.length ? this.samples.at(-1).t : 0; }
+
   add(snap) {
-    const t = snap.time / 1000;
-    this.samples.push({ t, metrics: snap.metrics });
+    for (const s of snap.history) {
+      if (s.t > this.since) this.samples.push({ t: s.t, metrics: parse(s.metrics) });
+    }
+    const t = this.since;
     while (this.samples.length && this.samples[0].t < t - WINDOW_S) this.samples.shift();
     for (const model of snap.models) {
       if (!this.models.has(model.name)) {
@@ -120,6 +126,7 @@ export class Charts {
       // What the chart holds, for people using a screen reader (and for the browser tests).
       const values = data[id].flat().filter((v) => Number.isFinite(v));
       fig.dataset.points = String(values.length);
+      fig.dataset.first = String(data.x[0] ?? "");
       fig.dataset.max = String(values.length ? Math.max(...values) : 0);
       fig.setAttribute("aria-description",
         values.length ? `${values.length} points, latest ${values.at(-1).toFixed(2)}, max ${fig.dataset.max}` : "no data yet");

@@ -148,21 +148,25 @@ export class Overview {
 
   // Destructive buttons take a second press within 4 s.
   confirmThen(button, confirmLabel, run) {
-    if (button.dataset.armed) {
+    const disarm = () => {
       delete button.dataset.armed;
       button.textContent = button.dataset.label;
+      if (button.dataset.aria) button.setAttribute("aria-label", button.dataset.aria);
+    };
+    if (button.dataset.armed) {
+      disarm();
       run();
       return;
     }
     button.dataset.armed = "1";
     button.dataset.label = button.textContent;
     button.textContent = confirmLabel;
-    setTimeout(() => {
-      if (button.dataset.armed) {
-        delete button.dataset.armed;
-        button.textContent = button.dataset.label;
-      }
-    }, 4000);
+    const aria = button.getAttribute("aria-label");
+    if (aria) {
+      button.dataset.aria = aria;
+      button.setAttribute("aria-label", `${confirmLabel}: ${aria}`);
+    }
+    setTimeout(() => { if (button.dataset.armed) disarm(); }, 4000);
   }
 
   async call(what, method, path, query) {
