@@ -94,3 +94,22 @@ def test_inference_origin_and_csp():
     assert "connect-src 'self' http://server.lan:8080;" in csp
     assert "script-src 'self';" in csp and "style-src 'self';" in csp and "unsafe" not in csp
     assert "frame-ancestors 'none'" in csp and "default-src 'none'" in csp
+
+
+def test_history_keeps_fifteen_minutes_and_answers_since():
+    from server.console_history import CHART_FAMILIES, MetricsHistory
+    from server.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    metrics.generation_tokens.labels("m").inc(5)
+    text = metrics.render(CHART_FAMILIES)
+    assert b'pagedserve_generation_tokens_total{model="m"} 5.0' in text
+    assert b"pagedserve_request_latency" not in text  # only what the charts read
+    history = MetricsHistory(window_s=60)
+    for t in range(0, 121, 2):
+        history.add(1000.0 + t, text)
+    times = [s["t"] for s in history.since(0)]
+    assert times[0] == 1060.0 and times[-1] == 1120.0 and len(times) == 31
+    assert [s["t"] for s in history.since(1116.0)] == [1118.0, 1120.0]
+    assert history.since(0)[0]["metrics"] == text.decode()
+    assert history.nbytes() < len(text) * len(times)  # compressed
