@@ -62,6 +62,8 @@ class _ServerFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     management_key: Annotated[str, Meta(pattern=KEY_PATTERN)] | None = None
     keep_key_file: bool = False  # reuse the keys of an existing key_file (a key given above wins)
     health_needs_token: bool = False  # /ping, /live, /ready and /v2/health/* need the inference key
+    # The console's sign-in link printed at start carries the keys; None: when stdout is a terminal.
+    console_link_keys: bool | None = None
     # Regular expressions a registration URL must match in full; empty: files inside the store.
     allowed_urls: list[str] = []
     default_workers_per_model: _Positive | None = None  # None: the archive's minWorkers

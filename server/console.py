@@ -201,9 +201,13 @@ def allow_console(app: web.Application, state: ServerState) -> None:
     app.on_response_prepare.append(allow_origin)
 
 
-def sign_in_link(state: ServerState, management_url: str) -> str:
-    """`<management>/console#token=...`: the keys in the fragment, which browsers never send."""
+def sign_in_line(state: ServerState, management_url: str, with_keys: bool) -> str:
+    """The line `pagedserve serve` prints: `<management>/console#token=...`, the keys in the
+    fragment (which browsers never send), or, `with_keys` off, the link and where the key is."""
     if state.keys is None:
-        return f"{management_url}/console"
-    return (f"{management_url}/console#token={state.management_key}"
-            f"&inference_token={state.inference_key}")
+        return f"pagedserve: console: {management_url}/console"
+    if not with_keys:
+        return (f"pagedserve: console: {management_url}/console (sign in with the management key "
+                f"from {state.keys.path}; console_link_keys: true prints a link that carries it)")
+    return (f"pagedserve: console (sign-in link): {management_url}/console#token="
+            f"{state.management_key}&inference_token={state.inference_key}")

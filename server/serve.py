@@ -22,6 +22,7 @@ import contextlib
 import ipaddress
 import logging
 import signal
+import sys
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from aiohttp import web
 from server.archives import LoadedArchive, resolve_url, store_archives
 from server.auth import KeyStore, choose_keys, write_key_file
 from server.config import ServerConfig, ServerConfigError, parse_address
-from server.console import sign_in_link
+from server.console import sign_in_line
 from server.connections import ConnectionLimits, GuardedAppRunner
 from server.inference_app import build_inference_app
 from server.lifecycle import BudgetCollector
@@ -221,9 +222,12 @@ class Server:
             self.out("pagedserve: token authorization is OFF (--disable-token-auth)")
         host, _ = parse_address(config.management_address)
         host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else (f"[{host}]" if ":" in host else host)
-        # Printed, never logged: the keys ride in the fragment, which the browser keeps to itself.
-        link = sign_in_link(state, f"http://{host}:{self.ports['management']}")
-        self.out(f"pagedserve: console (sign-in link): {link}")
+        # The keys ride in the fragment, which the browser keeps to itself; printed with them
+        # only to a terminal unless told (stdout under a service manager is a log).
+        with_keys = config.console_link_keys
+        if with_keys is None:
+            with_keys = sys.stdout.isatty()
+        self.out(sign_in_line(state, f"http://{host}:{self.ports['management']}", with_keys))
 
     async def _register_at_start(self, restored, opened) -> None:
         """The snapshot's models, then the `load_models` archives (the lifecycle's task)."""

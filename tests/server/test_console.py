@@ -74,7 +74,9 @@ def srv(tmp_path_factory, model_store, tiny_store, tiny_model, archive_cache):
                            models=[f"{MODEL}={ARCHIVE}"], args=["--enable-model-api"],
                            # the torch path: the C++ kernels are not what these tests are about
                            env={"PAGEDSERVE_ARCHIVE_DIR": str(archive_cache),
-                                "PAGEDSERVE_DISABLE_CPU_KERNELS": "1"})
+                                "PAGEDSERVE_DISABLE_CPU_KERNELS": "1",
+                                # stdout is a file here: ask for the link with the keys
+                                "PAGEDSERVE_CONSOLE_LINK_KEYS": "true"})
     try:
         yield server.start()
     finally:

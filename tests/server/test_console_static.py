@@ -113,3 +113,20 @@ def test_history_keeps_fifteen_minutes_and_answers_since():
     assert [s["t"] for s in history.since(1116.0)] == [1118.0, 1120.0]
     assert history.since(0)[0]["metrics"] == text.decode()
     assert history.nbytes() < len(text) * len(times)  # compressed
+
+
+def test_the_printed_link_carries_the_keys_only_when_asked(tmp_path):
+    from server.auth import ApiKeys, KeyStore
+    from server.console import sign_in_line
+    from server.serve import build_state
+
+    keys = KeyStore(ApiKeys.generate(), tmp_path / "key_file.json")
+    state = build_state(ServerConfig(), make_engine=None, keys=keys)
+    try:
+        line = sign_in_line(state, "http://127.0.0.1:8081", with_keys=True)
+        assert line.endswith(f"/console#token={keys.keys.management}&inference_token={keys.keys.inference}")
+        line = sign_in_line(state, "http://127.0.0.1:8081", with_keys=False)
+        assert keys.keys.management not in line and keys.keys.inference not in line
+        assert "http://127.0.0.1:8081/console " in line and str(keys.path) in line
+    finally:
+        state.executor.shutdown()
