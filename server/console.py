@@ -23,6 +23,7 @@ only this origin and the inference origin (no inline script, no eval), the rest 
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,7 @@ CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; c
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 UNSPECIFIED = frozenset({"", "0.0.0.0", "::", "[::]"})
 API_CSP = "default-src 'none'; frame-ancestors 'none'"
+HOST_RE = re.compile(r"[A-Za-z0-9.\-:\[\]]{1,255}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +125,7 @@ async def static(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """The metrics port's Prometheus text (`name[]` filters), for the console's charts."""
+    """The metrics port's Prometheus text (`name[]` filters), for the console's overview."""
     body = request.app[STATE_KEY].metrics.render(request.query.getall("name[]", ()))
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -135,14 +137,17 @@ async def info(request: web.Request) -> web.Response:
     return web.json_response({
         "inferenceUrl": inference_origin(state.config, state.ports, _page_host(request)),
         "modelApi": state.config.enable_model_api,
-        "tokenAuth": state.keys is not None,
         "storeArchives": archives,
         "allowedUrls": list(state.config.allowed_urls),
     })
 
 
 def _page_host(request: web.Request) -> str:
-    host = request.url.host or "127.0.0.1"
+    """The host name the page was reached by (it names the inference origin in the CSP): only
+    the characters of a host name or an address; anything else is not put in a header."""
+    host = request.url.host or ""
+    if not HOST_RE.fullmatch(host):
+        return "127.0.0.1"
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
