@@ -73,7 +73,8 @@ export class Overview {
     const isDefault = h("span", { class: "badge default", text: "default" });
     title.append(state, isDefault);
     const body = h("div");
-    const workersInput = h("input", { id: `scale-${id}`, type: "number", min: 0, max: 64, value: v.minWorkers });
+    const workersInput = h("input", { id: `scale-${id}`, type: "number", min: 0, max: 64, value: v.minWorkers,
+      oninput: (ev) => { ev.currentTarget.dataset.edited = "1"; } });  // polls then leave it alone
     const act = (label, run, cls) => h("button", { type: "button", class: cls, onclick: (ev) => run(ev.currentTarget) }, label);
     const actions = h("div", { class: "actions", role: "group", "aria-label": `Actions on ${name} ${version}` },
       h("label", { for: `scale-${id}`, text: "Workers" }), workersInput,
@@ -105,7 +106,6 @@ export class Overview {
     if (document.activeElement !== entry.workersInput && !entry.workersInput.dataset.edited) {
       entry.workersInput.value = v.minWorkers;
     }
-    entry.workersInput.oninput = () => { entry.workersInput.dataset.edited = "1"; };
     const labels = { model: v.modelName, version: v.modelVersion };
     const kvUsed = sum(m, "pagedserve_kv_blocks_used", labels);
     const kvFree = sum(m, "pagedserve_kv_blocks_free", labels);
