@@ -206,9 +206,15 @@ def allow_console(app: web.Application, state: ServerState) -> None:
     app.on_response_prepare.append(allow_origin)
 
 
-def sign_in_line(state: ServerState, management_url: str, with_keys: bool) -> str:
+def sign_in_line(state: ServerState, with_keys: bool) -> str:
     """The line `pagedserve serve` prints: `<management>/console#token=...`, the keys in the
     fragment (which browsers never send), or, `with_keys` off, the link and where the key is."""
+    host, _ = parse_address(state.config.management_address)
+    if host in UNSPECIFIED:
+        host = "127.0.0.1"
+    elif ":" in host:
+        host = f"[{host}]"
+    management_url = f"http://{host}:{state.ports.get('management', 0)}"
     if state.keys is None:
         return f"pagedserve: console: {management_url}/console"
     if not with_keys:

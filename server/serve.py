@@ -34,8 +34,8 @@ from aiohttp import web
 from server.archives import LoadedArchive, resolve_url, store_archives
 from server.auth import KeyStore, choose_keys, write_key_file
 from server.config import ServerConfig, ServerConfigError, parse_address
-from server.console import sign_in_line
 from server.connections import ConnectionLimits, GuardedAppRunner
+from server.console import sign_in_line
 from server.inference_app import build_inference_app
 from server.lifecycle import BudgetCollector
 from server.management_app import build_management_app
@@ -211,7 +211,8 @@ class Server:
             await runner.setup()
             self.runners.append(runner)
             await web.TCPSite(runner, host, port).start()
-            self.ports[name] = state.ports[name] = port = runner.addresses[0][1]  # the real one when 0 was asked
+            port = runner.addresses[0][1]  # the real one when 0 was asked
+            self.ports[name] = state.ports[name] = port
             self.out(f"pagedserve: {name} API listening on http://{host}:{port}")
         if keys is not None:
             if write_keys:  # only now that every port is ours
@@ -220,14 +221,10 @@ class Server:
                      f"({'written' if write_keys else 'kept'}; send 'Authorization: Bearer <key>')")
         else:
             self.out("pagedserve: token authorization is OFF (--disable-token-auth)")
-        host, _ = parse_address(config.management_address)
-        host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else (f"[{host}]" if ":" in host else host)
         # The keys ride in the fragment, which the browser keeps to itself; printed with them
         # only to a terminal unless told (stdout under a service manager is a log).
         with_keys = config.console_link_keys
-        if with_keys is None:
-            with_keys = sys.stdout.isatty()
-        self.out(sign_in_line(state, f"http://{host}:{self.ports['management']}", with_keys))
+        self.out(sign_in_line(state, sys.stdout.isatty() if with_keys is None else with_keys))
 
     async def _register_at_start(self, restored, opened) -> None:
         """The snapshot's models, then the `load_models` archives (the lifecycle's task)."""

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import re
-import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from server.config import ServerConfig
 from server.console import (
@@ -28,7 +28,7 @@ PORTS = {"inference": 8080, "management": 8081, "metrics": 8082}
 
 def test_vendored_files_are_the_pinned_ones():
     table = (STATIC_DIR / "vendor" / "VERSIONS.md").read_text()
-    rows = re.findall(r"^\| `([^`]+)` \| .+ \| ([\d.]+) \| `([0-9a-f]{64})` \|$", table, re.M)
+    rows = re.findall(r"^\| `([^`]+)` \| .+ \| ([\d.]+) \| `([0-9a-f]{64})` \|$", table, re.MULTILINE)
     assert {name for name, _, _ in rows} == {"uPlot.iife.min.js", "uPlot.min.css", "uPlot.LICENSE.txt"}
     for name, version, digest in rows:
         assert version == "1.6.32"
@@ -121,11 +121,13 @@ def test_the_printed_link_carries_the_keys_only_when_asked(tmp_path):
     from server.serve import build_state
 
     keys = KeyStore(ApiKeys.generate(), tmp_path / "key_file.json")
-    state = build_state(ServerConfig(), make_engine=None, keys=keys)
+    state = build_state(ServerConfig(management_address="0.0.0.0:8081"), make_engine=None, keys=keys)
+    state.ports["management"] = 8081
     try:
-        line = sign_in_line(state, "http://127.0.0.1:8081", with_keys=True)
-        assert line.endswith(f"/console#token={keys.keys.management}&inference_token={keys.keys.inference}")
-        line = sign_in_line(state, "http://127.0.0.1:8081", with_keys=False)
+        line = sign_in_line(state, with_keys=True)
+        assert line.endswith(f" http://127.0.0.1:8081/console#token={keys.keys.management}"
+                             f"&inference_token={keys.keys.inference}")
+        line = sign_in_line(state, with_keys=False)
         assert keys.keys.management not in line and keys.keys.inference not in line
         assert "http://127.0.0.1:8081/console " in line and str(keys.path) in line
     finally:
