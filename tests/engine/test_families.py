@@ -125,4 +125,4 @@ def test_greedy_and_logprobs_match_transformers(family):
             torch.testing.assert_close(got, ref_logprobs[step, ids], atol=1e-4, rtol=0)
     assert engine.kv_manager.pool.get_num_free_blocks() == 96
     if engine.runner.model.spec.sliding_window is not None:
-        assert max(len(p) for p in prompts) > 4 * engine.runner.model.spec.sliding_window
+        assert max(len(p) for p in prompts) > 2 * engine.runner.model.spec.sliding_window
