@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import RESULTS, cpu_description, peak_rss_mib, run_phase  # noqa: E402
+from benchmarks._common import RESULTS, cpu_description, peak_rss_mib, run_phase
 
 QWEN3_1B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=2048,
                 intermediate_size=6144, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
@@ -87,7 +87,9 @@ def write_qwen3(dest: Path) -> Path:
     (dest / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}))
     (dest / "config.json").write_text(json.dumps(QWEN3_1B, indent=2))
-    from engine.model.default_model import default_model_dir  # a tokenizer for the LLM API
+    from engine.model.default_model import default_model_dir
+
+    # a tokenizer for the LLM API
 
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (dest / f).write_bytes((default_model_dir() / f).read_bytes())
@@ -236,7 +238,8 @@ def render(result: dict) -> str:
         f"{med['peak_rss_mib']:.0f} MiB = **{med['peak_over_weights']:.2f}x the weights** (the process held "
         f"{med['rss_before_mib']:.0f} MiB before loading: torch, kernels; peak minus that = "
         f"{med['added_over_weights']:.2f}x). The model holds {med['rss_after_mib'] - med['rss_before_mib']:.0f} MiB "
-        f"once loaded (the tied LM head keeps a packed copy of the 593 MiB embedding beside the plain one), "
+        f"once loaded (the tied LM head keeps a packed copy of the embedding beside the plain table, "
+        f"{med['model_tensors_mib']:.0f} MiB with the norms), "
         f"so loading peaks {med['peak_rss_mib'] - med['rss_after_mib']:.0f} MiB above what the loaded model holds: "
         "weights are streamed tensor by tensor from memory-mapped shards.",
         "",
