@@ -37,8 +37,12 @@ from engine.model.archive_manifest import (
     resolve_handler,
     validate_manifest,
 )
-from engine.model.llama_spec import LlamaSpec, architecture_of
 from engine.model.model_config import ModelConfig, ModelConfigError, load_model_config
+from engine.model.registry import (
+    architecture_of,
+    check_tensor_parallel_support,
+    parse_config,
+)
 
 DEFAULT_MAX_TOTAL_BYTES = 64 << 30
 MAX_ENTRIES = 100_000
@@ -374,7 +378,9 @@ def _check_tensor_parallel(config: ModelConfig, hf_config: Any) -> None:
     from engine.parallel.sharding import check_tensor_parallel
 
     try:
-        check_tensor_parallel(LlamaSpec.from_hf(hf_config), size)
+        spec = parse_config(hf_config)
+        check_tensor_parallel_support(spec, size)
+        check_tensor_parallel(spec, size)
     except ValueError as exc:
         raise ModelConfigError(f"{config.source}: {exc}") from None
 
