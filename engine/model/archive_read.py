@@ -37,7 +37,8 @@ from engine.model.archive_manifest import (
     resolve_handler,
     validate_manifest,
 )
-from engine.model.llama_spec import LlamaSpec, architecture_of
+from engine.model.registry import architecture_of
+from engine.model.spec import ModelSpec
 from engine.model.model_config import ModelConfig, ModelConfigError, load_model_config
 
 DEFAULT_MAX_TOTAL_BYTES = 64 << 30
@@ -374,7 +375,7 @@ def _check_tensor_parallel(config: ModelConfig, hf_config: Any) -> None:
     from engine.parallel.sharding import check_tensor_parallel
 
     try:
-        check_tensor_parallel(LlamaSpec.from_hf(hf_config), size)
+        check_tensor_parallel(ModelSpec.from_hf(hf_config), size)
     except ValueError as exc:
         raise ModelConfigError(f"{config.source}: {exc}") from None
 

@@ -33,7 +33,7 @@ from engine.model.archive_manifest import (
     check_model_name,
     is_pickle_weights,
 )
-from engine.model.llama_spec import architecture_of
+from engine.model.registry import architecture_of
 from engine.model.quant_spec import QuantSpec, checkpoint_spec
 
 CHUNK_BYTES = 1 << 20

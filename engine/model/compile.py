@@ -35,7 +35,7 @@ from engine.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.model.llama import LlamaForCausalLM
+    from engine.model.causal_lm import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class CompiledForward:
     step takes the compiled path, `__call__` runs it (hidden states of the real rows only).
     """
 
-    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, buckets: Sequence[int],
+    def __init__(self, model: CausalLM, backend: AttentionBackend, buckets: Sequence[int],
                  cache_dir: str | Path | None = None) -> None:
         if not buckets:
             raise ValueError("CompiledForward needs at least one bucket")
@@ -171,10 +171,10 @@ def compile_buckets(config: EngineConfig, dtype: torch.dtype, device: torch.devi
     return token_buckets(config.max_num_batched_tokens, largest)
 
 
-def compiled_forward_for(config: EngineConfig, model: LlamaForCausalLM, backend: AttentionBackend,
+def compiled_forward_for(config: EngineConfig, model: CausalLM, backend: AttentionBackend,
                          kv_caches: list[torch.Tensor], buckets: Sequence[int]) -> CompiledForward | None:
     """The engine's compiled forward over `buckets` (compile_buckets), warmed up; None for none."""
-    if not buckets:
+    if not buckets or model.spec.needs_plain_attention:  # windows / soft-caps: not in the compiled op
         return None
     compiled = CompiledForward(model, backend, buckets, config.compile_cache_dir)
     start = time.perf_counter()

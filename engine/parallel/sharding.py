@@ -24,16 +24,21 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.model.llama_spec import LlamaSpec
+from engine.model.spec import ModelSpec
 
 _LAYER_TENSOR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
 _VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def check_tensor_parallel(spec: LlamaSpec, size: int) -> None:
+def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
     """ValueError naming every model size that `size` ranks cannot share evenly."""
     if size == 1:
         return
+    from engine.model.registry import FAMILIES, family_of
+
+    if not family_of(spec).tensor_parallel:
+        names = ", ".join(a for f in FAMILIES if f.tensor_parallel for a in f.architectures)
+        raise ValueError(f"tensor parallelism is not supported for {spec.architecture}; supported: {names}")
     problems = []
     if spec.num_heads % size:
         problems.append(f"{spec.num_heads} query heads")
@@ -52,7 +57,7 @@ def check_tensor_parallel(spec: LlamaSpec, size: int) -> None:
                          f"{', '.join(problems)}; choose a size that divides them")
 
 
-def shard_spec(spec: LlamaSpec, size: int) -> LlamaSpec:
+def shard_spec(spec: ModelSpec, size: int) -> ModelSpec:
     """The sizes one of `size` ranks holds (checked first): its query and KV heads, its part of
     the MLP and of the vocabulary. Hidden size, layers and head size are the model's."""
     check_tensor_parallel(spec, size)
@@ -77,7 +82,7 @@ class TensorSlice:
     zeros: bool = False
 
 
-def tensor_slice(name: str, spec: LlamaSpec, rank: int, size: int) -> TensorSlice | None:
+def tensor_slice(name: str, spec: ModelSpec, rank: int, size: int) -> TensorSlice | None:
     """What rank `rank` of `size` holds of the HF tensor `name`; None: the whole tensor."""
     local = shard_spec(spec, size)
     if name in _VOCAB_TENSORS:
@@ -103,7 +108,7 @@ def tensor_slice(name: str, spec: LlamaSpec, rank: int, size: int) -> TensorSlic
     return None
 
 
-def iter_rank_tensors(files: list[Path], spec: LlamaSpec, rank: int, size: int
+def iter_rank_tensors(files: list[Path], spec: ModelSpec, rank: int, size: int
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Like engine.model.loader.iter_safetensors, but only this rank's slice of each tensor is
     read from disk."""
