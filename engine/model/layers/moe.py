@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.lora.punica import LoRALayer
+from engine.model.layers.norm import eager_ops
 from kernels.cpu_fused_ops import CpuFusedOps
 
 
@@ -46,7 +48,8 @@ class MoESpec:
     """One sparse block's sizes and routing. `normalize`: rescale the top-k weights of
     SOFTMAX_TOPK to sum to 1 (`norm_topk_prob`); TOPK_SOFTMAX weights always sum to 1.
     `shared_intermediate_size` 0: no shared expert; `shared_gate`: the shared expert's output is
-    scaled by a sigmoid gate (Qwen2-MoE)."""
+    scaled by a sigmoid gate (Qwen2-MoE). `dense_layers`: the layers that keep a dense MLP of
+    the model's `intermediate_size` instead (Qwen's `mlp_only_layers` / `decoder_sparse_step`)."""
 
     num_experts: int
     top_k: int
@@ -55,6 +58,7 @@ class MoESpec:
     normalize: bool
     shared_intermediate_size: int = 0
     shared_gate: bool = False
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
@@ -110,8 +114,9 @@ class ExpertMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.ops is not None and not torch.compiler.is_compiling():
-            act = self.ops.silu_and_mul(gate_up)
+        ops = eager_ops(self.ops)
+        if ops:
+            act = ops.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
@@ -120,6 +125,7 @@ class ExpertMLP(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """Router + experts (+ gated shared expert); `forward(h [T, hidden]) -> [T, hidden]`.
+    LoRA adapters do not reach experts: the engine refuses them for MoE models.
 
     Module names follow the Qwen2-MoE / OLMoE checkpoints (`gate`, `experts.{e}`,
     `shared_expert`, `shared_expert_gate`); families with other names map theirs onto these.
@@ -138,7 +144,9 @@ class SparseMoeBlock(nn.Module):
         # Tensor parallelism (engine.parallel.layers): sums the ranks' partial outputs.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, lora: LoRALayer | None = None) -> torch.Tensor:
+        if lora is not None:
+            raise ValueError("LoRA adapters are not supported for mixture-of-experts layers")
         spec = self.spec
         weights, ids = route(self.gate(h), spec.top_k, spec.scoring, spec.normalize)
         out = self.run_experts(h, weights, ids)
@@ -149,6 +157,9 @@ class SparseMoeBlock(nn.Module):
             out = out + shared
         return out if self.reduce is None else self.reduce(out)
 
+    # The segment sizes are data: under torch.compile this part runs eagerly (the GEMMs
+    # dominate it), the rest of the layer compiled around it.
+    @torch.compiler.disable
     def run_experts(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """`sum_j weights[t, j] * expert_{ids[t, j]}(h[t])` for every token `t`, by sort-and-segment."""
         groups = group_by_expert(ids, self.spec.num_experts)
