@@ -52,9 +52,9 @@ def reference_block(block: SparseMoeBlock, h: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
-def make_block(spec: MoESpec, dtype: torch.dtype, seed: int = 0, ops=None) -> SparseMoeBlock:
+def make_block(spec: MoESpec, dtype: torch.dtype, seed: int = 0, ops=None, hidden: int = HIDDEN) -> SparseMoeBlock:
     torch.manual_seed(seed)
-    block = SparseMoeBlock(HIDDEN, spec, dtype, ops)
+    block = SparseMoeBlock(hidden, spec, dtype, ops)
     with torch.no_grad():
         for p in block.parameters():
             p.copy_(torch.randn(p.shape, dtype=torch.float64) * p.shape[-1] ** -0.5)
