@@ -186,19 +186,6 @@ class TensorParallelModel:
         self._finalizer()
 
 
-class LoRAUnsupported:
-    """Stands for the runner's LoRA manager on a tensor-parallel worker: every adapter is refused."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def load(self, ref: LoRARequest):
-        raise ValueError(lora_refusal(self.size))
-
-    def build_batch(self, adapters: list, num_rows: list[int], use_triton: bool | None = None) -> None:
-        return None  # no request ever holds an adapter here
-
-
 def lora_refusal(size: int) -> str:
     return f"lora: LoRA adapters are not supported with tensor_parallel_size={size}"
 

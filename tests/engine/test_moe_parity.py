@@ -112,3 +112,16 @@ def test_greedy_tokens_and_logits_match_transformers(family):
         ours = torch.cat(captured)
         assert ours.shape == logits.shape == (NEW_TOKENS, VOCAB)
         torch.testing.assert_close(ours, logits, rtol=0, atol=1e-4)
+
+
+def test_lora_adapters_are_refused_naming_the_model(family, tmp_path):
+    """Experts take no LoRA adapter: a request with one is refused before it runs."""
+    from engine.lora.request import LoRARequest
+
+    name, path, model = family
+    engine = make_engine(path)
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=2), lora=LoRARequest("a", str(tmp_path)))
+    with pytest.raises(ValueError, match=rf"lora: LoRA adapters are not supported for mixture-of-experts "
+                                         rf"models \({type(model).__name__}\)"):
+        engine.add_request(request)
+    assert not engine.has_unfinished_requests()
