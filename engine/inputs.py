@@ -77,6 +77,11 @@ def render_prompt(tokenizer: Any, spec: PromptSpec) -> tuple[str | None, list[in
     if spec.messages is not None:
         import jinja2  # transformers' chat templates are jinja2; imported with them
 
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidInput("the model has no chat template (a base model): send a plain prompt "
+                               "(completions), or register the model with a chat template "
+                               "(POST /models ... chat_template=..., or chat_template.jinja in its archive)",
+                               "messages")
         try:
             extra = {} if spec.tools is None else {"tools": spec.tools}
             text = tokenizer.apply_chat_template(

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from engine.model.archive_manifest import BUILTIN_HANDLERS, ArchiveError
 from engine.model.model_config import ModelConfigError
+from engine.model.path_source import describe_model as describe_model_dir, is_model_path
 from engine.schema import SchemaError
 from handlers.base_handler import HandlerError
 from handlers.json_body import decode_json_body
@@ -122,6 +123,7 @@ def describe(entry: ModelVersion, is_default: bool, lifecycle: ModelLifecycle) -
         "loadedAtStartup": entry.loaded_at_startup,
         "isDefault": is_default,
         "continuousBatching": True,
+        "model": describe_model_dir(entry.archive.model_dir),
         "maxModelLen": info.max_model_len if info else entry.max_model_len,
         **lifecycle.describe(entry),
         "workers": workers,
@@ -171,7 +173,10 @@ async def register_model(request: web.Request) -> web.Response:
     if not url.strip():
         raise SchemaError("url: is required", "url")
     path = resolve_url(url, state.config.model_store_path, state.config.allowed_urls)
-    archive = await state.registry.open(path)
+    if params.chat_template is not None and not is_model_path(path):
+        raise SchemaError("chat_template: only for a .gguf file or a model folder; an archive ships "
+                          "its own chat_template.jinja", "chat_template")
+    archive = await state.registry.open(path, chat_template=params.chat_template)
     if is_adapter(archive):  # a LoRA adapter: attached to its base version's workers
         adapter = await state.adapters.register(state.registry, archive,
                                                 _display_url(url, path, state.config.model_store_path),

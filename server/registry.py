@@ -264,11 +264,12 @@ class ModelRegistry:
         self._save(None)
 
     # -- changes (the management app's side) --------------------------------------------
-    async def open(self, path: Path) -> LoadedArchive:
-        """Verify and extract the archive off the event loop."""
+    async def open(self, path: Path, chat_template: str | None = None) -> LoadedArchive:
+        """Verify and extract the archive off the event loop (a .gguf file or a model folder:
+        archived first, with `chat_template` when given)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, load_archive, path,
-                                          self.allow_custom_handlers)
+                                          self.allow_custom_handlers, chat_template)
 
     async def register(self, archive: LoadedArchive, *, url: str, name: str | None = None,
                        initial_workers: int | None = None, max_workers: int | None = None,

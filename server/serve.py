@@ -76,7 +76,8 @@ class StartupModel:
 
 def startup_models(config: ServerConfig) -> list[StartupModel]:
     """`load_models` -> archives in the store ("all": every archive there; "default": the
-    bundled model, archived into the store first when absent)."""
+    bundled model, archived into the store first when absent), or a `.gguf` file / model folder
+    (archived behind the scenes), under the same location rules as POST /models."""
     store = config.model_store_path
     out: list[StartupModel] = []
     for item in config.load_models:
@@ -92,7 +93,7 @@ def startup_models(config: ServerConfig) -> list[StartupModel]:
             url = ensure_default_archive(store).name
             name = name or DEFAULT_ARCHIVE_NAME
         try:
-            path = resolve_url(url, store, [])
+            path = resolve_url(url, store, config.allowed_urls)
         except (PermissionError, FileNotFoundError, ValueError) as exc:
             raise ServerConfigError(f"--models {item}: {exc}") from None
         out.append(StartupModel(name, url, path))

@@ -37,8 +37,7 @@ from engine.model.archive_manifest import (
     resolve_handler,
     validate_manifest,
 )
-from engine.model.registry import architecture_of
-from engine.model.spec import ModelSpec
+from engine.model.registry import architecture_of, check_tensor_parallel_support, parse_config
 from engine.model.model_config import ModelConfig, ModelConfigError, load_model_config
 
 DEFAULT_MAX_TOTAL_BYTES = 64 << 30
@@ -375,7 +374,9 @@ def _check_tensor_parallel(config: ModelConfig, hf_config: Any) -> None:
     from engine.parallel.sharding import check_tensor_parallel
 
     try:
-        check_tensor_parallel(ModelSpec.from_hf(hf_config), size)
+        spec = parse_config(hf_config)
+        check_tensor_parallel_support(spec, size)
+        check_tensor_parallel(spec, size)
     except ValueError as exc:
         raise ModelConfigError(f"{config.source}: {exc}") from None
 

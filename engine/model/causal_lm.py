@@ -63,7 +63,7 @@ _PROJECTION_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 class CausalLM(nn.Module):
     """A decoder-only causal LM. Weights start uninitialised: fill them with `load_weights`.
 
-    `config`: a ModelSpec, or an HF config parsed by its family (engine.model.registry).
+    `config`: the ModelSpec (an HF config parsed by its family: engine.model.registry.parse_config).
     `max_model_len` (default: the config's max_position_embeddings) bounds the RoPE tables.
     `fused_ops` (CPU, float32/bfloat16 only) replaces the elementwise glue with fused C++ ops.
     `quant` swaps the projections, the embedding and the LM head for quantized layers (see
@@ -93,7 +93,10 @@ class CausalLM(nn.Module):
         tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
-        spec = config if isinstance(config, ModelSpec) else ModelSpec.from_hf(config)
+        if not isinstance(config, ModelSpec):
+            raise TypeError(f"{type(self).__name__} takes a ModelSpec (engine.model.registry.parse_config), "
+                            f"got {type(config).__name__}")
+        spec = config
         self.tp = tp
         if tp is None:
             self.rank_spec = spec

@@ -19,7 +19,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.kv_quant import KVCacheDtype, kv_row_width, kv_storage_dtype
 from engine.config import EngineConfig, resolve_dtype
 from engine.model.causal_lm import CausalLM
-from engine.model.registry import family_of
+from engine.model.registry import family_of, parse_config
 from engine.model.spec import ModelSpec
 from engine.model.quant_spec import QuantSpec
 from kernels.cpu_fused_ops import CpuFusedOps, load_fused_ops
@@ -98,7 +98,7 @@ def load_model(
     """
     config = read_config(model_dir)
     files = safetensors_files(model_dir)
-    spec = ModelSpec.from_hf(config)
+    spec = parse_config(config)
     model = family_of(spec).model_cls(
         spec, resolve_dtype(dtype), device, backend, max_model_len=max_model_len, fused_ops=fused_ops,
         quant=quant, tp=tp,
@@ -118,7 +118,7 @@ def load_model(
 
 
 def _spec(config: Any) -> ModelSpec:
-    return config if isinstance(config, ModelSpec) else ModelSpec.from_hf(config)
+    return config if isinstance(config, ModelSpec) else parse_config(config)
 
 
 def kv_cache_bytes_per_block(config: Any, block_size: int, dtype: str | torch.dtype,

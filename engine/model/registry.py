@@ -25,6 +25,10 @@ from engine.model.spec import SUPPORTED_ROPE_TYPES, ModelSpec, as_dict
 
 FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3,
                                 QWEN2_MOE, QWEN3_MOE, MIXTRAL, OLMOE)
+# GGML tensor types a GGUF may hold (de-quantized at load by the gguf package through
+# transformers, engine.model.convert); any other type is refused by name.
+SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 def supported_architectures() -> tuple[str, ...]:
@@ -38,7 +42,10 @@ def supported_gguf_architectures() -> tuple[str, ...]:
 def describe_support() -> str:
     """One line per family, for `pagedserve --help` and the docs."""
     lines = [f"  {f.name}: {', '.join(f.architectures)}" + (f" ({f.notes})" if f.notes else "") for f in FAMILIES]
-    return "\n".join(lines + [f"  rope types: {', '.join(SUPPORTED_ROPE_TYPES)}"])
+    return "\n".join(lines + [f"  rope types: {', '.join(SUPPORTED_ROPE_TYPES)}",
+                              f"  GGUF architectures: {', '.join(supported_gguf_architectures())}",
+                              f"  GGUF tensor types (de-quantized at load): {', '.join(SUPPORTED_GGUF_TYPES)}"])
+
 
 
 def _by_architecture() -> dict[str, Family]:
@@ -62,6 +69,14 @@ def family_of(config: Any) -> Family:
     if isinstance(config, ModelSpec):
         return _by_architecture()[config.architecture]
     return _by_architecture()[architecture_of(as_dict(config))]
+
+
+def check_tensor_parallel_support(spec: ModelSpec, size: int) -> None:
+    """ValueError when `size` > 1 ranks are asked of a family whose checkpoint names the
+    sharding (engine.parallel.sharding) does not cover."""
+    if size > 1 and not family_of(spec).tensor_parallel:
+        names = ", ".join(a for f in FAMILIES if f.tensor_parallel for a in f.architectures)
+        raise ValueError(f"tensor parallelism is not supported for {spec.architecture}; supported: {names}")
 
 
 def parse_config(config: Any) -> ModelSpec:

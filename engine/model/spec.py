@@ -1,6 +1,6 @@
 """What a decoder-only model reads from an HF config.json, checked once: `ModelSpec`.
 
-One spec type serves every family (engine.model.registry): the fields common to all decoders,
+One spec type serves every family (`engine.model.registry.parse_config` parses an HF config): the fields common to all decoders,
 plus the few knobs where families differ (activation, q/k norms, Gemma's norms and scales,
 soft-capping, sliding-window layers, a local RoPE base). Each family's file parses its config
 into a spec with `base_fields` and its own differences; the shared layers read the knobs.
@@ -93,14 +93,6 @@ class ModelSpec:
                                  "sliding_attention")
             if "sliding_attention" in self.layer_types and not self.sliding_window:
                 raise ValueError("sliding_attention layers need a sliding_window")
-
-    @classmethod
-    def from_hf(cls, config: Any) -> ModelSpec:
-        """Parse an HF config (dict or PretrainedConfig) through its family's parser
-        (engine.model.registry); ValueError on anything we do not run."""
-        from engine.model.registry import parse_config
-
-        return parse_config(config)
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of `layer` in tokens, None for full attention."""

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from engine.attention.kv_quant import parse_kv_cache_dtype
 from engine.config import EngineConfig
 from engine.lora.request import LoRARequest
-from engine.model.spec import ModelSpec
+from engine.model.registry import check_tensor_parallel_support, parse_config
 from engine.model.loader import kv_pool_size, read_config
 from engine.model.quant_spec import QuantMethod, QuantSpec
 from engine.parallel.group import LOOPBACK, TensorParallelGroup, rank_device
@@ -64,7 +64,9 @@ class TensorParallelModel:
         if quant is not None and quant.method is not QuantMethod.NONE:
             raise ValueError(f"a quantized model ({quant.method.value}) cannot run with tensor_parallel_size={size}: "
                              "tensor parallelism shards full-precision weights only")
-        rank_spec = shard_spec(ModelSpec.from_hf(read_config(model_dir)), size)  # refuses sizes that do not divide
+        spec = parse_config(read_config(model_dir))
+        check_tensor_parallel_support(spec, size)
+        rank_spec = shard_spec(spec, size)  # refuses sizes that do not divide
         _, num_blocks = kv_pool_size(config, rank_spec, parse_kv_cache_dtype(config.kv_cache_dtype))
         self.size = size
         self.group = TensorParallelGroup(0, size, rank_device(config.device, 0))

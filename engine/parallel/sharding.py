@@ -40,11 +40,6 @@ def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
     """ValueError naming every model size that `size` ranks cannot share evenly."""
     if size == 1:
         return
-    from engine.model.registry import FAMILIES, family_of
-
-    if not family_of(spec).tensor_parallel:
-        names = ", ".join(a for f in FAMILIES if f.tensor_parallel for a in f.architectures)
-        raise ValueError(f"tensor parallelism is not supported for {spec.architecture}; supported: {names}")
     problems = []
     if spec.num_heads % size:
         problems.append(f"{spec.num_heads} query heads")

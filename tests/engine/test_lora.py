@@ -18,6 +18,7 @@ from engine.lora.manager import lora_shapes
 from engine.lora.request import LoRARequest
 from engine.lora.slots import LoRASlots
 from engine.model.llama_spec import LlamaSpec
+from engine.model.registry import parse_config
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -49,7 +50,7 @@ def tiny_adapters(tiny_model_dir, tmp_path_factory):
 
 
 def _spec(tiny_model_dir) -> LlamaSpec:
-    return LlamaSpec.from_hf(json.loads((tiny_model_dir / "config.json").read_text()))
+    return parse_config(json.loads((tiny_model_dir / "config.json").read_text()))
 
 
 def _run(core: EngineCore, prompts, loras, params=GREEDY, prefix="r") -> list[Request]:

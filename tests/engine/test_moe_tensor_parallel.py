@@ -13,6 +13,7 @@ import transformers
 
 from engine import LLM, SamplingParams
 from engine.model.layers.moe import MoESpec, RouterScoring
+from engine.model.registry import check_tensor_parallel_support, parse_config
 from engine.model.spec import ModelSpec
 from engine.parallel.sharding import TensorSlice, check_tensor_parallel, shard_spec, tensor_slice
 from tests.engine.test_tensor_parallel import PROMPTS, assert_same_generation
@@ -99,8 +100,8 @@ def test_expert_sizes_that_do_not_divide_are_named(moe, named):
 
 
 def test_olmoe_is_refused_under_tensor_parallelism():
-    spec = ModelSpec.from_hf(transformers.OlmoeConfig(**COMMON, num_hidden_layers=1, num_experts=4,
+    spec = parse_config(transformers.OlmoeConfig(**COMMON, num_hidden_layers=1, num_experts=4,
                                                       num_experts_per_tok=2, intermediate_size=32))
     with pytest.raises(ValueError, match="tensor parallelism is not supported for OlmoeForCausalLM; supported: .*"
                                          "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM"):
-        check_tensor_parallel(spec, 2)
+        check_tensor_parallel_support(spec, 2)
