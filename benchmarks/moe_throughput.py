@@ -6,12 +6,14 @@ mixtral` for Mixtral's layout): hidden 1024, 12 layers, 16 query / 4 KV heads, e
 intermediate size 2816, the default model's tokenizer (vocabulary 49152).
 
 Measurement: decode tokens/s at batch 1 and batch 32 (16-token prompts of random ids; the rate
-is `B * (N - 1) / (time(N tokens) - time(1 token))`, so prefill is excluded), bfloat16, 2 threads.
+is `B * (N - 1) / (time(N tokens) - time(1 token))`, so prefill is excluded), bfloat16, one
+thread per side (`--threads`): on a shared, busy 2-core machine two OpenMP threads stall each
+other whenever one is descheduled, which punishes whichever side runs more small ops.
 Each side runs in a fresh child process per round; a round runs the engine and transformers
 once each, the order reversed every other round, the ratios are taken within a round (paired)
 and printed, and the result is the median over the rounds (>= 5), never the best round.
 
-The engine child then runs batch-1 and batch-32 decode once more with timers on every routed
+The engine child then runs batch-1 and batch-32 generation once more (SHARE_TOKENS tokens) with timers on every routed
 expert's projections (gate_up_proj, down_proj) and on each MoE block: the share of decode time
 spent in expert GEMMs, and in the whole MoE block (router, grouping, gather, scatter included).
 
@@ -34,6 +36,7 @@ from statistics import median
 from _common import RESULTS, cpu_description, peak_rss_mib, run_phase
 
 MIN_ROUNDS = 5
+SHARE_TOKENS = 4  # tokens per sequence of the engine's timed share run
 BATCHES = (1, 32)
 PROMPT_LEN = 16
 SIZES = {"hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 4,
@@ -143,8 +146,8 @@ class ShareTimer:
 def phase_engine(args) -> dict:
     from engine import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype="bfloat16", num_threads=2, kv_cache_memory="256MiB", max_num_seqs=max(BATCHES),
-              max_num_batched_tokens=1024)
+    llm = LLM(args.model, dtype="bfloat16", num_threads=args.threads, kv_cache_memory="256MiB",
+              max_num_seqs=max(BATCHES), max_num_batched_tokens=1024)
 
     def generate(ps, n):
         llm.generate(ps, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0))
@@ -155,7 +158,7 @@ def phase_engine(args) -> dict:
         for key in timer.totals:
             timer.totals[key] = 0.0
         start = time.perf_counter()
-        generate(prompts(batch), args.tokens)
+        generate(prompts(batch), SHARE_TOKENS)
         wall = time.perf_counter() - start
         result[f"batch{batch}_expert_gemm_share"] = timer.totals["expert_gemm_s"] / wall
         result[f"batch{batch}_moe_block_share"] = timer.totals["moe_block_s"] / wall
@@ -167,7 +170,7 @@ def phase_hf(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).eval()
 
     def generate(ps, n):
@@ -182,7 +185,8 @@ def phase_hf(args) -> dict:
 
 
 def run_child(args, phase: str) -> dict:
-    result = run_phase(__file__, ["--phase", phase, "--model", str(args.model), "--tokens", str(args.tokens)])
+    result = run_phase(__file__, ["--phase", phase, "--model", str(args.model), "--tokens", str(args.tokens),
+                                  "--threads", str(args.threads)])
     print(f"  {phase}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()})}",
           flush=True)
     return result
@@ -203,7 +207,8 @@ def main() -> None:
     parser.add_argument("--arch", choices=tuple(ARCHS), default="qwen3_moe")
     parser.add_argument("--workdir", default="/tmp/pagedserve-moe-bench")
     parser.add_argument("--rounds", type=int, default=MIN_ROUNDS)
-    parser.add_argument("--tokens", type=int, default=16, help="tokens generated per sequence")
+    parser.add_argument("--tokens", type=int, default=8, help="tokens generated per sequence")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per side")
     parser.add_argument("--name", default="moe_throughput")
     args = parser.parse_args()
     if args.phase:
@@ -231,7 +236,8 @@ def main() -> None:
 
 
 def summarize(args, runs, params: int) -> dict:
-    out = {"arch": args.arch, "total_params": params, "experts": 8, "top_k": 2, "dtype": "bfloat16", "threads": 2,
+    out = {"arch": args.arch, "total_params": params, "experts": 8, "top_k": 2, "dtype": "bfloat16",
+           "threads": args.threads,
            "prompt_len": PROMPT_LEN, "tokens": args.tokens, "rounds": args.rounds, "commit": commit(),
            "cpu": cpu_description(), "platform": platform.platform(), "load_average_at_end": os.getloadavg(),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -270,8 +276,9 @@ at the end {', '.join(f'{x:.1f}' for x in s['load_average_at_end'])}).
 | --- | --- | --- | --- | --- | --- |
 {rows}
 
-Expert GEMMs: wall time inside the routed experts' `gate_up_proj` and `down_proj` calls, over the
-decode run's wall time (a separate, timed run of the engine child). Whole MoE block: the same for
+Expert GEMMs: wall time inside the routed experts' `gate_up_proj` and `down_proj` calls over the
+wall time of a separate {SHARE_TOKENS}-token generation by the engine child (its prompts already in the
+prefix cache, so nearly all decode steps). Whole MoE block: the same for
 the sparse blocks (router, grouping by expert, gather, expert MLPs, weighted scatter-add).
 
     .venv/bin/python benchmarks/moe_throughput.py --rounds {s['rounds']} --arch {s['arch']} --tokens {s['tokens']}

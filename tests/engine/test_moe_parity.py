@@ -125,3 +125,12 @@ def test_lora_adapters_are_refused_naming_the_model(family, tmp_path):
                                          rf"models \({type(model).__name__}\)"):
         engine.add_request(request)
     assert not engine.has_unfinished_requests()
+
+
+def test_compile_always_leaves_a_moe_model_eager(family):
+    """Experts' segment sizes are data: `compile: always` runs a MoE model eagerly, and right."""
+    name, path, model = family
+    engine = make_engine(path, compile="always")
+    assert engine.runner.compiled is None
+    prompt = make_prompts()[2]
+    assert run(engine, [prompt]) == [hf_generate(model, prompt)[0]]

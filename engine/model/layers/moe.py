@@ -157,9 +157,6 @@ class SparseMoeBlock(nn.Module):
             out = out + shared
         return out if self.reduce is None else self.reduce(out)
 
-    # The segment sizes are data: under torch.compile this part runs eagerly (the GEMMs
-    # dominate it), the rest of the layer compiled around it.
-    @torch.compiler.disable
     def run_experts(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """`sum_j weights[t, j] * expert_{ids[t, j]}(h[t])` for every token `t`, by sort-and-segment."""
         groups = group_by_expert(ids, self.spec.num_experts)
