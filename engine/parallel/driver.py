@@ -29,10 +29,9 @@ import torch.distributed as dist
 
 from engine.attention.kv_quant import parse_kv_cache_dtype
 from engine.config import EngineConfig
-from engine.lora.request import LoRARequest
-from engine.model.registry import check_tensor_parallel_support, parse_config
 from engine.model.loader import kv_pool_size, read_config
 from engine.model.quant_spec import QuantMethod, QuantSpec
+from engine.model.registry import check_tensor_parallel_support, parse_config
 from engine.parallel.group import LOOPBACK, TensorParallelGroup, rank_device
 from engine.parallel.messages import Kind, Message, forward_message
 from engine.parallel.rank_worker import (

@@ -8,7 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model.layers.moe import MoESpec, RouterScoring, SparseMoeBlock, group_by_expert, route
+from engine.model.layers.moe import (
+    MoESpec,
+    RouterScoring,
+    SparseMoeBlock,
+    group_by_expert,
+    route,
+)
 from kernels.cpu_fused_ops import load_fused_ops
 
 HIDDEN = 48

@@ -86,7 +86,7 @@ def run(engine: EngineCore, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def test_greedy_tokens_and_logits_match_transformers(family):
-    name, path, model = family
+    _, path, model = family
     prompts = make_prompts()
     expected = [hf_generate(model, p) for p in prompts]
     # All prompts in one batch; a 48-token budget splits the long prompts (chunked prefill), so
@@ -118,7 +118,7 @@ def test_lora_adapters_are_refused_naming_the_model(family, tmp_path):
     """Experts take no LoRA adapter: a request with one is refused before it runs."""
     from engine.lora.request import LoRARequest
 
-    name, path, model = family
+    _, path, model = family
     engine = make_engine(path)
     request = Request("r", [1, 2, 3], SamplingParams(max_tokens=2), lora=LoRARequest("a", str(tmp_path)))
     with pytest.raises(ValueError, match=rf"lora: LoRA adapters are not supported for mixture-of-experts "
@@ -129,7 +129,7 @@ def test_lora_adapters_are_refused_naming_the_model(family, tmp_path):
 
 def test_compile_always_leaves_a_moe_model_eager(family):
     """Experts' segment sizes are data: `compile: always` runs a MoE model eagerly, and right."""
-    name, path, model = family
+    _, path, model = family
     engine = make_engine(path, compile="always")
     assert engine.runner.compiled is None
     prompt = make_prompts()[2]

@@ -15,7 +15,12 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.model.layers.moe import MoESpec, RouterScoring, SparseMoeBlock, route
 from engine.model.quant_convert import quantize_model_dir
-from engine.model.quant_linear import Int4Linear, Int8Linear, QuantMethod, make_quant_linear
+from engine.model.quant_linear import (
+    Int4Linear,
+    Int8Linear,
+    QuantMethod,
+    make_quant_linear,
+)
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from kernels.cpu_isa import cpu_has_vnni

@@ -15,7 +15,12 @@ from engine import LLM, SamplingParams
 from engine.model.layers.moe import MoESpec, RouterScoring
 from engine.model.registry import check_tensor_parallel_support, parse_config
 from engine.model.spec import ModelSpec
-from engine.parallel.sharding import TensorSlice, check_tensor_parallel, shard_spec, tensor_slice
+from engine.parallel.sharding import (
+    TensorSlice,
+    check_tensor_parallel,
+    shard_spec,
+    tensor_slice,
+)
 from tests.engine.test_tensor_parallel import PROMPTS, assert_same_generation
 
 COMMON = {"vocab_size": 49152, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
