@@ -2,7 +2,8 @@
 
 For each of Qwen2-MoE (gated shared expert, raw top-k weights, a dense layer), Qwen3-MoE
 (per-head q/k norms, normalized top-k weights, `decoder_sparse_step`), Mixtral (top-k-then-
-softmax, `block_sparse_moe` names) and OLMoE (whole-projection q/k norms): a tiny random config
+softmax, `block_sparse_moe` names; also with a 24-token sliding window, shorter than the longer
+prompts) and OLMoE (whole-projection q/k norms): a tiny random config
 is built here with transformers, saved as safetensors and run by the engine (scheduler, paged
 KV cache, sampler). Greedy 32 tokens of prompts of 1 to ~100 tokens, all in one batch with
 chunked prefill, are identical to transformers' `generate` on each prompt alone, and each step's
@@ -36,6 +37,11 @@ FAMILIES = {
         moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=2),
     "mixtral": lambda: transformers.MixtralConfig(
         **COMMON, num_hidden_layers=2, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2),
+    # Mixtral's optional window on every layer, shorter than the longer prompts (the families'
+    # windowed attention, engine/attention/windowed.py, under experts).
+    "mixtral_sliding": lambda: transformers.MixtralConfig(
+        **COMMON, num_hidden_layers=2, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=24),
     "olmoe": lambda: transformers.OlmoeConfig(
         **COMMON, num_hidden_layers=2, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
         norm_topk_prob=False),
