@@ -13,9 +13,9 @@ Each side runs in a fresh child process per round; a round runs the engine and t
 once each, the order reversed every other round, the ratios are taken within a round (paired)
 and printed, and the result is the median over the rounds (>= 5), never the best round.
 
-The engine child then runs batch-1 and batch-32 generation once more (SHARE_TOKENS tokens) with timers on every routed
-expert's projections (gate_up_proj, down_proj) and on each MoE block: the share of decode time
-spent in expert GEMMs, and in the whole MoE block (router, grouping, gather, scatter included).
+The engine child then runs batch-1 and batch-32 generation once more (SHARE_TOKENS tokens) with
+CPU-time timers on every routed expert's projections (gate_up_proj, down_proj) and on each MoE
+block: the share of decode CPU time spent in expert GEMMs, and in the whole MoE block (router, grouping, gather, scatter included).
 
     .venv/bin/python benchmarks/moe_throughput.py [--rounds 5] [--arch qwen3_moe] [--name moe_throughput]
 """
@@ -113,7 +113,9 @@ def decode_rates(generate, tokens: int) -> dict[str, float]:
 
 
 class ShareTimer:
-    """Wall time inside the routed experts' projections and inside the MoE blocks (forward hooks)."""
+    """CPU time of the process (one torch thread runs every op) inside the routed
+    experts' projections and inside the MoE blocks (forward hooks). CPU time, not wall time: on a
+    busy machine a wall clock charges whichever op was running when the process was descheduled."""
 
     def __init__(self, model) -> None:
         from engine.model.layers.moe import SparseMoeBlock
@@ -131,10 +133,10 @@ class ShareTimer:
         starts: list[float] = []
 
         def pre(mod, args):
-            starts.append(time.perf_counter())
+            starts.append(time.process_time())
 
         def post(mod, args, out):
-            self.totals[key] += time.perf_counter() - starts.pop()
+            self.totals[key] += time.process_time() - starts.pop()
 
         self.handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
@@ -157,11 +159,11 @@ def phase_engine(args) -> dict:
     for batch in BATCHES:
         for key in timer.totals:
             timer.totals[key] = 0.0
-        start = time.perf_counter()
+        start = time.process_time()
         generate(prompts(batch), SHARE_TOKENS)
-        wall = time.perf_counter() - start
-        result[f"batch{batch}_expert_gemm_share"] = timer.totals["expert_gemm_s"] / wall
-        result[f"batch{batch}_moe_block_share"] = timer.totals["moe_block_s"] / wall
+        cpu = time.process_time() - start
+        result[f"batch{batch}_expert_gemm_share"] = timer.totals["expert_gemm_s"] / cpu
+        result[f"batch{batch}_moe_block_share"] = timer.totals["moe_block_s"] / cpu
     timer.remove()
     return result | {"peak_rss_mib": peak_rss_mib()}
 
@@ -276,8 +278,8 @@ at the end {', '.join(f'{x:.1f}' for x in s['load_average_at_end'])}).
 | --- | --- | --- | --- | --- | --- |
 {rows}
 
-Expert GEMMs: wall time inside the routed experts' `gate_up_proj` and `down_proj` calls over the
-wall time of a separate {SHARE_TOKENS}-token generation by the engine child (its prompts already in the
+Expert GEMMs: the process's CPU time (one torch thread) inside the routed experts' `gate_up_proj` and
+`down_proj` calls over the CPU time of a separate {SHARE_TOKENS}-token generation by the engine child (its prompts already in the
 prefix cache, so nearly all decode steps). Whole MoE block: the same for
 the sparse blocks (router, grouping by expert, gather, expert MLPs, weighted scatter-add).
 
