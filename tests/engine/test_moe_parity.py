@@ -48,6 +48,12 @@ FAMILIES = {
 }
 
 
+# The registered architecture each config above builds (tests/engine/test_families.py checks that
+# every registered family is tested there or here).
+ARCHITECTURES = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM"}
+
+
 def make_prompts() -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randrange(VOCAB) for _ in range(n)] for n in (1, 5, 17, 40, 99)]
@@ -59,6 +65,7 @@ def family(request, tmp_path_factory):
     name = request.param
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(FAMILIES[name]()).eval()
+    assert type(model).__name__ == ARCHITECTURES[name.removesuffix("_sliding")]
     path = tmp_path_factory.mktemp(name) / "model"
     model.save_pretrained(path, safe_serialization=True)
     return name, path, model
