@@ -138,3 +138,13 @@ def test_a_quantized_archive_of_a_moe_model_loads_its_experts_quantized(moe_dir,
     block = next(layer.mlp for layer in engine.runner.model.model.layers if isinstance(layer.mlp, SparseMoeBlock))
     assert isinstance(block.experts[0].gate_up_proj, Int8Linear)
     assert (logits - float_logits).norm() / float_logits.norm() < 0.03
+
+
+def test_int4_refuses_experts_it_cannot_pack_naming_what_to_use(tmp_path):
+    config = transformers.Qwen2MoeConfig(**{**COMMON, "vocab_size": 64}, num_hidden_layers=1, intermediate_size=96,
+                                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                         shared_expert_intermediate_size=64)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path, safe_serialization=True)
+    with pytest.raises(ValueError, match="int4 needs output features divisible by 64, got 96; use int8"):
+        EngineCore(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=8, max_model_len=32,
+                                quantization="int4"))
