@@ -148,3 +148,22 @@ def test_int4_refuses_experts_it_cannot_pack_naming_what_to_use(tmp_path):
     with pytest.raises(ValueError, match="int4 needs output features divisible by 64, got 96; use int8"):
         EngineCore(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=8, max_model_len=32,
                                 quantization="int4"))
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "olmoe"])
+def test_a_moe_gguf_is_refused_naming_its_architecture(tmp_path, arch):
+    """MoE GGUF files (experts as 3-D `ffn_*_exps` tensors) are not loaded: refused up front."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from engine.model.path_source import gguf_summary
+
+    path = tmp_path / "moe.gguf"
+    writer = GGUFWriter(str(path), arch)
+    writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((4, 8, 16), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=rf"unsupported GGUF architecture '{arch}'; supported: .*llama"):
+        gguf_summary(path)
