@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.input_batch import InputBatch, StepInputs
 from engine.logits_processors import apply_logit_bias
 from engine.lora.adapter import LoRAAdapter
-from engine.lora.manager import LoRAManager, lora_shapes
+from engine.lora.manager import LoRAManager, LoRAUnsupported, lora_shapes
 from engine.lora.punica import LoRABatch
 from engine.model.compile import compile_buckets, compiled_forward_for
 from engine.model.loader import (
@@ -90,7 +90,7 @@ class ModelRunner:
         self.tp: TensorParallelModel | None = None
         if config.tensor_parallel_size > 1:
             # imported here: it imports torch.distributed, which a single-process worker never needs
-            from engine.parallel.driver import LoRAUnsupported, TensorParallelModel
+            from engine.parallel.driver import TensorParallelModel
 
             self.model = self.tp = TensorParallelModel(config, model_dir, self.backend, max_model_len, quant)
         else:
@@ -107,8 +107,7 @@ class ModelRunner:
         self.compiled = compiled_forward_for(config, self.model, self.backend, self.kv_caches, buckets)
         self.sampler = Sampler()
         # LoRA adapters: read on first use, at most max_loras resident (slots allocated lazily).
-        self.lora = LoRAManager(lora_shapes(self.model.spec), config.max_loras, config.max_lora_rank,
-                                self.dtype, self.device) if self.tp is None else LoRAUnsupported(self.tp.size)
+        self.lora = self._lora_manager(config)
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}  # seeded requests, until they finish
         self.input_batch = InputBatch(config.max_num_seqs, max_model_len, config.max_num_batched_tokens,
@@ -116,6 +115,19 @@ class ModelRunner:
         # Requests whose token the step launched last is sampling (async scheduling: it runs
         # while the next step is prepared, so that token is not in the batch yet).
         self._pending: set[str] = set()
+
+    def _lora_manager(self, config: EngineConfig) -> LoRAManager | LoRAUnsupported:
+        """The adapters' manager, or a refusal where adapters cannot run: tensor-parallel workers,
+        and mixture-of-experts models (their experts take no adapter)."""
+        if self.tp is not None:
+            from engine.parallel.driver import lora_refusal
+
+            return LoRAUnsupported(lora_refusal(self.tp.size))
+        if self.model.spec.moe is not None:
+            return LoRAUnsupported(f"lora: LoRA adapters are not supported for mixture-of-experts models "
+                                   f"({self.model.spec.architecture})")
+        return LoRAManager(lora_shapes(self.model.spec), config.max_loras, config.max_lora_rank,
+                           self.dtype, self.device)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks this runner started (none without). Idempotent."""

@@ -57,6 +57,7 @@ _FUSED = {
 }
 _QUANT_LINEARS = (Int8Linear, Int4Linear)
 _UNFUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_PROJECTION_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class CausalLM(nn.Module):
@@ -130,10 +131,7 @@ class CausalLM(nn.Module):
             self.register_buffer(f"rope_{name}_sin", sin, persistent=False)
         self.embed_scale = None if spec.embed_scale is None else torch.tensor(spec.embed_scale).to(dtype=dtype,
                                                                                                   device=self.device)
-        self._shard_sizes = {
-            "qkv_proj": [local.num_heads * local.head_dim] + [local.num_kv_heads * local.head_dim] * 2,
-            "gate_up_proj": [local.intermediate_size] * 2,
-        }
+        self._qkv_sizes = [local.num_heads * local.head_dim] + [local.num_kv_heads * local.head_dim] * 2
 
     def forward(
         self,
@@ -181,14 +179,12 @@ class CausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)
 
-    def _projections(self) -> Iterable[tuple[str, nn.Module, str]]:
-        """(qualified name, parent module, attribute) of every decoder projection."""
-        for i, layer in enumerate(self.model.layers):
-            for part, parent, name in (
-                ("self_attn", layer.self_attn, "qkv_proj"), ("self_attn", layer.self_attn, "o_proj"),
-                ("mlp", layer.mlp, "gate_up_proj"), ("mlp", layer.mlp, "down_proj"),
-            ):
-                yield f"model.layers.{i}.{part}.{name}", parent, name
+    def _projections(self) -> list[tuple[str, nn.Module, str]]:
+        """(qualified name, parent module, attribute) of every decoder projection: attention's
+        qkv/o, and gate_up/down of each MLP (the dense one, or each expert and a shared expert)."""
+        return [(f"{qualified}.{name}", module, name)
+                for qualified, module in self.model.layers.named_modules(prefix="model.layers")
+                for name in _PROJECTION_NAMES if isinstance(getattr(module, name, None), nn.Module)]
 
     def _swap_quantized(self, quant: QuantSpec) -> None:
         """Replace (on the meta device, before allocation) the projections, the embedding and
@@ -292,9 +288,9 @@ class CausalLM(nn.Module):
         layer = self.get_submodule(f"{parent}.{fused}" if parent else fused)
         if not isinstance(layer, (Int8Embedding, *_QUANT_LINEARS)):
             return None
-        if fused not in self._shard_sizes or self.checkpoint_fused:
+        if fused not in _UNFUSED or self.checkpoint_fused:
             return layer, 0, layer.qweight.shape[0] if isinstance(layer, Int8Embedding) else layer.out_features
-        sizes = self._shard_sizes[fused]
+        sizes = self._fused_sizes(layer, fused)
         return layer, sum(sizes[:shard]), sizes[shard]
 
     def _load_quantized(self, name: str, target: tuple[nn.Module, int, int],
@@ -338,5 +334,10 @@ class CausalLM(nn.Module):
         if proj not in _FUSED or self.checkpoint_fused:
             return params[name]
         fused, shard = _FUSED[proj]
-        sizes = self._shard_sizes[fused]
+        sizes = self._fused_sizes(self.get_submodule(f"{parent}.{fused}"), fused)
         return params[f"{parent}.{fused}.{leaf}"].narrow(0, sum(sizes[:shard]), sizes[shard])
+
+    def _fused_sizes(self, layer: nn.Module, fused: str) -> list[int]:
+        """Rows of each part of a fused projection: q|k|v, or gate|up (two halves, whichever MLP
+        it belongs to: the dense one, an expert or a shared expert)."""
+        return self._qkv_sizes if fused == "qkv_proj" else [layer.out_features // 2] * 2

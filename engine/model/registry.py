@@ -15,11 +15,16 @@ from engine.model.family import Family
 from engine.model.gemma2 import GEMMA2
 from engine.model.gemma3 import GEMMA3
 from engine.model.llama import LLAMA, MISTRAL, QWEN2
+from engine.model.mixtral import MIXTRAL
+from engine.model.olmoe import OLMOE
 from engine.model.phi3 import PHI3
+from engine.model.qwen2_moe import QWEN2_MOE
 from engine.model.qwen3 import QWEN3
+from engine.model.qwen3_moe import QWEN3_MOE
 from engine.model.spec import SUPPORTED_ROPE_TYPES, ModelSpec, as_dict
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3)
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3,
+                                QWEN2_MOE, QWEN3_MOE, MIXTRAL, OLMOE)
 # GGML tensor types a GGUF may hold (de-quantized at load by the gguf package through
 # transformers, engine.model.convert); any other type is refused by name.
 SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",

@@ -14,7 +14,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.model.layers.moe import MoESpec
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -71,6 +74,8 @@ class ModelSpec:
     attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
     local_rope_theta: float | None = None  # sliding layers' RoPE base (plain RoPE), Gemma 3
+    qk_norm_full: bool = False  # with qk_norm: one norm over all query heads and one over all KV heads (OLMoE)
+    moe: MoESpec | None = None  # mixture-of-experts MLPs (engine.model.layers.moe); None: dense
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

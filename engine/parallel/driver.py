@@ -29,10 +29,9 @@ import torch.distributed as dist
 
 from engine.attention.kv_quant import parse_kv_cache_dtype
 from engine.config import EngineConfig
-from engine.lora.request import LoRARequest
-from engine.model.registry import check_tensor_parallel_support, parse_config
 from engine.model.loader import kv_pool_size, read_config
 from engine.model.quant_spec import QuantMethod, QuantSpec
+from engine.model.registry import check_tensor_parallel_support, parse_config
 from engine.parallel.group import LOOPBACK, TensorParallelGroup, rank_device
 from engine.parallel.messages import Kind, Message, forward_message
 from engine.parallel.rank_worker import (
@@ -186,19 +185,6 @@ class TensorParallelModel:
         for process in self.ranks:
             process.join(max(0.0, deadline - time.monotonic()))
         self._finalizer()
-
-
-class LoRAUnsupported:
-    """Stands for the runner's LoRA manager on a tensor-parallel worker: every adapter is refused."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def load(self, ref: LoRARequest):
-        raise ValueError(lora_refusal(self.size))
-
-    def build_batch(self, adapters: list, num_rows: list[int], use_triton: bool | None = None) -> None:
-        return None  # no request ever holds an adapter here
 
 
 def lora_refusal(size: int) -> str:

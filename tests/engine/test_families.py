@@ -58,9 +58,12 @@ _HF_CLASSES = {"llama3": transformers.LlamaForCausalLM, "mistral": transformers.
 
 
 def test_every_registered_family_is_tested_here():
-    tested = {cls.__name__ for cls in _HF_CLASSES.values()}
+    """Here, or (mixture-of-experts families) in tests/engine/test_moe_parity.py."""
+    from tests.engine.test_moe_parity import ARCHITECTURES as MOE_ARCHITECTURES
+
+    tested = {cls.__name__ for cls in _HF_CLASSES.values()} | set(MOE_ARCHITECTURES.values())
     assert tested == set(supported_architectures())
-    assert len(FAMILIES) == len(_HF_CLASSES)
+    assert len(FAMILIES) == len(_HF_CLASSES) + len(MOE_ARCHITECTURES)
 
 
 @pytest.fixture(scope="module", params=list(_HF_CLASSES))

@@ -1,7 +1,7 @@
 """Self-attention over the paged KV cache, shared by every family.
 
 q/k/v are one fused linear (`qkv_proj`, rows q|k|v). What families change is read from the
-spec: biases, per-head q/k RMSNorms before RoPE (Qwen3, Gemma 3), the score scale (Gemma's
+spec: biases, q/k RMSNorms before RoPE (per head: Qwen3, Gemma 3; whole projections: OLMoE), the score scale (Gemma's
 `query_pre_attn_scalar`), soft-capping of the scores (Gemma 2), and this layer's sliding window
 and RoPE table.
 """
@@ -33,8 +33,11 @@ class Attention(nn.Module):
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         self.qkv_proj = nn.Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias, dtype=dtype)
-        self.q_norm = make_norm(spec, spec.head_dim, dtype) if spec.qk_norm else None
-        self.k_norm = make_norm(spec, spec.head_dim, dtype) if spec.qk_norm else None
+        # Per head (Qwen3, Gemma 3), or over the whole q and k projections (`qk_norm_full`, OLMoE).
+        self.qk_norm_full = spec.qk_norm_full
+        q_norm_size, k_norm_size = (q_size, kv_size) if spec.qk_norm_full else (spec.head_dim, spec.head_dim)
+        self.q_norm = make_norm(spec, q_norm_size, dtype) if spec.qk_norm else None
+        self.k_norm = make_norm(spec, k_norm_size, dtype) if spec.qk_norm else None
         self.scale = spec.scale
         self.window = spec.window_of(layer)
         self.softcap = spec.attn_softcap
@@ -56,7 +59,10 @@ class Attention(nn.Module):
         cos, sin = rope[self.rope_table]
         qk_heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.qk_norm_full:
+            q, k = qk[:, : self.num_heads].reshape(num_tokens, -1), qk[:, self.num_heads :].reshape(num_tokens, -1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1).view(num_tokens, qk_heads, self.head_dim)
+        elif self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
         # RoPE on q and k together: one pass over [T, heads + kv_heads, head_dim].
         ops = eager_ops(self.ops)
