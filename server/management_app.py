@@ -123,6 +123,7 @@ def describe(entry: ModelVersion, is_default: bool, lifecycle: ModelLifecycle) -
         "isDefault": is_default,
         "continuousBatching": True,
         "maxModelLen": info.max_model_len if info else entry.max_model_len,
+        "defaultMaxTokens": config.default_max_tokens,
         **lifecycle.describe(entry),
         "workers": workers,
         "jobQueueStatus": {
