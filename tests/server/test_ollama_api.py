@@ -51,7 +51,7 @@ def test_chat_and_generate(client):
     assert r.message.role == "assistant" and "4" in r.message.content
     _check_durations(r)
     g = client.generate(model=MODEL, prompt="1, 2, 3, 4,", raw=True, options={"temperature": 0, "num_predict": 6})
-    assert g.response.startswith(" 5, 6, 7") and g.eval_count == 6 and g.done_reason == "length"
+    assert g.response == " 5, 6," and g.eval_count == 6 and g.done_reason == "length"
     _check_durations(g)
     templated = client.generate(model=MODEL, prompt="What is 2 plus 2?", options=GREEDY)
     assert templated.response == r.message.content  # the chat template applied, as Ollama does
@@ -65,7 +65,7 @@ def test_streamed_chat_and_generate_add_up(client):
     _check_durations(chunks[-1])
     parts = list(client.generate(model=MODEL, prompt="1, 2, 3, 4,", raw=True, stream=True,
                                  options={"temperature": 0, "num_predict": 6}))
-    assert "".join(p.response for p in parts).startswith(" 5, 6, 7") and parts[-1].eval_count == 6
+    assert "".join(p.response for p in parts) == " 5, 6," and parts[-1].eval_count == 6
 
 
 def test_options_map_onto_sampling(client):
