@@ -58,6 +58,8 @@ from handlers.openai_responses_api import (
 from handlers.openai_tools import ToolParser, tool_prompt
 from server import kserve, openapi
 from server.adapters import RegisteredAdapter
+from server.anthropic import routes as anthropic
+from server.anthropic.shaping import error_body as anthropic_error
 from server.auth import auth_middleware
 from server.errors import error_body
 from server.fanout import FanOut
@@ -123,6 +125,7 @@ def build_inference_app(state: ServerState, contexts: Iterable[Callable] = ()) -
     app.add_routes(routes)
     app.add_routes(kserve.routes)
     app.add_routes(ollama.routes)
+    app.add_routes(anthropic.routes)
     app.add_routes(openapi.routes("pagedserve inference API", _bodies()))
     app.cleanup_ctx.extend(contexts)
     return app
@@ -144,11 +147,14 @@ def _is_openai_route(request: web.Request) -> bool:
 
 def _api_of(request: web.Request) -> str | None:
     """The API a route of its own subpackage speaks (its routes' name prefix, or for a path no
-    route matched, the path's): "ollama" or None."""
+    route matched, the path's): "ollama", "anthropic" or None."""
     endpoint = _endpoint(request)
     if endpoint is not None:
-        return endpoint.partition("_")[0] if endpoint.startswith("ollama_") else None
-    return "ollama" if request.path.startswith("/api/") else None
+        api = endpoint.partition("_")[0]
+        return api if api in ("ollama", "anthropic") else None
+    if request.path.startswith("/api/"):
+        return "ollama"
+    return "anthropic" if request.path.startswith("/v1/messages") else None
 
 
 def _is_kserve_route(request: web.Request) -> bool:
@@ -161,8 +167,11 @@ def _is_kserve_route(request: web.Request) -> bool:
 def _shape(request: web.Request, code: int, message: str, param: str | None) -> dict[str, Any]:
     if _is_kserve_route(request):
         return kserve.error_body(message)
-    if _api_of(request) == "ollama":
+    api = _api_of(request)
+    if api == "ollama":
         return ollama.error_body(message)
+    if api == "anthropic":
+        return anthropic_error(code, message)
     if not _is_openai_route(request):
         return error_body(code, message)
     body = openai_error(code, message, param)
