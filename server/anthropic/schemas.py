@@ -9,8 +9,9 @@ SamplingParams.
 - `tool_choice`: `auto`, `any` (at least one call: OpenAI's "required"), `tool` (that tool:
   a named function), `none` (the tools are not offered); `disable_parallel_tool_use` allows one
   call. `any` and `tool` are enforced by the grammar engine.
-- Fields Anthropic accepts that change nothing here (`metadata`, `service_tier`, blocks'
-  `cache_control`) are ignored; `thinking` other than disabled is refused; anything else unknown
+- `output_config.format` (a JSON schema) constrains the answer through the grammar engine.
+- Fields Anthropic accepts that change nothing here (`metadata`, `service_tier`,
+  `cache_control`, `speed`, ..., and any field of a content block) are ignored; `thinking` other than disabled is refused; anything else unknown
   is refused with a 400 naming it, as Anthropic does.
 """
 
@@ -32,24 +33,22 @@ from handlers.openai_tools import MAX_TOOLS, FunctionDef, ToolDef, ToolName, Too
 _Text = Annotated[str, Meta(min_length=1)]
 
 
-class TextBlock(msgspec.Struct, tag="text", tag_field="type", forbid_unknown_fields=True):
+# Content blocks take fields they do not know (the SDK's own blocks, sent back as they came, carry
+# `citations`, `caller`, `cache_control`, ... that change nothing here).
+class TextBlock(msgspec.Struct, tag="text", tag_field="type"):
     text: str
-    cache_control: Any = None
-    citations: Any = None
 
 
-class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type", forbid_unknown_fields=True):
+class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type"):
     id: _Text
     name: ToolName
     input: dict[str, Any]
-    cache_control: Any = None
 
 
-class ToolResultBlock(msgspec.Struct, tag="tool_result", tag_field="type", forbid_unknown_fields=True):
+class ToolResultBlock(msgspec.Struct, tag="tool_result", tag_field="type"):
     tool_use_id: _Text
     content: str | list[TextBlock] = ""
     is_error: bool = False
-    cache_control: Any = None
 
 
 class ImageBlock(msgspec.Struct, tag="image", tag_field="type"):
@@ -102,6 +101,15 @@ class CountTokensBody(_PromptBody, kw_only=True):
     pass
 
 
+class JsonSchemaFormat(msgspec.Struct, tag="json_schema", tag_field="type", forbid_unknown_fields=True):
+    schema: dict[str, Any]
+
+
+class OutputConfig(msgspec.Struct, forbid_unknown_fields=True):
+    format: JsonSchemaFormat | None = None  # structured output, enforced by the grammar engine
+    effort: Any = None
+
+
 class MessagesBody(_PromptBody, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS)]
     stop_sequences: list[_Text] | None = None
@@ -109,8 +117,16 @@ class MessagesBody(_PromptBody, kw_only=True):
     temperature: Annotated[float, Meta(ge=0, le=1)] | None = None
     top_p: float | None = None
     top_k: int | None = None
+    output_config: OutputConfig | None = None
+    # Accepted by Anthropic, no effect here.
     metadata: Any = None
     service_tier: Any = None
+    cache_control: Any = None
+    inference_geo: Any = None
+    speed: Any = None
+    user_profile_id: Any = None
+    workspace_id: Any = None
+    diagnostics: Any = None
 
 
 @dataclass(slots=True)
@@ -134,6 +150,11 @@ def parse_messages(body: dict[str, Any]) -> AnthropicRequest:
     if req.stop_sequences:
         fields["stop"] = req.stop_sequences
     constraint = parsed.tools.constraint() if parsed.tools is not None else None
+    if req.output_config is not None and req.output_config.format is not None:
+        if constraint is not None:
+            raise HandlerError("output_config.format: cannot be combined with tool_choice any or tool",
+                               param="output_config.format")
+        constraint = req.output_config.format.schema
     if constraint is not None:
         fields["structured_outputs"] = {"json": json.dumps(constraint)}
     parsed.params = make_sampling_params(fields)
