@@ -157,14 +157,15 @@ class Prepared:
 
 async def prepare(state: ServerState, version: ModelVersion, spec: PromptSpec,
                   params: SamplingParams, *, client: str = "", pooling: PoolingParams | None = None,
-                  lora: LoRARequest | None = None) -> Prepared:
+                  lora: LoRARequest | None = None, priority: int = 0,
+                  cache_salt: str | None = None) -> Prepared:
     """The engine's prepare step (engine.inputs) with the front end's bounds: the
     structured-output constraint is checked on its own bounded pool (a per-`client` share, a
     time limit), then, in the thread pool, a prompt that cannot fit is refused before it is
     tokenized, and the workers' length rules apply (a worker is loaded or woken first when
     none is ready); then the router picks the worker. With `pooling`, a pooling request
     (engine.pooling: the prompt's embedding, no tokens). `lora`: the LoRA adapter the request
-    runs under (None: the base model)."""
+    runs under (None: the base model); `priority` and `cache_salt` as vLLM's request fields."""
     try:
         if params.structured_outputs is not None:
             await state.limits.grammar.check(client, params.structured_outputs)
@@ -183,7 +184,7 @@ async def prepare(state: ServerState, version: ModelVersion, spec: PromptSpec,
         raise ErrorReply(400, str(exc), param=exc.field) from None
     except HandlerError as exc:
         raise ErrorReply.from_handler_error(exc) from None
-    inp.lora = lora
+    inp.lora, inp.priority, inp.cache_salt = lora, priority, cache_salt
     return Prepared(version.pick_worker(inp.token_ids), inp)
 
 
@@ -203,7 +204,7 @@ def _bounded_prepare(bounds: PromptBounds, tokenizer, spec: PromptSpec, params: 
 async def respond(request: web.Request, state: ServerState, version: ModelVersion, job: Prepared,
                   shaper: Shaper, *, stream: bool, started: float) -> web.StreamResponse:
     request_id = request[REQUEST_ID_KEY]
-    outputs = job.worker.generate(request_id, job.input, arrival_time=started)
+    outputs = job.worker.generate(request_id, job.input, arrival_time=started, priority=job.input.priority)
     watchdog = Watchdog(request, job.worker, request_id, version.model_config.response_timeout,
                         per_chunk=stream)
     try:

@@ -99,12 +99,14 @@ from server.shapers import (
 )
 from server.state import STATE_KEY, ServerState
 from server.streaming import StreamFormat
+from server.vllm import routes as vllm
 
-OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "responses", "embeddings", "models", "model"})
+OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "responses", "embeddings", "models", "model",
+                              "tokenize", "detokenize", "vllm_version", "health"})
 OPENAI_PATH = re.compile(r"(/predictions/[^/]+/[^/]+)?/v1(/.*)?")  # /v1/... of a version too
 KSERVE_PATH = re.compile(r"/v2(/.*)?")
 # Health probes: never drained away, and public unless health_needs_token.
-HEALTH_PATHS = frozenset({"/ping", "/live", "/ready", "/v2/health/live", "/v2/health/ready"})
+HEALTH_PATHS = frozenset({"/ping", "/live", "/ready", "/health", "/v2/health/live", "/v2/health/ready"})
 EXCEPTION_CODES = (((QueueFullError, NoWorkerError), 503),)
 PREDICTIONS_CONTENT_TYPES = ("application/json", "text/plain", "multipart/form-data",
                              "application/x-www-form-urlencoded", "application/octet-stream")
@@ -126,6 +128,7 @@ def build_inference_app(state: ServerState, contexts: Iterable[Callable] = ()) -
     app.add_routes(kserve.routes)
     app.add_routes(ollama.routes)
     app.add_routes(anthropic.routes)
+    app.add_routes(vllm.routes)
     app.add_routes(openapi.routes("pagedserve inference API", _bodies()))
     app.cleanup_ctx.extend(contexts)
     return app
@@ -305,7 +308,8 @@ async def _openai(request: web.Request, parse: Callable[[dict[str, Any]], OpenAI
         template = getattr(version.tokenizer, "chat_template", None)
         specs = [tool_prompt(spec, parsed.tools, template) if spec.messages is not None else spec
                  for spec in parsed.prompts]
-        jobs = [await prepare(state, version, spec, parsed.params, client=request.remote or "", lora=lora(request))
+        jobs = [await prepare(state, version, spec, parsed.params, client=request.remote or "", lora=lora(request),
+                              priority=parsed.priority, cache_salt=parsed.cache_salt)
                 for spec in specs]
         job = jobs[0] if len(jobs) == 1 else FanOut(jobs, parsed.params.n).prepared()
         shaper = _openai_shaper(request, version, asked, responses_request or parsed, jobs)
