@@ -223,6 +223,7 @@ async def ps(request: web.Request) -> web.Response:
 
 @routes.get("/api/version", name="ollama_version")
 async def version_route(request: web.Request) -> web.Response:
+    """The Ollama API version these routes follow."""
     return web.json_response({"version": OLLAMA_VERSION})
 
 

@@ -95,6 +95,7 @@ async def detokenize(request: web.Request) -> web.Response:
 
 @routes.get("/version", name="vllm_version")
 async def version_route(request: web.Request) -> web.Response:
+    """pagedserve's version."""
     try:
         found = package_version("pagedserve")
     except PackageNotFoundError:
