@@ -16,12 +16,16 @@ Routes (the OpenAI ones also under /predictions/{model}/{version}/v1/...):
                                                request per input; handlers.openai_embeddings)
   GET  /v1/models  /v1/models/{id}
   POST /v1/models/{model}:predict  /v2/...     KServe (server.kserve)
+  /api/generate /api/chat /api/embed ...       Ollama's API (server.ollama)
+  POST /v1/messages[/count_tokens]             Anthropic's Messages API (server.anthropic)
+  /tokenize /detokenize /version /health       vLLM's extra routes (server.vllm)
   OPTIONS /  GET /api-description              this port's OpenAPI description
 
 Middlewares (server.middleware), outermost first: request id, metrics and error replies; 503
 while draining; token authorization. Every error is raised and shaped in one place by route:
 OpenAI's `{"error": {"message", "type", "param", "code"}}` on the OpenAI routes (and any other
-path under /v1/), KServe's `{"error": "..."}` on its routes (and any path under /v2),
+path under /v1/), KServe's `{"error": "..."}` on its routes (and any path under /v2), Ollama's
+`{"error": "..."}` under /api/, Anthropic's `{"type": "error", "error": {...}}` on /v1/messages,
 TorchServe's `{"code", "type", "message"}` elsewhere. Per request: resolve the
 version, `admit` it (jobQueueSize), parse, tokenize off the loop, pick a worker, generate
 (server.generation).
