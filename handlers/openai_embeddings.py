@@ -57,7 +57,9 @@ def parse_embeddings_request(body: dict[str, Any]) -> EmbeddingsRequest:
 def _inputs(given: str | list[Any]) -> list[PromptSpec]:
     """`input` -> one PromptSpec per input: a string, token ids, or a list of strings or
     token-id lists (not mixed with bare ids); none may be empty."""
-    if isinstance(given, str) or given and all(isinstance(t, int) for t in given):
+    if isinstance(given, str):
+        given = [given]
+    elif given and all(isinstance(t, int) for t in given):
         given = [given]
     if not 1 <= len(given) <= MAX_INPUTS:
         raise HandlerError(f"input: must hold 1 .. {MAX_INPUTS} inputs, got {len(given)}", param="input")

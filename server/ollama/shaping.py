@@ -15,7 +15,7 @@ then); its calls are then sent in `message.tool_calls` with arguments as objects
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -61,9 +61,7 @@ class OllamaShaper:
     tools: ToolRequest | None = None
     tool_parser: ToolParser = ToolParser.HERMES
     stream_format: StreamFormat = StreamFormat.NDJSON
-    _held: str = ""
-    _sent_calls: bool = False
-    _calls: list[dict[str, Any]] = field(default_factory=list)
+    _held: str = ""  # the text held back while tools are offered
 
     def whole(self, out: RequestOutput, total_s: float) -> dict[str, Any]:
         body = self._body(out.outputs[0].text, done=True)
