@@ -29,9 +29,9 @@ from aiohttp import web
 
 from engine.inputs import PromptSpec
 from engine.outputs import RequestOutput
-from handlers.llm_output import timings
 from handlers.base_handler import HandlerError
 from handlers.llm_input import decode_body, make_sampling_params
+from handlers.llm_output import timings
 from server.fanout import FanOut
 from server.generation import MODEL_KEY, ErrorReply, prepare, respond
 from server.openapi import server_version

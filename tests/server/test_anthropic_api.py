@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server.conftest import MODEL
-from tests.server.conftest import server  # noqa: F401 -- the shared real server
+from tests.server.conftest import (
+    MODEL,
+    server,  # noqa: F401 -- the shared real server
+)
 
 anthropic = pytest.importorskip("anthropic")
 pydantic = pytest.importorskip("pydantic")

@@ -11,8 +11,10 @@ import json
 
 import pytest
 
-from tests.server.conftest import MODEL
-from tests.server.conftest import server  # noqa: F401 -- the shared real server
+from tests.server.conftest import (
+    MODEL,
+    server,  # noqa: F401 -- the shared real server
+)
 
 ollama = pytest.importorskip("ollama")
 pydantic = pytest.importorskip("pydantic")
