@@ -29,13 +29,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
-from server.memory_budget import (
-    Footprint,
-    MemoryBudget,
-    ModelTooLargeError,
-    fmt,
-    version_sizes,
-)
+from server.memory_budget import Footprint, MemoryBudget, ModelTooLargeError, fmt, version_sizes
 from server.workers import NoWorkerError, WorkerSlot, WorkerStartFailed, WorkerStatus
 
 if TYPE_CHECKING:
