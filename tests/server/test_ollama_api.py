@@ -129,6 +129,20 @@ def test_tools_answer_a_call_or_text_and_take_a_tool_result(client):
     assert answer.done and answer.prompt_eval_count > r.prompt_eval_count
 
 
+def test_streamed_tools_come_whole_in_the_last_chunk(client):
+    """With tools the text is held until the answer ends (a call cannot be told from text
+    before then): the stream is one last chunk with the content or the calls, and the timings."""
+    ask = [{"role": "user", "content": "What is the weather like in Paris? Use the tool."}]
+    chunks = list(client.chat(model=MODEL, messages=ask, tools=[WEATHER_TOOL], stream=True,
+                              options={"temperature": 0, "num_predict": 40}))
+    *held, last = chunks
+    assert last.done and all(not c.done and not c.message.content and not c.message.tool_calls for c in held)
+    assert last.message.content or last.message.tool_calls
+    for call in last.message.tool_calls or ():
+        assert call.function.name == "get_weather" and isinstance(call.function.arguments, dict)
+    _check_durations(last)
+
+
 def test_pull_create_delete_are_answered_clearly(client, server):
     assert client.pull(MODEL).status == "success"  # already here: nothing to download
     with pytest.raises(ollama.ResponseError) as err:
