@@ -67,6 +67,8 @@ class EngineInput:
     params: SamplingParams
     pooling: PoolingParams | None = None  # set: return the prompt's embedding, generate nothing
     lora: LoRARequest | None = None  # the LoRA adapter to run under (None: the base model)
+    priority: int = 0  # lower first, under scheduling_policy "priority"
+    cache_salt: str | None = None  # a tenant's salt: its prefix-cache hits are its own
 
 
 def render_prompt(tokenizer: Any, spec: PromptSpec) -> tuple[str | None, list[int]]:

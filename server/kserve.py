@@ -14,7 +14,8 @@ An instance is a prompt string or an object with one of `prompt`, `text` or `dat
 tensor holds the prompts as its `data`. Sampling settings go in the request's `parameters`,
 named as on /predictions (`max_tokens` or `max_new_tokens`, `temperature`, ...); `n` and
 `stream` are refused (one text per prompt). Each prompt is its own engine request
-(server.fanout). Errors are KServe's `{"error": "..."}` (the inference app shapes them).
+(server.fanout). Replies carry pagedserve's `timings` record, as every other route's do. Errors
+are KServe's `{"error": "..."}` (the inference app shapes them).
 `/v1/models/{id}` (GET) stays the OpenAI model route.
 """
 
@@ -30,6 +31,7 @@ from engine.inputs import PromptSpec
 from engine.outputs import RequestOutput
 from handlers.base_handler import HandlerError
 from handlers.llm_input import decode_body, make_sampling_params
+from handlers.llm_output import timings
 from server.fanout import FanOut
 from server.generation import MODEL_KEY, ErrorReply, prepare, respond
 from server.openapi import server_version
@@ -223,7 +225,7 @@ class V1Shaper:
     stream_format: StreamFormat = StreamFormat.NDJSON  # never streamed
 
     def whole(self, out: RequestOutput, total_s: float) -> dict[str, Any]:
-        return {"predictions": _texts(out)}
+        return {"predictions": _texts(out), "timings": timings(out, total_s)}
 
     def opening(self, n: int) -> None:
         return None
@@ -251,6 +253,7 @@ class V2Shaper(V1Shaper):
             body["id"] = self.request_id
         body["outputs"] = [{"name": self.output_name, "datatype": "BYTES", "shape": [len(texts)],
                             "data": texts}]
+        body["timings"] = timings(out, total_s)
         return body
 
 

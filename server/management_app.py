@@ -126,6 +126,7 @@ def describe(entry: ModelVersion, is_default: bool, lifecycle: ModelLifecycle) -
         "continuousBatching": True,
         "model": describe_model_dir(entry.archive.model_dir),
         "maxModelLen": info.max_model_len if info else entry.max_model_len,
+        "defaultMaxTokens": config.default_max_tokens,
         **lifecycle.describe(entry),
         "workers": workers,
         "jobQueueStatus": {

@@ -59,6 +59,7 @@ class ParallelType(str, enum.Enum):
     CUSTOM = "custom"
 
 
+DEFAULT_MAX_TOKENS = 1024
 _Workers = Annotated[int, Meta(ge=1, le=MAX_WORKERS)]
 _Seconds = Annotated[int, Meta(ge=1, le=MAX_TIMEOUT_S)]
 
@@ -81,6 +82,8 @@ class ModelConfigFile(msgspec.Struct, forbid_unknown_fields=True, rename="camel"
     keep_alive: Annotated[float, Meta(ge=-1, le=MAX_TIMEOUT_S)] | None = None
     # How the front end picks among the version's workers (server.routing).
     routing: typing.Literal["least_loaded", "prefix_affinity"] = "least_loaded"
+    # Output tokens of a request that names no limit (capped by the context left after its prompt).
+    default_max_tokens: Annotated[int, Meta(ge=1, le=1 << 20)] = DEFAULT_MAX_TOKENS
     handler: dict[str, Any] | None = None
 
 
@@ -139,6 +142,7 @@ class ModelConfig:
     tool_parser: str = "hermes"  # hermes, llama3_json or pythonic
     keep_alive: float | None = None  # seconds; None: the server's keep_alive
     routing: str = "least_loaded"  # least_loaded or prefix_affinity
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # a request without a token limit
     handler: dict[str, Any] = field(default_factory=dict)
     source: str = "model-config.yaml"  # the file name used in error messages
 
