@@ -60,6 +60,7 @@ from handlers.openai_tools import ToolParser, tool_prompt
 from server import kserve, openapi
 from server.adapters import RegisteredAdapter
 from server.auth import auth_middleware
+from server.body_encoding import decode_body_middleware
 from server.errors import error_body
 from server.fanout import FanOut
 from server.generation import (
@@ -111,6 +112,7 @@ def build_inference_app(state: ServerState, contexts: Iterable[Callable] = ()) -
         error_middleware(_shape, EXCEPTION_CODES, _observe),
         drain_middleware(state.drain, exempt=HEALTH_PATHS),
         auth_middleware(lambda: state.inference_key, public),
+        decode_body_middleware,
     ])
     app[STATE_KEY] = state
     app.add_routes(routes)
@@ -141,17 +143,41 @@ def _is_kserve_route(request: web.Request) -> bool:
     return KSERVE_PATH.fullmatch(request.path) is not None
 
 
+def _openai_shape(code: int, message: str, param: str | None = None) -> dict[str, Any]:
+    body = openai_error(code, message, param)
+    if code < 500:
+        body["error"]["type"] = body["error"]["type"].replace("server_error", "invalid_request_error")
+    return body
+
+
+def _kserve_shape(code: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return kserve.error_body(message)
+
+
+# The error shape of each API surface by path, most specific first; any other path gets
+# TorchServe's. Used for requests no route matched and for aiohttp's own (parser) errors; an
+# API surface in its own package adds its (pattern, shape) here.
+PATH_SHAPES: tuple[tuple[re.Pattern, Callable[..., dict[str, Any]]], ...] = (
+    (KSERVE_PATH, _kserve_shape),
+    (OPENAI_PATH, _openai_shape),
+)
+
+
+def shape_for_path(path: str, code: int, message: str, param: str | None = None) -> dict[str, Any]:
+    for pattern, shape in PATH_SHAPES:
+        if pattern.fullmatch(path):
+            return shape(code, message, param)
+    return error_body(code, message)
+
+
 def _shape(request: web.Request, code: int, message: str, param: str | None) -> dict[str, Any]:
     if _is_kserve_route(request):
-        return kserve.error_body(message)
+        return _kserve_shape(code, message)
     if not _is_openai_route(request):
-        return error_body(code, message)
-    body = openai_error(code, message, param)
-    error = body["error"]
-    if code < 500:
-        error["type"] = error["type"].replace("server_error", "invalid_request_error")
+        return shape_for_path(request.path, code, message, param)
+    body = _openai_shape(code, message, param)
     if _endpoint(request) is None:  # no such route: not a missing model
-        error["code"] = "unknown_url" if code == 404 else code
+        body["error"]["code"] = "unknown_url" if code == 404 else code
     return body
 
 

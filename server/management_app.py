@@ -32,6 +32,7 @@ from server.archives import (
     resolve_url,
 )
 from server.auth import Api, auth_middleware
+from server.body_encoding import decode_body_middleware
 from server.errors import error_body
 from server.generation import ErrorReply
 from server.lifecycle import LifecycleConflict, ModelLifecycle
@@ -343,6 +344,7 @@ def build_management_app(state: ServerState, contexts: Iterable[Callable] = ()) 
         error_middleware(_shape, EXCEPTION_CODES, _observe),
         drain_middleware(state.drain),
         auth_middleware(lambda: state.management_key),
+        decode_body_middleware,
     ])
     app[STATE_KEY] = state
     app.add_routes(ROUTES)

@@ -10,9 +10,10 @@ owns the registry, the workers and the thread pool: on start it restores the sna
 registers the `load_models` archives in the background (the ports already answer; /ready turns
 200 once every version that should serve has a ready worker); on stop it stops them.
 
-Stop (SIGTERM or SIGINT): new requests get 503; in-flight ones get up to `drain_grace` seconds
-to finish (the drain's event fires when the last one ends); then the ports close and the
-workers stop (what is left is aborted), exit 0. A second signal skips the wait.
+Stop (SIGTERM or SIGINT): new requests get 503 with Retry-After; in-flight ones get up to
+`drain_grace` seconds to finish (the drain's event fires when the last one ends); those left
+are cut with an error reply (a stream: an error event, then `[DONE]`); the workers stop while
+the ports still answer 503; then the ports close, exit 0. A second signal skips the wait.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from aiohttp import web
 from server.archives import LoadedArchive, resolve_url
 from server.auth import KeyStore, choose_keys, write_key_file
 from server.config import ServerConfig, ServerConfigError, parse_address
-from server.connections import ConnectionLimits, GuardedAppRunner
-from server.inference_app import build_inference_app
+from server.connections import ConnectionLimits, GuardedAppRunner, PathShape
+from server.inference_app import build_inference_app, shape_for_path
 from server.lifecycle import BudgetCollector
 from server.management_app import build_management_app
 from server.metrics import ServerMetrics, build_metrics_app
@@ -46,7 +47,7 @@ from server.registry import (
     worker_threads,
 )
 from server.snapshot import Snapshotter
-from server.state import ServerState
+from server.state import Drain, ServerState
 from server.workers import WorkerStartFailed
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ handler:
   kv_cache_memory: 1GiB
 """
 ARCHIVE_SUFFIXES = (".mar", ".zip", ".tar.gz", ".tgz")
+CUT_WAIT_S = 5.0  # for the requests cut after drain_grace to send their error replies
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,13 +154,22 @@ def build_state(config: ServerConfig, make_engine: EngineBuilder, keys: KeyStore
     metrics = ServerMetrics(versions=registry.all_versions, vllm=config.vllm_metrics)
     metrics.registry.register(BudgetCollector(registry.lifecycle))
     return ServerState(config=config, registry=registry, metrics=metrics, keys=keys,
-                       executor=executor)
+                       executor=executor, drain=Drain(max_per_client=config.max_in_flight_per_client))
 
 
-def connection_limits(config: ServerConfig) -> ConnectionLimits:
-    return ConnectionLimits(header_timeout=config.header_read_timeout,
-                            body_timeout=config.body_read_timeout,
-                            max_connections=config.max_connections)
+def connection_limits(config: ServerConfig, shape: PathShape | None = None) -> ConnectionLimits:
+    limits = ConnectionLimits(header_timeout=config.header_read_timeout,
+                              body_timeout=config.body_read_timeout,
+                              max_connections=config.max_connections,
+                              per_client_connections=config.max_connections_per_client)
+    if shape is not None:
+        limits.shape = shape
+    return limits
+
+
+def _path_shape(port: str) -> PathShape | None:
+    """The error shape of aiohttp's own replies (parser errors) on `port`, by the path named."""
+    return shape_for_path if port == "inference" else None  # else TorchServe's
 
 
 class Server:
@@ -173,6 +184,8 @@ class Server:
         self.snapshot = Snapshotter(config.snapshot_path) if config.snapshot_path else None
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
+        self._startup: asyncio.Task | None = None  # the startup registrations
+        self._workers_stopped = False
 
     # -- start ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -194,11 +207,9 @@ class Server:
         opened = [(m, await state.registry.open(m.path)) for m in models]
 
         async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-            startup = asyncio.create_task(self._register_at_start(restored, opened))
+            self._startup = asyncio.create_task(self._register_at_start(restored, opened))
             yield
-            startup.cancel()
-            await asyncio.gather(startup, return_exceptions=True)
-            await state.registry.shutdown()
+            await self._stop_workers()
             state.executor.shutdown(wait=False, cancel_futures=True)
             state.limits.shutdown()
 
@@ -207,8 +218,8 @@ class Server:
                 "metrics": build_metrics_app(state.metrics)}
         for name, app in apps.items():
             host, port = parse_address(getattr(config, f"{name}_address"))
-            runner = GuardedAppRunner(app, connection_limits(config), access_log=None,
-                                      shutdown_timeout=2.0)
+            runner = GuardedAppRunner(app, connection_limits(config, _path_shape(name)),
+                                      access_log=None, shutdown_timeout=2.0)
             await runner.setup()
             self.runners.append(runner)
             await web.TCPSite(runner, host, port).start()
@@ -350,8 +361,11 @@ class Server:
         await self._stop.wait()
 
     async def stop(self) -> None:
-        """Drain (up to drain_grace, or until a second signal), then close the ports; the
-        inference app's cleanup stops the workers and the thread pool."""
+        """The shutdown sequence (docs/operations.md): readiness turns 503 and new requests get
+        503 with Retry-After; requests in flight get up to drain_grace seconds (or until a
+        second signal) to finish; those still running are cut (a stream ends with an error
+        event and `[DONE]`, a whole reply is a 503); the workers stop; only then do the ports
+        close, so that a load balancer sees a draining port, never a refused one, until exit."""
         state = self.state
         if state is not None:
             state.drain.begin()
@@ -360,12 +374,24 @@ class Server:
             await asyncio.wait({idle, force}, return_when=asyncio.FIRST_COMPLETED)
             force.cancel()
             if state.drain.in_flight:
-                self.out(f"pagedserve: aborting {state.drain.in_flight} request(s) still in flight")
+                self.out(f"pagedserve: ending {state.drain.cut()} request(s) still in flight")
+                await state.drain.wait_idle(CUT_WAIT_S)  # their error replies go out
+            await self._stop_workers()
         for runner in reversed(self.runners):
             await runner.cleanup()
         if self.runners:
             self.out("pagedserve: stopped")
         self.runners.clear()
+
+    async def _stop_workers(self) -> None:
+        """Cancel the startup registrations and stop every worker (once)."""
+        if self._workers_stopped or self.state is None:
+            return
+        self._workers_stopped = True
+        if self._startup is not None:
+            self._startup.cancel()
+            await asyncio.gather(self._startup, return_exceptions=True)
+        await self.state.registry.shutdown()
 
 
 async def serve(config: ServerConfig) -> int:
