@@ -75,6 +75,7 @@ from server.generation import (
 from server.keep_alive import KeepAliveError, take_keep_alive
 from server.middleware import drain_middleware, error_middleware
 from server.registry import (
+    InvalidNameError,
     ModelNotFoundError,
     ModelVersion,
     NoWorkerError,
@@ -356,7 +357,7 @@ def _openai_model(request: web.Request, state: ServerState, body: dict[str, Any]
     if not isinstance(asked, str) or not asked:
         raise ErrorReply(400, "'model' is required: the name of a registered model "
                          "(model or model@version)", param="model")
-    return _resolve(request, state, *split_model(asked)), asked
+    return _resolve(request, state, *_handler_call(split_model, asked)), asked
 
 
 def _openai_shaper(request: web.Request, version: ModelVersion, asked: str,
@@ -399,7 +400,7 @@ async def model(request: web.Request) -> web.Response:
     """One model by the id /v1/models lists (`name` or `name@version`); 404 if none. Its
     `name` and `ready` fields answer KServe v1's model status call on the same path."""
     name = request.match_info["id"]
-    version = _resolve(request, request.app[STATE_KEY], *split_model(name))
+    version = _resolve(request, request.app[STATE_KEY], *_handler_call(split_model, name))
     adapter = request.get(ADAPTER_KEY)
     entry = _model_entry(name, version) if adapter is None else _adapter_entry(adapter)
     return web.json_response({**entry, "name": name, "ready": bool(version.pool.ready_engines())})
@@ -435,9 +436,12 @@ def _bodies() -> dict[Callable, openapi.Body]:
 
 def _resolve(request: web.Request, state: ServerState, name: str, version: str | None) -> ModelVersion:
     """The model version to run; for a LoRA adapter's name, its base version (the adapter is
-    kept in `request[ADAPTER_KEY]`)."""
+    kept in `request[ADAPTER_KEY]`). A name or version no registration could have (control
+    characters, `/`, ...) is a 400 naming the rule, not a lookup."""
     try:
         found = state.registry.resolve(name, version)
+    except InvalidNameError as exc:
+        raise ErrorReply(400, str(exc), param="model") from None
     except ModelNotFoundError as exc:
         adapter = state.adapters.get(name) if version is None else None
         if adapter is None:

@@ -33,7 +33,7 @@ from handlers.llm_input import decode_body, make_sampling_params
 from server.fanout import FanOut
 from server.generation import MODEL_KEY, ErrorReply, prepare, respond
 from server.openapi import server_version
-from server.registry import ModelNotFoundError, ModelVersion
+from server.registry import InvalidNameError, ModelNotFoundError, ModelVersion
 from server.request_bodies import max_new_tokens
 from server.state import STATE_KEY, ServerState
 from server.streaming import StreamFormat
@@ -266,6 +266,8 @@ def _resolve(request: web.Request) -> ModelVersion:
                                                         request.match_info.get("version"))
     except ModelNotFoundError as exc:
         raise ErrorReply(404, str(exc)) from None
+    except InvalidNameError as exc:
+        raise ErrorReply(400, str(exc), param="model") from None
     request[MODEL_KEY] = found.name
     return found
 
