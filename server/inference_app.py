@@ -199,7 +199,9 @@ async def ping(request: web.Request) -> web.Response:
 
 @routes.get("/live", name="live")
 async def live(request: web.Request) -> web.Response:
-    """Liveness: 200 until the server starts draining, then 503."""
+    """Liveness: 200 until the server starts draining, then 503. It does not depend on the
+    models: one model whose workers crash-loop must not get the whole process restarted
+    (/ping and /ready say it is not serving)."""
     if request.app[STATE_KEY].draining:
         return web.json_response({"status": "Draining"}, status=503)
     return web.json_response({"status": "Alive"})
@@ -213,7 +215,8 @@ async def ready(request: web.Request) -> web.Response:
     if state.draining:
         return web.json_response({"status": "Draining"}, status=503)
     if not state.serving():
-        return web.json_response({"status": "NotReady"}, status=503)
+        return web.json_response({"status": "NotReady", "notReady": state.not_serving()},
+                                 status=503)
     return web.json_response({"status": "Ready"})
 
 

@@ -111,9 +111,13 @@ class ServerState:
         and every version that should serve (minWorkers > 0) has a ready worker. A version
         scaled to 0 workers on purpose is not a failure."""
         registry = self.registry
-        return (registry.startup_done and not self.drain.draining
-                and all(v.pool.ready_engines() or v.pool.sleeping_slots()
-                        for v in registry.all_versions() if v.min_workers > 0))
+        return registry.startup_done and not self.drain.draining and not self.not_serving()
+
+    def not_serving(self) -> list[str]:
+        """The versions that should serve (minWorkers > 0) with no ready or sleeping worker,
+        as "name version" (a crash-looping model is one)."""
+        return [f"{v.name} {v.version}" for v in self.registry.all_versions()
+                if v.min_workers > 0 and not (v.pool.ready_engines() or v.pool.sleeping_slots())]
 
 
 STATE_KEY = web.AppKey("pagedserve_state", ServerState)

@@ -86,6 +86,14 @@ def _write_archive(store: Path, tmp: Path, file_name: str, version: str) -> Path
 
 
 @pytest.fixture(scope="session")
+def model_store(tmp_path_factory) -> Path:
+    """A model store with `smollm2.mar` (version 1.0 of the default model)."""
+    store = tmp_path_factory.mktemp("model_store")
+    _write_archive(store, tmp_path_factory.mktemp("archive-build"), ARCHIVE, "1.0")
+    return store
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A tiny random-weight Llama with the default model's tokenizer: workers start in seconds."""
     transformers = pytest.importorskip("transformers")
