@@ -52,7 +52,7 @@ def assign_devices(worker_index: int, visible: int, device_ids: Sequence[int] | 
     return tuple(pool[start:start + group_size])
 
 
-def visible_gpus(environ: dict[str, str] | None = None) -> int:
+def visible_gpus() -> int:
     """How many GPUs this process may use (torch's count; 0 without CUDA)."""
     try:
         import torch

@@ -22,7 +22,9 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import os
 import signal
+import sys
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -411,4 +413,17 @@ def run_serve(config: ServerConfig) -> int:
 
     torch.set_num_threads(1)  # tokenization only: leave the cores to the workers
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(config))
+    loop = asyncio.new_event_loop()
+    try:
+        code = loop.run_until_complete(serve(config))
+    except BaseException:
+        loop.close()
+        raise
+    # Stopped in order: workers first, the ports last. Exit now: asyncio.run's and the
+    # interpreter's teardown (joining executor threads, and more) would leave seconds between
+    # the ports closing and the process ending, in which a load balancer sees a refused port
+    # on a live process.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
