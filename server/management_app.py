@@ -98,6 +98,7 @@ def describe(entry: ModelVersion, is_default: bool, lifecycle: ModelLifecycle) -
             "pid": pid if pid is not None else -1,
             "gpu": bool(engine is not None and str(engine.config.device).startswith("cuda")),
             "gpuUsage": "N/A",
+            "deviceIds": list(slot.devices),  # its GPUs (server/devices.py); [] on the CPU
             "restarts": slot.restarts,
             "threads": (engine.stats.num_threads or engine.num_threads) if engine is not None else None,
             "lastError": slot.last_error,

@@ -37,6 +37,7 @@ from server.archives import LoadedArchive, resolve_url
 from server.auth import KeyStore, choose_keys, write_key_file
 from server.config import ServerConfig, ServerConfigError, parse_address
 from server.connections import ConnectionLimits, GuardedAppRunner, PathShape
+from server.devices import assign_devices, cuda_visible_devices, visible_gpus
 from server.inference_app import build_inference_app, shape_for_path
 from server.lifecycle import BudgetCollector
 from server.management_app import build_management_app
@@ -310,6 +311,12 @@ class Server:
                 logger.warning("%s: kv_offload is not used with tensor parallelism", worker_name)
         if entry.model_config.device_type is DeviceType.GPU:
             options["device"] = "cuda"
+            slot = next((s for s in entry.pool.slots if worker_name.endswith(f"#{s.id}")), None)
+            if slot is not None:  # its own GPUs: round-robin, a TP group on consecutive ones
+                slot.devices = assign_devices(slot.index, visible_gpus(),
+                                              entry.model_config.device_ids,
+                                              options.get("tensor_parallel_size", 1))
+                options["visible_devices"] = cuda_visible_devices(slot.devices)
         # The registry opened and verified the archive (custom handler rules included).
         config = EngineConfig(model=str(entry.model_dir), model_verified=True, **options)
         return AsyncLLM(config, entry.tokenizer, name=worker_name, on_dead=on_dead,

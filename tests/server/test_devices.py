@@ -68,3 +68,34 @@ def test_cuda_visible_devices_translates_through_the_servers_own_list():
     assert cuda_visible_devices((2, 3), {}) == "2,3"
     assert cuda_visible_devices((0, 2), {"CUDA_VISIBLE_DEVICES": "4,5,6"}) == "4,6"
     assert cuda_visible_devices((1,), {"CUDA_VISIBLE_DEVICES": "GPU-aaa,GPU-bbb"}) == "GPU-bbb"
+
+
+def test_device_ids_is_a_model_config_key_and_is_checked():
+    import yaml
+
+    from engine.model.model_config import ModelConfig, ModelConfigError
+
+    config = ModelConfig.from_dict(yaml.safe_load("deviceType: gpu\ndeviceIds: [1, 3]\n"))
+    assert config.device_ids == [1, 3]
+    with pytest.raises(ModelConfigError, match="deviceIds"):
+        ModelConfig.from_dict({"deviceIds": [-1]})
+
+
+def test_a_gpu_model_on_a_machine_without_one_fails_to_start_saying_why(inprocess_factory, tiny_model,
+                                                                        tiny_store, tmp_path_factory):
+    """The assignment runs where each worker is made (server.serve): on this CPU-only machine
+    it refuses with its own words rather than a CUDA error from inside the worker."""
+    from engine.model.archive import write_archive
+
+    config = tmp_path_factory.mktemp("gpu-config") / "model-config.yaml"
+    config.write_text("deviceType: gpu\ndeviceIds: [0]\nstartupTimeout: 30\n"
+                      "handler:\n  max_model_len: 256\n  kv_cache_memory: 8MiB\n")
+    write_archive(tiny_model, tiny_store / "gpu", model_name="tinygpu", version="1.0",
+                  config_file=config, force=True)
+    server = inprocess_factory(enable_model_api=True)
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the assignment is shown by describe instead")
+    r = server.post("management", "/models?url=gpu/tinygpu.mar&synchronous=true")
+    assert r.status == 500 and "no GPU is visible" in r.json()["message"], r.text
