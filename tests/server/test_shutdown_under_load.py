@@ -100,13 +100,18 @@ def test_sigterm_under_load_ends_every_stream_and_exits_0(module_server_factory)
     for status, body in whole:
         assert status in (200, 503), (status, body)
     assert observed, "no request was tried during the drain"
+    answered = [when for when, o in observed if isinstance(o, tuple)]
+    refused = [when for when, o in observed if not isinstance(o, tuple)]
     for when, outcome in observed:
         if isinstance(outcome, tuple):
             status, retry_after, text = outcome
             assert status == 503 and retry_after, outcome
-        else:  # the port may close only as the process exits
-            assert exited - when < 2.0, (f"refused {exited - when:.1f}s before the exit: {outcome}")
-    refused = [o for _, o in observed if not isinstance(o, tuple)]
-    assert len(refused) <= 2, refused
+    # The ports close last, as the process exits: no refusal before the last 503, and the
+    # refusals all fall in the final moment (the observer polls every ~50 ms).
+    window = exited - min(refused) if refused else 0.0
+    print(f"drain: {len(answered)} answered 503 + Retry-After, {len(refused)} refused in the "
+          f"last {window * 1000:.0f} ms before the exit was seen")
+    assert not refused or min(refused) > max(answered)
+    assert window < 1.0, window
     gone = psutil.wait_procs(workers, timeout=10)[1]
     assert not gone, f"workers left behind: {gone}"
