@@ -178,6 +178,7 @@ async def register_model(request: web.Request) -> web.Response:
         adapter = await state.adapters.register(state.registry, archive,
                                                 _display_url(url, path, state.config.model_store_path),
                                                 params.model_name)
+        state.registry.save_change(lambda: state.adapters.adapters.pop(adapter.name, None))
         return _status(f'Adapter "{adapter.name}" Version: {adapter.version} registered on model '
                        f'"{adapter.base.name}" version {adapter.base.version}')
     archive = _with_register_params(archive, params)
@@ -270,6 +271,7 @@ async def unregister_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     if name in state.adapters.adapters and name not in state.registry.models:
         adapter = await state.adapters.unregister(name)  # returns once its requests in flight are done
+        state.registry.save_change(None)
         return _status(f'Adapter "{adapter.name}" version: {adapter.version} unregistered')
     attached = state.adapters.attached_to(state.registry.resolve(name, request.match_info.get("version")))
     if attached:

@@ -446,6 +446,10 @@ class ModelRegistry:
         self._save(lambda: setattr(model, "default_version", old_default))
         return entry
 
+    def save_change(self, undo: Callable[[], None] | None) -> None:
+        """Persist a change made beside the registry (a LoRA adapter registered or removed)."""
+        self._save(undo)
+
     def _save(self, undo: Callable[[], None] | None) -> None:
         """Persist a change just made in memory. If that fails, `undo` it and raise
         SaveFailedError (`undo` None: keep it, and log that the snapshot is behind)."""

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from server.adapters import is_adapter
 from server.archives import LoadedArchive, resolve_url
 from server.auth import KeyStore, choose_keys, write_key_file
 from server.config import ServerConfig, ServerConfigError, parse_address
@@ -206,6 +207,8 @@ class Server:
                 raise ServerConfigError(str(exc)) from None
             keys = KeyStore(chosen, Path(config.key_file).expanduser().absolute())
         self.state = state = build_state(config, self._make_engine, keys)
+        if self.snapshot is not None:
+            self.snapshot.adapters = state.adapters
         restored = self.snapshot.load() if self.snapshot and config.restore_snapshot else []
         opened = [(m, await state.registry.open(m.path)) for m in models]
 
@@ -243,8 +246,16 @@ class Server:
         registry.lifecycle.progress = self.out  # a line per worker ready while starting
         try:
             await self._restore(restored)
+            models = [(m, a) for m, a in opened if not is_adapter(a)]
             await asyncio.gather(*(self._register_startup(archive, model.url, model.name)
-                                   for model, archive in opened))  # in parallel, in the budget
+                                   for model, archive in models))  # in parallel, in the budget
+            # LoRA adapters once their base versions are there: the snapshot's, then --models'
+            if self.snapshot is not None:
+                for e in self.snapshot.adapter_entries:
+                    await self._restore_adapter(e)
+            for model, archive in opened:
+                if is_adapter(archive):
+                    await self._register_adapter(archive, model.url, model.name)
         except Exception:  # a bug: the server keeps serving what did register
             logger.exception("the startup registrations failed")
         self._save_snapshot()
@@ -282,6 +293,34 @@ class Server:
             logger.error("snapshot: could not restore %s %s: %s; it stays in the snapshot "
                          "for the next start", e.name, e.version, exc)
             self.snapshot.carry(e)
+
+    async def _restore_adapter(self, e) -> None:
+        try:
+            path = resolve_url(e.url, self.config.model_store_path, self.config.allowed_urls)
+            archive = await self.state.registry.open(path)
+            if not is_adapter(archive):
+                raise ValueError(f"{e.url} is not a LoRA adapter archive")
+            await self._register_adapter(archive, e.url, e.name, quiet=False)
+        except (OSError, LookupError, ValueError, RuntimeError) as exc:
+            logger.error("snapshot: could not restore adapter %s: %s; it stays in the snapshot "
+                         "for the next start", e.name, exc)
+            self.snapshot.carry_adapter(e)
+
+    async def _register_adapter(self, archive: LoadedArchive, url: str, name: str | None,
+                                quiet: bool = True) -> None:
+        """A LoRA adapter onto its base version (given with --models, or from the snapshot)."""
+        try:
+            adapter = await self.state.adapters.register(self.state.registry, archive, url, name)
+        except ConflictError:
+            logger.info("adapter %s is already registered", name or archive.name)
+            return
+        except (LookupError, ValueError) as exc:
+            if not quiet:
+                raise
+            logger.error("adapter %s: %s", name or archive.name, exc)
+            return
+        self.out(f"pagedserve: registered adapter {adapter.name} on {adapter.base.name} "
+                 f"{adapter.base.version} from {url}")
 
     async def _register_startup(self, archive: LoadedArchive, url: str, name: str | None) -> None:
         try:
