@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import time
@@ -240,7 +241,7 @@ async def predictions(request: web.Request) -> web.StreamResponse:
         keep_alive = _keep_alive(body)
         shaper = PredictionShaper(version.name, request[REQUEST_ID_KEY])
     else:  # a custom handler reads any body: JSON or not is its call
-        raw = await request.read()
+        raw, keep_alive = _raw_keep_alive(await request.read())
         shaper = HandlerShaper(version.name, request[REQUEST_ID_KEY], handler=handler)
     with version.admit(keep_alive), _adapter_in_flight(request):
         if handler is None:
@@ -464,6 +465,22 @@ def _adapter_in_flight(request: web.Request) -> contextlib.AbstractContextManage
     """Counts the request against its adapter while it runs (unregistering waits for it)."""
     adapter = request.get(ADAPTER_KEY)
     return contextlib.nullcontext() if adapter is None else adapter.track()
+
+
+def _raw_keep_alive(raw: bytes) -> tuple[bytes, float | None]:
+    """A custom handler's body and the `keep_alive` it holds: when the body is a JSON object
+    with that field, the field is the server's (as on the built-in path) and the handler gets
+    the body without it; any other body goes to the handler as sent."""
+    if b'"keep_alive"' not in raw:
+        return raw, None
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return raw, None
+    if not isinstance(body, dict):
+        return raw, None
+    keep_alive = _keep_alive(body)
+    return json.dumps(body).encode(), keep_alive
 
 
 def _keep_alive(body: dict[str, Any]) -> float | None:
