@@ -13,11 +13,12 @@ the server's sockets).
   cannot take the port's whole `max_connections` from the others.
 - Errors aiohttp's parser answers itself (a malformed request line, oversized headers, a bad
   method) are JSON in the error shape of the path they named (`shape`), not plain text.
-- A body that fails to decompress only at its end (`Content-Encoding: deflate` b"1"), arriving
-  in a later packet than its headers, makes aiohttp's parser queue the error as a NEW message
-  while the route still waits for the body; the handler instead fails that body's read with
-  `RequestPayloadError` (answered 400 naming the encoding), drops the error message and closes
-  the connection once the reply is sent.
+- Bodies reach the app undecoded (`auto_decompress=False`; server.body_encoding decodes them),
+  so a compressed body that is not valid data is a 400 and the connection serves on. A body
+  whose framing itself breaks (bad chunked encoding) after its headers arrived makes aiohttp's
+  parser queue the error as a NEW message while the route still waits for the body; the
+  handler instead fails that body's read with `RequestPayloadError` (400), drops the error
+  message and closes the connection once the reply is sent (the parser's state is lost).
 
 aiohttp has no such limits of its own; `GuardedAppRunner` is an `AppRunner` whose protocol
 objects (`GuardedRequestHandler`, a `RequestHandler`) keep the timers.
