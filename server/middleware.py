@@ -149,7 +149,8 @@ def drain_middleware(drain: Drain, exempt: frozenset[str] = frozenset()):
                 task = asyncio.current_task()
                 if not drain.cutting or task is None or request.transport is None:
                     raise
-                task.uncancel()  # the server cut it and the client is still there: answer
+                if hasattr(task, "uncancel"):  # Python 3.11+: the cancellation is spent
+                    task.uncancel()  # the server cut it and the client is still there: answer
                 raise ErrorReply(503, "the server shut down before this request finished "
                                       "(drain_grace); retry", {"Retry-After": "5"}) from None
 
