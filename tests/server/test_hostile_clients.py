@@ -207,6 +207,12 @@ ROUTES = [
     ("inference", "GET", "/v2/models/{model}/versions/{version}/ready", None),
     ("inference", "POST", "/v2/models/{model}/infer",
      {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["hi"]}]}),
+    ("inference", "POST", "/v1/models/{model}:predict", {"instances": ["hi"]}),
+    ("inference", "POST", "/predictions/{model}/{version}/v1/completions",
+     {"prompt": "hi", "max_tokens": 1}),
+    ("management", "PUT", "/models/{model}/{version}/set-default", None),
+    ("management", "PUT", "/models/{model}/{version}/pin", None),
+    ("management", "PUT", "/models/{model}/{version}/sleep", None),
     ("management", "GET", "/models/{model}", None),
     ("management", "GET", "/models/{model}/{version}", None),
     ("management", "PUT", "/models/{model}?min_worker=1", None),
@@ -215,7 +221,6 @@ ROUTES = [
 ]
 # Fields whose value is a name or a path: a NUL byte there must be a 4xx naming the field.
 NAME_FIELDS = {"model", "version", "url", "model_name"}
-TEXT_FIELDS = {"prompt", "content", "input", "stop", "user", "role", "data"}
 PARTS = {"model": TINY, "version": "1.0", "url": "tiny.mar", "model_name": "other"}
 
 
