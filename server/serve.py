@@ -422,7 +422,7 @@ class Server:
             await asyncio.wait({idle, force}, return_when=asyncio.FIRST_COMPLETED)
             force.cancel()
             if state.drain.in_flight:
-                self.out(f"pagedserve: ending {state.drain.cut()} request(s) still in flight")
+                self.out(f"pagedserve: aborting {state.drain.cut()} request(s) still in flight")
                 await state.drain.wait_idle(CUT_WAIT_S)  # their error replies go out
             await self._stop_workers()
         for runner in reversed(self.runners):
