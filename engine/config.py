@@ -100,6 +100,9 @@ class EngineConfig:
     model: str
     dtype: str | torch.dtype = "float32"
     device: str = "cpu"
+    # CUDA_VISIBLE_DEVICES of the worker process (set by the server per worker: its GPUs, seen
+    # as cuda:0..N-1 inside); None: inherited.
+    visible_devices: str | None = None
     max_model_len: Annotated[int, Meta(ge=1)] | None = None  # default: the model's max_position_embeddings
     block_size: Annotated[int, Meta(ge=1)] = 16
     max_num_batched_tokens: Annotated[int, Meta(ge=1)] = 2048

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -150,6 +151,11 @@ class EngineCore:
         self.runner.shutdown()  # tensor-parallel ranks exit: wake starts them again
         self.runner = None  # the model's parameters and the KV tensors go with it
         self.sleeping = True
+        if torch.device(self.config.device).type == "cuda":
+            # Off the device for real: torch's caching allocator keeps freed blocks reserved
+            # (other processes could not use them) until it is told to give them back.
+            gc.collect()
+            torch.cuda.empty_cache()
 
     def wake(self) -> None:
         """Load the weights again from the model directory (the page cache keeps them warm)

@@ -192,10 +192,14 @@ def parse_chat_request(body: dict[str, Any]) -> OpenAIRequest:
                          priority=req.priority, cache_salt=req.cache_salt)
 
 
-def split_model(name: str) -> tuple[str, str | None]:
-    """`model@version` -> (model, version); a bare name -> (name, None)."""
+def split_model(name: str, field: str = "model") -> tuple[str, str | None]:
+    """`model@version` -> (model, version); a bare name -> (name, None). A name with an empty
+    side of its `@` (`model@`, `@1.0`) or a second `@` is refused (HandlerError naming `field`)."""
     model, sep, version = name.partition("@")
-    return model, (version if sep and version else None)
+    if sep and (not model or not version or "@" in version):
+        raise HandlerError(f"{field}: {name[:80]!r} is not a model name: write model or "
+                           "model@version (both parts non-empty)", param=field)
+    return model, (version if sep else None)
 
 
 # -- helpers -------------------------------------------------------------------------------------

@@ -51,6 +51,8 @@ def resolve_url(url: str, model_store: Path, allowed_urls: list[str]) -> Path:
     if not isinstance(url, str) or not url.strip():
         raise ValueError("the 'url' parameter is required: an archive in the model store")
     url = url.strip()
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in url):  # a NUL byte, a newline: not a path
+        raise ValueError(f"url {url[:80]!r} holds a control character: it cannot name an archive")
     scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", url)
     if scheme and scheme.group(1).lower() != "file":
         if allowed_urls and any(re.fullmatch(p, url) for p in allowed_urls):

@@ -85,6 +85,11 @@ class _ServerFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     header_read_timeout: Annotated[float, Meta(gt=0, le=86400)] = 30.0
     body_read_timeout: Annotated[float, Meta(gt=0, le=86400)] = 120.0
     max_connections: _Positive = 512
+    # One client address's share (server.connections, server.state.Drain): open connections
+    # per port, and requests being answered; beyond either, 429 with Retry-After. Behind a
+    # proxy every client has the proxy's address: raise these (or set them to max_connections).
+    max_connections_per_client: _Positive = 256
+    max_in_flight_per_client: _Positive = 128
     kv_offload: dict[str, Any] | None = None  # passed through to the engine's EngineConfig when set
     vllm_metrics: bool = False  # add vLLM's `vllm:` metric names (server.metrics_vllm)
     # Memory all workers may take together (server.memory_budget): a size ("12GiB", bytes);

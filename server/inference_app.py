@@ -66,6 +66,7 @@ from server.anthropic import routes as anthropic
 from server.anthropic.shaping import error_body as anthropic_error
 from server.auth import auth_middleware
 from server.console import allow_console
+from server.body_encoding import decode_body_middleware
 from server.errors import error_body
 from server.fanout import FanOut
 from server.generation import (
@@ -92,6 +93,7 @@ from server.request_scope import (
     handler_call,
     keep_alive,
     lora,
+    raw_keep_alive,
     read_json,
     resolve,
 )
@@ -127,6 +129,7 @@ def build_inference_app(state: ServerState, contexts: Iterable[Callable] = ()) -
         error_middleware(_shape, EXCEPTION_CODES, _observe),
         drain_middleware(state.drain, exempt=HEALTH_PATHS),
         auth_middleware(lambda: state.inference_key, public),
+        decode_body_middleware,
     ])
     app[STATE_KEY] = state
     allow_console(app, state)  # the console's playground (another origin) may call in
@@ -173,22 +176,48 @@ def _is_kserve_route(request: web.Request) -> bool:
     return KSERVE_PATH.fullmatch(request.path) is not None
 
 
+def _openai_shape(code: int, message: str, param: str | None = None) -> dict[str, Any]:
+    body = openai_error(code, message, param)
+    if code < 500:
+        body["error"]["type"] = body["error"]["type"].replace("server_error", "invalid_request_error")
+    return body
+
+
+def _kserve_shape(code: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return kserve.error_body(message)
+
+
+# The error shape of each API surface by path, most specific first; any other path gets
+# TorchServe's. Used for requests no route matched and for aiohttp's own (parser) errors; an
+# API surface in its own package adds its (pattern, shape) here.
+PATH_SHAPES: tuple[tuple[re.Pattern, Callable[..., dict[str, Any]]], ...] = (
+    (KSERVE_PATH, _kserve_shape),
+    (re.compile(r"/api/.*"), lambda code, message, param=None: ollama.error_body(message)),
+    (re.compile(r"/v1/messages(/.*)?"), lambda code, message, param=None: anthropic_error(code, message)),
+    (OPENAI_PATH, _openai_shape),
+)
+
+
+def shape_for_path(path: str, code: int, message: str, param: str | None = None) -> dict[str, Any]:
+    for pattern, shape in PATH_SHAPES:
+        if pattern.fullmatch(path):
+            return shape(code, message, param)
+    return error_body(code, message)
+
+
 def _shape(request: web.Request, code: int, message: str, param: str | None) -> dict[str, Any]:
     if _is_kserve_route(request):
-        return kserve.error_body(message)
+        return _kserve_shape(code, message)
     api = _api_of(request)
     if api == "ollama":
         return ollama.error_body(message)
     if api == "anthropic":
         return anthropic_error(code, message)
     if not _is_openai_route(request):
-        return error_body(code, message)
-    body = openai_error(code, message, param)
-    error = body["error"]
-    if code < 500:
-        error["type"] = error["type"].replace("server_error", "invalid_request_error")
+        return shape_for_path(request.path, code, message, param)
+    body = _openai_shape(code, message, param)
     if _endpoint(request) is None:  # no such route: not a missing model
-        error["code"] = "unknown_url" if code == 404 else code
+        body["error"]["code"] = "unknown_url" if code == 404 else code
     return body
 
 
@@ -209,7 +238,9 @@ async def ping(request: web.Request) -> web.Response:
 
 @routes.get("/live", name="live")
 async def live(request: web.Request) -> web.Response:
-    """Liveness: 200 until the server starts draining, then 503."""
+    """Liveness: 200 until the server starts draining, then 503. It does not depend on the
+    models: one model whose workers crash-loop must not get the whole process restarted
+    (/ping and /ready say it is not serving)."""
     if request.app[STATE_KEY].draining:
         return web.json_response({"status": "Draining"}, status=503)
     return web.json_response({"status": "Alive"})
@@ -223,7 +254,8 @@ async def ready(request: web.Request) -> web.Response:
     if state.draining:
         return web.json_response({"status": "Draining"}, status=503)
     if not state.serving():
-        return web.json_response({"status": "NotReady"}, status=503)
+        return web.json_response({"status": "NotReady", "notReady": state.not_serving()},
+                                 status=503)
     return web.json_response({"status": "Ready"})
 
 
@@ -247,7 +279,7 @@ async def predictions(request: web.Request) -> web.StreamResponse:
         seconds = keep_alive(body)
         shaper = PredictionShaper(version.name, request[REQUEST_ID_KEY])
     else:  # a custom handler reads any body: JSON or not is its call
-        raw = await request.read()
+        raw, seconds = raw_keep_alive(await request.read())
         shaper = HandlerShaper(version.name, request[REQUEST_ID_KEY], handler=handler)
     with version.admit(seconds), adapter_in_flight(request):
         if handler is None:
@@ -366,7 +398,7 @@ def _openai_model(request: web.Request, state: ServerState, body: dict[str, Any]
     if not isinstance(asked, str) or not asked:
         raise ErrorReply(400, "'model' is required: the name of a registered model "
                          "(model or model@version)", param="model")
-    return resolve(request, state, *split_model(asked)), asked
+    return resolve(request, state, *handler_call(split_model, asked)), asked
 
 
 def _openai_shaper(request: web.Request, version: ModelVersion, asked: str,
@@ -409,7 +441,7 @@ async def model(request: web.Request) -> web.Response:
     """One model by the id /v1/models lists (`name` or `name@version`); 404 if none. Its
     `name` and `ready` fields answer KServe v1's model status call on the same path."""
     name = request.match_info["id"]
-    version = resolve(request, request.app[STATE_KEY], *split_model(name))
+    version = resolve(request, request.app[STATE_KEY], *handler_call(split_model, name))
     adapter = request.get(ADAPTER_KEY)
     entry = _model_entry(name, version) if adapter is None else _adapter_entry(adapter)
     return web.json_response({**entry, "name": name, "ready": bool(version.pool.ready_engines())})

@@ -34,6 +34,7 @@ from server.archives import (
     resolve_url,
 )
 from server.auth import Api, auth_middleware
+from server.body_encoding import decode_body_middleware
 from server.errors import error_body
 from server.generation import ErrorReply
 from server.lifecycle import LifecycleConflict, ModelLifecycle
@@ -99,6 +100,7 @@ def describe(entry: ModelVersion, is_default: bool, lifecycle: ModelLifecycle) -
             "pid": pid if pid is not None else -1,
             "gpu": bool(engine is not None and str(engine.config.device).startswith("cuda")),
             "gpuUsage": "N/A",
+            "deviceIds": list(slot.devices),  # its GPUs (server/devices.py); [] on the CPU
             "restarts": slot.restarts,
             "threads": (engine.stats.num_threads or engine.num_threads) if engine is not None else None,
             "lastError": slot.last_error,
@@ -183,6 +185,7 @@ async def register_model(request: web.Request) -> web.Response:
         adapter = await state.adapters.register(state.registry, archive,
                                                 _display_url(url, path, state.config.model_store_path),
                                                 params.model_name)
+        state.registry.save_change(lambda: state.adapters.adapters.pop(adapter.name, None))
         return _status(f'Adapter "{adapter.name}" Version: {adapter.version} registered on model '
                        f'"{adapter.base.name}" version {adapter.base.version}')
     archive = _with_register_params(archive, params)
@@ -275,6 +278,7 @@ async def unregister_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     if name in state.adapters.adapters and name not in state.registry.models:
         adapter = await state.adapters.unregister(name)  # returns once its requests in flight are done
+        state.registry.save_change(None)
         return _status(f'Adapter "{adapter.name}" version: {adapter.version} unregistered')
     attached = state.adapters.attached_to(state.registry.resolve(name, request.match_info.get("version")))
     if attached:
@@ -353,6 +357,7 @@ def build_management_app(state: ServerState, contexts: Iterable[Callable] = ()) 
         error_middleware(_shape, EXCEPTION_CODES, _observe),
         drain_middleware(state.drain),
         auth_middleware(lambda: state.management_key, public),
+        decode_body_middleware,
     ])
     app.add_routes(ROUTES)
     app.add_routes(openapi.routes("pagedserve management API", {

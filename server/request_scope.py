@@ -8,6 +8,7 @@ Anthropic's (server.anthropic) all use these."""
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ from handlers.llm_input import decode_body
 from server.adapters import RegisteredAdapter
 from server.generation import MODEL_KEY, ErrorReply
 from server.keep_alive import KeepAliveError, take_keep_alive
-from server.registry import ModelNotFoundError, ModelVersion
+from server.registry import InvalidNameError, ModelNotFoundError, ModelVersion
 from server.state import STATE_KEY, ServerState
 
 ADAPTER_KEY = web.RequestKey("pagedserve_adapter", RegisteredAdapter)  # a request naming a LoRA adapter
@@ -26,9 +27,13 @@ ADAPTER_KEY = web.RequestKey("pagedserve_adapter", RegisteredAdapter)  # a reque
 
 def resolve(request: web.Request, state: ServerState, name: str, version: str | None) -> ModelVersion:
     """The model version to run; for a LoRA adapter's name, its base version (the adapter is
-    kept in `request[ADAPTER_KEY]`). 404 naming `model` when there is neither."""
+    kept in `request[ADAPTER_KEY]`). 404 naming `model` when there is neither; a name or
+    version no registration could have (control characters, `/`, ...) is a 400 naming the rule,
+    not a lookup."""
     try:
         found = state.registry.resolve(name, version)
+    except InvalidNameError as exc:
+        raise ErrorReply(400, str(exc), param="model") from None
     except ModelNotFoundError as exc:
         adapter = state.adapters.get(name) if version is None else None
         if adapter is None:
@@ -65,6 +70,22 @@ def keep_alive(body: dict[str, Any]) -> float | None:
         return take_keep_alive(body)
     except KeepAliveError as exc:
         raise ErrorReply(400, str(exc), param=exc.field) from None
+
+
+def raw_keep_alive(raw: bytes) -> tuple[bytes, float | None]:
+    """A custom handler's body and the `keep_alive` it holds: when the body is a JSON object
+    with that field, the field is the server's (as on the built-in path) and the handler gets
+    the body without it; any other body goes to the handler as sent."""
+    if b'"keep_alive"' not in raw:
+        return raw, None
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return raw, None
+    if not isinstance(body, dict):
+        return raw, None
+    seconds = keep_alive(body)
+    return json.dumps(body).encode(), seconds
 
 
 def handler_call(parse: Callable[[dict[str, Any]], Any], body: dict[str, Any]) -> Any:

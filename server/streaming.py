@@ -3,7 +3,8 @@ chunked transfer (/predictions), with a cap on the bytes a response may carry.
 
 A write to a client that went away raises `ConnectionError` (aiohttp's
 `ClientConnectionResetError` is one); the caller lets it propagate so the engine request is
-aborted. Error events bypass the size cap: a stream always ends with its reason. An open
+aborted. Error events bypass the size cap: a stream always ends with its reason (an SSE stream
+with the error event, then `[DONE]`). An open
 stream is kept on its request (`OPEN_STREAM_KEY`) so that an error after the headers went out
 ends it with an error event (`fail`) rather than a second response.
 """
@@ -92,10 +93,11 @@ class ChunkStream:
         self.request.pop(OPEN_STREAM_KEY, None)
 
     async def fail(self, event: Any) -> None:
-        """End the stream with `event` (no `[DONE]`), if the client is still there."""
+        """End the stream with the error `event` (then, in SSE, `[DONE]`: the stream ended, and
+        the event before it says it did not finish), if the client is still there."""
         try:
             await self.send_error(event)
-            await self.close(done_marker=False)
+            await self.close()
         except ConnectionError:
             self.request.pop(OPEN_STREAM_KEY, None)
 

@@ -36,7 +36,7 @@ _PLACEHOLDER_MODEL = "<model-config>"
 HANDLER_OPTIONS_KEY = "options"  # handler.options: settings for a custom handler, not the engine
 # EngineConfig fields that are not per-archive settings: the archive is the model, deviceType
 # picks the device, and the server says whether it verified the archive.
-_NOT_HANDLER_KEYS = frozenset({"model", "device", "model_verified"})
+_NOT_HANDLER_KEYS = frozenset({"model", "device", "visible_devices", "model_verified"})
 
 
 class ModelConfigError(ValueError):
@@ -72,6 +72,9 @@ class ModelConfigFile(msgspec.Struct, forbid_unknown_fields=True, rename="camel"
     response_timeout: _Seconds = 120  # seconds
     startup_timeout: _Seconds = 120  # seconds
     device_type: str | None = None  # a DeviceType; None: the server's default device
+    # GPUs (indexes as the server sees them) the workers share round-robin; None: every visible
+    # one (server/devices.py).
+    device_ids: list[Annotated[int, Meta(ge=0, le=1023)]] | None = None
     parallel_type: str | None = None  # a ParallelType
     parallel_level: Annotated[int, Meta(ge=1, le=MAX_WORKERS)] = 1
     job_queue_size: Annotated[int, Meta(ge=1, le=1 << 20)] = 100
@@ -136,6 +139,7 @@ class ModelConfig:
     response_timeout: int = 120  # seconds
     startup_timeout: int = 120  # seconds
     device_type: DeviceType | None = None  # None: the server's default device
+    device_ids: list[int] | None = None  # GPUs the workers share; None: all visible
     parallel_type: ParallelType | None = None
     parallel_level: int = 1
     job_queue_size: int = 100

@@ -70,6 +70,10 @@ def run_rank(args: RankArgs) -> None:
     """Process entry point (multiprocessing, spawn)."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
+    # SIGTERM to the whole group (systemd's KillMode=control-group, `timeout`, a process-group
+    # kill) is the front end's to handle too: it drains, then stops us; if it dies we die
+    # with it (die_with_parent).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(args.parent_pid,), name="tp-parent-watch", daemon=True).start()
     config, rank = args.config, args.rank
     logging.basicConfig(level=logging.INFO,
