@@ -28,7 +28,7 @@ PosInt = Annotated[int, Meta(ge=1, le=MAX_SPEC_TOKENS)]
 Prob = Annotated[float, Meta(ge=0.0, le=1.0)]
 
 
-class _SpeculativeFields(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class _SpeculativeFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The declaration: every field's type and bounds (SpeculativeConfig adds the rules between
     fields)."""
 
@@ -36,9 +36,10 @@ class _SpeculativeFields(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     num_speculative_tokens: PosInt = 4
     prompt_lookup_max: PosInt = 4
     prompt_lookup_min: PosInt = 2
-    suffix_max_depth: Annotated[int, Meta(ge=2, le=256)] = 48
-    suffix_global_tokens: Annotated[int, Meta(ge=0, le=1 << 22)] = 65536
+    suffix_max_depth: Annotated[int, Meta(ge=2, le=256)] = 24
+    suffix_global_tokens: Annotated[int, Meta(ge=0, le=1 << 22)] = 16384
     suffix_min_prob: Prob = 0.1
+    suffix_spec_factor: Annotated[float, Meta(gt=0.0, le=MAX_SPEC_TOKENS)] = 1.0
 
 
 class SpeculativeConfig(_SpeculativeFields, frozen=True, forbid_unknown_fields=True):
@@ -48,11 +49,13 @@ class SpeculativeConfig(_SpeculativeFields, frozen=True, forbid_unknown_fields=T
     tokens (up to `suffix_max_depth` - 1 tokens) is matched in the request's own suffix trie and
     in a global one over the outputs of the last finished requests (at most
     `suffix_global_tokens` tokens), and the likeliest continuation is followed while its
-    estimated probability stays >= `suffix_min_prob`. auto: each request's draft length is
+    estimated probability stays >= `suffix_min_prob`, for at most `suffix_spec_factor` x the
+    match's length tokens. auto: each request's draft length is
     chosen every step (0 included) from its acceptance rate and the measured step cost."""
 
     def __post_init__(self) -> None:
-        check_fields(self, _SpeculativeFields)
+        # Python callers may name the method as a string: take the converted one.
+        msgspec.structs.force_setattr(self, "method", check_fields(self, _SpeculativeFields).method)
         if self.method not in IMPLEMENTED:
             raise SchemaError(f"method: {self.method.value!r} is not implemented yet; use one of "
                               f"{', '.join(m.value for m in IMPLEMENTED)}", "method")
