@@ -49,10 +49,11 @@ def phase(args) -> dict:
 
     speculative = None if args.phase == "plain" else {"method": args.phase, "num_speculative_tokens": args.k}
     llm = LLM(default_model_dir(), dtype="bfloat16", kv_cache_memory="768MiB", max_model_len=2048,
-              num_threads=2, speculative=speculative)
+              num_threads=args.threads, speculative=speculative)
     llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=4))  # warm-up
     out = {}
-    for workload, batch in CASES:
+    for case in args.cases.split(","):
+        workload, batch = case.split("/")[0], int(case.split("/")[1])
         before = llm.engine.make_stats()
         start = time.perf_counter()
         if workload == "agent":
@@ -69,6 +70,7 @@ def phase(args) -> dict:
             outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
             tokens = [o.outputs[0].token_ids for o in outs]
         elapsed = time.perf_counter() - start
+        print(f"{args.phase} {workload}/{batch}: {elapsed:.1f} s", file=sys.stderr, flush=True)
         stats = llm.engine.make_stats()
         drafts = stats.spec_draft_tokens - before.spec_draft_tokens
         out[f"{workload}/{batch}"] = {
@@ -103,6 +105,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=6, help="num_speculative_tokens")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--methods", default=",".join(METHODS[1:]))
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 on a busy machine)")
+    parser.add_argument("--cases", default=",".join(f"{w}/{b}" for w, b in CASES))
     parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="spec_decode")
     args = parser.parse_args()
@@ -113,7 +117,8 @@ def main() -> None:
     runs = {m: [] for m in methods}
     for r in range(args.rounds):
         for method in methods[:: 1 if r % 2 == 0 else -1]:
-            result = run_phase(__file__, ["--phase", method, "--k", str(args.k), "--max-tokens", str(args.max_tokens)])
+            result = run_phase(__file__, ["--phase", method, "--k", str(args.k), "--max-tokens", str(args.max_tokens),
+                                          "--threads", str(args.threads), "--cases", args.cases])
             runs[method].append(result)
             print(f"round {r + 1} {method}: " + ", ".join(
                 f"{case} {v['tok_per_s']:.1f}" + (f" (acc {v['acceptance']:.2f})" if v["acceptance"] is not None else "")
@@ -164,7 +169,7 @@ def write_results(args, methods: list[str], runs: dict) -> None:
             "note": "busy machine (other jobs running)"}
     (RESULTS / f"{args.out}.json").write_text(json.dumps({**meta, "cases": summary}, indent=2) + "\n")
     md = [f"# Speculative decoding: each method vs plain decoding ({args.rounds} paired rounds)", "",
-          f"Default model (SmolLM2-135M), bf16, 2 threads, num_speculative_tokens={args.k}, up to "
+          f"Default model (SmolLM2-135M), bf16, {args.threads} thread(s), num_speculative_tokens={args.k}, up to "
           f"{args.max_tokens} output tokens (agent: 48 per turn, 10 turns). chat: sampled (temperature 0.8, "
           "top_p 0.95, seeded); edit and agent: greedy. Each round runs every method in a fresh process, the "
           "order flipping every round; the speed-up is the median of the per-round ratios to plain decoding "

@@ -95,7 +95,7 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(str(model_dir), self.vocab_size, self.eos_token_ids)
         self._compiling: dict[str, Request] = {}  # requests whose grammar is not ready yet
         spec = config.speculative_config
-        self.drafter = None if spec is None else Speculator(spec, self.max_model_len)
+        self.drafter = None if spec is None else Speculator(spec, self.max_model_len, self.runner)
         # Async scheduling: drafts depend on the previous step's tokens, the offload tiers store
         # what a step computed, and tensor-parallel ranks are driven from the engine's thread:
         # with any of them the engine stays synchronous.

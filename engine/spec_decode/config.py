@@ -18,11 +18,10 @@ MAX_SPEC_TOKENS = 32
 class SpecMethod(enum.Enum):
     NGRAM = "ngram"  # prompt lookup in the request's own tokens
     SUFFIX = "suffix"  # suffix tries over the request and over recent outputs of the model
-    DRAFT = "draft"  # a smaller model with the same tokenizer (not built yet: refused)
+    DRAFT = "draft"  # a smaller model with the same tokenizer (draft_model)
     AUTO = "auto"  # suffix drafts, each request's length chosen per step by a cost model
 
 
-IMPLEMENTED = (SpecMethod.NGRAM, SpecMethod.SUFFIX, SpecMethod.AUTO)
 
 PosInt = Annotated[int, Meta(ge=1, le=MAX_SPEC_TOKENS)]
 Prob = Annotated[float, Meta(ge=0.0, le=1.0)]
@@ -40,6 +39,7 @@ class _SpeculativeFields(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     suffix_global_tokens: Annotated[int, Meta(ge=0, le=1 << 22)] = 16384
     suffix_min_prob: Prob = 0.1
     suffix_spec_factor: Annotated[float, Meta(gt=0.0, le=MAX_SPEC_TOKENS)] = 1.0
+    draft_model: Annotated[str, Meta(min_length=1)] | None = None  # method draft: its model directory
 
 
 class SpeculativeConfig(_SpeculativeFields, frozen=True, forbid_unknown_fields=True):
@@ -51,14 +51,14 @@ class SpeculativeConfig(_SpeculativeFields, frozen=True, forbid_unknown_fields=T
     `suffix_global_tokens` tokens), and the likeliest continuation is followed while its
     estimated probability stays >= `suffix_min_prob`, for at most `suffix_spec_factor` x the
     match's length tokens. auto: each request's draft length is
-    chosen every step (0 included) from its acceptance rate and the measured step cost."""
+    chosen every step (0 included) from its acceptance rate and the measured step cost. draft:
+    `draft_model` (a model directory with the served model's tokenizer) proposes greedily."""
 
     def __post_init__(self) -> None:
         # Python callers may name the method as a string: take the converted one.
         msgspec.structs.force_setattr(self, "method", check_fields(self, _SpeculativeFields).method)
-        if self.method not in IMPLEMENTED:
-            raise SchemaError(f"method: {self.method.value!r} is not implemented yet; use one of "
-                              f"{', '.join(m.value for m in IMPLEMENTED)}", "method")
+        if (self.method is SpecMethod.DRAFT) != (self.draft_model is not None):
+            raise SchemaError("draft_model: is required with method 'draft' and only allowed with it", "draft_model")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise SchemaError(f"prompt_lookup_min: {self.prompt_lookup_min} exceeds prompt_lookup_max="
                               f"{self.prompt_lookup_max}", "prompt_lookup_min")

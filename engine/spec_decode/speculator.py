@@ -5,6 +5,7 @@ measured time and each verification's result."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from engine.request import Request
 from engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -13,15 +14,26 @@ from engine.spec_decode.config import SpecMethod, SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer, can_draft
 from engine.spec_decode.suffix import SuffixProposer
 
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, runner: ModelRunner) -> None:
         self.config = config
         self.max_model_len = max_model_len
         k = config.num_speculative_tokens
         self.ngram = (NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
                       if config.method is SpecMethod.NGRAM else None)
-        self.suffix = None if self.ngram is not None else SuffixProposer(
+        self.draft_model = None
+        if config.method is SpecMethod.DRAFT:
+            # imported here: only this method loads a second model
+            from engine.spec_decode.draft_model import DraftModelProposer
+
+            self.draft_model = DraftModelProposer(
+                config.draft_model, k, runner.dtype, str(runner.device), runner.block_size, runner.num_blocks,
+                max_model_len, runner.vocab_size)
+        self.suffix = None if config.method in (SpecMethod.NGRAM, SpecMethod.DRAFT) else SuffixProposer(
             k, config.suffix_max_depth, config.suffix_global_tokens, config.suffix_min_prob,
             config.suffix_spec_factor)
         self.adaptive = AdaptiveSpeculation(k) if config.method is SpecMethod.AUTO else None
@@ -48,12 +60,16 @@ class Speculator:
         self._release(live_ids)
         decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1
                     and r.pooling_params is None and can_draft(r.sampling_params)]
+        batch = []  # draft model: (request, room), drafted together
         for request in decoding:
             params = request.sampling_params
             # Kept drafts plus the target's own token must fit max_tokens and max_model_len.
             room = self.max_model_len - request.num_tokens - 1
             if params.max_tokens is not None:
                 room = min(room, params.max_tokens - request.num_output_tokens - 1)
+            if self.draft_model is not None:
+                batch.append((request, room))
+                continue
             if self.ngram is not None:
                 request.spec_token_ids = self.ngram.propose(request.all_token_ids, room)
                 continue
@@ -64,6 +80,10 @@ class Speculator:
             request.spec_token_ids = self.suffix.propose(request.request_id, room).tokens if room > 0 else []
             if self.adaptive is not None:
                 self.adaptive.record_choice(len(request.spec_token_ids))
+        if batch:
+            drafts = self.draft_model.propose([(r.request_id, r.all_token_ids, room) for r, room in batch])
+            for request, _ in batch:
+                request.spec_token_ids = drafts.get(request.request_id, [])
 
     def stats(self) -> dict:
         """SchedulerStats fields of speculation (engine.scheduler.stats)."""
@@ -78,9 +98,11 @@ class Speculator:
         return out
 
     def _release(self, live_ids: Iterable[str]) -> None:
+        live = set(live_ids)
+        if self.draft_model is not None:
+            self.draft_model.release([r for r in self.draft_model.live_requests() if r not in live])
         if self.suffix is None:
             return
-        live = set(live_ids)
         gone = [r for r in self.suffix.live_requests() if r not in live]
         self.suffix.release(gone)
         if self.adaptive is not None:

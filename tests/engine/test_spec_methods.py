@@ -1,5 +1,5 @@
 """Each speculation method end to end: greedy tokens equal plain decoding on the default model
-(float32), the output distribution of sampled requests equal plain decoding's (chi-square over
+(float32; the draft model: the default model drafting for itself and a tiny random one), the output distribution of sampled requests equal plain decoding's (chi-square over
 the tiny model's 64-token vocabulary, fixed seeds), and the adaptive choice turning drafts off
 where they lose."""
 
@@ -14,7 +14,7 @@ from engine.engine_core import EngineCore
 from engine.request import Request
 from engine.spec_decode.adaptive import PROBE_STEPS, AdaptiveSpeculation
 
-METHODS = ["ngram", "suffix", "auto"]
+METHODS = ["ngram", "suffix", "auto", "draft"]
 
 REPEAT = ("Repeat this text exactly, but replace nine with eight:\n\nThe library opens at nine in the morning and "
           "closes at six in the evening. Members may borrow up to five books at a time for three weeks.")
@@ -28,6 +28,40 @@ def plain_tokens(default_model_dir):
     llm = LLM(default_model_dir, dtype="float32", kv_cache_memory="128MiB", max_model_len=512)
     params = SamplingParams(max_tokens=40, temperature=0)
     return [o.outputs[0].token_ids for o in llm.chat(PROMPTS, params)]
+
+
+@pytest.fixture(scope="module")
+def tiny_draft_dir(tmp_path_factory, default_model_dir):
+    """A tiny random-weight Llama with the default model's vocabulary (a draft that is mostly wrong)."""
+    import json
+
+    import transformers
+
+    path = tmp_path_factory.mktemp("tiny-draft")
+    torch.manual_seed(0)
+    vocab = json.loads((default_model_dir / "config.json").read_text())["vocab_size"]
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("draft", ["itself", "tiny"])
+def test_draft_model_greedy_tokens_equal_plain_decoding(default_model_dir, tiny_draft_dir, plain_tokens, draft):
+    model = default_model_dir if draft == "itself" else tiny_draft_dir
+    llm = LLM(default_model_dir, dtype="float32", kv_cache_memory="128MiB", max_model_len=512,
+              speculative={"method": "draft", "draft_model": str(model), "num_speculative_tokens": 4})
+    got = llm.chat(PROMPTS, SamplingParams(max_tokens=40, temperature=0))
+    assert [o.outputs[0].token_ids for o in got] == plain_tokens
+    stats = llm.engine.make_stats()
+    if draft == "itself":  # the same model drafts its own greedy tokens: all kept
+        assert stats.spec_draft_tokens > 40 and stats.spec_accepted_tokens == stats.spec_draft_tokens
+    else:
+        assert stats.spec_draft_tokens > 40 and stats.spec_accepted_tokens < stats.spec_draft_tokens / 2
+    runner = llm.engine.runner
+    # the budget pays for both pools: fewer target blocks than without a draft model
+    assert runner.num_blocks == (128 << 20) // (runner.bytes_per_block + runner.draft_bytes_per_block)
+    assert llm.engine.drafter.draft_model.num_free_blocks == runner.num_blocks  # all given back
 
 
 @pytest.mark.parametrize("method", ["suffix", "auto"])
@@ -105,8 +139,9 @@ def plain_counts(tiny_model_dir):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_sampled_distribution_equals_plain_decoding(tiny_model_dir, plain_counts, method):
-    spec = sample_counts(tiny_model_dir, {"method": method, "num_speculative_tokens": 3,
-                                          "prompt_lookup_min": 1, "suffix_spec_factor": 4.0})
+    options = {"draft_model": str(tiny_model_dir)} if method == "draft" else {
+        "prompt_lookup_min": 1, "suffix_spec_factor": 4.0}
+    spec = sample_counts(tiny_model_dir, {"method": method, "num_speculative_tokens": 3, **options})
     for pos in range(POSITIONS):
         assert chi_square_p(plain_counts[pos], spec[pos]) > 1e-3, pos
 
