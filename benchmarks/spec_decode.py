@@ -57,7 +57,7 @@ def phase(args) -> dict:
         before = llm.engine.make_stats()
         start = time.perf_counter()
         if workload == "agent":
-            tokens = agent_loop(llm, SamplingParams(max_tokens=48, temperature=0))
+            tokens = agent_loop(llm, SamplingParams(max_tokens=40, temperature=0))
         else:
             if workload == "chat":
                 prompts = CHAT[:batch]
@@ -170,7 +170,7 @@ def write_results(args, methods: list[str], runs: dict) -> None:
     (RESULTS / f"{args.out}.json").write_text(json.dumps({**meta, "cases": summary}, indent=2) + "\n")
     md = [f"# Speculative decoding: each method vs plain decoding ({args.rounds} paired rounds)", "",
           f"Default model (SmolLM2-135M), bf16, {args.threads} thread(s), num_speculative_tokens={args.k}, up to "
-          f"{args.max_tokens} output tokens (agent: 48 per turn, 10 turns). chat: sampled (temperature 0.8, "
+          f"{args.max_tokens} output tokens (agent: 40 per turn, 10 turns). chat: sampled (temperature 0.8, "
           "top_p 0.95, seeded); edit and agent: greedy. Each round runs every method in a fresh process, the "
           "order flipping every round; the speed-up is the median of the per-round ratios to plain decoding "
           "in the same round (per-round ratios in brackets). auto share: decode steps of a request given "

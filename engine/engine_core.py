@@ -315,12 +315,12 @@ class EngineCore:
 
     def _add_grammar_bitmask(self, so: SchedulerOutput) -> None:
         """Bitmask rows for the constrained requests that sample this step (those whose
-        scheduled tokens reach their newest token)."""
+        scheduled tokens reach their newest token, or their speculative drafts: a row each)."""
         if not self.structured_output.in_use:
             return  # no constrained request yet: nothing to look at on this hot path
-        requests = self.scheduler.requests
-        sampling = [requests[r] for r in so.num_scheduled_tokens
-                    if requests[r].grammar is not None and requests[r].num_computed_tokens == requests[r].num_tokens]
+        requests, spec = self.scheduler.requests, so.scheduled_spec_tokens
+        sampling = [(requests[r], spec.get(r, [])) for r in so.num_scheduled_tokens if requests[r].grammar is not None
+                    and requests[r].num_computed_tokens == requests[r].num_tokens + len(spec.get(r, ()))]
         made = self.structured_output.bitmask(sampling)
         if made is not None:
             so.grammar_bitmask, so.grammar_rows = made

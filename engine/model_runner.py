@@ -271,8 +271,14 @@ class ModelRunner:
             params = state.sampling_params
             if params.logit_bias:  # the draft is checked against the biased distribution
                 rows = apply_logit_bias(rows, dict.fromkeys(range(k + 1), params.logit_bias))
+            masked = step.so.grammar_bitmask is not None and req_id in step.so.grammar_rows
+            if masked:  # and against the grammar, one mask row per position
+                first = step.so.grammar_rows[req_id]
+                rows = rows.clone()
+                apply_bitmask(rows, step.so.grammar_bitmask[first : first + k + 1], list(range(k + 1)))
             if params.sampling_type is SamplingType.GREEDY:
-                greedy = rows.max(dim=-1).indices.tolist() if params.logit_bias else argmax[row : row + k + 1]
+                greedy = (rows.max(dim=-1).indices.tolist() if params.logit_bias or masked
+                          else argmax[row : row + k + 1])
                 tokens = verify_greedy(greedy, drafts[req_id])
             else:
                 meta = SamplingMetadata.build([params] * (k + 1), [()] * (k + 1), [()] * (k + 1),

@@ -84,6 +84,9 @@ class Speculator:
             drafts = self.draft_model.propose([(r.request_id, r.all_token_ids, room) for r, room in batch])
             for request, _ in batch:
                 request.spec_token_ids = drafts.get(request.request_id, [])
+        for request in decoding:  # a constrained request verifies only drafts its grammar allows
+            if request.grammar is not None and request.spec_token_ids:
+                request.spec_token_ids = request.spec_token_ids[: request.grammar.valid_prefix(request.spec_token_ids)]
 
     def stats(self) -> dict:
         """SchedulerStats fields of speculation (engine.scheduler.stats)."""

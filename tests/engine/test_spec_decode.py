@@ -33,8 +33,8 @@ def test_ngram_proposals():
 
 def test_what_may_be_drafted():
     assert can_draft(SamplingParams(temperature=0.7, top_p=0.9, seed=3))
-    for params in (SamplingParams(logprobs=1), SamplingParams(presence_penalty=0.5),
-                   SamplingParams(min_tokens=2), SamplingParams(structured_outputs={"json_object": True})):
+    assert can_draft(SamplingParams(structured_outputs={"json_object": True}))  # drafts checked by the grammar
+    for params in (SamplingParams(logprobs=1), SamplingParams(presence_penalty=0.5), SamplingParams(min_tokens=2)):
         assert not can_draft(params)
 
 

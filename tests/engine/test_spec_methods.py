@@ -5,6 +5,8 @@ where they lose."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -23,18 +25,25 @@ PROMPTS = [[{"role": "user", "content": REPEAT}],
            [{"role": "user", "content": "Why is the sky blue?"}]]
 
 
+JSON_PROMPT = [{"role": "user", "content": 'Reply with JSON like {"name": "Ann", "age": 30, "city": "Oslo"} '
+                                           'for Bob, 41, from Rome. Then do the same for Eve, 25, from Lima.'}]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "city": {"type": "string"}}, "required": ["name", "age", "city"]}
+JSON_PARAMS = SamplingParams(max_tokens=40, temperature=0, structured_outputs={"json": SCHEMA})
+
+
 @pytest.fixture(scope="module")
 def plain_tokens(default_model_dir):
+    """Plain decoding's greedy tokens for PROMPTS, then for JSON_PROMPT under its schema."""
     llm = LLM(default_model_dir, dtype="float32", kv_cache_memory="128MiB", max_model_len=512)
     params = SamplingParams(max_tokens=40, temperature=0)
-    return [o.outputs[0].token_ids for o in llm.chat(PROMPTS, params)]
+    tokens = [o.outputs[0].token_ids for o in llm.chat(PROMPTS, params)]
+    return [*tokens, llm.chat([JSON_PROMPT], JSON_PARAMS)[0].outputs[0].token_ids]
 
 
 @pytest.fixture(scope="module")
 def tiny_draft_dir(tmp_path_factory, default_model_dir):
     """A tiny random-weight Llama with the default model's vocabulary (a draft that is mostly wrong)."""
-    import json
-
     import transformers
 
     path = tmp_path_factory.mktemp("tiny-draft")
@@ -52,7 +61,7 @@ def test_draft_model_greedy_tokens_equal_plain_decoding(default_model_dir, tiny_
     llm = LLM(default_model_dir, dtype="float32", kv_cache_memory="128MiB", max_model_len=512,
               speculative={"method": "draft", "draft_model": str(model), "num_speculative_tokens": 4})
     got = llm.chat(PROMPTS, SamplingParams(max_tokens=40, temperature=0))
-    assert [o.outputs[0].token_ids for o in got] == plain_tokens
+    assert [o.outputs[0].token_ids for o in got] == plain_tokens[:3]
     stats = llm.engine.make_stats()
     if draft == "itself":  # the same model drafts its own greedy tokens: all kept
         assert stats.spec_draft_tokens > 40 and stats.spec_accepted_tokens == stats.spec_draft_tokens
@@ -71,7 +80,12 @@ def test_greedy_tokens_equal_plain_decoding(default_model_dir, plain_tokens, met
     params = SamplingParams(max_tokens=40, temperature=0)
     for _ in range(2):  # the second time the global trie knows the first outputs
         got = llm.chat(PROMPTS, params)
-        assert [o.outputs[0].token_ids for o in got] == plain_tokens
+        assert [o.outputs[0].token_ids for o in got] == plain_tokens[:3]
+    # structured output: drafts cut to what the grammar allows, verified under a mask per position
+    before = llm.engine.make_stats().spec_draft_tokens
+    out = llm.chat([JSON_PROMPT], JSON_PARAMS)[0].outputs[0]
+    assert out.token_ids == plain_tokens[3] and json.loads(out.text)["name"]
+    assert llm.engine.make_stats().spec_draft_tokens > before
     stats = llm.engine.make_stats()
     assert stats.spec_accepted_tokens > 20 and stats.spec_draft_tokens >= stats.spec_accepted_tokens
     assert 0 < stats.spec_suffix_global_tokens <= 6 * 40 and stats.spec_suffix_global_bytes > 0
