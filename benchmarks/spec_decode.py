@@ -131,7 +131,7 @@ def main() -> None:
 
 
 def write_results(args, methods: list[str], runs: dict) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, check=False,
                             text=True).stdout.strip()
     summary, rows = {}, []
     for case in runs["plain"][0]:
@@ -169,15 +169,15 @@ def write_results(args, methods: list[str], runs: dict) -> None:
             "note": "busy machine (other jobs running)"}
     (RESULTS / f"{args.out}.json").write_text(json.dumps({**meta, "cases": summary}, indent=2) + "\n")
     md = [f"# Speculative decoding: each method vs plain decoding ({args.rounds} paired rounds)", "",
-          f"Default model (SmolLM2-135M), bf16, {args.threads} thread(s), num_speculative_tokens={args.k}, up to "
+          (f"Default model (SmolLM2-135M), bf16, {args.threads} thread(s), num_speculative_tokens={args.k}, up to "
           f"{args.max_tokens} output tokens (agent: 40 per turn, 10 turns). chat: sampled (temperature 0.8, "
           "top_p 0.95, seeded); edit and agent: greedy. Each round runs every method in a fresh process, the "
           "order flipping every round; the speed-up is the median of the per-round ratios to plain decoding "
           "in the same round (per-round ratios in brackets). auto share: decode steps of a request given "
           "drafts / all its decode steps. same tokens: greedy output identical to plain in every round "
-          "(bf16: a different batch shape may round differently; sampled chat is not compared).", "",
-          "| workload / batch | method | plain tok/s | method tok/s | speed-up (per round) | acceptance | "
-          "auto share | same tokens |", "| --- | --- | --- | --- | --- | --- | --- | --- |", *rows, "",
+          "(bf16: a different batch shape may round differently; sampled chat is not compared)."), "",
+          ("| workload / batch | method | plain tok/s | method tok/s | speed-up (per round) | acceptance | "
+           "auto share | same tokens |"), "| --- | --- | --- | --- | --- | --- | --- | --- |", *rows, "",
           memory, "",
           f"CPU: {meta['cpu']}; commit {commit}; {meta['date']}; {meta['note']}."]
     (RESULTS / f"{args.out}.md").write_text("\n".join(md) + "\n")

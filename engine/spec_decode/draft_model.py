@@ -21,7 +21,12 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.selector import select_backend
-from engine.model.loader import allocate_kv_caches, kv_cache_bytes_per_block, load_model, read_config
+from engine.model.loader import (
+    allocate_kv_caches,
+    kv_cache_bytes_per_block,
+    load_model,
+    read_config,
+)
 
 
 @dataclass(slots=True)
