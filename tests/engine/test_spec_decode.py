@@ -51,8 +51,10 @@ def test_config():
         SpeculativeConfig.from_options({"num_speculative_tokens": 33})
     with pytest.raises(ValueError, match="^speculative.suffix_min_prob: must be <= 1.0, got 2"):
         SpeculativeConfig.from_options({"method": "suffix", "suffix_min_prob": 2})
-    with pytest.raises(ValueError, match="^speculative.method: 'draft' is not implemented yet"):
-        SpeculativeConfig.from_options({"method": "draft"})
+    for options in ({"method": "draft"}, {"method": "suffix", "draft_model": "/models/small"}):
+        with pytest.raises(ValueError, match="^speculative.draft_model: is required with method 'draft' and only"):
+            SpeculativeConfig.from_options(options)
+    assert SpeculativeConfig(method="draft", draft_model="/m").draft_model == "/m"
     with pytest.raises(ValueError, match="^prompt_lookup_min: 5 exceeds prompt_lookup_max=4"):
         SpeculativeConfig(prompt_lookup_min=5)
     with pytest.raises(ValueError, match="^num_speculative_tokens: must be >= 1, got 0"):
