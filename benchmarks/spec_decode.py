@@ -8,7 +8,8 @@ JSON with a changed argument, the conversation growing turn by turn). Methods: p
 suffix, auto. Each round runs every method once, each in a fresh child process that runs
 all workloads; the order of the methods flips every round. A method's speed-up for a
 workload is the median over rounds of (its tok/s) / (plain's tok/s in the same round).
-Throughput = output tokens / wall time; acceptance = drafts kept / drafts. The agent phase
+Throughput = output tokens / wall time, and / the process's CPU time (the engine runs on one
+thread; on a shared machine CPU time is what the method changes); acceptance = drafts kept / drafts. The agent phase
 prints the global suffix trie's size. Results: benchmarks/results/spec_decode.{json,md}.
 
     .venv/bin/python benchmarks/spec_decode.py [--rounds 5] [--k 6]
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -55,7 +57,7 @@ def phase(args) -> dict:
     for case in args.cases.split(","):
         workload, batch = case.split("/")[0], int(case.split("/")[1])
         before = llm.engine.make_stats()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         if workload == "agent":
             tokens = agent_loop(llm, SamplingParams(max_tokens=40, temperature=0))
         else:
@@ -69,12 +71,13 @@ def phase(args) -> dict:
                 params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
             outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
             tokens = [o.outputs[0].token_ids for o in outs]
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         print(f"{args.phase} {workload}/{batch}: {elapsed:.1f} s", file=sys.stderr, flush=True)
         stats = llm.engine.make_stats()
         drafts = stats.spec_draft_tokens - before.spec_draft_tokens
         out[f"{workload}/{batch}"] = {
             "tok_per_s": sum(map(len, tokens)) / elapsed, "tokens": tokens,
+            "tok_per_cpu_s": sum(map(len, tokens)) / cpu,
             "acceptance": (stats.spec_accepted_tokens - before.spec_accepted_tokens) / drafts if drafts else None,
             "drafted_steps": stats.spec_requests_drafted - before.spec_requests_drafted,
             "skipped_steps": stats.spec_requests_skipped - before.spec_requests_skipped,
@@ -124,8 +127,9 @@ def main() -> None:
                 f"{case} {v['tok_per_s']:.1f}" + (f" (acc {v['acceptance']:.2f})" if v["acceptance"] is not None else "")
                 for case, v in result.items()), flush=True)
         for method in methods[1:]:
-            print(f"round {r + 1} ratios {method}: " + ", ".join(
-                f"{case} {runs[method][r][case]['tok_per_s'] / runs['plain'][r][case]['tok_per_s']:.2f}"
+            print(f"round {r + 1} ratios {method} (CPU time / wall): " + ", ".join(
+                f"{case} {runs[method][r][case]['tok_per_cpu_s'] / runs['plain'][r][case]['tok_per_cpu_s']:.2f}"
+                f" / {runs[method][r][case]['tok_per_s'] / runs['plain'][r][case]['tok_per_s']:.2f}"
                 for case in runs["plain"][r]), flush=True)
     write_results(args, methods, runs)
 
@@ -139,12 +143,14 @@ def write_results(args, methods: list[str], runs: dict) -> None:
         for method in methods[1:]:
             spec = [r[case] for r in runs[method]]
             ratios = [s["tok_per_s"] / p["tok_per_s"] for p, s in zip(plain, spec)]
+            cpu_ratios = [s["tok_per_cpu_s"] / p["tok_per_cpu_s"] for p, s in zip(plain, spec)]
             same = all(p["tokens"] == s["tokens"] for p, s in zip(plain, spec))
             acc = [s["acceptance"] for s in spec if s["acceptance"] is not None]
             drafted = sum(s["drafted_steps"] for s in spec)
             skipped = sum(s["skipped_steps"] for s in spec)
             summary[f"{case}/{method}"] = {
                 "speedup_median": statistics.median(ratios), "speedup_per_round": ratios,
+                "cpu_speedup_median": statistics.median(cpu_ratios), "cpu_speedup_per_round": cpu_ratios,
                 "plain_tok_per_s": statistics.median(p["tok_per_s"] for p in plain),
                 "tok_per_s": statistics.median(s["tok_per_s"] for s in spec),
                 "acceptance": statistics.median(acc) if acc else None, "same_tokens": same,
@@ -157,7 +163,8 @@ def write_results(args, methods: list[str], runs: dict) -> None:
             share = "-" if v["auto_drafted_share"] is None else f"{v['auto_drafted_share']:.2f}"
             rows.append(
                 f"| {case} | {method} | {v['plain_tok_per_s']:.1f} | {v['tok_per_s']:.1f} | "
-                f"**{v['speedup_median']:.2f}x** ({', '.join(f'{x:.2f}' for x in ratios)}) | {acc_text} | {share} | "
+                f"**{v['cpu_speedup_median']:.2f}x** ({', '.join(f'{x:.2f}' for x in cpu_ratios)}) | "
+                f"{v['speedup_median']:.2f}x ({', '.join(f'{x:.2f}' for x in ratios)}) | {acc_text} | {share} | "
                 f"{'yes' if same else 'no'} |")
     agent = [summary[f"agent/1/{m}"] for m in methods[1:] if m in ("suffix", "auto")]
     memory = (f"Global suffix trie after the agent loop (largest over rounds): "
@@ -166,18 +173,23 @@ def write_results(args, methods: list[str], runs: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
     meta = {"k": args.k, "max_tokens": args.max_tokens, "rounds": args.rounds, "commit": commit,
             "cpu": cpu_description(), "date": time.strftime("%Y-%m-%d %H:%M"),
-            "note": "busy machine (other jobs running)"}
+            "note": "busy machine (other jobs running; 1-minute load average at the end: "
+                    f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)"}
     (RESULTS / f"{args.out}.json").write_text(json.dumps({**meta, "cases": summary}, indent=2) + "\n")
     md = [f"# Speculative decoding: each method vs plain decoding ({args.rounds} paired rounds)", "",
           (f"Default model (SmolLM2-135M), bf16, {args.threads} thread(s), num_speculative_tokens={args.k}, up to "
           f"{args.max_tokens} output tokens (agent: 40 per turn, 10 turns). chat: sampled (temperature 0.8, "
           "top_p 0.95, seeded); edit and agent: greedy. Each round runs every method in a fresh process, the "
           "order flipping every round; the speed-up is the median of the per-round ratios to plain decoding "
-          "in the same round (per-round ratios in brackets). auto share: decode steps of a request given "
+          "in the same round (per-round ratios in brackets), measured both as output tokens per second of the "
+           "process's CPU time (the engine runs on 1 thread: on a machine shared with other jobs this is what "
+           "the method changes) and per second of wall time (which also swings with the other jobs' load). "
+           "auto share: decode steps of a request given "
           "drafts / all its decode steps. same tokens: greedy output identical to plain in every round "
           "(bf16: a different batch shape may round differently; sampled chat is not compared)."), "",
-          ("| workload / batch | method | plain tok/s | method tok/s | speed-up (per round) | acceptance | "
-           "auto share | same tokens |"), "| --- | --- | --- | --- | --- | --- | --- | --- |", *rows, "",
+          ("| workload / batch | method | plain tok/s | method tok/s | speed-up, CPU time (per round) | "
+           "speed-up, wall time (per round) | acceptance | auto share | same tokens |"),
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows, "",
           memory, "",
           f"CPU: {meta['cpu']}; commit {commit}; {meta['date']}; {meta['note']}."]
     (RESULTS / f"{args.out}.md").write_text("\n".join(md) + "\n")
