@@ -59,7 +59,7 @@ def phase(args) -> dict:
         before = llm.engine.make_stats()
         start, cpu_start = time.perf_counter(), time.process_time()
         if workload == "agent":
-            tokens = agent_loop(llm, SamplingParams(max_tokens=40, temperature=0))
+            tokens = agent_loop(llm, SamplingParams(max_tokens=args.agent_tokens, temperature=0))
         else:
             if workload == "chat":
                 prompts = CHAT[:batch]
@@ -108,6 +108,10 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=6, help="num_speculative_tokens")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--methods", default=",".join(METHODS[1:]))
+    parser.add_argument("--plan", default=None,
+                        help="cases per method, e.g. 'auto:chat/1,edit/1;suffix:agent/1' (overrides --methods/--cases; "
+                             "plain runs every case named)")
+    parser.add_argument("--agent-tokens", type=int, default=40)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 on a busy machine)")
     parser.add_argument("--cases", default=",".join(f"{w}/{b}" for w, b in CASES))
     parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
@@ -116,12 +120,18 @@ def main() -> None:
     if args.phase:
         print(json.dumps(phase(args)))
         return
-    methods = ["plain", *args.methods.split(",")]
+    if args.plan:
+        plan = {m: c for m, c in (part.split(":") for part in args.plan.split(";"))}
+        plan = {"plain": ",".join(dict.fromkeys(c for cases in plan.values() for c in cases.split(","))), **plan}
+    else:
+        plan = {m: args.cases for m in ["plain", *args.methods.split(",")]}
+    methods = list(plan)
     runs = {m: [] for m in methods}
     for r in range(args.rounds):
         for method in methods[:: 1 if r % 2 == 0 else -1]:
             result = run_phase(__file__, ["--phase", method, "--k", str(args.k), "--max-tokens", str(args.max_tokens),
-                                          "--threads", str(args.threads), "--cases", args.cases])
+                                          "--threads", str(args.threads), "--cases", plan[method],
+                                          "--agent-tokens", str(args.agent_tokens)])
             runs[method].append(result)
             print(f"round {r + 1} {method}: " + ", ".join(
                 f"{case} {v['tok_per_s']:.1f}" + (f" (acc {v['acceptance']:.2f})" if v["acceptance"] is not None else "")
@@ -130,8 +140,8 @@ def main() -> None:
             print(f"round {r + 1} ratios {method} (CPU time / wall): " + ", ".join(
                 f"{case} {runs[method][r][case]['tok_per_cpu_s'] / runs['plain'][r][case]['tok_per_cpu_s']:.2f}"
                 f" / {runs[method][r][case]['tok_per_s'] / runs['plain'][r][case]['tok_per_s']:.2f}"
-                for case in runs["plain"][r]), flush=True)
-    write_results(args, methods, runs)
+                for case in runs[method][r]), flush=True)
+        write_results(args, methods, runs)  # after every round: a cut-short run keeps its rounds
 
 
 def write_results(args, methods: list[str], runs: dict) -> None:
@@ -141,6 +151,8 @@ def write_results(args, methods: list[str], runs: dict) -> None:
     for case in runs["plain"][0]:
         plain = [r[case] for r in runs["plain"]]
         for method in methods[1:]:
+            if case not in runs[method][0]:
+                continue
             spec = [r[case] for r in runs[method]]
             ratios = [s["tok_per_s"] / p["tok_per_s"] for p, s in zip(plain, spec)]
             cpu_ratios = [s["tok_per_cpu_s"] / p["tok_per_cpu_s"] for p, s in zip(plain, spec)]
@@ -166,19 +178,19 @@ def write_results(args, methods: list[str], runs: dict) -> None:
                 f"**{v['cpu_speedup_median']:.2f}x** ({', '.join(f'{x:.2f}' for x in cpu_ratios)}) | "
                 f"{v['speedup_median']:.2f}x ({', '.join(f'{x:.2f}' for x in ratios)}) | {acc_text} | {share} | "
                 f"{'yes' if same else 'no'} |")
-    agent = [summary[f"agent/1/{m}"] for m in methods[1:] if m in ("suffix", "auto")]
+    agent = [summary[f"agent/1/{m}"] for m in methods[1:] if f"agent/1/{m}" in summary and m in ("suffix", "auto")]
     memory = (f"Global suffix trie after the agent loop (largest over rounds): "
               f"{agent[0]['suffix_global_tokens']} tokens, {agent[0]['suffix_global_bytes'] / 2**20:.2f} MiB "
               f"(upper bound; bound set by suffix_global_tokens=16384)") if agent else ""
     RESULTS.mkdir(exist_ok=True)
-    meta = {"k": args.k, "max_tokens": args.max_tokens, "rounds": args.rounds, "commit": commit,
+    meta = {"k": args.k, "max_tokens": args.max_tokens, "rounds": len(runs["plain"]), "commit": commit,
             "cpu": cpu_description(), "date": time.strftime("%Y-%m-%d %H:%M"),
             "note": "busy machine (other jobs running; 1-minute load average at the end: "
                     f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)"}
     (RESULTS / f"{args.out}.json").write_text(json.dumps({**meta, "cases": summary}, indent=2) + "\n")
-    md = [f"# Speculative decoding: each method vs plain decoding ({args.rounds} paired rounds)", "",
+    md = [f"# Speculative decoding: each method vs plain decoding ({len(runs['plain'])} paired rounds)", "",
           (f"Default model (SmolLM2-135M), bf16, {args.threads} thread(s), num_speculative_tokens={args.k}, up to "
-          f"{args.max_tokens} output tokens (agent: 40 per turn, 10 turns). chat: sampled (temperature 0.8, "
+          f"{args.max_tokens} output tokens (agent: {args.agent_tokens} per turn, 10 turns). chat: sampled (temperature 0.8, "
           "top_p 0.95, seeded); edit and agent: greedy. Each round runs every method in a fresh process, the "
           "order flipping every round; the speed-up is the median of the per-round ratios to plain decoding "
           "in the same round (per-round ratios in brackets), measured both as output tokens per second of the "
