@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Annotated
 
 import torch
@@ -122,8 +122,8 @@ class EngineConfig:
     # Tiered KV offload through LMCache: {"cpu_size_gb", "disk_path", "disk_size_gb",
     # "chunk_size", "remote_url"} (engine.kv_offload.config); None = off. Normalised (defaults filled) here.
     kv_offload: dict | None = None
-    # Speculative decoding: {"method": "ngram", "num_speculative_tokens", "prompt_lookup_max",
-    # "prompt_lookup_min"} (engine.spec_decode.config); None = off. Normalised here.
+    # Speculative decoding: {"method": "ngram" | "suffix" | "auto", "num_speculative_tokens", ...}
+    # (engine.spec_decode.config.SpeculativeConfig); None = off. Normalised here.
     speculative: dict | None = None
     # Quantized layers (engine.model.quant_spec): None loads the checkpoint as it is (quantized
     # or not); "none", "int8", "int4" or "w8a8" asks for that mode (a quantized checkpoint
@@ -214,7 +214,7 @@ class EngineConfig:
         self.speculative_config = None
         if self.speculative is not None:
             self.speculative_config = SpeculativeConfig.from_options(self.speculative)
-            self.speculative = asdict(self.speculative_config)
+            self.speculative = self.speculative_config.as_dict()
 
     def _check_tensor_parallel(self) -> None:
         size = self.tensor_parallel_size

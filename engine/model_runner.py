@@ -30,6 +30,7 @@ from engine.sampler import Sampler, processed_probs
 from engine.sampling_metadata import SamplingMetadata
 from engine.sampling_params import SamplingParams, SamplingType
 from engine.scheduler.output import Logprobs, ModelRunnerOutput, SchedulerOutput
+from engine.spec_decode.draft_model import draft_kv_bytes_per_block
 from engine.spec_decode.rejection import rejection_sample, verify_greedy
 from engine.structured_output import apply_bitmask
 
@@ -101,6 +102,13 @@ class ModelRunner:
             )
         # The KV heads of this process (a tensor-parallel rank's share); the budget is the worker's.
         self.bytes_per_block, self.num_blocks = kv_pool_size(config, self.model.rank_spec, self.kv_dtype)
+        # A draft model (speculative method "draft") has a pool of as many blocks of its own:
+        # the budget pays for both.
+        spec = config.speculative_config
+        self.draft_bytes_per_block = 0 if spec is None or spec.draft_model is None else \
+            draft_kv_bytes_per_block(spec.draft_model, self.block_size, self.dtype)
+        if self.draft_bytes_per_block:
+            self.num_blocks = config.resolve_num_blocks(self.bytes_per_block + self.draft_bytes_per_block)
         self.kv_caches = allocate_kv_caches(self.model.rank_spec, self.num_blocks, self.block_size, self.dtype,
                                             self.device, self.kv_dtype)
         # torch.compile'd forward for the steps it covers (config.compile), compiled here, before ready.
@@ -275,8 +283,14 @@ class ModelRunner:
             params = state.sampling_params
             if params.logit_bias:  # the draft is checked against the biased distribution
                 rows = apply_logit_bias(rows, dict.fromkeys(range(k + 1), params.logit_bias))
+            masked = step.so.grammar_bitmask is not None and req_id in step.so.grammar_rows
+            if masked:  # and against the grammar, one mask row per position
+                first = step.so.grammar_rows[req_id]
+                rows = rows.clone()
+                apply_bitmask(rows, step.so.grammar_bitmask[first : first + k + 1], list(range(k + 1)))
             if params.sampling_type is SamplingType.GREEDY:
-                greedy = rows.max(dim=-1).indices.tolist() if params.logit_bias else argmax[row : row + k + 1]
+                greedy = (rows.max(dim=-1).indices.tolist() if params.logit_bias or masked
+                          else argmax[row : row + k + 1])
                 tokens = verify_greedy(greedy, drafts[req_id])
             else:
                 meta = SamplingMetadata.build([params] * (k + 1), [()] * (k + 1), [()] * (k + 1),
