@@ -38,21 +38,23 @@ def cpu_kernels_disabled() -> bool:
     return os.environ.get("PAGEDSERVE_DISABLE_CPU_KERNELS") == "1"
 
 
-def build_tag(source: Path, cflags: tuple[str, ...]) -> str:
-    """The build folder's key: the source and the headers beside it (`*.h`, which it may
-    include), flags, torch version, and the source's and torch's paths, which cpp_extension
+def build_tag(source: Path, cflags: tuple[str, ...], extra_sources: tuple[Path, ...] = ()) -> str:
+    """The build folder's key: the sources and the headers beside the first (`*.h`, which they
+    may include), flags, torch version, and the source's and torch's paths, which cpp_extension
     writes into build.ninja: without them two checkouts (or venvs) sharing one cache would
     rebuild the extension for each other at every load. The CPU is not part of it: the build
     targets the portable baseline and picks its instruction set at run time."""
     paths = f"{source.resolve()}:{Path(torch.__file__).parent}".encode()
     headers = b"".join(h.name.encode() + h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    key = source.read_bytes() + headers + repr(cflags).encode() + torch.__version__.encode() + paths
+    sources = b"".join(p.read_bytes() for p in (source, *extra_sources))
+    key = sources + headers + repr(cflags).encode() + torch.__version__.encode() + paths
     return hashlib.sha256(key).hexdigest()[:10]
 
 
 @dataclass(frozen=True, slots=True)
 class CpuExtension:
-    """One C++ source compiled as Python module `pagedserve_<name>_<tag>`.
+    """C++ sources compiled as Python module `pagedserve_<name>_<tag>`: `source` and any
+    `extra_sources` (translation units that ninja compiles side by side, one per core).
 
     `cflags` should carry -fopenmp so at::parallel_for uses torch's own thread pool.
     """
@@ -60,14 +62,15 @@ class CpuExtension:
     name: str
     source: Path
     cflags: tuple[str, ...]
+    extra_sources: tuple[Path, ...] = ()
 
     @property
     def module_name(self) -> str:
-        return f"pagedserve_{self.name}_{build_tag(self.source, self.cflags)}"
+        return f"pagedserve_{self.name}_{build_tag(self.source, self.cflags, self.extra_sources)}"
 
     @property
     def folder(self) -> Path:
-        return build_dir() / f"{self.name}_{build_tag(self.source, self.cflags)}"
+        return build_dir() / f"{self.name}_{build_tag(self.source, self.cflags, self.extra_sources)}"
 
     @property
     def library(self) -> Path:
@@ -118,7 +121,7 @@ class CpuExtension:
             try:
                 module = load(
                     name=self.module_name,
-                    sources=[str(self.source)],
+                    sources=[str(p) for p in (self.source, *self.extra_sources)],
                     extra_cflags=list(self.cflags),
                     extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch already loaded
                     build_directory=str(folder),

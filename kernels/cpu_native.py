@@ -1,5 +1,6 @@
 """The one native CPU extension: every C++ kernel of the project in one module
-(kernels/csrc/native.cpp, which includes the kernel headers once per instruction set).
+(kernels/csrc/native.cpp and native_avx512.cpp, which include the kernel headers once per
+instruction set).
 
 It is built for the portable x86-64 baseline (no -march=native) and picks its instruction set at
 run time from the CPU's features: AVX512-BF16, AVX-512 (F/BW/VL/DQ), AVX2 + FMA + F16C, or plain
@@ -20,12 +21,13 @@ from kernels.cpu_build import CpuExtension
 
 ISA_NAMES = ("scalar", "avx2", "avx512", "avx512_bf16")  # in order: each runs where the next does
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "native.cpp"
+_CSRC = Path(__file__).resolve().parent / "csrc"
 # No -march: the baseline, with per-function targets inside. No -ffast-math and no FMA
 # contraction: the fused ops round exactly where torch does (explicit FMAs are intrinsics).
 # -fopenmp makes at::parallel_for use torch's thread pool (same libgomp, already loaded).
 _CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
-EXTENSION = CpuExtension("native", _SOURCE, _CFLAGS)
+# Two translation units (the AVX-512 regions apart) so a 2-core machine compiles them at once.
+EXTENSION = CpuExtension("native", _CSRC / "native.cpp", _CFLAGS, extra_sources=(_CSRC / "native_avx512.cpp",))
 
 
 def load_native():

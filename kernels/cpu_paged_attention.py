@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_native import EXTENSION, load_native
+from kernels.cpu_native import load_native
 
 
 def load_cpu_kernels():

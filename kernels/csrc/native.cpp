@@ -14,85 +14,17 @@
 // Every op takes a last argument `isa` ("" = the best this CPU has, capped by the environment
 // variable PAGEDSERVE_CPU_ISA; or "avx512_bf16", "avx512", "avx2", "scalar" to force one, which
 // the tests use to compare the paths on one machine). `cpu_isa()` names what "" picks.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
-#include <immintrin.h>
-
-#include <algorithm>
-#include <array>
-#include <cmath>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <numeric>
-#include <string>
-#include <vector>
+#include "native_prelude.h"
+#include "native_api.h"
 
 // ---- ISA regions -------------------------------------------------------------------------------
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,bmi2")
-namespace ps_avx512bf16 {
-#define PS_VEC_WIDTH 16
-#define PS_HAS_BF16_DOT 1
-#include "vec.h"
-namespace decode {
-#include "paged_decode_attention.h"
-}
-#undef PS_HAS_BF16_DOT
-#undef PS_VEC_WIDTH
-}  // namespace ps_avx512bf16
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")
-namespace ps_avx512 {
-#define PS_VEC_WIDTH 16
-#define PS_HAS_BF16_DOT 0
-#include "vec.h"
-namespace gemv {
-#include "bf16_gemv.h"
-}
-namespace int4 {
-#include "int4_dequant.h"
-#include "int4_gemv.h"
-}
-namespace int8io {
-#include "int8_mm_io.h"
-}
-namespace fused {
-#include "fused_ops.h"
-}
-namespace decode {
-#include "paged_decode_attention.h"
-}
-#undef PS_HAS_BF16_DOT
-#undef PS_VEC_WIDTH
-}  // namespace ps_avx512
-#pragma GCC pop_options
-
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,bmi2")
 namespace ps_avx2 {
 #define PS_VEC_WIDTH 8
 #define PS_HAS_BF16_DOT 0
 #include "vec.h"
-namespace gemv {
-#include "bf16_gemv.h"
-}
-namespace int4 {
-#include "int4_dequant.h"
-#include "int4_gemv.h"
-}
-namespace int8io {
-#include "int8_mm_io.h"
-}
-namespace fused {
-#include "fused_ops.h"
-}
-namespace decode {
-#include "paged_decode_attention.h"
-}
+#include "all_kernels.h"
 #undef PS_HAS_BF16_DOT
 #undef PS_VEC_WIDTH
 }  // namespace ps_avx2
@@ -102,25 +34,14 @@ namespace ps_scalar {
 #define PS_VEC_WIDTH 1
 #define PS_HAS_BF16_DOT 0
 #include "vec.h"
-namespace gemv {
-#include "bf16_gemv.h"
-}
-namespace int4 {
-#include "int4_dequant.h"
-#include "int4_gemv.h"
-}
-namespace int8io {
-#include "int8_mm_io.h"
-}
-namespace fused {
-#include "fused_ops.h"
-}
-namespace decode {
-#include "paged_decode_attention.h"
-}
+#include "all_kernels.h"
 #undef PS_HAS_BF16_DOT
 #undef PS_VEC_WIDTH
 }  // namespace ps_scalar
+
+// The AVX-512 regions are in native_avx512.cpp.
+PS_DECLARE_OPS(ps_avx512)
+PS_DECLARE_DECODE_OPS(ps_avx512bf16)
 
 // ---- run-time dispatch -------------------------------------------------------------------------
 namespace {
