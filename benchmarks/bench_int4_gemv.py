@@ -32,17 +32,20 @@ SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1
 
 
 def _time(fn, calls: int) -> float:
+    """The median of `calls` timed calls (a busy machine's descheduled calls do not count)."""
     fn()
-    t0 = time.perf_counter()
+    times = []
     for _ in range(calls):
+        t0 = time.perf_counter()
         fn()
-    return (time.perf_counter() - t0) / calls
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--isa", default="", help="force the native kernel's path (avx2, avx512, ...)")
     ap.add_argument("--calls", type=int, default=200)
@@ -57,7 +60,6 @@ def main() -> None:
     for name, (in_f, out_f) in SHAPES.items():
         layer = Int4Linear(in_f, out_f, False, torch.bfloat16, 32)
         layer.quantize_rows(0, torch.randn(out_f, in_f, generator=gen))
-        layer.finalize()
         scale, shift = scale_and_shift(layer.scales_and_zeros)
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, in_f, generator=gen).bfloat16()
