@@ -8,23 +8,17 @@ or None where the extension cannot be built.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_build import CpuExtension
+from kernels.cpu_native import load_native
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_ops.cpp"
-# No -ffast-math and no FMA contraction: the kernels must round exactly where torch does.
-_CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
-EXTENSION = CpuExtension("fused_ops", _SOURCE, _CFLAGS)
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def load_fused_ops() -> CpuFusedOps | None:
     """Compile (first call on a machine) or load the extension; None if unavailable."""
-    ext = EXTENSION.load()
+    ext = load_native()
     return None if ext is None else CpuFusedOps(ext)
 
 
