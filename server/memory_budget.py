@@ -89,11 +89,11 @@ def kv_pool_bytes(config: EngineConfig, hf_config: dict) -> int:
     for its share of the KV heads, and a KV head replicated on several ranks (fewer KV heads
     than ranks) costs each copy."""
     from engine.attention.kv_quant import parse_kv_cache_dtype
-    from engine.model.llama_spec import LlamaSpec
     from engine.model.loader import kv_pool_size
+    from engine.model.registry import parse_config
     from engine.parallel.sharding import shard_spec
 
-    spec = LlamaSpec.from_hf(hf_config)
+    spec = parse_config(hf_config)
     if config.tensor_parallel_size > 1:
         spec = shard_spec(spec, config.tensor_parallel_size)
     per_block, blocks = kv_pool_size(config, spec, parse_kv_cache_dtype(config.kv_cache_dtype))
