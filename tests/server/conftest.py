@@ -123,10 +123,11 @@ def archive_cache() -> Path:
     """Where servers extract archives: in the test cache, shared by the session's servers and
     by parallel workers (extraction is keyed by the archive file and locked: the default
     model's archive, hard-linked into each store, is extracted once per machine). Extractions
-    not used for 3 days are removed."""
+    not used for 6 hours (those of the small archives a session builds for itself) are removed
+    when a session starts."""
     cache = _test_cache() / "extracted"
     cache.mkdir(parents=True, exist_ok=True)
-    _prune_extractions(cache, max_age_s=3 * 86400)
+    _prune_extractions(cache, max_age_s=6 * 3600)
     return cache
 
 
