@@ -89,9 +89,10 @@ def render_prompt(tokenizer: Any, spec: PromptSpec) -> tuple[str | None, list[in
             )
         except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:  # templates raise their own
             raise InvalidInput(f"the model's chat template refused the messages: {exc}", "messages") from None
-    else:
-        text = spec.text
-    return text, tokenizer.encode(text, add_special_tokens=False)
+        return text, tokenizer.encode(text, add_special_tokens=False)  # the template wrote its own BOS
+    # A plain prompt gets the tokenizer's own special tokens, as transformers and vLLM encode it:
+    # a BOS for models that want one (Gemma, Llama 3), nothing for those that do not (SmolLM2).
+    return spec.text, tokenizer.encode(spec.text, add_special_tokens=True)
 
 
 def pooling_sampling_params() -> SamplingParams:

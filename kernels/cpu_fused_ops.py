@@ -1,6 +1,6 @@
 """Fused elementwise ops of the Llama decoder for CPU (C++ extension), with plain-torch references.
 
-The references are exactly the torch code of `engine.model.llama`; the kernels reproduce their
+The references are exactly the torch code of `engine.model.layers`; the kernels reproduce their
 rounding (per-op bf16 rounding, torch's float32 sum order for the RMSNorm mean, Sleef's exp for
 SiLU), so the fused path gives bit-identical results. `load_fused_ops()` returns a `CpuFusedOps`
 or None where the extension cannot be built.
@@ -85,7 +85,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"weight must be contiguous {x.dtype} [{x.shape[-1]}]")
 
 
-# -- plain-torch references: exactly the code of engine.model.llama ------------------------------
+# -- plain-torch references: exactly the code of engine.model.layers -----------------------------
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

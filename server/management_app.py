@@ -20,7 +20,8 @@ from aiohttp import web
 
 from engine.model.archive_manifest import BUILTIN_HANDLERS, ArchiveError
 from engine.model.model_config import ModelConfigError
-from engine.model.path_source import describe_model as describe_model_dir, is_model_path
+from engine.model.path_source import describe_model as describe_model_dir
+from engine.model.path_source import is_model_path
 from engine.schema import SchemaError
 from handlers.base_handler import HandlerError
 from handlers.json_body import decode_json_body

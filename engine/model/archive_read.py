@@ -37,8 +37,12 @@ from engine.model.archive_manifest import (
     resolve_handler,
     validate_manifest,
 )
-from engine.model.registry import architecture_of, check_tensor_parallel_support, parse_config
 from engine.model.model_config import ModelConfig, ModelConfigError, load_model_config
+from engine.model.registry import (
+    architecture_of,
+    check_tensor_parallel_support,
+    parse_config,
+)
 
 DEFAULT_MAX_TOTAL_BYTES = 64 << 30
 MAX_ENTRIES = 100_000

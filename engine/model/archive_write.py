@@ -33,8 +33,8 @@ from engine.model.archive_manifest import (
     check_model_name,
     is_pickle_weights,
 )
-from engine.model.registry import architecture_of
 from engine.model.quant_spec import QuantSpec, checkpoint_spec
+from engine.model.registry import architecture_of
 
 CHUNK_BYTES = 1 << 20
 ProgressFn = Callable[[int, int], None]

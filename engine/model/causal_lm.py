@@ -15,7 +15,7 @@ run as single C++ ops that round exactly like the torch code they replace.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +24,9 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.attention.compiled_op import AttentionStep
 from engine.attention.metadata import AttentionMetadata
-from engine.lora.punica import LoRABatch, LoRALayer
+from engine.lora.punica import LoRABatch
 from engine.model.layers.decoder import DecoderLayer, DecoderModel, MakeMLP, dense_mlp
 from engine.model.layers.rotary import rope_tables
-from engine.model.spec import ModelSpec
 from engine.model.quant_linear import (
     HEAD_WEIGHT_ONLY_MAX_ROWS,
     Int4Linear,
@@ -38,6 +37,7 @@ from engine.model.quant_linear import (
     unpack_nibbles,
 )
 from engine.model.quant_spec import QUANT_LEAVES, QuantSpec
+from engine.model.spec import ModelSpec
 from kernels.cpu_fused_ops import CpuFusedOps
 from kernels.cpu_int4_dequant import load_int4_dequant
 from kernels.cpu_int8_mm_io import load_int8_mm_io
@@ -63,7 +63,7 @@ _PROJECTION_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 class CausalLM(nn.Module):
     """A decoder-only causal LM. Weights start uninitialised: fill them with `load_weights`.
 
-    `config`: the ModelSpec (an HF config parsed by its family: engine.model.registry.parse_config).
+    `spec`: the ModelSpec (an HF config parsed by its family: engine.model.registry.parse_config).
     `max_model_len` (default: the config's max_position_embeddings) bounds the RoPE tables.
     `fused_ops` (CPU, float32/bfloat16 only) replaces the elementwise glue with fused C++ ops.
     `quant` swaps the projections, the embedding and the LM head for quantized layers (see
@@ -83,7 +83,7 @@ class CausalLM(nn.Module):
 
     def __init__(
         self,
-        config: Any,
+        spec: ModelSpec,
         dtype: torch.dtype,
         device: str | torch.device,
         backend: AttentionBackend,
@@ -93,10 +93,9 @@ class CausalLM(nn.Module):
         tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(config, ModelSpec):
+        if not isinstance(spec, ModelSpec):
             raise TypeError(f"{type(self).__name__} takes a ModelSpec (engine.model.registry.parse_config), "
-                            f"got {type(config).__name__}")
-        spec = config
+                            f"got {type(spec).__name__}")
         self.tp = tp
         if tp is None:
             self.rank_spec = spec

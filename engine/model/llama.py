@@ -47,6 +47,6 @@ LLAMA = Family("llama", ("LlamaForCausalLM",), ("llama",), parse_llama, LlamaFor
                gguf_architectures=("llama",), tensor_parallel=True,
                notes="rope scaling: linear, llama3")
 MISTRAL = Family("mistral", ("MistralForCausalLM",), ("mistral",), parse_llama, LlamaForCausalLM,
-                 tensor_parallel=True, notes="sliding window on every layer")
+                 gguf_architectures=("mistral",), tensor_parallel=True, notes="sliding window on every layer")
 QWEN2 = Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), parse_llama, LlamaForCausalLM,
                gguf_architectures=("qwen2",), tensor_parallel=True, notes="q/k/v biases")

@@ -19,9 +19,9 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.kv_quant import KVCacheDtype, kv_row_width, kv_storage_dtype
 from engine.config import EngineConfig, resolve_dtype
 from engine.model.causal_lm import CausalLM
+from engine.model.quant_spec import QuantSpec
 from engine.model.registry import family_of, parse_config
 from engine.model.spec import ModelSpec
-from engine.model.quant_spec import QuantSpec
 from kernels.cpu_fused_ops import CpuFusedOps, load_fused_ops
 from kernels.cpu_isa import cpu_has_bf16_dot
 from kernels.cpu_packed_linear import PackedLinear, packed_linear_supported

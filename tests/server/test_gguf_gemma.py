@@ -57,7 +57,7 @@ def test_greedy_tokens_match_transformers_through_http(gemma_server, reference):
     assert r.status == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["text"] == text
-    assert len(choice["logprobs"]["tokens"]) == NEW_TOKENS
+    assert len(choice["logprobs"]["tokens"]) == len(tokens) == NEW_TOKENS
 
 
 def test_description_names_architecture_and_dequantized_weights(gemma_server):
