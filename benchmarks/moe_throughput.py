@@ -271,9 +271,9 @@ Random-weight {s['arch']} of {s['total_params'] / 1e9:.2f}B parameters, {s['expe
 {s['tokens']} tokens generated per sequence; decode tokens/s with prefill excluded. Median of
 {s['rounds']} paired rounds (engine and transformers in fresh processes, order alternating);
 per-round ratios in brackets. Each side's tok/s is its own median over the rounds, the ratio
-the median of the per-round (paired) ratios, so the two need not agree: on this machine the load moved from round to round, and the spread
-of the per-round ratios is the honest error bar. transformers' experts implementation:
-`{s['hf_experts_implementation']}`.
+the median of the per-round (paired) ratios, so the two need not agree: on this machine the
+load moved from round to round, and the spread of the per-round ratios is the honest error bar.
+transformers' experts implementation: `{s['hf_experts_implementation']}`.
 
 CPU: {s['cpu']}. Commit {s['commit']}, {s['date']}. Busy machine (other jobs running; load average
 at the end {', '.join(f'{x:.1f}' for x in s['load_average_at_end'])}).
