@@ -15,7 +15,8 @@ and printed, and the result is the median over the rounds (>= 5), never the best
 
 The engine child then runs batch-1 and batch-32 generation once more (SHARE_TOKENS tokens) with
 CPU-time timers on every routed expert's projections (gate_up_proj, down_proj) and on each MoE
-block: the share of decode CPU time spent in expert GEMMs, and in the whole MoE block (router, grouping, gather, scatter included).
+block: the share of decode CPU time spent in expert GEMMs, and in the whole MoE block (router,
+grouping, gather, scatter included).
 
     .venv/bin/python benchmarks/moe_throughput.py [--rounds 5] [--arch qwen3_moe] [--name moe_throughput]
 """
@@ -265,23 +266,27 @@ def markdown(s: dict) -> str:
         for b in BATCHES)
     return f"""# MoE decode throughput: pagedserve vs transformers
 
-Random-weight {s['arch']} of {s['total_params'] / 1e9:.2f}B parameters, {s['experts']} experts (top-{s['top_k']}),
-{s['dtype']}, {s['threads']} threads, {s['prompt_len']}-token prompts, {s['tokens']} tokens generated per
-sequence; decode tokens/s with prefill excluded. Median of {s['rounds']} paired rounds (engine and
-transformers in fresh processes, order alternating); per-round ratios in brackets. transformers'
-experts implementation: `{s['hf_experts_implementation']}`.
+Random-weight {s['arch']} of {s['total_params'] / 1e9:.2f}B parameters, {s['experts']} experts
+(top-{s['top_k']}), {s['dtype']}, {s['threads']} torch thread(s) per side, {s['prompt_len']}-token prompts,
+{s['tokens']} tokens generated per sequence; decode tokens/s with prefill excluded. Median of
+{s['rounds']} paired rounds (engine and transformers in fresh processes, order alternating);
+per-round ratios in brackets. Each side's tok/s is its own median over the rounds, the ratio
+the median of the per-round (paired) ratios, so the two need not agree: on this machine the
+load moved from round to round, and the spread of the per-round ratios is the honest error bar.
+transformers' experts implementation: `{s['hf_experts_implementation']}`.
 
 CPU: {s['cpu']}. Commit {s['commit']}, {s['date']}. Busy machine (other jobs running; load average
 at the end {', '.join(f'{x:.1f}' for x in s['load_average_at_end'])}).
 
-| batch | pagedserve tok/s | transformers tok/s | pagedserve / transformers | expert GEMMs (share of decode time) | whole MoE block |
+| batch | pagedserve tok/s | transformers tok/s | pagedserve / transformers | expert GEMMs (share of decode CPU) \
+| whole MoE block |
 | --- | --- | --- | --- | --- | --- |
 {rows}
 
-Expert GEMMs: the process's CPU time (one torch thread) inside the routed experts' `gate_up_proj` and
-`down_proj` calls over the CPU time of a separate {SHARE_TOKENS}-token generation by the engine child (its prompts already in the
-prefix cache, so nearly all decode steps). Whole MoE block: the same for
-the sparse blocks (router, grouping by expert, gather, expert MLPs, weighted scatter-add).
+Expert GEMMs: the process's CPU time (one torch thread) inside the routed experts' `gate_up_proj`
+and `down_proj` calls over the CPU time of a separate {SHARE_TOKENS}-token generation by the engine
+child (its prompts already in the prefix cache, so nearly all decode steps). Whole MoE block: the
+same for the sparse blocks (router, grouping by expert, gather, expert MLPs, weighted scatter-add).
 
     .venv/bin/python benchmarks/moe_throughput.py --rounds {s['rounds']} --arch {s['arch']} --tokens {s['tokens']}
 """
