@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from engine.spec_decode.suffix_trie import EMPTY, Draft, SuffixTrie
+from engine.spec_decode.suffix_trie import Draft, SuffixTrie
 
 
 @dataclass(slots=True)
@@ -72,7 +72,7 @@ class SuffixProposer:
         k = self.num_tokens if max_tokens is None else min(self.num_tokens, max_tokens)
         index = self._requests[req_id]
         if k < 1 or not index.tokens:
-            return EMPTY
+            return Draft([], [])
         self._catch_up(index)
         context = index.tokens
         # The open suffixes are the context's own suffix nodes: the longest with a child is

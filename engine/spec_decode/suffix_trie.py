@@ -40,9 +40,6 @@ class Draft:
         return sum(self.probs)
 
 
-EMPTY = Draft([], [])
-
-
 class SuffixTrie:
     def __init__(self, max_depth: int) -> None:
         if max_depth < 2:
