@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -86,11 +87,23 @@ def pagedserve_phase(args) -> dict:
     t0 = time.perf_counter()
     llm.generate([timed], one)
     out["ttft"] = time.perf_counter() - t0
-    model = llm.engine.runner.model
-    # Bytes one decode step reads: every parameter once (the tied LM head is the embedding).
-    out["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    # Bytes one bf16 decode step reads: every checkpoint tensor once, 2 bytes a value (the tied
+    # LM head is the embedding, stored once).
+    out["weight_bytes"] = 2 * _checkpoint_numel(llm.engine.model_dir)
     out["bandwidth_gbs"] = read_bandwidth_gbs(args.threads)
     return out
+
+
+def _checkpoint_numel(model_dir) -> int:
+    from safetensors import safe_open
+
+    from engine.model.loader import safetensors_files
+
+    total = 0
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), "pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return total
 
 
 def llamacpp_phase(args) -> dict:
