@@ -69,10 +69,10 @@ def main() -> None:
     native_s: dict[str, list[float]] = {c[0]: [] for c in cases}
     for r in range(args.rounds):
         for label, layer, x, scale, shift in cases:
-            def torch_side():
+            def torch_side(x=x, layer=layer):
                 torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, 32, layer.scales_and_zeros)
 
-            def native_side():
+            def native_side(x=x, layer=layer, scale=scale, shift=shift):
                 ext.int4pack_gemv(x.float(), layer.packed, scale, shift, 32, block_n, isa=args.isa).bfloat16()
 
             sides = [torch_side, native_side] if r % 2 == 0 else [native_side, torch_side]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -86,11 +87,23 @@ def pagedserve_phase(args) -> dict:
     t0 = time.perf_counter()
     llm.generate([timed], one)
     out["ttft"] = time.perf_counter() - t0
-    model = llm.engine.runner.model
-    # Bytes one decode step reads: every parameter once (the tied LM head is the embedding).
-    out["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    # Bytes one bf16 decode step reads: every checkpoint tensor once, 2 bytes a value (the tied
+    # LM head is the embedding, stored once).
+    out["weight_bytes"] = 2 * _checkpoint_numel(llm.engine.model_dir)
     out["bandwidth_gbs"] = read_bandwidth_gbs(args.threads)
     return out
+
+
+def _checkpoint_numel(model_dir) -> int:
+    from safetensors import safe_open
+
+    from engine.model.loader import safetensors_files
+
+    total = 0
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), "pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return total
 
 
 def llamacpp_phase(args) -> dict:
@@ -191,8 +204,8 @@ def main() -> None:
 def report(args, sides: list[str], results: dict, gguf_name: str) -> None:
     rounds = len(results["llama.cpp"])
     lines = [f"# pagedserve vs llama.cpp ({gguf_name}), batch 1", "",
-             f"CPU: {cpu_description()}; {args.threads} threads; {rounds} paired rounds (order rotating); "
-             f"commit {_commit()}; " + ("quiet machine" if args.quiet_machine else "busy machine (other jobs running)"),
+             (f"CPU: {cpu_description()}; {args.threads} threads; {rounds} paired rounds (order rotating); "
+              f"commit {_commit()}; " + ("quiet machine" if args.quiet_machine else "busy machine (other jobs running)")),
              "", "| side | decode tok/s (median) | ratio to llama.cpp per round | median | TTFT s (median) | ratio per round | median |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     summary: dict = {}
@@ -213,11 +226,11 @@ def report(args, sides: list[str], results: dict, gguf_name: str) -> None:
         floors = [o["bandwidth_gbs"] * 1e9 / o["weight_bytes"] for o in results["bf16"]]
         share = [o["decode"] / f for o, f in zip(results["bf16"], floors)]
         summary["bf16_floor"] = {"floor_tok_s": statistics.median(floors), "share": statistics.median(share)}
-        lines += ["", f"bf16 bandwidth floor: {statistics.median(floors):.1f} tok/s "
-                  f"({results['bf16'][0]['weight_bytes'] / 1e6:.0f} MB per token at a median "
-                  f"{statistics.median(o['bandwidth_gbs'] for o in results['bf16']):.1f} GB/s read); "
-                  f"bf16 decode reaches {' '.join(f'{x:.2f}' for x in share)} of it per round, "
-                  f"median {statistics.median(share):.2f}."]
+        read = statistics.median(o["bandwidth_gbs"] for o in results["bf16"])
+        lines += ["", (f"bf16 bandwidth floor: {statistics.median(floors):.1f} tok/s "
+                       f"({results['bf16'][0]['weight_bytes'] / 1e6:.0f} MB per token at a median {read:.1f} GB/s "
+                       f"read); bf16 decode reaches {' '.join(f'{x:.2f}' for x in share)} of it per round, "
+                       f"median {statistics.median(share):.2f}.")]
     (RESULTS / f"{args.name}.json").write_text(json.dumps(summary, indent=1))
     (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -7,6 +7,7 @@ be built; `reference_int4pack_dequant_t` is the plain-torch reference.
 from __future__ import annotations
 
 import functools
+
 import torch
 
 from kernels.cpu_native import load_native

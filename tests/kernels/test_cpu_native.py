@@ -117,7 +117,7 @@ def test_int8_quantize_and_epilogue_against_float64(ext, isas, rows, k, outliers
     x_out, w_out = torch.randn(rows, outliers, generator=g), torch.randn(outliers, 29, generator=g)
     want = (acc.double() * x_scale.double()[:, None] + x_out.double() @ w_out.double()) * w_scale.double()
     for isa in _each_isa(isas):
-        xq, xs, xo, cols = ext.int8_quantize_rows(x, outliers, isa=isa)
+        xq, xs, _, cols = ext.int8_quantize_rows(x, outliers, isa=isa)
         rest = x.double().index_fill(1, cols, 0.0)
         assert torch.allclose(xs.double(), rest.abs().amax(1) / 127, rtol=1e-6)
         assert ((xq.double() - rest / xs.double()[:, None]).abs() <= 0.5 + 1e-4).all(), isa
@@ -193,7 +193,7 @@ def test_paged_decode_against_float64(ext, isas, heads, kv_heads, head_dim, bloc
     tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: one output rounding
     for isa in _each_isa(isas):
         got = ext.paged_decode_attention(q, k, v, tables, seq_lens, 0.3, "", isa=isa)
-        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol, msg=lambda m: f"{isa}: {m}")
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol, msg=lambda m, isa=isa: f"{isa}: {m}")
 
 
 @pytest.mark.parametrize("kv_quant", ["int8", "fp8_e4m3"])
@@ -210,7 +210,7 @@ def test_quantized_decode_and_gather_against_float64(ext, isas, kv_quant, head_d
     blocks = tables[2]
     for isa in _each_isa(isas):
         got = ext.paged_decode_attention(q, kq, vq, tables, seq_lens, 0.3, kv_quant, isa=isa)
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{isa}: {m}")
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=lambda m, isa=isa: f"{isa}: {m}")
         gathered = torch.empty(40, 2, head_dim)
         ext.gather_dequantize(kq, blocks, gathered, kv_quant, isa=isa)
         assert torch.equal(gathered, kd[blocks.long()].reshape(-1, 2, head_dim)[:40]), isa
@@ -275,7 +275,7 @@ def test_avx2_forced_equals_avx512_for_every_kernel(ext, isas):
             got, want = a[name], b[name]
             if name in summed:
                 torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-5,
-                                           msg=lambda m: f"{name} {narrow} vs {wide}: {m}")
+                                           msg=lambda m, where=f"{name} {narrow} vs {wide}": f"{where}: {m}")
             else:
                 for t_got, t_want in zip(got if isinstance(got, (tuple, list)) else [got],
                                          want if isinstance(want, (tuple, list)) else [want]):
