@@ -19,6 +19,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.timeout(1800)  # conversion + transformers' own GGUF load, per block type
 
 NEW_TOKENS = 32
 # head_dim 128: transformers reads a qwen3 GGUF's head_dim as Qwen3Config's default (128), not
