@@ -6,7 +6,7 @@ small change (the output copies the prompt: drafts are often right), "chat" asks
 in a fresh child process; the phases alternate for `--rounds` rounds, the order flipping every
 round, and the median of the per-round ratios is reported. Throughput is output tokens / wall
 time of `LLM.chat` over the workload; peak RSS per phase; acceptance = drafts kept / drafts.
-Results go to benchmarks/results/spec_decode.{json,md}.
+Results go to benchmarks/results/spec_decode.<cpu-kind>.{json,md}.
 
     .venv/bin/python benchmarks/spec_decode.py [--rounds 3] [--k 4]
 """
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import RESULTS, peak_rss_mib, run_phase
+from _common import RESULTS, result_path, peak_rss_mib, run_phase
 
 REPO = Path(__file__).resolve().parent.parent
 PARAGRAPH = ("The library opens at nine in the morning and closes at six in the evening. Members may borrow "
@@ -105,7 +105,7 @@ def write_results(args, runs: dict) -> None:
                     f"({', '.join(f'{x:.2f}' for x in ratios)}) | {acceptance:.2f} | {'yes' if same else 'no'} "
                     f"| {rss[0]:.0f} / {rss[1]:.0f} |")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "spec_decode.json").write_text(json.dumps(
+    result_path("spec_decode", "json").write_text(json.dumps(
         {"k": args.k, "prompt_lookup_min": args.min_n, "max_tokens": args.max_tokens, "rounds": args.rounds,
          "date": time.strftime("%Y-%m-%d %H:%M"),
          "platform": platform.platform(), "cases": summary}, indent=2) + "\n")
@@ -117,7 +117,7 @@ def write_results(args, runs: dict) -> None:
           ("| workload / batch | plain tok/s | speculative tok/s | speed-up (per round) | acceptance | same tokens "
            "| peak RSS MiB plain / spec |"), "| --- | --- | --- | --- | --- | --- | --- |", *rows, "",
           f"Run on {time.strftime('%Y-%m-%d %H:%M')} ({platform.platform()})."]
-    (RESULTS / "spec_decode.md").write_text("\n".join(md) + "\n")
+    result_path("spec_decode", "md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 
