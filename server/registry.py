@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import os
@@ -30,6 +29,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from engine.model.model_config import ModelConfig
 from handlers.base_handler import BaseHandler, Context
@@ -295,7 +296,7 @@ class ModelRegistry:
             check_worker_counts(min_workers, max_w)
         if response_timeout is not None:
             check_timeout("response_timeout", response_timeout)
-            config = dataclasses.replace(config, response_timeout=response_timeout)
+            config = msgspec.structs.replace(config, response_timeout=response_timeout)
         check_timeout("responseTimeout", config.response_timeout)
         async with self._lock:
             model = self.models.get(name)

@@ -19,7 +19,6 @@ before the engine reports ready. Compiled code is cached on disk by inductor's F
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections.abc import Sequence
@@ -32,18 +31,12 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.attention.compiled_op import AttentionStep, paged_attention_op
 from engine.attention.metadata import AttentionMetadata
+from engine.config import CompileMode, EngineConfig
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
     from engine.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
-
-
-class CompileMode(enum.Enum):
-    NONE = "none"
-    AUTO = "auto"
-    ALWAYS = "always"
 
 
 @dataclass(frozen=True, slots=True)
