@@ -58,7 +58,8 @@ _SIZE_UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
-Size = Annotated[int, Meta(ge=1)] | Annotated[str, Meta(pattern=SIZE_PATTERN)]
+Size = Annotated[int, Meta(ge=1)] | Annotated[
+    str, Meta(pattern=SIZE_PATTERN, extra={"expected": "a size such as 2GiB, 512MiB or a byte count"})]
 _Positive = Annotated[int, Meta(ge=1)]
 
 
@@ -103,7 +104,7 @@ class EngineFields(msgspec.Struct, forbid_unknown_fields=True):
 
     model: str  # the model directory or archive
     dtype: DTypeName = "float32"  # the weights' and activations' dtype
-    device: Annotated[str, Meta(pattern=r"^(cpu|cuda(:\d+)?)$")] = "cpu"
+    device: Annotated[str, Meta(pattern=r"^(cpu|cuda(:\d+)?)$", extra={"expected": "cpu or cuda[:N]"})] = "cpu"
     max_model_len: _Positive | None = None  # default: the model's max_position_embeddings
     block_size: Annotated[int, Meta(ge=1, le=1024)] = 16  # tokens per KV block; a power of two
     max_num_batched_tokens: _Positive = 2048  # the scheduler's token budget per step

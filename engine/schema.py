@@ -87,6 +87,8 @@ def schema_error(exc: msgspec.ValidationError, data: Any = None, schema: Any = N
         text = f"must have {_SIZE_WORDS[found['op']]} {found['limit']} {_LENGTH_WORDS.get(kind, 'items')}{size}"
         if kind == "str":
             text = f"must be {_SIZE_WORDS[found['op']]} {found['limit']} characters long{size}"
+    elif _REGEX.match(message) and (expected := _expected(schema, match["path"] or "")):
+        text = f"must be {expected}{_got(value)}"
     elif found := _REGEX.match(message):
         text = f"must match {found['regex'].replace(chr(92) * 2, chr(92))}{_got(value)}"
     elif _ENUM.match(message) and (allowed := _allowed(schema, match["path"] or "")):
@@ -125,14 +127,14 @@ def _lookup(data: Any, path: str) -> Any:
     return data
 
 
-def _allowed(schema: Any, path: str) -> list[Any]:
-    """The values a Literal or Enum field at `path` (msgspec's "$.a.b" form) of `schema` allows."""
+def _field_type(schema: Any, path: str) -> Any:
+    """msgspec's description of the field at `path` (msgspec's "$.a.b" form) of `schema`."""
     if schema is None:
-        return []
+        return None
     try:
         info = msgspec.inspect.type_info(schema)
     except (TypeError, ValueError):
-        return []
+        return None
     for key, index in _PATH_PART.findall(path):
         info = _unwrap(info)
         if index:
@@ -142,13 +144,28 @@ def _allowed(schema: Any, path: str) -> list[Any]:
         elif isinstance(info, msgspec.inspect.DictType):
             info = info.value_type
         else:
-            return []
-    info = _unwrap(info, want=(msgspec.inspect.LiteralType, msgspec.inspect.EnumType))
+            return None
+    return info
+
+
+def _allowed(schema: Any, path: str) -> list[Any]:
+    """The values a Literal or Enum field at `path` of `schema` allows."""
+    info = _unwrap(_field_type(schema, path), want=(msgspec.inspect.LiteralType, msgspec.inspect.EnumType))
     if isinstance(info, msgspec.inspect.LiteralType):
         return list(info.values)
     if isinstance(info, msgspec.inspect.EnumType):
         return [member.value for member in info.cls]
     return []
+
+
+def _expected(schema: Any, path: str) -> str | None:
+    """A field's own words for what it takes (`Meta(extra={"expected": ...})`), if it has them."""
+    info = _field_type(schema, path)
+    members = info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)
+    for member in members:
+        if isinstance(member, msgspec.inspect.Metadata) and isinstance(member.extra, dict):
+            return member.extra.get("expected")
+    return None
 
 
 def _unwrap(info: Any, want: tuple = (msgspec.inspect.StructType, msgspec.inspect.DataclassType,

@@ -194,7 +194,7 @@ class ModelConfig(msgspec.Struct, kw_only=True):
         JSON-serialisable, keyed as in the YAML file."""
         out: dict[str, Any] = {key: _plain(getattr(self, name)) for key, name in _FRONTEND_KEYS.items()}
         engine = EngineConfig(model=_PLACEHOLDER_MODEL, **self.engine_options())
-        handler = {key: _plain(getattr(engine, key)) for key in HANDLER_KEYS}
+        handler = msgspec.to_builtins({key: getattr(engine, key) for key in HANDLER_KEYS})
         handler[HANDLER_OPTIONS_KEY] = self.handler_options
         out["handler"] = handler
         return out

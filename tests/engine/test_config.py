@@ -39,7 +39,7 @@ def test_defaults_and_coercion():
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"max_num_batched_tokens": -1}, "max_num_batched_tokens"),
         ({"num_kv_blocks": 1}, "num_kv_blocks"),
-        ({"kv_cache_memory": "many"}, "kv_cache_memory: must match"),
+        ({"kv_cache_memory": "many"}, "kv_cache_memory: must be a size such as 2GiB"),
         ({"scheduling_policy": "lifo"}, "scheduling_policy"),
         ({"prefix_cache_hash": "md5"}, "prefix_cache_hash"),
         ({"device": "tpu"}, "device"),
