@@ -89,11 +89,6 @@ class IncrementalDetokenizer:
         return text if self._stop.end is None else text[: self._stop.end]
 
     @property
-    def matched_stop(self) -> str | None:
-        """The stop string that ended the output, or None."""
-        return self._stop.matched
-
-    @property
     def finished(self) -> bool:
         """True after ``finish()`` or once a stop string matched."""
         return self._stop.finished

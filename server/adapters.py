@@ -23,7 +23,7 @@ from typing import Any
 
 from engine.lora.adapter import load_adapter
 from engine.lora.archive import model_dir_digest
-from engine.lora.manager import lora_shapes
+from engine.lora.adapter import lora_shapes
 from engine.lora.request import LoRARequest
 from engine.model.llama_spec import LlamaSpec
 from server.archives import LoadedArchive

@@ -234,18 +234,11 @@ class ModelRegistry:
             raise ModelNotFoundError(f"Model version: {version} does not exist for model: {name}")
         return found
 
-    def default_versions(self) -> list[ModelVersion]:
-        return [m.versions[m.default_version] for m in self.sorted_models()
-                if m.default_version in m.versions]
-
     def all_versions(self) -> list[ModelVersion]:
         return [v for m in self.sorted_models() for v in m.versions.values()]
 
     def sorted_models(self) -> list[RegisteredModel]:
         return [self.models[n] for n in sorted(self.models)]
-
-    def total_in_flight(self) -> int:
-        return sum(v.in_flight for v in self.all_versions())
 
     def total_workers(self) -> int:
         return sum(v.pool.size for v in self.all_versions())

@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 import torch
 
-from engine.lora.adapter import LoRAAdapter, LoRAShapes, load_adapter
+from engine.lora.adapter import LoRAAdapter, LoRAShapes, load_adapter, lora_shapes
 from engine.lora.punica import LoRABatch
 from engine.lora.request import LoRARequest
 from engine.lora.slots import LoRASlots
@@ -52,7 +52,3 @@ class LoRAManager:
         return LoRABatch.build(self.slots.layers, row_slots, self.dtype, self.device, use_triton)
 
 
-def lora_shapes(spec) -> LoRAShapes:
-    """The projection shapes of a LlamaSpec."""
-    return LoRAShapes(spec.num_layers, spec.hidden_size, spec.intermediate_size,
-                      spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim)

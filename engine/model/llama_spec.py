@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -122,6 +123,8 @@ def _rope_params(cfg: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 def rope_inv_freq(spec: LlamaSpec) -> torch.Tensor:
     """Inverse frequencies `[head_dim // 2]` float32, computed exactly as transformers does."""
+    import torch  # only here: the spec itself is plain data the front end reads
+
     dim = spec.head_dim
     inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = spec.rope_scaling

@@ -24,7 +24,7 @@ def test_readme_is_short():
 
 def test_readme_set_up_commands_are_what_ci_runs():
     """The README's second command is exactly `.ci/run`'s (after the install, which both run);
-    the first command's serve part is run by tests/docs/test_examples.py."""
+    the first command's serve part is run by tests/server/test_docs_examples.py."""
     block = re.search(r"## Two commands.*?```bash\n(.*?)```", README.read_text(), re.DOTALL)[1]
     serve, test = block.strip().splitlines()
     assert serve == "bash .ci/install && .venv/bin/pagedserve serve --models default"

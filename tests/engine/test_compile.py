@@ -40,7 +40,7 @@ def test_compile_option_is_checked_and_a_model_config_key():
     assert EngineConfig(model="m", compile="auto").compile is CompileMode.AUTO
     with pytest.raises(ValueError, match='compile: must be one of "none", "auto", "always", got "yes"'):
         EngineConfig(model="m", compile="yes")
-    with pytest.raises(ValueError, match="compile_max_tokens must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match="compile_max_tokens: must be >= 1, got 0"):
         EngineConfig(model="m", compile_max_tokens=0)
     assert {"compile", "compile_max_tokens", "compile_cache_dir"} <= set(HANDLER_KEYS)
 
