@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from _common import RESULTS, result_path, peak_rss_mib
+from _common import RESULTS, peak_rss_mib, result_path
 from _common import start_server as common_start_server
 
 REPO = Path(__file__).resolve().parent.parent

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from _common import RESULTS, result_path, cpu_description, peak_rss_mib
+from _common import RESULTS, cpu_description, peak_rss_mib, result_path
 
 MIN_ROUNDS = 5
 

@@ -32,9 +32,9 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from statistics import median
 
 from _common import RESULTS, result_path
-from statistics import median
 
 REPO = Path(__file__).resolve().parent.parent
 BLOCK = 16

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import RESULTS, result_path, peak_rss_mib, run_phase
+from _common import RESULTS, peak_rss_mib, result_path, run_phase
 
 BLOCK = 16
 

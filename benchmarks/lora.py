@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import RESULTS, result_path, make_prompts, peak_rss_mib
+from _common import RESULTS, make_prompts, peak_rss_mib, result_path
 
 REPO = Path(__file__).resolve().parent.parent
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -41,7 +41,7 @@ def write_adapter(folder: Path, spec, rank: int, seed: int) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from engine.lora.manager import lora_shapes
+    from engine.lora.adapter import lora_shapes
 
     shapes = lora_shapes(spec)
     g = torch.Generator().manual_seed(seed)
@@ -62,9 +62,8 @@ def write_adapter(folder: Path, spec, rank: int, seed: int) -> Path:
 
 def time_registration(model_dir: Path, spec, tmp: Path, rank: int) -> dict:
     """Seconds for each step of registering one adapter on the server, and its first slot load."""
-    from engine.lora.adapter import load_adapter
+    from engine.lora.adapter import load_adapter, lora_shapes
     from engine.lora.archive import write_lora_archive
-    from engine.lora.manager import lora_shapes
     from engine.lora.slots import LoRASlots
     from engine.model.archive_write import write_archive
     from server.archives import load_archive

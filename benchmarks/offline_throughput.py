@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from _common import RESULTS, result_path, cpu_description, make_prompts, peak_rss_mib, run_phase
+from _common import RESULTS, cpu_description, make_prompts, peak_rss_mib, result_path, run_phase
 
 MIN_ROUNDS = 5  # fewer paired rounds than this give no result worth a median
 TTFT_TRIALS = 5

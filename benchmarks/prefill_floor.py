@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import RESULTS, result_path
+from _common import result_path
 
 ROOT = Path(__file__).resolve().parent.parent
 

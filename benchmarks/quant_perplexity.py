@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import RESULTS, result_path
 
 from engine import LLM
 from engine.attention.metadata import AttentionMetadata
@@ -34,7 +35,6 @@ from engine.model.default_model import default_gguf_path, default_model_dir
 from engine.model.quant_convert import convert_gguf_quantized
 
 TEXT = Path(__file__).parent / "data" / "coriolanus_act1.txt"
-RESULTS = Path(__file__).parent / "results"
 
 
 def window_nll(llm: LLM, ids: list[int], chunk: int = 0) -> tuple[float, int]:

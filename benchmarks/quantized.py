@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import RESULTS, result_path, cpu_description, make_prompts, peak_rss_mib, run_phase
+from _common import RESULTS, cpu_description, make_prompts, peak_rss_mib, result_path, run_phase
 
 
 def _rss_mib() -> float:

@@ -42,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import RESULTS, result_path, cpu_description, make_prompts, peak_rss_mib, run_phase
+from _common import RESULTS, cpu_description, make_prompts, peak_rss_mib, result_path, run_phase
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_NAME = "bench"

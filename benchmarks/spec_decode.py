@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import RESULTS, result_path, peak_rss_mib, run_phase
+from _common import RESULTS, peak_rss_mib, result_path, run_phase
 
 REPO = Path(__file__).resolve().parent.parent
 PARAGRAPH = ("The library opens at nine in the morning and closes at six in the evening. Members may borrow "

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import RESULTS, cpu_description, make_prompts, run_phase
+from benchmarks._common import RESULTS, cpu_description, make_prompts, result_path, run_phase
 
 
 def phase(args: argparse.Namespace) -> dict:

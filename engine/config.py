@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from engine.kv_cache.hashing import PrefixCacheHash
 from engine.kv_offload.config import KVOffloadConfig
 from engine.schema import SchemaError, check_fields
 
@@ -28,12 +29,6 @@ if TYPE_CHECKING:
 class SchedulingPolicy(enum.Enum):
     FCFS = "fcfs"
     PRIORITY = "priority"
-
-
-class PrefixCacheHash(enum.Enum):
-    SHA256 = "sha256"
-    # Python's built-in hash over a tuple: fast, not collision-resistant across tenants.
-    BUILTIN = "builtin"
 
 
 class CompileMode(enum.Enum):

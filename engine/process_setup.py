@@ -14,7 +14,6 @@ import ctypes
 import ctypes.util
 from typing import TYPE_CHECKING
 
-
 if TYPE_CHECKING:
     from engine.config import EngineConfig
 

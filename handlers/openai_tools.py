@@ -33,7 +33,7 @@ import msgspec
 from msgspec import Meta
 
 from engine.inputs import PromptSpec
-from handlers.base_handler import HandlerError
+from handlers.errors import HandlerError
 
 MAX_TOOLS = 128
 ToolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]

@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from engine.lora.adapter import load_adapter
+from engine.lora.adapter import load_adapter, lora_shapes
 from engine.lora.archive import model_dir_digest
-from engine.lora.adapter import lora_shapes
 from engine.lora.request import LoRARequest
 from engine.model.llama_spec import LlamaSpec
 from server.archives import LoadedArchive

@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 import torch
 
-from engine.lora.adapter import LoRAAdapter, LoRAShapes, load_adapter, lora_shapes
+from engine.lora.adapter import LoRAAdapter, LoRAShapes, load_adapter
 from engine.lora.punica import LoRABatch
 from engine.lora.request import LoRARequest
 from engine.lora.slots import LoRASlots

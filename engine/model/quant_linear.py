@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_int4_dequant import int4pack_dequant_t, int4pack_linear, packed_block_n, scale_and_shift, unpack_codes
 from engine.model.quant_spec import INT4_GROUP_SIZES, QuantMethod
+from kernels.cpu_int4_dequant import int4pack_dequant_t, int4pack_linear, packed_block_n, scale_and_shift, unpack_codes
 from kernels.cpu_isa import cpu_has_bf16_dot
 
 INT8_WEIGHT_ONLY_MAX_ROWS = 16  # more rows: torch._int_mm on activations quantized per token

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig, EngineFields, PrefixCacheHash, SchedulingPolicy, parse_size
-from engine.schema import SchemaError
 from engine.sampling_params import SamplingParams, SamplingType
+from engine.schema import SchemaError
 
 
 @pytest.mark.parametrize("text, expected", [("2GiB", 2 * 2**30), ("512MB", 512 * 10**6), ("1.5 GiB", int(1.5 * 2**30)), (4096, 4096)])

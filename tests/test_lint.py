@@ -1,0 +1,86 @@
+"""The house rules, checked by their tools: the import contracts (`lint-imports`: the four layers,
+no HTTP below the handlers, no import circles inside any package), `ruff check`, `ruff format
+--check`, `mypy` on engine/ and server/, and a front end that imports no torch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def run(*argv: str, cwd: Path = REPO, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(cwd)}
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def tool(name: str) -> str:
+    path = BIN / name
+    if not path.exists():
+        pytest.skip(f"{name} is not installed (pip install -e '.[test]')")
+    return str(path)
+
+
+def test_import_contracts_are_kept():
+    out = run(tool("lint-imports"))
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
+    assert "0 broken" in out.stdout and "3 kept" in out.stdout
+
+
+def test_the_circle_contract_catches_a_type_only_circle(tmp_path):
+    """The acyclic contract as configured here refuses a circle made only of TYPE_CHECKING
+    imports, like the ones this codebase had (engine.request <-> engine.structured_output)."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg import b\n")
+    (pkg / "b.py").write_text(textwrap.dedent("""\
+        from typing import TYPE_CHECKING
+        if TYPE_CHECKING:
+            from pkg import a
+        """))
+    (tmp_path / ".importlinter").write_text(textwrap.dedent("""\
+        [importlinter]
+        root_packages = pkg
+
+        [importlinter:contract:circles]
+        name = no circles
+        type = acyclic_siblings
+        ancestors = pkg
+        """))
+    out = run(tool("lint-imports"), cwd=tmp_path)
+    assert out.returncode != 0 and "No cycles are allowed in pkg" in out.stdout, out.stdout
+
+
+def test_ruff_check_is_clean():
+    out = run(tool("ruff"), "check", ".")
+    assert out.returncode == 0, out.stdout[-6000:]
+
+
+def test_ruff_format_is_clean():
+    out = run(tool("ruff"), "format", "--check", ".")
+    assert out.returncode == 0, out.stdout[-6000:]
+
+
+@pytest.mark.slow
+def test_mypy_is_clean_on_engine_and_server():
+    out = run(tool("mypy"), timeout=900)
+    assert out.returncode == 0, out.stdout[-6000:]
+
+
+def test_the_front_end_imports_no_torch():
+    """The front end's modules (the CLI, the app and every route) load without torch: the
+    engine's data types it uses are plain, and torch is imported where tensors are made."""
+    out = run(sys.executable, "-X", "importtime", "-c",
+              "import server.cli, server.serve, server.inference_app, server.management_app")
+    assert out.returncode == 0, out.stderr[-3000:]
+    loaded = [line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line]
+    assert "server.inference_app" in loaded  # the import really happened
+    assert not [name for name in loaded if name == "torch" or name.startswith("torch.")]
