@@ -4,6 +4,7 @@ no HTTP below the handlers, no import circles inside any package), `ruff check`,
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -70,8 +71,24 @@ def test_ruff_format_is_clean():
 
 
 @pytest.mark.slow
-def test_mypy_is_clean_on_engine_and_server():
-    out = run(tool("mypy"), timeout=900)
+def test_mypy_is_clean_on_engine_and_server(tmp_path):
+    """mypy over engine/ and server/ (pyproject's [tool.mypy]; modules on its baseline list are
+    not checked yet). Under the `pagedserve` namespace the folders are reached through a link
+    tree (`pagedserve/engine` -> engine/ ...), as mypy does not read the editable install's
+    package-dir mapping."""
+    if importlib.util.find_spec("pagedserve") is None:
+        targets = ["engine", "server"]
+        cwd, env_path = REPO, str(REPO)
+    else:
+        tree = tmp_path / "pagedserve"
+        tree.mkdir()
+        for root in ("server", "handlers", "engine", "kernels"):
+            (tree / root).symlink_to(REPO / root, target_is_directory=True)
+        targets = ["-p", "pagedserve.engine", "-p", "pagedserve.server"]
+        cwd, env_path = REPO, str(tmp_path)
+    out = subprocess.run([tool("mypy"), "--config-file", str(REPO / "pyproject.toml"), *targets], cwd=cwd,
+                         env={**os.environ, "MYPYPATH": env_path}, capture_output=True, text=True,
+                         timeout=900, check=False)
     assert out.returncode == 0, out.stdout[-6000:]
 
 
