@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 
 
 def run(*argv: str, cwd: Path = REPO, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -22,15 +21,23 @@ def run(*argv: str, cwd: Path = REPO, timeout: float = 600) -> subprocess.Comple
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def tool(name: str) -> str:
-    path = BIN / name
-    if not path.exists():
+COMMANDS = {  # each tool run by this interpreter, so it sees the environment the tests see
+    "lint-imports": ("importlinter", ["-c", "import sys; from importlinter.cli import lint_imports_command; "
+                                            "sys.exit(lint_imports_command())"]),
+    "ruff": ("ruff", ["-m", "ruff"]),
+    "mypy": ("mypy", ["-m", "mypy"]),
+}
+
+
+def tool(name: str) -> list[str]:
+    module, argv = COMMANDS[name]
+    if importlib.util.find_spec(module) is None:
         pytest.skip(f"{name} is not installed (pip install -e '.[test]')")
-    return str(path)
+    return [sys.executable, *argv]
 
 
 def test_import_contracts_are_kept():
-    out = run(tool("lint-imports"))
+    out = run(*tool("lint-imports"))
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
     assert "0 broken" in out.stdout and "3 kept" in out.stdout
 
@@ -56,17 +63,17 @@ def test_the_circle_contract_catches_a_type_only_circle(tmp_path):
         type = acyclic_siblings
         ancestors = pkg
         """))
-    out = run(tool("lint-imports"), cwd=tmp_path)
+    out = run(*tool("lint-imports"), cwd=tmp_path)
     assert out.returncode != 0 and "No cycles are allowed in pkg" in out.stdout, out.stdout
 
 
 def test_ruff_check_is_clean():
-    out = run(tool("ruff"), "check", ".")
+    out = run(*tool("ruff"), "check", ".")
     assert out.returncode == 0, out.stdout[-6000:]
 
 
 def test_ruff_format_is_clean():
-    out = run(tool("ruff"), "format", "--check", ".")
+    out = run(*tool("ruff"), "format", "--check", ".")
     assert out.returncode == 0, out.stdout[-6000:]
 
 
@@ -86,7 +93,7 @@ def test_mypy_is_clean_on_engine_and_server(tmp_path):
             (tree / root).symlink_to(REPO / root, target_is_directory=True)
         targets = ["-p", "pagedserve.engine", "-p", "pagedserve.server"]
         cwd, env_path = REPO, str(tmp_path)
-    out = subprocess.run([tool("mypy"), "--config-file", str(REPO / "pyproject.toml"), *targets], cwd=cwd,
+    out = subprocess.run([*tool("mypy"), "--config-file", str(REPO / "pyproject.toml"), *targets], cwd=cwd,
                          env={**os.environ, "MYPYPATH": env_path}, capture_output=True, text=True,
                          timeout=900, check=False)
     assert out.returncode == 0, out.stdout[-6000:]
