@@ -22,8 +22,8 @@ import torch
 
 from engine.structured_output_params import StructuredOutputsParams, xgrammar_message, xgrammar_module
 
-if TYPE_CHECKING:
-    from engine.sampling_params import SamplingParams
+class _Params(Protocol):
+    structured_outputs: StructuredOutputsParams | None
 
 
 class Request(Protocol):
@@ -31,7 +31,7 @@ class Request(Protocol):
     request holds its grammar's state; this module, which makes that state, names only these."""
 
     request_id: str
-    sampling_params: SamplingParams
+    sampling_params: _Params
     grammar: GrammarState | None
 
 COMPILE_TIMEOUT_S = 30.0
