@@ -16,7 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
