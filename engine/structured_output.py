@@ -22,6 +22,7 @@ import torch
 
 from engine.structured_output_params import StructuredOutputsParams, xgrammar_message, xgrammar_module
 
+
 class _Params(Protocol):
     structured_outputs: StructuredOutputsParams | None
 

@@ -28,9 +28,9 @@ def cpu_extensions():
     """The CPU extensions the engine loads (empty when PAGEDSERVE_DISABLE_CPU_KERNELS=1)."""
     from kernels.cpu_build import cpu_kernels_disabled
     from kernels.cpu_fused_ops import EXTENSION as FUSED_OPS
-    from kernels.cpu_paged_attention import EXTENSION as PAGED_DECODE
     from kernels.cpu_int4_dequant import EXTENSION as INT4_DEQUANT
     from kernels.cpu_int8_mm_io import EXTENSION as INT8_MM_IO
+    from kernels.cpu_paged_attention import EXTENSION as PAGED_DECODE
     from kernels.cpu_upcast_linear import EXTENSION as BF16_GEMV
 
     return () if cpu_kernels_disabled() else (PAGED_DECODE, FUSED_OPS, BF16_GEMV, INT4_DEQUANT, INT8_MM_IO)
