@@ -334,7 +334,9 @@ class AsyncLLM:
         if self.is_dead:
             return
         self.dead_reason = reason
-        logger.error("%s died: %s", self.name, reason)
+        # Stopped on purpose (scale down, unregister, shutdown): not an error.
+        logger.log(logging.INFO if self._closing else logging.ERROR, "%s %s: %s", self.name,
+                   "stopped" if self._closing else "died", reason)
         self._fail_all(EngineDeadError(f"{self.name} died: {reason}"))
         if self._sleep_answer is not None and not self._sleep_answer.done():
             self._sleep_answer.set_exception(EngineDeadError(f"{self.name} died: {reason}"))

@@ -100,6 +100,9 @@ class EngineFields(msgspec.Struct, forbid_unknown_fields=True):
     model: str  # the model directory or archive
     dtype: DTypeName = "float32"  # the weights' and activations' dtype
     device: Annotated[str, Meta(pattern=r"^(cpu|cuda(:\d+)?)$", extra={"expected": "cpu or cuda[:N]"})] = "cpu"
+    # CUDA_VISIBLE_DEVICES of the worker process (set by the server per worker: its GPUs, seen
+    # as cuda:0..N-1 inside); None: inherited.
+    visible_devices: str | None = None
     max_model_len: _Positive | None = None  # default: the model's max_position_embeddings
     block_size: Annotated[int, Meta(ge=1, le=1024)] = 16  # tokens per KV block; a power of two
     max_num_batched_tokens: _Positive = 2048  # the scheduler's token budget per step
@@ -118,8 +121,8 @@ class EngineFields(msgspec.Struct, forbid_unknown_fields=True):
     model_verified: bool = False
     # Tiered KV offload through LMCache (engine.kv_offload.config); None = off.
     kv_offload: KVOffloadConfig | None = None
-    # Speculative decoding: {"method": "ngram", "num_speculative_tokens", "prompt_lookup_max",
-    # "prompt_lookup_min"} (engine.spec_decode.config); None = off.
+    # Speculative decoding: {"method": "ngram" | "suffix" | "auto", "num_speculative_tokens", ...}
+    # (engine.spec_decode.config.SpeculativeConfig); None = off.
     speculative: dict[str, Any] | None = None
     # Quantized layers (engine.model.quant_spec): None loads the checkpoint as it is (quantized
     # or not); "none", "int8", "int4" or "w8a8" asks for that mode (a quantized checkpoint
@@ -178,7 +181,7 @@ class EngineConfig(EngineFields):
         if self.speculative is not None:
             from engine.spec_decode.config import SpeculativeConfig
 
-            self.speculative = msgspec.to_builtins(SpeculativeConfig.from_options(self.speculative))
+            self.speculative = SpeculativeConfig.from_options(self.speculative).as_dict()
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -216,7 +216,13 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     from engine.process_setup import die_with_parent  # imports torch, which the worker needs anyway
 
     die_with_parent()  # no orphaned workers; not Linux: the parent-pid check in the loop
+    if config.visible_devices is not None:  # before CUDA is first touched (TP ranks inherit it)
+        os.environ["CUDA_VISIBLE_DEVICES"] = config.visible_devices
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front end, which stops us
+    # SIGTERM to the whole group (systemd's KillMode=control-group, `timeout`, a process-group
+    # kill) is the front end's to handle too: it drains, then stops us; if it dies we die
+    # with it (die_with_parent).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"[worker {os.getpid()}] %(levelname)s %(name)s: %(message)s")
     proc = EngineCoreProc(input_address, output_address, parent_pid)
     exit_code = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -21,7 +22,7 @@ from engine.request import FinishReason, Request, RequestStatus
 from engine.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.stats import SchedulerStats
-from engine.spec_decode.ngram import NgramProposer, can_draft
+from engine.spec_decode.speculator import Speculator
 from engine.structured_output import StructuredOutputManager
 from engine.structured_output_params import check_grammar
 
@@ -95,8 +96,7 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(str(model_dir), self.vocab_size, self.eos_token_ids)
         self._compiling: dict[str, Request] = {}  # requests whose grammar is not ready yet
         spec = config.speculative_config
-        self.drafter = None if spec is None else NgramProposer(
-            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.drafter = None if spec is None else Speculator(spec, self.max_model_len, self.runner)
         # Async scheduling: drafts depend on the previous step's tokens, the offload tiers store
         # what a step computed, and tensor-parallel ranks are driven from the engine's thread:
         # with any of them the engine stays synchronous.
@@ -150,6 +150,11 @@ class EngineCore:
         self.runner.shutdown()  # tensor-parallel ranks exit: wake starts them again
         self.runner = None  # the model's parameters and the KV tensors go with it
         self.sleeping = True
+        if torch.device(self.config.device).type == "cuda":
+            # Off the device for real: torch's caching allocator keeps freed blocks reserved
+            # (other processes could not use them) until it is told to give them back.
+            gc.collect()
+            torch.cuda.empty_cache()
 
     def wake(self) -> None:
         """Load the weights again from the model directory (the page cache keeps them warm)
@@ -222,6 +227,7 @@ class EngineCore:
             spec_draft_tokens=self.scheduler.num_draft_tokens,
             spec_accepted_tokens=self.scheduler.num_accepted_tokens,
             kv_offload=self.kv_offload_stats(),
+            **(self.drafter.stats() if self.drafter is not None else {}),
         )
 
     def set_num_threads(self, n: int) -> None:
@@ -285,7 +291,10 @@ class EngineCore:
         failed = self._fail_broken_grammars() if self._compiling else []
         scheduler_output = self.scheduler.schedule()
         self._add_grammar_bitmask(scheduler_output)
+        started = time.perf_counter()
         runner_output = self.runner.execute_model(scheduler_output)
+        if self.drafter is not None:
+            self.drafter.observe(scheduler_output, runner_output, time.perf_counter() - started)
         if self.kv_offload is not None:  # before update_from_output frees finished requests
             self.kv_offload.store_computed(scheduler_output, self.scheduler.requests, self.kv_manager.get_block_ids)
         if scheduler_output.is_empty and self._compiling:
@@ -293,22 +302,8 @@ class EngineCore:
             self.structured_output.wait_for_compiles(list(self._compiling.values()), GRAMMAR_WAIT_S)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.drafter is not None:
-            self._draft()
+            self.drafter.draft(self.scheduler.running, self.scheduler.requests)
         return failed + outputs
-
-    def _draft(self) -> None:
-        """Propose the next step's drafts for the running requests that are decoding (never a
-        pooling request: it samples nothing)."""
-        for request in self.scheduler.running:
-            params = request.sampling_params
-            if (request.num_computed_tokens != request.num_tokens - 1 or not can_draft(params)
-                    or request.pooling_params is not None):
-                continue
-            # Kept drafts plus the target's own token must fit max_tokens and max_model_len.
-            room = self.max_model_len - request.num_tokens - 1
-            if params.max_tokens is not None:
-                room = min(room, params.max_tokens - request.num_output_tokens - 1)
-            request.spec_token_ids = self.drafter.propose(request.all_token_ids, room)
 
     def _fail_broken_grammars(self) -> list[EngineCoreOutput]:
         """End the requests whose grammar failed or timed out; forget the ready ones."""
@@ -326,12 +321,12 @@ class EngineCore:
 
     def _add_grammar_bitmask(self, so: SchedulerOutput) -> None:
         """Bitmask rows for the constrained requests that sample this step (those whose
-        scheduled tokens reach their newest token)."""
+        scheduled tokens reach their newest token, or their speculative drafts: a row each)."""
         if not self.structured_output.in_use:
             return  # no constrained request yet: nothing to look at on this hot path
-        requests = self.scheduler.requests
-        sampling = [requests[r] for r in so.num_scheduled_tokens
-                    if requests[r].grammar is not None and requests[r].num_computed_tokens == requests[r].num_tokens]
+        requests, spec = self.scheduler.requests, so.scheduled_spec_tokens
+        sampling = [(requests[r], spec.get(r, [])) for r in so.num_scheduled_tokens if requests[r].grammar is not None
+                    and requests[r].num_computed_tokens == requests[r].num_tokens + len(spec.get(r, ()))]
         made = self.structured_output.bitmask(sampling)
         if made is not None:
             so.grammar_bitmask, so.grammar_rows = made

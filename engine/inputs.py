@@ -67,6 +67,8 @@ class EngineInput:
     params: SamplingParams
     pooling: PoolingParams | None = None  # set: return the prompt's embedding, generate nothing
     lora: LoRARequest | None = None  # the LoRA adapter to run under (None: the base model)
+    priority: int = 0  # lower first, under scheduling_policy "priority"
+    cache_salt: str | None = None  # a tenant's salt: its prefix-cache hits are its own
 
 
 def render_prompt(tokenizer: Any, spec: PromptSpec) -> tuple[str | None, list[int]]:
@@ -77,6 +79,11 @@ def render_prompt(tokenizer: Any, spec: PromptSpec) -> tuple[str | None, list[in
     if spec.messages is not None:
         import jinja2  # transformers' chat templates are jinja2; imported with them
 
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidInput("the model has no chat template (a base model): send a plain prompt "
+                               "(completions), or register the model with a chat template "
+                               "(POST /models ... chat_template=..., or chat_template.jinja in its archive)",
+                               "messages")
         try:
             extra = {} if spec.tools is None else {"tools": spec.tools}
             text = tokenizer.apply_chat_template(
@@ -84,9 +91,10 @@ def render_prompt(tokenizer: Any, spec: PromptSpec) -> tuple[str | None, list[in
             )
         except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:  # templates raise their own
             raise InvalidInput(f"the model's chat template refused the messages: {exc}", "messages") from None
-    else:
-        text = spec.text
-    return text, tokenizer.encode(text, add_special_tokens=False)
+        return text, tokenizer.encode(text, add_special_tokens=False)  # the template wrote its own BOS
+    # A plain prompt gets the tokenizer's own special tokens, as transformers and vLLM encode it:
+    # a BOS for models that want one (Gemma, Llama 3), nothing for those that do not (SmolLM2).
+    return spec.text, tokenizer.encode(spec.text, add_special_tokens=True)
 
 
 def pooling_sampling_params() -> SamplingParams:

@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.input_batch import InputBatch, StepInputs
 from engine.logits_processors import apply_logit_bias
 from engine.lora.adapter import LoRAAdapter, lora_shapes
-from engine.lora.manager import LoRAManager
+from engine.lora.manager import LoRAManager, LoRAUnsupported
 from engine.lora.punica import LoRABatch
 from engine.model.compile import compile_buckets, compiled_forward_for
 from engine.model.loader import (
@@ -30,6 +30,7 @@ from engine.sampler import Sampler, processed_probs
 from engine.sampling_metadata import SamplingMetadata
 from engine.sampling_params import SamplingParams, SamplingType
 from engine.scheduler.output import Logprobs, ModelRunnerOutput, SchedulerOutput
+from engine.spec_decode.draft_model import draft_kv_bytes_per_block
 from engine.spec_decode.rejection import rejection_sample, verify_greedy
 from engine.structured_output import apply_bitmask
 
@@ -90,7 +91,7 @@ class ModelRunner:
         self.tp: TensorParallelModel | None = None
         if config.tensor_parallel_size > 1:
             # imported here: it imports torch.distributed, which a single-process worker never needs
-            from engine.parallel.driver import LoRAUnsupported, TensorParallelModel
+            from engine.parallel.driver import TensorParallelModel
 
             self.model = self.tp = TensorParallelModel(config, model_dir, self.backend, max_model_len, quant)
         else:
@@ -101,14 +102,20 @@ class ModelRunner:
             )
         # The KV heads of this process (a tensor-parallel rank's share); the budget is the worker's.
         self.bytes_per_block, self.num_blocks = kv_pool_size(config, self.model.rank_spec, self.kv_dtype)
+        # A draft model (speculative method "draft") has a pool of as many blocks of its own:
+        # the budget pays for both.
+        spec = config.speculative_config
+        self.draft_bytes_per_block = 0 if spec is None or spec.draft_model is None else \
+            draft_kv_bytes_per_block(spec.draft_model, self.block_size, self.dtype)
+        if self.draft_bytes_per_block:
+            self.num_blocks = config.resolve_num_blocks(self.bytes_per_block + self.draft_bytes_per_block)
         self.kv_caches = allocate_kv_caches(self.model.rank_spec, self.num_blocks, self.block_size, self.dtype,
                                             self.device, self.kv_dtype)
         # torch.compile'd forward for the steps it covers (config.compile), compiled here, before ready.
         self.compiled = compiled_forward_for(config, self.model, self.backend, self.kv_caches, buckets)
         self.sampler = Sampler()
         # LoRA adapters: read on first use, at most max_loras resident (slots allocated lazily).
-        self.lora = LoRAManager(lora_shapes(self.model.spec), config.max_loras, config.max_lora_rank,
-                                self.dtype, self.device) if self.tp is None else LoRAUnsupported(self.tp.size)
+        self.lora = self._lora_manager(config)
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}  # seeded requests, until they finish
         self.input_batch = InputBatch(config.max_num_seqs, max_model_len, config.max_num_batched_tokens,
@@ -116,6 +123,19 @@ class ModelRunner:
         # Requests whose token the step launched last is sampling (async scheduling: it runs
         # while the next step is prepared, so that token is not in the batch yet).
         self._pending: set[str] = set()
+
+    def _lora_manager(self, config: EngineConfig) -> LoRAManager | LoRAUnsupported:
+        """The adapters' manager, or a refusal where adapters cannot run: tensor-parallel workers,
+        and mixture-of-experts models (their experts take no adapter)."""
+        if self.tp is not None:
+            from engine.parallel.driver import lora_refusal
+
+            return LoRAUnsupported(lora_refusal(self.tp.size))
+        if self.model.spec.moe is not None:
+            return LoRAUnsupported(f"lora: LoRA adapters are not supported for mixture-of-experts models "
+                                   f"({self.model.spec.architecture})")
+        return LoRAManager(lora_shapes(self.model.spec), config.max_loras, config.max_lora_rank,
+                           self.dtype, self.device)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks this runner started (none without). Idempotent."""
@@ -263,8 +283,14 @@ class ModelRunner:
             params = state.sampling_params
             if params.logit_bias:  # the draft is checked against the biased distribution
                 rows = apply_logit_bias(rows, dict.fromkeys(range(k + 1), params.logit_bias))
+            masked = step.so.grammar_bitmask is not None and req_id in step.so.grammar_rows
+            if masked:  # and against the grammar, one mask row per position
+                first = step.so.grammar_rows[req_id]
+                rows = rows.clone()
+                apply_bitmask(rows, step.so.grammar_bitmask[first : first + k + 1], list(range(k + 1)))
             if params.sampling_type is SamplingType.GREEDY:
-                greedy = rows.max(dim=-1).indices.tolist() if params.logit_bias else argmax[row : row + k + 1]
+                greedy = (rows.max(dim=-1).indices.tolist() if params.logit_bias or masked
+                          else argmax[row : row + k + 1])
                 tokens = verify_greedy(greedy, drafts[req_id])
             else:
                 meta = SamplingMetadata.build([params] * (k + 1), [()] * (k + 1), [()] * (k + 1),

@@ -65,7 +65,8 @@ class OutputProcessor:
             child_id = child_request_id(request_id, i) if params.n > 1 else request_id
             self._children[child_id] = (request_id, _ChildState(i, detok, completion))
             requests.append(EngineCoreRequest(child_id, list(inp.token_ids), child_sampling_params(params, i),
-                                              priority, arrival_time, pooling_params=inp.pooling, lora=inp.lora))
+                                              priority, arrival_time, cache_salt=inp.cache_salt,
+                                              pooling_params=inp.pooling, lora=inp.lora))
         self._parents[request_id] = _ParentState(out, params.n)
         return requests
 

@@ -76,6 +76,29 @@ class GrammarState:
     def accept(self, token_id: int) -> bool:
         return self._matcher.accept_token(token_id)
 
+    def valid_prefix(self, drafts: list[int]) -> int:
+        """How many leading speculative drafts the grammar allows (the matcher is left as it was)."""
+        n = 0
+        for token in drafts:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+                break
+            n += 1
+        if n:
+            self._matcher.rollback(n)
+        return n
+
+    def fill_draft_bitmasks(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
+        """Rows row..row + len(drafts): the mask before each draft and after the last (drafts
+        the grammar allows: see valid_prefix); the matcher is left as it was. A row after the
+        grammar completed stays all-allowed: its token is never kept."""
+        self.fill_bitmask(bitmask, row)
+        for i, token in enumerate(drafts):
+            self._matcher.accept_token(token)
+            if not self._matcher.is_terminated():
+                self.fill_bitmask(bitmask, row + i + 1)
+        if drafts:
+            self._matcher.rollback(len(drafts))
+
     @property
     def is_terminated(self) -> bool:
         return self._matcher is not None and self._matcher.is_terminated()
@@ -134,15 +157,21 @@ class StructuredOutputManager:
         if futures:
             concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
-    def bitmask(self, requests: list[Request]) -> tuple[torch.Tensor, dict[str, int]] | None:
-        """One row per constrained request that samples this step: (bitmask, row of each)."""
+    def bitmask(self, requests: list[tuple[Request, list[int]]]) -> tuple[torch.Tensor, dict[str, int]] | None:
+        """Rows for the constrained requests that sample this step, each with the speculative
+        drafts it verifies (1 + len(drafts) rows: before each draft and after the last):
+        (bitmask, first row of each)."""
         if not requests:
             return None
-        bitmask = xgrammar_module().allocate_token_bitmask(len(requests), self.vocab_size)
-        rows = {}
-        for row, request in enumerate(requests):
-            request.grammar.fill_bitmask(bitmask, row)
+        bitmask = xgrammar_module().allocate_token_bitmask(sum(1 + len(d) for _, d in requests), self.vocab_size)
+        rows, row = {}, 0
+        for request, drafts in requests:
+            if drafts:
+                request.grammar.fill_draft_bitmasks(bitmask, row, drafts)
+            else:
+                request.grammar.fill_bitmask(bitmask, row)
             rows[request.request_id] = row
+            row += 1 + len(drafts)
         return bitmask, rows
 
     def shutdown(self) -> None:

@@ -63,6 +63,8 @@ class OpenAIRequest:
     top_logprobs: int = 0  # alternatives per token (completions: the `logprobs` integer)
     echo: bool = False  # completions: each choice's text starts with its prompt
     tools: ToolRequest | None = None  # chat: the tools offered (handlers.openai_tools)
+    priority: int = 0  # vLLM's: lower first under scheduling_policy "priority"
+    cache_salt: str | None = None  # vLLM's: prefix-cache hits only among requests with the same salt
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -106,6 +108,10 @@ class _OpenAIBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     guided_regex: _Text | None = None
     guided_choice: Annotated[list[_Text], Meta(min_length=1)] | None = None
     guided_grammar: _Text | None = None
+    # vLLM's request fields: the scheduling priority (lower first, under scheduling_policy
+    # "priority") and a tenant's salt for the prefix cache's block hashes.
+    priority: Annotated[int, Meta(ge=-(1 << 31), le=(1 << 31) - 1)] = 0
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     # Accepted by OpenAI, no effect here.
     user: Any = None
     store: Any = None
@@ -157,7 +163,8 @@ def parse_completion_request(body: dict[str, Any]) -> OpenAIRequest:
     _refuse_if(req.best_of is not None and req.best_of != params.n, "best_of",
                "other than n is not supported")
     return OpenAIRequest(Endpoint.COMPLETIONS, req.model, specs, params, req.stream, _include_usage(req),
-                         logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, echo=bool(req.echo))
+                         logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, echo=bool(req.echo),
+                         priority=req.priority, cache_salt=req.cache_salt)
 
 
 def parse_chat_request(body: dict[str, Any]) -> OpenAIRequest:
@@ -181,13 +188,18 @@ def parse_chat_request(body: dict[str, Any]) -> OpenAIRequest:
                               logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                               tool_schema=None if tools is None else tools.constraint())
     return OpenAIRequest(Endpoint.CHAT, req.model, [spec], params, req.stream, _include_usage(req),
-                         logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, tools=tools)
+                         logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, tools=tools,
+                         priority=req.priority, cache_salt=req.cache_salt)
 
 
-def split_model(name: str) -> tuple[str, str | None]:
-    """`model@version` -> (model, version); a bare name -> (name, None)."""
+def split_model(name: str, field: str = "model") -> tuple[str, str | None]:
+    """`model@version` -> (model, version); a bare name -> (name, None). A name with an empty
+    side of its `@` (`model@`, `@1.0`) or a second `@` is refused (HandlerError naming `field`)."""
     model, sep, version = name.partition("@")
-    return model, (version if sep and version else None)
+    if sep and (not model or not version or "@" in version):
+        raise HandlerError(f"{field}: {name[:80]!r} is not a model name: write model or "
+                           "model@version (both parts non-empty)", param=field)
+    return model, (version if sep else None)
 
 
 # -- helpers -------------------------------------------------------------------------------------

@@ -141,7 +141,8 @@ class OpenAIFormatter:
         if not parsed.calls:
             return {"content": parsed.content}, finish_reason
         calls = [call.as_openai() for call in parsed.calls]
-        return {"content": parsed.content, "tool_calls": calls}, "tool_calls" if finish_reason == "stop" else finish_reason
+        ended = finish_reason == "stop" or tools.forced  # a forced list cut short keeps its complete calls
+        return {"content": parsed.content, "tool_calls": calls}, "tool_calls" if ended else finish_reason
 
     def _echo(self, index: int) -> str:
         """The prompt text choice `index` starts with ("" without echo)."""

@@ -69,6 +69,8 @@ class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None  # or {"type": "function", "name"}
     parallel_tool_calls: bool | None = None
     stream: bool = False
+    priority: int | None = None  # vLLM's: lower first under scheduling_policy "priority"
+    cache_salt: str | None = None  # vLLM's: prefix-cache hits only among requests with the same salt
     store: bool | None = None
     previous_response_id: str | None = None
     background: bool | None = None
@@ -103,7 +105,8 @@ def parse_responses_request(body: dict[str, Any]) -> ResponsesRequest:
                                if name in ("previous_response_id", "store", "conversation") else
                                f"{name}: not supported", param=name)
     chat: dict[str, Any] = {"model": req.model, "messages": _messages(req), "stream": req.stream,
-                            "max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p}
+                            "max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
+                            "priority": req.priority, "cache_salt": req.cache_salt}
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type == "json_object":
         chat["response_format"] = {"type": "json_object"}

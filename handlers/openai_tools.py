@@ -7,10 +7,13 @@ enforces `required` and named choices, and the parsers that read calls out of ge
   (model-config `toolParser`: `hermes` `<tool_call>{json}</tool_call>`, `llama3_json`
   `{"name": ..., "parameters": {...}}` separated by `;`, `pythonic` `[f(a=1), g(b="x")]`).
 - `"required"`: the output is constrained (xgrammar, a JSON schema) to a JSON array of
-  `{"name", "arguments"}` objects, one per call (at most one without `parallel_tool_calls`),
-  whose arguments follow that tool's `parameters` schema.
+  `{"name", "arguments"}` objects, one per call, whose arguments follow that tool's
+  `parameters` schema. The list is bounded: one call without `parallel_tool_calls`, else at
+  most one per offered tool (MAX_PARALLEL_CALLS at most), and the grammar ends at its `]`, so
+  a small model cannot write call after call until max_tokens. A list cut short by max_tokens
+  still yields its complete calls.
 - a named function: the output is constrained to that function's `parameters` schema and is
-  the call's arguments.
+  the call's arguments (the grammar ends with the object).
 
 Prompt: a chat template that mentions `tools` gets the tools and the tool turns as Hugging Face
 templates expect them (`tools=`, assistant `tool_calls` with arguments as objects, `tool`
@@ -36,6 +39,7 @@ from engine.inputs import PromptSpec
 from handlers.errors import HandlerError
 
 MAX_TOOLS = 128
+MAX_PARALLEL_CALLS = 8  # calls in one `required` answer (at most one per offered tool)
 ToolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
 
@@ -93,10 +97,13 @@ class ToolRequest:
         calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
                                                     "arguments": _parameters(t.function)},
                   "required": ["name", "arguments"], "additionalProperties": False} for t in self.tools]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        if not self.parallel:
-            schema["maxItems"] = 1
-        return schema
+        most = min(len(self.tools), MAX_PARALLEL_CALLS) if self.parallel else 1
+        return {"type": "array", "minItems": 1, "maxItems": most, "items": {"anyOf": calls}}
+
+    @property
+    def forced(self) -> bool:
+        """`required` or a named function: the answer is calls, whatever the model wanted."""
+        return self.choice in ("required", "function")
 
 
 def _parameters(function: FunctionDef) -> dict[str, Any]:
@@ -197,10 +204,32 @@ def parse_output(text: str, tools: ToolRequest, parser: ToolParser) -> ParsedOut
             json.loads(text)
             return ParsedOutput(None, [ToolCall(tools.name, text)])
         if tools.choice == "required":
-            return ParsedOutput(None, [_call(c.get("name"), c.get("arguments")) for c in json.loads(text)])
+            return ParsedOutput(None, [_call(c.get("name"), c.get("arguments")) for c in _call_list(text)])
         return _PARSERS[parser](text)
     except (ValueError, TypeError, AttributeError, SyntaxError):
         return ParsedOutput(text, [])  # not a well-formed call (e.g. cut off by max_tokens)
+
+
+def _call_list(text: str) -> list[dict[str, Any]]:
+    """The complete calls of a `required` answer's JSON list, also when max_tokens cut the list
+    short (the grammar guarantees every complete item is a well-formed call)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    decoder, calls, pos = json.JSONDecoder(), [], text.find("[") + 1
+    if pos == 0:
+        raise ValueError("not a list of calls")
+    while True:
+        try:
+            call, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            break
+        calls.append(call)
+        pos = len(text) - len(text[pos:].lstrip().removeprefix(",").lstrip())
+    if not calls:
+        raise ValueError("no complete call")
+    return calls
 
 
 def _call(name: Any, arguments: Any) -> ToolCall:

@@ -1,12 +1,15 @@
-"""Shared build logic for the CPU C++ extensions (compiled once per machine with cpp_extension).
+"""Shared build logic for the CPU C++ extension (compiled once per machine with cpp_extension).
 
-Builds go to `$PAGEDSERVE_CACHE_DIR/torch_extensions` (default `~/.cache/pagedserve/...`), one
-directory per (source, flags, torch version, CPU, source and torch paths) so a stale or foreign
-build is never loaded. `pagedserve prepare` (run by `.ci/install`) builds them at install time;
-a process that finds its build missing builds it then, and says so (~30-60 s once). A finished
-build is marked (`BUILT_MARK`, written after it loaded once) and later loads import its `.so`
-directly, without cpp_extension's ninja check or any message.
-`PAGEDSERVE_DISABLE_CPU_KERNELS=1` turns every extension off (callers then use the torch path).
+The project has one native extension (kernels/cpu_native.py: kernels/csrc/native.cpp and the
+headers it includes), built for the portable x86-64 baseline and dispatching at run time on the
+CPU's features, so a build made on one CPU runs on another. Builds go to
+`$PAGEDSERVE_CACHE_DIR/torch_extensions` (default `~/.cache/pagedserve/...`), one directory per
+(sources, flags, torch version, source and torch paths) so a stale build is never loaded.
+`pagedserve prepare` (run by `.ci/install`) builds it at install time; a process that finds the
+build missing builds it then, and says so (~1-2 min once). A finished build is marked
+(`BUILT_MARK`, written after it loaded once) and later loads import its `.so` directly, without
+cpp_extension's ninja check or any message.
+`PAGEDSERVE_DISABLE_CPU_KERNELS=1` turns the extension off (callers then use the torch path).
 """
 
 from __future__ import annotations
@@ -35,28 +38,23 @@ def cpu_kernels_disabled() -> bool:
     return os.environ.get("PAGEDSERVE_DISABLE_CPU_KERNELS") == "1"
 
 
-def cpu_signature() -> bytes:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return b"unknown-cpu"
-    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
-    return "\n".join(wanted).encode()
-
-
-def build_tag(source: Path, cflags: tuple[str, ...]) -> str:
-    """The build folder's key: the source, flags, torch version and CPU (-march=native: a build
-    is only valid on the CPU it was made for), and the source's and torch's paths, which
-    cpp_extension writes into build.ninja: without them two checkouts (or venvs) sharing one
-    cache would rebuild the extension for each other at every load."""
+def build_tag(source: Path, cflags: tuple[str, ...], extra_sources: tuple[Path, ...] = ()) -> str:
+    """The build folder's key: the sources and the headers beside the first (`*.h`, which they
+    may include), flags, torch version, and the source's and torch's paths, which cpp_extension
+    writes into build.ninja: without them two checkouts (or venvs) sharing one cache would
+    rebuild the extension for each other at every load. The CPU is not part of it: the build
+    targets the portable baseline and picks its instruction set at run time."""
     paths = f"{source.resolve()}:{Path(torch.__file__).parent}".encode()
-    key = source.read_bytes() + repr(cflags).encode() + torch.__version__.encode() + cpu_signature() + paths
+    headers = b"".join(h.name.encode() + h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    sources = b"".join(p.read_bytes() for p in (source, *extra_sources))
+    key = sources + headers + repr(cflags).encode() + torch.__version__.encode() + paths
     return hashlib.sha256(key).hexdigest()[:10]
 
 
 @dataclass(frozen=True, slots=True)
 class CpuExtension:
-    """One C++ source compiled as Python module `pagedserve_<name>_<tag>`.
+    """C++ sources compiled as Python module `pagedserve_<name>_<tag>`: `source` and any
+    `extra_sources` (translation units that ninja compiles side by side, one per core).
 
     `cflags` should carry -fopenmp so at::parallel_for uses torch's own thread pool.
     """
@@ -64,14 +62,15 @@ class CpuExtension:
     name: str
     source: Path
     cflags: tuple[str, ...]
+    extra_sources: tuple[Path, ...] = ()
 
     @property
     def module_name(self) -> str:
-        return f"pagedserve_{self.name}_{build_tag(self.source, self.cflags)}"
+        return f"pagedserve_{self.name}_{build_tag(self.source, self.cflags, self.extra_sources)}"
 
     @property
     def folder(self) -> Path:
-        return build_dir() / f"{self.name}_{build_tag(self.source, self.cflags)}"
+        return build_dir() / f"{self.name}_{build_tag(self.source, self.cflags, self.extra_sources)}"
 
     @property
     def library(self) -> Path:
@@ -94,7 +93,7 @@ class CpuExtension:
                 (self.folder / BUILT_MARK).unlink(missing_ok=True)
         if not self.library.is_file():  # else a build without its mark: ninja checks it
             logger.warning("building the CPU extension %s into %s (once per machine and checkout, "
-                           "~30-60 s; `pagedserve prepare` does this at install)", self.name, self.folder)
+                           "~1-2 min; `pagedserve prepare` does this at install)", self.name, self.folder)
         return self.build()
 
     def build(self):
@@ -122,7 +121,7 @@ class CpuExtension:
             try:
                 module = load(
                     name=self.module_name,
-                    sources=[str(self.source)],
+                    sources=[str(p) for p in (self.source, *self.extra_sources)],
                     extra_cflags=list(self.cflags),
                     extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch already loaded
                     build_directory=str(folder),

@@ -1,6 +1,6 @@
 """Fused elementwise ops of the Llama decoder for CPU (C++ extension), with plain-torch references.
 
-The references are exactly the torch code of `engine.model.llama`; the kernels reproduce their
+The references are exactly the torch code of `engine.model.layers`; the kernels reproduce their
 rounding (per-op bf16 rounding, torch's float32 sum order for the RMSNorm mean, Sleef's exp for
 SiLU), so the fused path gives bit-identical results. `load_fused_ops()` returns a `CpuFusedOps`
 or None where the extension cannot be built.
@@ -8,23 +8,17 @@ or None where the extension cannot be built.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_build import CpuExtension
+from kernels.cpu_native import load_native
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_ops.cpp"
-# No -ffast-math and no FMA contraction: the kernels must round exactly where torch does.
-_CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
-EXTENSION = CpuExtension("fused_ops", _SOURCE, _CFLAGS)
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def load_fused_ops() -> CpuFusedOps | None:
     """Compile (first call on a machine) or load the extension; None if unavailable."""
-    ext = EXTENSION.load()
+    ext = load_native()
     return None if ext is None else CpuFusedOps(ext)
 
 
@@ -85,7 +79,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"weight must be contiguous {x.dtype} [{x.shape[-1]}]")
 
 
-# -- plain-torch references: exactly the code of engine.model.llama ------------------------------
+# -- plain-torch references: exactly the code of engine.model.layers -----------------------------
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

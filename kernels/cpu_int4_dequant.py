@@ -1,5 +1,5 @@
 """De-quantize int4 weights (torch's CPU int4 packed layout) to a float32 `W^T [K, N]` in one
-pass (C++, kernels/csrc/int4_dequant.cpp), for calls with enough rows that one float32 GEMM
+pass (C++, kernels/csrc/int4_dequant.h in the native extension), for calls with enough rows that one float32 GEMM
 beats the weight-only int4 kernel. `load_int4_dequant()` returns None where the extension cannot
 be built; `reference_int4pack_dequant_t` is the plain-torch reference.
 """
@@ -7,15 +7,9 @@ be built; `reference_int4pack_dequant_t` is the plain-torch reference.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
-
 import torch
 
-from kernels.cpu_build import CpuExtension
-
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "int4_dequant.cpp"
-_CFLAGS = ("-O3", "-march=native", "-fopenmp")
-EXTENSION = CpuExtension("int4_dequant", _SOURCE, _CFLAGS)
+from kernels.cpu_native import load_native
 
 
 @functools.cache
@@ -40,8 +34,8 @@ def unpack_codes(packed: torch.Tensor, block_n: int) -> torch.Tensor:
 
 
 def load_int4_dequant():
-    """Compile (first call on a machine, ~30 s) or load the extension; None if unavailable."""
-    return EXTENSION.load()
+    """The native extension (kernels.cpu_native), which has these kernels; None if unavailable."""
+    return load_native()
 
 
 def scale_and_shift(scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

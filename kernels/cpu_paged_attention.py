@@ -1,6 +1,6 @@
 """Paged decode attention for CPU as a small C++ extension, with its plain-torch reference.
 
-The extension is compiled once per machine by `kernels.cpu_build` (g++ and ninja). Where it
+The kernel is part of the native extension (`kernels.cpu_native`, g++ and ninja). Where it
 cannot be built, `load_cpu_kernels()` returns None and callers use the torch path.
 
 It also reads a quantized KV cache (`kv_quant` "fp8_e4m3" or "int8"; the format is the engine's
@@ -10,21 +10,14 @@ bf16 scale), de-quantizing in the inner loop; `gather_dequantize` de-quantizes o
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from kernels.cpu_build import CpuExtension
-
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_attention.cpp"
-# -fopenmp makes at::parallel_for use torch's thread pool (same libgomp, already loaded).
-_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
-EXTENSION = CpuExtension("paged_decode", _SOURCE, _CFLAGS)
+from kernels.cpu_native import load_native
 
 
 def load_cpu_kernels():
-    """Compile (first call on a machine, ~30-60 s) or load the extension; None if unavailable."""
-    return EXTENSION.load()
+    """The native extension (kernels.cpu_native), which has this kernel; None if unavailable."""
+    return load_native()
 
 
 KV_QUANT_KINDS = ("fp8_e4m3", "int8")
@@ -45,8 +38,10 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     kv_quant: str | None = None,
+    isa: str = "",
 ) -> torch.Tensor:
-    """Launcher: checks and normalises inputs, then runs the extension's kernel.
+    """Launcher: checks and normalises inputs, then runs the extension's kernel (`isa`: "" for
+    the CPU's best path, or one of `kernels.cpu_native.ISA_NAMES` to force it).
 
     query [B, H, D] float32 or bfloat16; k_cache/v_cache [num_blocks, block_size, KVH, D] in
     query's dtype, or with `kv_quant` uint8 [num_blocks, block_size, KVH, D + 2] rows;
@@ -65,7 +60,7 @@ def paged_decode_attention(
         raise ValueError("num_heads must be a multiple of num_kv_heads")
     return ext.paged_decode_attention(
         query.contiguous(), k_cache, v_cache,
-        block_tables.to(torch.int32), seq_lens.to(torch.int32), float(scale), kv_quant or "",
+        block_tables.to(torch.int32), seq_lens.to(torch.int32), float(scale), kv_quant or "", isa=isa,
     )
 
 

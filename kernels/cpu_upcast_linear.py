@@ -8,7 +8,7 @@ float32 into the matching columns of the output, which is rounded to bf16 once. 
 bf16 values are exact in float32 and a bf16 GEMM accumulates in float32 too, so the results
 match `F.linear` up to summation order. Calls of fewer rows (batch-1 decode: bound by reading
 the weight, where converting it would double the bytes moved) run the `bf16_gemv` C++ kernel
-(kernels/csrc/bf16_gemv.cpp: each weight row read once, widened by a shift, float32 FMAs), or
+(kernels/csrc/bf16_gemv.h in the native extension: each weight row read once, widened by a shift, float32 FMAs), or
 `F.linear` in bf16 where the extension cannot be built.
 
 Measured per call, 2 threads, [rows, 576] x [576, 1536] in ms, bf16 `F.linear` -> this: 1 row
@@ -18,17 +18,11 @@ the 49152-row LM head at 64 rows 69 -> 24 (benchmarks/bench_packed_linear.py).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_build import CpuExtension
-
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "bf16_gemv.cpp"
-_CFLAGS = ("-O3", "-march=native", "-fopenmp")
-EXTENSION = CpuExtension("bf16_gemv", _SOURCE, _CFLAGS)
+from kernels.cpu_native import load_native
 
 UPCAST_MIN_ROWS = 4  # fewer rows: bf16 F.linear (the weight read dominates)
 CHUNK_ROWS = 512
@@ -36,8 +30,8 @@ GEMV_MAX_ROWS = 8  # the C++ kernel's limit  # output rows converted at a time: 
 
 
 def load_gemv():
-    """Compile (first call on a machine, ~30 s) or load the few-rows kernel; None if unavailable."""
-    return EXTENSION.load()
+    """The native extension (kernels.cpu_native), which has the few-rows kernel; None if unavailable."""
+    return load_native()
 
 
 def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

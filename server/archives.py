@@ -1,5 +1,9 @@
 """Where a registration's archive comes from: URL checks against `allowed_urls`, then opening it.
 
+Besides archives, a URL may name a `.gguf` file or a Hugging Face-style model folder, under the
+same location rules: it becomes an archive behind the scenes, built once per content
+(engine.model.path_source).
+
 A URL is a path (relative ones resolve inside the model store) or a `file://` URL. By default
 only files inside the model store are allowed; `allowed_urls` replaces that rule with regular
 expressions the URL must match in full. Nothing is ever downloaded: an `http(s)://` URL is
@@ -23,6 +27,7 @@ from engine.model.archive_manifest import (
 )
 from engine.model.model_config import ModelConfig, load_model_config
 from engine.model.model_source import is_archive, resolve_model_dir
+from engine.model.path_source import archive_from_path, is_model_path
 from handlers.base_handler import BaseHandler
 from handlers.custom_handler import load_custom_handler
 
@@ -35,11 +40,19 @@ class ArchiveNotFoundError(FileNotFoundError):
     """No archive at that URL (404)."""
 
 
+def store_archives(store: Path) -> list[Path]:
+    """The archives in the model store (archive files, extracted archive folders), sorted by
+    name: what `--models all` registers and the console offers to register."""
+    return [p for p in sorted(store.iterdir()) if is_archive(p)] if store.is_dir() else []
+
+
 def resolve_url(url: str, model_store: Path, allowed_urls: list[str]) -> Path:
     """The local archive path a registration URL names, if the URL is allowed."""
     if not isinstance(url, str) or not url.strip():
         raise ValueError("the 'url' parameter is required: an archive in the model store")
     url = url.strip()
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in url):  # a NUL byte, a newline: not a path
+        raise ValueError(f"url {url[:80]!r} holds a control character: it cannot name an archive")
     scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", url)
     if scheme and scheme.group(1).lower() != "file":
         if allowed_urls and any(re.fullmatch(p, url) for p in allowed_urls):
@@ -62,9 +75,9 @@ def resolve_url(url: str, model_store: Path, allowed_urls: list[str]) -> Path:
                                  "only archives inside it can be registered")
     if not resolved.exists():
         raise ArchiveNotFoundError(f"Model not found in model store: {url}")
-    if not is_archive(resolved):
+    if not is_archive(resolved) and not is_model_path(resolved):
         raise ValueError(f"url {url!r} is not a model archive (.mar, .tar.gz, or a folder with "
-                         f"{MANIFEST_PATH})")
+                         f"{MANIFEST_PATH}), a .gguf file or a model folder with config.json")
     return resolved
 
 
@@ -89,8 +102,11 @@ class LoadedArchive:
         return str(self.manifest["model"].get("modelVersion") or "1.0")
 
 
-def load_archive(path: Path, allow_custom_handlers: bool) -> LoadedArchive:
-    """Verify and extract (once) the archive at `path`. Blocking: run it off the event loop."""
+def load_archive(path: Path, allow_custom_handlers: bool, chat_template: str | None = None) -> LoadedArchive:
+    """Verify and extract (once) the archive at `path` (a .gguf file or a model folder: archived
+    first, once per content and chat template). Blocking: run it off the event loop."""
+    if not is_archive(path):
+        path = archive_from_path(path, chat_template=chat_template)
     model_dir = resolve_model_dir(path, allow_custom_handlers=allow_custom_handlers)
     # The model may sit in a folder of the archive (TorchServe's vLLM archives: model/...).
     root = next(p for p in (model_dir, *model_dir.parents) if (p / MANIFEST_PATH).is_file())

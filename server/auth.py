@@ -147,7 +147,7 @@ class Unauthorized(Exception):
 
 def auth_middleware(key: Callable[[], str | None], public_paths: frozenset[str] = frozenset()):
     """An aiohttp middleware that raises `Unauthorized` unless the request carries
-    `Bearer <key()>` (read per request: a rotated key takes effect at once).
+    `Bearer <key()>` or `x-api-key: <key()>` (read per request: a rotated key takes effect at once).
 
     `key()` returning None means authorization is off. Paths in `public_paths` pass without a token.
     """
@@ -157,10 +157,10 @@ def auth_middleware(key: Callable[[], str | None], public_paths: frozenset[str] 
         expected = key()
         if expected is None or request.path in public_paths:
             return await handler(request)
-        token = bearer_token(request)
+        token = bearer_token(request) or request.headers.get("x-api-key")  # Anthropic's clients
         if token is None:
             raise Unauthorized("Token authorization failed: no 'Authorization: Bearer <key>' "
-                               "header (keys are in the server's key file)")
+                               "(or 'x-api-key: <key>') header (keys are in the server's key file)")
         if not token_matches(token, expected):
             raise Unauthorized("Token authorization failed: the token is not valid for this API")
         return await handler(request)

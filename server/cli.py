@@ -35,7 +35,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    from engine.model.registry import describe_support
+
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__,
+                                     epilog=f"supported model architectures:\n{describe_support()}",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"pagedserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="offline generation with the engine (default model if no --model)")

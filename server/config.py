@@ -62,6 +62,8 @@ class _ServerFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     management_key: Annotated[str, Meta(pattern=KEY_PATTERN)] | None = None
     keep_key_file: bool = False  # reuse the keys of an existing key_file (a key given above wins)
     health_needs_token: bool = False  # /ping, /live, /ready and /v2/health/* need the inference key
+    # The console's sign-in link printed at start carries the keys; None: when stdout is a terminal.
+    console_link_keys: bool | None = None
     # Regular expressions a registration URL must match in full; empty: files inside the store.
     allowed_urls: list[str] = []
     default_workers_per_model: _Positive | None = None  # None: the archive's minWorkers
@@ -83,6 +85,11 @@ class _ServerFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     header_read_timeout: Annotated[float, Meta(gt=0, le=86400)] = 30.0
     body_read_timeout: Annotated[float, Meta(gt=0, le=86400)] = 120.0
     max_connections: _Positive = 512
+    # One client address's share (server.connections, server.state.Drain): open connections
+    # per port, and requests being answered; beyond either, 429 with Retry-After. Behind a
+    # proxy every client has the proxy's address: raise these (or set them to max_connections).
+    max_connections_per_client: _Positive = 256
+    max_in_flight_per_client: _Positive = 128
     kv_offload: dict[str, Any] | None = None  # passed through to the engine's EngineConfig when set
     vllm_metrics: bool = False  # add vLLM's `vllm:` metric names (server.metrics_vllm)
     # Memory all workers may take together (server.memory_budget): a size ("12GiB", bytes);

@@ -8,11 +8,17 @@ the server's sockets).
 - `body_timeout`: the body must arrive within this many seconds of its headers; otherwise the
   route's read raises `BodyReadTimeout` (answered 408) and the connection is closed.
 - `max_connections`: a connection beyond the cap is answered 503 and closed at once.
-- A body that fails to decompress only at its end (`Content-Encoding: deflate` b"1"), arriving
-  in a later packet than its headers, makes aiohttp's parser queue the error as a NEW message
-  while the route still waits for the body; the handler instead fails that body's read with
-  `RequestPayloadError` (answered 400 naming the encoding), drops the error message and closes
-  the connection once the reply is sent.
+- `per_client_connections`: a client address holding this many open connections gets 429 (with
+  `Retry-After`) for the next one, closed at once: one client's flood or trickle (slowloris)
+  cannot take the port's whole `max_connections` from the others.
+- Errors aiohttp's parser answers itself (a malformed request line, oversized headers, a bad
+  method) are JSON in the error shape of the path they named (`shape`), not plain text.
+- Bodies reach the app undecoded (`auto_decompress=False`; server.body_encoding decodes them),
+  so a compressed body that is not valid data is a 400 and the connection serves on. A body
+  whose framing itself breaks (bad chunked encoding) after its headers arrived makes aiohttp's
+  parser queue the error as a NEW message while the route still waits for the body; the
+  handler instead fails that body's read with `RequestPayloadError` (400), drops the error
+  message and closes the connection once the reply is sent (the parser's state is lost).
 
 aiohttp has no such limits of its own; `GuardedAppRunner` is an `AppRunner` whose protocol
 objects (`GuardedRequestHandler`, a `RequestHandler`) keep the timers.
@@ -21,17 +27,31 @@ objects (`GuardedRequestHandler`, a `RequestHandler`) keep the timers.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 
+from server.errors import error_body
+
 KEEPALIVE_TIMEOUT_S = 75.0  # aiohttp's run_app default (AppRunner's own is an hour)
-_REFUSED_BODY = b'{"code": 503, "type": "ServiceUnavailableException", "message": "too many connections"}'
-REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-           b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
-           % (len(_REFUSED_BODY), _REFUSED_BODY))
+# shape(path, code, message) -> the error body of the API that `path` belongs to
+PathShape = Callable[[str, int, str], dict]
+
+
+def _refusal(status: str, body: bytes) -> bytes:
+    return (b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (status.encode(), len(body), body))
+
+
+REFUSED = _refusal("503 Service Unavailable",
+                   b'{"code": 503, "type": "ServiceUnavailableException", "message": "too many connections"}')
+REFUSED_CLIENT = _refusal(
+    "429 Too Many Requests",
+    b'{"code": 429, "type": "TooManyRequestsException", "message": "too many connections from '
+    b'this client address (max_connections_per_client); close some or retry later"}')
 
 
 class BodyReadTimeout(Exception):
@@ -45,7 +65,27 @@ class ConnectionLimits:
     header_timeout: float
     body_timeout: float
     max_connections: int
+    per_client_connections: int | None = None  # None: no cap per client address
+    shape: PathShape = lambda path, code, message: error_body(code, message)
     open: int = 0
+    by_client: dict[str, int] = field(default_factory=dict)  # open connections per address
+
+    def admit(self, client: str) -> bytes | None:
+        """Count a new connection from `client`; the refusal to send instead, if over a cap."""
+        if self.open >= self.max_connections:
+            return REFUSED
+        held = self.by_client.get(client, 0)
+        if self.per_client_connections is not None and held >= self.per_client_connections:
+            return REFUSED_CLIENT
+        self.open += 1
+        self.by_client[client] = held + 1
+        return None
+
+    def release(self, client: str) -> None:
+        self.open -= 1
+        held = self.by_client.pop(client, 1) - 1
+        if held:
+            self.by_client[client] = held
 
 
 class GuardedRequestHandler(RequestHandler):
@@ -58,13 +98,17 @@ class GuardedRequestHandler(RequestHandler):
         self._header_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._current: tuple[Any, Any] | None = None  # (message, payload) of the latest request
+        self._client = ""
+        self._target = "/"  # the path the latest request line named (for parser errors' shape)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if self._limits.open >= self._limits.max_connections:
-            transport.write(REFUSED)  # type: ignore[attr-defined]
+        peer = transport.get_extra_info("peername")
+        self._client = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer or "")
+        refusal = self._limits.admit(self._client)
+        if refusal is not None:
+            transport.write(refusal)  # type: ignore[attr-defined]
             transport.close()
             return
-        self._limits.open += 1
         self._counted = True
         super().connection_made(transport)
         self._arm_header_timer()
@@ -73,13 +117,17 @@ class GuardedRequestHandler(RequestHandler):
         if not self._counted:
             return
         self._counted = False
-        self._limits.open -= 1
+        self._limits.release(self._client)
         self._cancel_timers()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if data and self._header_timer is None and not self._request_in_progress:
             self._arm_header_timer()  # the first byte of the next request on a kept-alive connection
+        if data and not self._request_in_progress:
+            parts = data.split(b" ", 2)
+            if len(parts) > 2:
+                self._target = parts[1][:2048].decode("latin-1").partition("?")[0]
         before = self._request_count
         super().data_received(data)
         if self._request_count == before or self._fail_unfinished_body(self._request_count - before):
@@ -122,6 +170,18 @@ class GuardedRequestHandler(RequestHandler):
         self._body_timer = None
         self.close()  # the parser's state is lost: no further request on this connection
         return True
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """aiohttp's own error replies (parser errors, a handler that raised past the error
+        middleware) as JSON in the shape of the API the request named."""
+        response = super().handle_error(request, status, exc, message)  # logs; text/plain
+        if status >= 500:
+            message = "internal error; see the server log"
+        text = " ".join(str(message or getattr(exc, "message", "") or response.reason).split())
+        reply = web.json_response(self._limits.shape(self._target, status, text), status=status)
+        reply.force_close()
+        return reply
 
     def _arm_header_timer(self) -> None:
         self._cancel(self._header_timer)
@@ -170,6 +230,9 @@ class GuardedAppRunner(web.AppRunner):
 
     def __init__(self, app: web.Application, limits: ConnectionLimits, **kwargs: Any) -> None:
         kwargs.setdefault("keepalive_timeout", KEEPALIVE_TIMEOUT_S)
+        # Bodies reach the app as sent: server.body_encoding decodes them, so that a body that
+        # is not valid for its encoding is a 400 and the connection's parser stays in step.
+        kwargs.setdefault("auto_decompress", False)
         super().__init__(app, **kwargs)
         self.limits = limits
 

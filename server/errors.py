@@ -13,6 +13,8 @@ ERROR_TYPES = {
     408: "RequestTimeoutException",
     409: "ConflictStatusException",
     413: "RequestTooLargeException",
+    415: "UnsupportedMediaTypeException",
+    429: "TooManyRequestsException",
     500: "InternalServerException",
     503: "ServiceUnavailableException",
     504: "RequestTimeoutException",

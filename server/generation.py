@@ -15,8 +15,10 @@ happens when things go wrong:
   engine's async iterator, which aborts the request in the engine and frees its blocks; a
   `Watchdog` notices a closed transport within WATCH_S even while the request waits for its
   first token;
-- a request that waits longer than its model's responseTimeout (a whole reply: for the reply;
-  a stream: for each chunk) is aborted the same way and answered 504 (a stream: an error event).
+- a request whose engine gives no new output for longer than its model's responseTimeout
+  (a stalled worker) is aborted the same way and answered 504 (a stream: an error event); a
+  request that keeps producing tokens is never cut off by the clock (its length is bounded by
+  its max_tokens, or the model's default_max_tokens when it names none).
 """
 
 from __future__ import annotations
@@ -82,14 +84,15 @@ class ErrorReply(Exception):
 
 
 class RequestTimeout(Exception):
-    """The engine gave no reply (streamed: no next chunk) within the model's responseTimeout."""
+    """The engine gave no new output (streamed: no next chunk) within the model's responseTimeout."""
 
 
 class Watchdog:
     """Interrupts a request whose client hung up or whose engine output is overdue.
 
     Timers on the event loop, not a task per output: the disconnect check runs every WATCH_S;
-    the deadline timer re-arms itself lazily from the time of the last output when `per_chunk`.
+    the deadline timer re-arms itself lazily from the time of the last output (`per_chunk`
+    only names what was overdue: a stream's next chunk, or a whole reply's progress).
     Interrupting makes the request's iterator raise, and leaving it aborts the request.
     """
 
@@ -114,12 +117,12 @@ class Watchdog:
         self._watch.cancel()
 
     def _check_deadline(self) -> None:
-        due = self._last_output + self._timeout_s if self._per_chunk else 0.0
+        due = self._last_output + self._timeout_s
         if due > self._loop.time():
             self._deadline = self._loop.call_at(due, self._check_deadline)
             return
-        what = "the next chunk" if self._per_chunk else "the reply"
-        self._fire(RequestTimeout(f"{what} took longer than the model's responseTimeout "
+        what = "the next chunk took" if self._per_chunk else "the reply made no progress for"
+        self._fire(RequestTimeout(f"{what} longer than the model's responseTimeout "
                                   f"({self._timeout_s:g} s); the request was aborted"))
 
     def _check_client(self) -> None:
@@ -159,14 +162,15 @@ class Prepared:
 
 async def prepare(state: ServerState, version: ModelVersion, spec: PromptSpec,
                   params: SamplingParams, *, client: str = "", pooling: PoolingParams | None = None,
-                  lora: LoRARequest | None = None) -> Prepared:
+                  lora: LoRARequest | None = None, priority: int = 0,
+                  cache_salt: str | None = None) -> Prepared:
     """The engine's prepare step (engine.inputs) with the front end's bounds: the
     structured-output constraint is checked on its own bounded pool (a per-`client` share, a
     time limit), then, in the thread pool, a prompt that cannot fit is refused before it is
     tokenized, and the workers' length rules apply (a worker is loaded or woken first when
     none is ready); then the router picks the worker. With `pooling`, a pooling request
     (engine.pooling: the prompt's embedding, no tokens). `lora`: the LoRA adapter the request
-    runs under (None: the base model)."""
+    runs under (None: the base model); `priority` and `cache_salt` as vLLM's request fields."""
     try:
         if params.structured_outputs is not None:
             await state.limits.grammar.check(client, params.structured_outputs)
@@ -179,20 +183,25 @@ async def prepare(state: ServerState, version: ModelVersion, spec: PromptSpec,
     loop = asyncio.get_running_loop()
     try:
         inp = await loop.run_in_executor(state.executor, _bounded_prepare, state.limits.prompts,
-                                         version.tokenizer, spec, params, limits, pooling)
+                                         version.tokenizer, spec, params, limits, pooling,
+                                         version.model_config.default_max_tokens)
     except InvalidInput as exc:
         raise ErrorReply(400, str(exc), param=exc.field) from None
     except HandlerError as exc:
         raise ErrorReply.from_handler_error(exc) from None
-    inp.lora = lora
+    inp.lora, inp.priority, inp.cache_salt = lora, priority, cache_salt
     return Prepared(version.pick_worker(inp.token_ids), inp)
 
 
 def _bounded_prepare(bounds: PromptBounds, tokenizer, spec: PromptSpec, params: SamplingParams,
-                     limits: InputLimits, pooling: PoolingParams | None) -> EngineInput:
+                     limits: InputLimits, pooling: PoolingParams | None, default_max_tokens: int) -> EngineInput:
     """`engine.inputs.prepare_input` minus the constraint check (done on its own pool), with
-    the prompt's character bound before tokenizing."""
+    the prompt's character bound before tokenizing. A request that names no token limit gets
+    the model's `default_max_tokens`, capped by the context its prompt leaves."""
     text, token_ids = bounds.tokenize(tokenizer, spec, limits.max_model_len)
+    if params.max_tokens is None and limits.max_model_len > len(token_ids):
+        params = msgspec.structs.replace(
+            params, max_tokens=min(default_max_tokens, limits.max_model_len - len(token_ids)))
     validate_input(token_ids, params, limits)
     return EngineInput(text, token_ids, params, pooling)
 
@@ -202,7 +211,7 @@ async def respond(request: web.Request, state: ServerState, version: ModelVersio
     """Run the prepared job and answer it: whole, or streamed (`stream`: the shaper is then a
     `Shaper`, one that shapes chunks too)."""
     request_id = request[REQUEST_ID_KEY]
-    outputs = job.worker.generate(request_id, job.input, arrival_time=started)
+    outputs = job.worker.generate(request_id, job.input, arrival_time=started, priority=job.input.priority)
     watchdog = Watchdog(request, job.worker, request_id, version.model_config.response_timeout,
                         per_chunk=stream)
     try:
@@ -218,7 +227,7 @@ async def respond(request: web.Request, state: ServerState, version: ModelVersio
             if stream:
                 return await _stream(request, state, version, outputs, first, cast(Shaper, shaper), job.input.params,
                                      started, watchdog)
-            return await _collect(request, state, version, outputs, first, shaper, started)
+            return await _collect(request, state, version, outputs, first, shaper, started, watchdog)
     except ConnectionError:  # the client went away; leaving the `async with` aborted the request
         request[STATUS_KEY] = CLIENT_CLOSED  # (a stream returns its own response, see _stream)
         return web.Response(status=CLIENT_CLOSED)
@@ -234,10 +243,11 @@ async def _next(outputs) -> RequestOutput:
 
 
 async def _collect(request: web.Request, state: ServerState, version: ModelVersion, outputs,
-                   out: RequestOutput, shaper: WholeShaper, started: float) -> web.Response:
+                   out: RequestOutput, shaper: WholeShaper, started: float, watchdog: Watchdog) -> web.Response:
     try:
         while not out.finished:
             out = await _next(outputs)
+            watchdog.progressed()
     except EngineDeadError as exc:
         raise ErrorReply(503, f"the worker died while generating: {exc}", {"Retry-After": "1"}) from None
     except RequestTimeout as exc:

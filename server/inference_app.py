@@ -16,12 +16,16 @@ Routes (the OpenAI ones also under /predictions/{model}/{version}/v1/...):
                                                request per input; handlers.openai_embeddings)
   GET  /v1/models  /v1/models/{id}
   POST /v1/models/{model}:predict  /v2/...     KServe (server.kserve)
+  /api/generate /api/chat /api/embed ...       Ollama's API (server.ollama)
+  POST /v1/messages[/count_tokens]             Anthropic's Messages API (server.anthropic)
+  /tokenize /detokenize /version /health       vLLM's extra routes (server.vllm)
   OPTIONS /  GET /api-description              this port's OpenAPI description
 
 Middlewares (server.middleware), outermost first: request id, metrics and error replies; 503
 while draining; token authorization. Every error is raised and shaped in one place by route:
 OpenAI's `{"error": {"message", "type", "param", "code"}}` on the OpenAI routes (and any other
-path under /v1/), KServe's `{"error": "..."}` on its routes (and any path under /v2),
+path under /v1/), KServe's `{"error": "..."}` on its routes (and any path under /v2), Ollama's
+`{"error": "..."}` under /api/, Anthropic's `{"type": "error", "error": {...}}` on /v1/messages,
 TorchServe's `{"code", "type", "message"}` elsewhere. Per request: resolve the
 version, `admit` it (jobQueueSize), parse, tokenize off the loop, pick a worker, generate
 (server.generation).
@@ -30,7 +34,6 @@ version, `admit` it (jobQueueSize), parse, tokenize off the loop, pick a worker,
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
@@ -42,7 +45,7 @@ from aiohttp import web
 from engine.inputs import pooling_sampling_params
 from engine.pooling import PoolingParams
 from handlers.base_handler import BaseHandler, HandlerError
-from handlers.llm_input import ParsedBody, decode_body, parse_predictions_body
+from handlers.llm_input import ParsedBody, parse_predictions_body
 from handlers.openai_embeddings import parse_embeddings_request
 from handlers.openai_protocol import (
     OpenAIRequest,
@@ -59,7 +62,11 @@ from handlers.openai_responses_api import (
 from handlers.openai_tools import ToolParser, tool_prompt
 from server import kserve, openapi
 from server.adapters import RegisteredAdapter
+from server.anthropic import routes as anthropic
+from server.anthropic.shaping import error_body as anthropic_error
 from server.auth import auth_middleware
+from server.console import allow_console
+from server.body_encoding import decode_body_middleware
 from server.errors import error_body
 from server.fanout import FanOut
 from server.generation import (
@@ -71,15 +78,25 @@ from server.generation import (
     prepare,
     respond,
 )
-from server.keep_alive import KeepAliveError, take_keep_alive
 from server.middleware import drain_middleware, error_middleware
+from server.ollama import routes as ollama
 from server.registry import (
-    ModelNotFoundError,
     ModelVersion,
     NoWorkerError,
     QueueFullError,
 )
 from server.request_bodies import read_predictions_body
+from server.request_scope import (
+    ADAPTER_KEY,
+    adapter_in_flight,
+    admitted,
+    handler_call,
+    keep_alive,
+    lora,
+    raw_keep_alive,
+    read_json,
+    resolve,
+)
 from server.shapers import (
     EmbeddingsShaper,
     HandlerShaper,
@@ -89,13 +106,14 @@ from server.shapers import (
 )
 from server.state import STATE_KEY, ServerState
 from server.streaming import StreamFormat
+from server.vllm import routes as vllm
 
-OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "responses", "embeddings", "models", "model"})
-ADAPTER_KEY = web.RequestKey("pagedserve_adapter", RegisteredAdapter)  # a request naming a LoRA adapter
+OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "responses", "embeddings", "models", "model",
+                              "tokenize", "detokenize", "vllm_version", "health"})
 OPENAI_PATH = re.compile(r"(/predictions/[^/]+/[^/]+)?/v1(/.*)?")  # /v1/... of a version too
 KSERVE_PATH = re.compile(r"/v2(/.*)?")
 # Health probes: never drained away, and public unless health_needs_token.
-HEALTH_PATHS = frozenset({"/ping", "/live", "/ready", "/v2/health/live", "/v2/health/ready"})
+HEALTH_PATHS = frozenset({"/ping", "/live", "/ready", "/health", "/v2/health/live", "/v2/health/ready"})
 EXCEPTION_CODES = (((QueueFullError, NoWorkerError), 503),)
 PREDICTIONS_CONTENT_TYPES = ("application/json", "text/plain", "multipart/form-data",
                              "application/x-www-form-urlencoded", "application/octet-stream")
@@ -111,10 +129,15 @@ def build_inference_app(state: ServerState, contexts: Iterable[Callable] = ()) -
         error_middleware(_shape, EXCEPTION_CODES, _observe),
         drain_middleware(state.drain, exempt=HEALTH_PATHS),
         auth_middleware(lambda: state.inference_key, public),
+        decode_body_middleware,
     ])
     app[STATE_KEY] = state
+    allow_console(app, state)  # the console's playground (another origin) may call in
     app.add_routes(routes)
     app.add_routes(kserve.routes)
+    app.add_routes(ollama.routes)
+    app.add_routes(anthropic.routes)
+    app.add_routes(vllm.routes)
     app.add_routes(openapi.routes("pagedserve inference API", _bodies()))
     app.cleanup_ctx.extend(contexts)
     return app
@@ -134,6 +157,18 @@ def _is_openai_route(request: web.Request) -> bool:
     return OPENAI_PATH.fullmatch(request.path) is not None  # no route matched: judged by the path
 
 
+def _api_of(request: web.Request) -> str | None:
+    """The API a route of its own subpackage speaks (its routes' name prefix, or for a path no
+    route matched, the path's): "ollama", "anthropic" or None."""
+    endpoint = _endpoint(request)
+    if endpoint is not None:
+        api = endpoint.partition("_")[0]
+        return api if api in ("ollama", "anthropic") else None
+    if request.path.startswith("/api/"):
+        return "ollama"
+    return "anthropic" if request.path.startswith("/v1/messages") else None
+
+
 def _is_kserve_route(request: web.Request) -> bool:
     endpoint = _endpoint(request)
     if endpoint is not None:
@@ -141,17 +176,48 @@ def _is_kserve_route(request: web.Request) -> bool:
     return KSERVE_PATH.fullmatch(request.path) is not None
 
 
+def _openai_shape(code: int, message: str, param: str | None = None) -> dict[str, Any]:
+    body = openai_error(code, message, param)
+    if code < 500:
+        body["error"]["type"] = body["error"]["type"].replace("server_error", "invalid_request_error")
+    return body
+
+
+def _kserve_shape(code: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return kserve.error_body(message)
+
+
+# The error shape of each API surface by path, most specific first; any other path gets
+# TorchServe's. Used for requests no route matched and for aiohttp's own (parser) errors; an
+# API surface in its own package adds its (pattern, shape) here.
+PATH_SHAPES: tuple[tuple[re.Pattern, Callable[..., dict[str, Any]]], ...] = (
+    (KSERVE_PATH, _kserve_shape),
+    (re.compile(r"/api/.*"), lambda code, message, param=None: ollama.error_body(message)),
+    (re.compile(r"/v1/messages(/.*)?"), lambda code, message, param=None: anthropic_error(code, message)),
+    (OPENAI_PATH, _openai_shape),
+)
+
+
+def shape_for_path(path: str, code: int, message: str, param: str | None = None) -> dict[str, Any]:
+    for pattern, shape in PATH_SHAPES:
+        if pattern.fullmatch(path):
+            return shape(code, message, param)
+    return error_body(code, message)
+
+
 def _shape(request: web.Request, code: int, message: str, param: str | None) -> dict[str, Any]:
     if _is_kserve_route(request):
-        return kserve.error_body(message)
+        return _kserve_shape(code, message)
+    api = _api_of(request)
+    if api == "ollama":
+        return ollama.error_body(message)
+    if api == "anthropic":
+        return anthropic_error(code, message)
     if not _is_openai_route(request):
-        return error_body(code, message)
-    body = openai_error(code, message, param)
-    error = body["error"]
-    if code < 500:
-        error["type"] = error["type"].replace("server_error", "invalid_request_error")
+        return shape_for_path(request.path, code, message, param)
+    body = _openai_shape(code, message, param)
     if _endpoint(request) is None:  # no such route: not a missing model
-        error["code"] = "unknown_url" if code == 404 else code
+        body["error"]["code"] = "unknown_url" if code == 404 else code
     return body
 
 
@@ -172,7 +238,9 @@ async def ping(request: web.Request) -> web.Response:
 
 @routes.get("/live", name="live")
 async def live(request: web.Request) -> web.Response:
-    """Liveness: 200 until the server starts draining, then 503."""
+    """Liveness: 200 until the server starts draining, then 503. It does not depend on the
+    models: one model whose workers crash-loop must not get the whole process restarted
+    (/ping and /ready say it is not serving)."""
     if request.app[STATE_KEY].draining:
         return web.json_response({"status": "Draining"}, status=503)
     return web.json_response({"status": "Alive"})
@@ -186,7 +254,8 @@ async def ready(request: web.Request) -> web.Response:
     if state.draining:
         return web.json_response({"status": "Draining"}, status=503)
     if not state.serving():
-        return web.json_response({"status": "NotReady"}, status=503)
+        return web.json_response({"status": "NotReady", "notReady": state.not_serving()},
+                                 status=503)
     return web.json_response({"status": "Ready"})
 
 
@@ -202,23 +271,23 @@ async def predictions(request: web.Request) -> web.StreamResponse:
     with `"stream": true`."""
     started = time.monotonic()
     state = request.app[STATE_KEY]
-    version = _resolve(request, state, request.match_info["model"], request.match_info.get("version"))
+    version = resolve(request, state, request.match_info["model"], request.match_info.get("version"))
     handler = version.handler
-    keep_alive = None
+    seconds = None  # keep_alive
     if handler is None:
         body = await read_predictions_body(request, state.executor, state.config.max_request_size)
-        keep_alive = _keep_alive(body)
+        seconds = keep_alive(body)
         shaper = PredictionShaper(version.name, request[REQUEST_ID_KEY])
     else:  # a custom handler reads any body: JSON or not is its call
-        raw = await request.read()
+        raw, seconds = raw_keep_alive(await request.read())
         shaper = HandlerShaper(version.name, request[REQUEST_ID_KEY], handler=handler)
-    with version.admit(keep_alive), _adapter_in_flight(request):
+    with version.admit(seconds), adapter_in_flight(request):
         if handler is None:
-            parsed = _handler_call(parse_predictions_body, body)
+            parsed = handler_call(parse_predictions_body, body)
         else:
             parsed = await _custom_preprocess(request, state, handler, raw)
         job = await prepare(state, version, parsed.prompt, parsed.params, client=request.remote or "",
-                            lora=_lora(request))
+                            lora=lora(request))
         return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
 
 
@@ -271,13 +340,14 @@ async def _openai(request: web.Request, parse: Callable[[dict[str, Any]], OpenAI
                   ) -> web.StreamResponse:
     started, state, body, version, asked = await _openai_begin(request)
     with _admitted(request, version, body):
-        parsed = _handler_call(parse, body)
+        parsed = handler_call(parse, body)
         responses_request = parsed if isinstance(parsed, ResponsesRequest) else None
         parsed = parsed.chat if responses_request is not None else parsed
         template = getattr(version.tokenizer, "chat_template", None)
         specs = [tool_prompt(spec, parsed.tools, template) if spec.messages is not None else spec
                  for spec in parsed.prompts]
-        jobs = [await prepare(state, version, spec, parsed.params, client=request.remote or "", lora=_lora(request))
+        jobs = [await prepare(state, version, spec, parsed.params, client=request.remote or "", lora=lora(request),
+                              priority=parsed.priority, cache_salt=parsed.cache_salt)
                 for spec in specs]
         job = jobs[0] if len(jobs) == 1 else FanOut(jobs, parsed.params.n).prepared()
         shaper = _openai_shaper(request, version, asked, responses_request or parsed, jobs)
@@ -290,11 +360,11 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
     """One pooling request per input (a list: server.fanout), answered whole."""
     started, state, body, version, asked = await _openai_begin(request)
     with _admitted(request, version, body):
-        parsed = _handler_call(parse_embeddings_request, body)
+        parsed = handler_call(parse_embeddings_request, body)
         params = pooling_sampling_params()
         try:
             jobs = [await prepare(state, version, spec, params, client=request.remote or "", pooling=PoolingParams(),
-                                  lora=_lora(request)) for spec in parsed.prompts]
+                                  lora=lora(request)) for spec in parsed.prompts]
         except ErrorReply as exc:  # the engine names the prompt; this body calls it `input`
             exc.param = "input" if exc.param == "prompt" else exc.param
             raise
@@ -308,29 +378,27 @@ async def _openai_begin(request: web.Request) -> tuple[float, ServerState, dict[
     for and the name to answer with."""
     started = time.monotonic()
     state = request.app[STATE_KEY]
-    body = await _read_json(request)
+    body = await read_json(request)
     return (started, state, body, *_openai_model(request, state, body))
 
 
-@contextlib.contextmanager
 def _admitted(request: web.Request, version: ModelVersion, body: dict[str, Any]):
     """An OpenAI request counted in flight on its version (with its `keep_alive`) and on its
     LoRA adapter, for the whole `with` block."""
-    with version.admit(_keep_alive(body)), _adapter_in_flight(request):
-        yield
+    return admitted(request, version, keep_alive(body))
 
 
 def _openai_model(request: web.Request, state: ServerState, body: dict[str, Any]) -> tuple[ModelVersion, str]:
     """The version an OpenAI body asks for (by its `model`, or by the route's prefix) and the
     name to answer with."""
     if "model" in request.match_info:  # the path names the model and version
-        version = _resolve(request, state, request.match_info["model"], request.match_info["version"])
+        version = resolve(request, state, request.match_info["model"], request.match_info["version"])
         return version, body.get("model") if isinstance(body.get("model"), str) else version.name
     asked = body.get("model")
     if not isinstance(asked, str) or not asked:
         raise ErrorReply(400, "'model' is required: the name of a registered model "
                          "(model or model@version)", param="model")
-    return _resolve(request, state, *split_model(asked)), asked
+    return resolve(request, state, *handler_call(split_model, asked)), asked
 
 
 def _openai_shaper(request: web.Request, version: ModelVersion, asked: str,
@@ -354,7 +422,7 @@ async def models(request: web.Request) -> web.Response:
     """OpenAI's model list: every model (its default version) and every `name@version`."""
     state = request.app[STATE_KEY]
     if "model" in request.match_info:
-        versions = [_resolve(request, state, request.match_info["model"], request.match_info["version"])]
+        versions = [resolve(request, state, request.match_info["model"], request.match_info["version"])]
         entries = [(f"{v.name}@{v.version}", v) for v in versions]
     else:
         entries = []
@@ -373,7 +441,7 @@ async def model(request: web.Request) -> web.Response:
     """One model by the id /v1/models lists (`name` or `name@version`); 404 if none. Its
     `name` and `ready` fields answer KServe v1's model status call on the same path."""
     name = request.match_info["id"]
-    version = _resolve(request, request.app[STATE_KEY], *split_model(name))
+    version = resolve(request, request.app[STATE_KEY], *handler_call(split_model, name))
     adapter = request.get(ADAPTER_KEY)
     entry = _model_entry(name, version) if adapter is None else _adapter_entry(adapter)
     return web.json_response({**entry, "name": name, "ready": bool(version.pool.ready_engines())})
@@ -405,52 +473,3 @@ def _bodies() -> dict[Callable, openapi.Body]:
     return {predictions: openapi.Body(PREDICTIONS_CONTENT_TYPES), completions: json_only,
             chat_completions: json_only, responses: json_only, kserve.v1_predict: json_only,
             kserve.v2_infer: json_only}
-
-
-def _resolve(request: web.Request, state: ServerState, name: str, version: str | None) -> ModelVersion:
-    """The model version to run; for a LoRA adapter's name, its base version (the adapter is
-    kept in `request[ADAPTER_KEY]`)."""
-    try:
-        found = state.registry.resolve(name, version)
-    except ModelNotFoundError as exc:
-        adapter = state.adapters.get(name) if version is None else None
-        if adapter is None:
-            raise ErrorReply(404, str(exc), param="model") from None
-        request[ADAPTER_KEY] = adapter
-        found = adapter.base
-    request[MODEL_KEY] = found.name
-    return found
-
-
-def _lora(request: web.Request):
-    adapter = request.get(ADAPTER_KEY)
-    return None if adapter is None else adapter.lora
-
-
-def _adapter_in_flight(request: web.Request) -> contextlib.AbstractContextManager:
-    """Counts the request against its adapter while it runs (unregistering waits for it)."""
-    adapter = request.get(ADAPTER_KEY)
-    return contextlib.nullcontext() if adapter is None else adapter.track()
-
-
-def _keep_alive(body: dict[str, Any]) -> float | None:
-    """The request's `keep_alive` (taken out of the body), in seconds; 400 when malformed."""
-    try:
-        return take_keep_alive(body)
-    except KeepAliveError as exc:
-        raise ErrorReply(400, str(exc), param=exc.field) from None
-
-
-def _handler_call(parse: Callable[[dict[str, Any]], Any], body: dict[str, Any]) -> Any:
-    try:
-        return parse(body)
-    except HandlerError as exc:
-        raise ErrorReply.from_handler_error(exc) from None
-
-
-async def _read_json(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()  # too large (413), unreadable (400), too slow (408): middleware
-    try:
-        return decode_body(raw, request.app[STATE_KEY].config.max_request_size)
-    except HandlerError as exc:
-        raise ErrorReply.from_handler_error(exc) from None

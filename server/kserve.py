@@ -14,12 +14,14 @@ An instance is a prompt string or an object with one of `prompt`, `text` or `dat
 tensor holds the prompts as its `data`. Sampling settings go in the request's `parameters`,
 named as on /predictions (`max_tokens` or `max_new_tokens`, `temperature`, ...); `n` and
 `stream` are refused (one text per prompt). Each prompt is its own engine request
-(server.fanout). Errors are KServe's `{"error": "..."}` (the inference app shapes them).
+(server.fanout). Replies carry pagedserve's `timings` record, as every other route's do. Errors
+are KServe's `{"error": "..."}` (the inference app shapes them).
 `/v1/models/{id}` (GET) stays the OpenAI model route.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,10 +32,12 @@ from engine.inputs import PromptSpec
 from engine.outputs import RequestOutput
 from handlers.base_handler import HandlerError
 from handlers.llm_input import decode_body, make_sampling_params
+from handlers.llm_output import timings
+from server.adapters import RegisteredAdapter
 from server.fanout import FanOut
 from server.generation import MODEL_KEY, ErrorReply, prepare, respond
 from server.openapi import server_version
-from server.registry import ModelNotFoundError, ModelVersion
+from server.registry import InvalidNameError, ModelNotFoundError, ModelVersion
 from server.request_bodies import max_new_tokens
 from server.state import STATE_KEY, ServerState
 from server.streaming import StreamFormat
@@ -133,15 +137,19 @@ async def v2_infer(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, prompts: list[str], parameters: Any, shaper) -> web.StreamResponse:
     started = time.monotonic()
     state: ServerState = request.app[STATE_KEY]
-    version = _resolve(request)
+    version, adapter = _resolve_with_adapter(request)
     shaper.model, shaper.version = version.name, version.version
+    if adapter is not None:  # answered under the adapter's name
+        shaper.model, shaper.version = adapter.name, adapter.version
     if not prompts or len(prompts) > MAX_PROMPTS:
         raise ErrorReply(400, f"a request holds 1 to {MAX_PROMPTS} prompts, got {len(prompts)}",
                          param="inputs" if isinstance(shaper, V2Shaper) else "instances")
     params = _sampling_params(parameters)
-    with version.admit():
+    lora = adapter.lora if adapter is not None else None
+    with version.admit(), (adapter.track() if adapter is not None else contextlib.nullcontext()):
         client = request.remote or ""
-        jobs = [await prepare(state, version, PromptSpec(text=p), params, client=client) for p in prompts]
+        jobs = [await prepare(state, version, PromptSpec(text=p), params, client=client, lora=lora)
+                for p in prompts]
         job = jobs[0] if len(jobs) == 1 else FanOut(jobs, 1).prepared()
         return await respond(request, state, version, job, shaper, stream=False, started=started)
 
@@ -223,7 +231,7 @@ class V1Shaper:
     stream_format: StreamFormat = StreamFormat.NDJSON  # never streamed
 
     def whole(self, out: RequestOutput, total_s: float) -> dict[str, Any]:
-        return {"predictions": _texts(out)}
+        return {"predictions": _texts(out), "timings": timings(out, total_s)}
 
     def opening(self, n: int) -> None:
         return None
@@ -251,6 +259,7 @@ class V2Shaper(V1Shaper):
             body["id"] = self.request_id
         body["outputs"] = [{"name": self.output_name, "datatype": "BYTES", "shape": [len(texts)],
                             "data": texts}]
+        body["timings"] = timings(out, total_s)
         return body
 
 
@@ -261,13 +270,25 @@ def _texts(out: RequestOutput) -> list[str]:
 # -- helpers ---------------------------------------------------------------------------------
 
 def _resolve(request: web.Request) -> ModelVersion:
+    return _resolve_with_adapter(request)[0]
+
+
+def _resolve_with_adapter(request: web.Request) -> tuple[ModelVersion, RegisteredAdapter | None]:
+    """The version the path names; for a LoRA adapter's name, its base version and the adapter."""
+    state = request.app[STATE_KEY]
+    name, version = request.match_info["model"], request.match_info.get("version")
+    adapter = None
     try:
-        found = request.app[STATE_KEY].registry.resolve(request.match_info["model"],
-                                                        request.match_info.get("version"))
+        found = state.registry.resolve(name, version)
     except ModelNotFoundError as exc:
-        raise ErrorReply(404, str(exc)) from None
+        adapter = state.adapters.get(name) if version is None else None
+        if adapter is None:
+            raise ErrorReply(404, str(exc)) from None
+        found = adapter.base
+    except InvalidNameError as exc:
+        raise ErrorReply(400, str(exc), param="model") from None
     request[MODEL_KEY] = found.name
-    return found
+    return found, adapter
 
 
 async def _read_json(request: web.Request) -> dict[str, Any]:

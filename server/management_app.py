@@ -21,10 +21,12 @@ from aiohttp import web
 
 from engine.model.archive_manifest import BUILTIN_HANDLERS, ArchiveError
 from engine.model.model_config import ModelConfigError
+from engine.model.path_source import describe_model as describe_model_dir
+from engine.model.path_source import is_model_path
 from engine.schema import SchemaError
 from handlers.base_handler import HandlerError
 from handlers.json_body import decode_json_body
-from server import openapi
+from server import console, openapi
 from server.adapters import is_adapter
 from server.archives import (
     ArchiveNotFoundError,
@@ -33,6 +35,7 @@ from server.archives import (
     resolve_url,
 )
 from server.auth import Api, auth_middleware
+from server.body_encoding import decode_body_middleware
 from server.errors import error_body
 from server.generation import ErrorReply
 from server.lifecycle import LifecycleConflict, ModelLifecycle
@@ -98,6 +101,7 @@ def describe(entry: ModelVersion, is_default: bool, lifecycle: ModelLifecycle) -
             "pid": pid if pid is not None else -1,
             "gpu": bool(engine is not None and str(engine.config.device).startswith("cuda")),
             "gpuUsage": "N/A",
+            "deviceIds": list(slot.devices),  # its GPUs (server/devices.py); [] on the CPU
             "restarts": slot.restarts,
             "threads": (engine.stats.num_threads or engine.num_threads) if engine is not None else None,
             "lastError": slot.last_error,
@@ -123,7 +127,9 @@ def describe(entry: ModelVersion, is_default: bool, lifecycle: ModelLifecycle) -
         "loadedAtStartup": entry.loaded_at_startup,
         "isDefault": is_default,
         "continuousBatching": True,
+        "model": describe_model_dir(entry.archive.model_dir),
         "maxModelLen": info.max_model_len if info else entry.max_model_len,
+        "defaultMaxTokens": config.default_max_tokens,
         **lifecycle.describe(entry),
         "workers": workers,
         "jobQueueStatus": {
@@ -172,11 +178,15 @@ async def register_model(request: web.Request) -> web.Response:
     if not url.strip():
         raise SchemaError("url: is required", "url")
     path = resolve_url(url, state.config.model_store_path, state.config.allowed_urls)
-    archive = await state.registry.open(path)
+    if params.chat_template is not None and not is_model_path(path):
+        raise SchemaError("chat_template: only for a .gguf file or a model folder; an archive ships "
+                          "its own chat_template.jinja", "chat_template")
+    archive = await state.registry.open(path, chat_template=params.chat_template)
     if is_adapter(archive):  # a LoRA adapter: attached to its base version's workers
         adapter = await state.adapters.register(state.registry, archive,
                                                 _display_url(url, path, state.config.model_store_path),
                                                 params.model_name)
+        state.registry.save_change(lambda: state.adapters.adapters.pop(adapter.name, None))
         return _status(f'Adapter "{adapter.name}" Version: {adapter.version} registered on model '
                        f'"{adapter.base.name}" version {adapter.base.version}')
     archive = _with_register_params(archive, params)
@@ -269,6 +279,7 @@ async def unregister_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     if name in state.adapters.adapters and name not in state.registry.models:
         adapter = await state.adapters.unregister(name)  # returns once its requests in flight are done
+        state.registry.save_change(None)
         return _status(f'Adapter "{adapter.name}" version: {adapter.version} unregistered')
     attached = state.adapters.attached_to(state.registry.resolve(name, request.match_info.get("version")))
     if attached:
@@ -340,12 +351,15 @@ def _observe(request: web.Request, status: int, seconds: float) -> None:
 
 def build_management_app(state: ServerState, contexts: Iterable[Callable] = ()) -> web.Application:
     """The management app over `state`; `contexts` are extra `cleanup_ctx` generators."""
-    app = web.Application(client_max_size=state.config.max_request_size, middlewares=[
+    app = web.Application(client_max_size=state.config.max_request_size)
+    app[STATE_KEY] = state
+    public = console.setup(app)  # the console's page and files: no data, no token needed
+    app.middlewares.extend([
         error_middleware(_shape, EXCEPTION_CODES, _observe),
         drain_middleware(state.drain),
-        auth_middleware(lambda: state.management_key),
+        auth_middleware(lambda: state.management_key, public),
+        decode_body_middleware,
     ])
-    app[STATE_KEY] = state
     app.add_routes(ROUTES)
     app.add_routes(openapi.routes("pagedserve management API", {
         handler: openapi.Body(("application/json",) if handler is register_model else (), query=query)

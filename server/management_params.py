@@ -36,6 +36,9 @@ class RegisterParams(msgspec.Struct, forbid_unknown_fields=True):
     max_batch_delay: Annotated[int, Meta(ge=0, le=MAX_TIMEOUT_S * 1000)] | None = None  # accepted, unused
     runtime: str | None = None  # "python" (or "python3") only
     handler: Annotated[str, Meta(min_length=1, max_length=256)] | None = None  # the archive's own only
+    # A chat template (jinja text) for a model registered from a .gguf file or a model folder
+    # that has none (a base model); it becomes the built archive's chat_template.jinja.
+    chat_template: Annotated[str, Meta(min_length=1, max_length=65536)] | None = None
 
     def __post_init__(self) -> None:
         if self.batch_size != 1:

@@ -84,14 +84,19 @@ def weights_bytes(model_dir: Path, dtype_bytes: int) -> int:
 
 
 def kv_pool_bytes(config: EngineConfig, hf_config: dict) -> int:
-    """Bytes of the KV pool the engine allocates for `config` (engine.model_runner's rule)."""
+    """Bytes of the KV pool the engine allocates for `config`, by the engine's own rule
+    (engine.model.loader.kv_pool_size): with tensor parallelism every rank holds every block
+    for its share of the KV heads, and a KV head replicated on several ranks (fewer KV heads
+    than ranks) costs each copy."""
     from engine.attention.kv_quant import parse_kv_cache_dtype
-    from engine.model.loader import kv_cache_bytes_per_block
+    from engine.model.loader import kv_pool_size
+    from engine.model.registry import parse_config
+    from engine.parallel.sharding import shard_spec
 
-    per_block = kv_cache_bytes_per_block(hf_config, config.block_size, config.torch_dtype,
-                                         parse_kv_cache_dtype(config.kv_cache_dtype))
-    blocks = config.num_kv_blocks if config.num_kv_blocks is not None else (
-        config.kv_cache_memory // per_block)
+    spec = parse_config(hf_config)
+    if config.tensor_parallel_size > 1:
+        spec = shard_spec(spec, config.tensor_parallel_size)
+    per_block, blocks = kv_pool_size(config, spec, parse_kv_cache_dtype(config.kv_cache_dtype))
     return blocks * per_block
 
 

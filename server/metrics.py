@@ -153,6 +153,16 @@ class EngineCollector:
                                               "Speculative draft tokens verified", labels=labels),
             "spec_accepted": CounterMetricFamily("pagedserve_spec_decode_accepted_tokens",
                                                  "Speculative draft tokens kept", labels=labels),
+            "spec_drafted": CounterMetricFamily("pagedserve_spec_decode_requests_drafted",
+                                                "Decode steps of a request given drafts (method auto)",
+                                                labels=labels),
+            "spec_skipped": CounterMetricFamily("pagedserve_spec_decode_requests_skipped",
+                                                "Decode steps of a request given no drafts (method auto)",
+                                                labels=labels),
+            "spec_rate": GaugeMetricFamily("pagedserve_spec_decode_acceptance_rate",
+                                           "Per-token draft acceptance rate, recent (method auto)", labels=labels),
+            "spec_suffix_bytes": GaugeMetricFamily("pagedserve_spec_decode_suffix_global_bytes",
+                                                   "Memory of the global suffix tries (upper bound)", labels=labels),
         }
         worker_labels = [*labels, "worker"]
         routing = {
@@ -189,6 +199,11 @@ class EngineCollector:
             fams["preemptions"].add_metric(key, sum(s.num_preemptions for s in stats))
             fams["spec_draft"].add_metric(key, sum(s.spec_draft_tokens for s in stats))
             fams["spec_accepted"].add_metric(key, sum(s.spec_accepted_tokens for s in stats))
+            fams["spec_drafted"].add_metric(key, sum(s.spec_requests_drafted for s in stats))
+            fams["spec_skipped"].add_metric(key, sum(s.spec_requests_skipped for s in stats))
+            rates = [s.spec_acceptance_rate for s in stats if s.spec_acceptance_rate is not None]
+            fams["spec_rate"].add_metric(key, sum(rates) / len(rates) if rates else 0.0)
+            fams["spec_suffix_bytes"].add_metric(key, sum(s.spec_suffix_global_bytes for s in stats))
             router = v.router
             for worker in sorted({*router.routed, *(e.name for e in engines)}):
                 routing["routed"].add_metric([*key, worker], router.routed[worker])

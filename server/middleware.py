@@ -6,7 +6,8 @@
    which status; anything else is a 500 that names the request id (the traceback goes to the
    log). An exception after a stream's headers went out ends the stream with an error event in
    its own format instead of a second response.
-2. `drain_middleware`: 503 once the server drains; counts the requests being answered.
+2. `drain_middleware`: 503 once the server drains; 429 for a client address over its share of
+   requests in flight; counts the requests being answered.
 3. token authorization (`server.auth.auth_middleware`).
 """
 
@@ -126,8 +127,11 @@ async def _answer(request: web.Request, reply: ErrorReply, shape: Shape) -> web.
 
 
 def drain_middleware(drain: Drain, exempt: frozenset[str] = frozenset()):
-    """503 (Retry-After) for new requests once the server drains; the others are counted so
-    the drain knows when the last one ended. Paths in `exempt` (health checks) pass uncounted."""
+    """503 (Retry-After) for new requests once the server drains; 429 (Retry-After) for a
+    client address over its share of requests in flight; the others are counted so the drain
+    knows when the last one ended. A request cut when the drain's grace is over ends as a 503
+    (on an open stream: an error event, then `[DONE]`). Paths in `exempt` (health checks) pass
+    uncounted."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -135,7 +139,19 @@ def drain_middleware(drain: Drain, exempt: frozenset[str] = frozenset()):
             return await handler(request)
         if drain.draining:
             raise ErrorReply(503, "the server is shutting down", {"Retry-After": "5"})
-        with drain.track():
-            return await handler(request)
+        client = request.remote or ""
+        if (refusal := drain.over_share(client)) is not None:
+            raise ErrorReply(429, refusal, {"Retry-After": "1"})
+        with drain.track(client):
+            try:
+                return await handler(request)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not drain.cutting or task is None or request.transport is None:
+                    raise
+                if hasattr(task, "uncancel"):  # Python 3.11+: the cancellation is spent
+                    task.uncancel()  # the server cut it and the client is still there: answer
+                raise ErrorReply(503, "the server shut down before this request finished "
+                                      "(drain_grace); retry", {"Retry-After": "5"}) from None
 
     return middleware

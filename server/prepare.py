@@ -4,7 +4,7 @@
 from its very first start. It fills the caches under `$PAGEDSERVE_CACHE_DIR`
 (`~/.cache/pagedserve`) and the model store:
 
-1. the CPU C++ kernels (`kernels/csrc`, compiled with torch's cpp_extension, ~30-60 s each),
+1. the CPU C++ kernels (`kernels/csrc`, one extension compiled with torch's cpp_extension, ~1-2 min),
 2. the bundled model converted from its GGUF to a model directory (~20 s),
 3. that model archived into the store as `smollm2.mar` (what `serve --models default` registers),
 4. the archive opened (verified and extracted) into the archive cache, as `serve` opens it.
@@ -25,15 +25,12 @@ Out = Callable[[str], None]
 
 
 def cpu_extensions():
-    """The CPU extensions the engine loads (empty when PAGEDSERVE_DISABLE_CPU_KERNELS=1)."""
+    """The CPU extensions the engine loads (empty when PAGEDSERVE_DISABLE_CPU_KERNELS=1): the one
+    native extension, every kernel in it."""
     from kernels.cpu_build import cpu_kernels_disabled
-    from kernels.cpu_fused_ops import EXTENSION as FUSED_OPS
-    from kernels.cpu_int4_dequant import EXTENSION as INT4_DEQUANT
-    from kernels.cpu_int8_mm_io import EXTENSION as INT8_MM_IO
-    from kernels.cpu_paged_attention import EXTENSION as PAGED_DECODE
-    from kernels.cpu_upcast_linear import EXTENSION as BF16_GEMV
+    from kernels.cpu_native import EXTENSION as NATIVE
 
-    return () if cpu_kernels_disabled() else (PAGED_DECODE, FUSED_OPS, BF16_GEMV, INT4_DEQUANT, INT8_MM_IO)
+    return () if cpu_kernels_disabled() else (NATIVE,)
 
 
 def build_missing_kernels(out: Out, *, why: str = "") -> list[str]:
@@ -44,7 +41,7 @@ def build_missing_kernels(out: Out, *, why: str = "") -> list[str]:
             out(f"pagedserve: checking the earlier build of the CPU kernel {ext.name} in {ext.folder}")
         else:
             out(f"pagedserve: building the CPU kernel {ext.name} into {ext.folder} "
-                f"(once per machine and checkout, ~30-60 s{why})")
+                f"(once per machine and checkout, ~1-2 min{why})")
         start = time.perf_counter()
         if ext.build() is None:
             out(f"pagedserve: the CPU kernel {ext.name} could not be built (see the warning "

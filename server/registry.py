@@ -57,6 +57,10 @@ NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_.\-]*\Z"
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*\Z"
 
 
+class InvalidNameError(ValueError):
+    """A model name or version that breaks the naming rule (400, naming the field)."""
+
+
 class ModelNotFoundError(LookupError):
     """No such model or version (404); the message names it."""
 
@@ -225,6 +229,14 @@ class ModelRegistry:
 
     # -- lookups (the inference app's side) ---------------------------------------------
     def resolve(self, name: str, version: str | None = None) -> ModelVersion:
+        """The version `name` (and `version`, else the default) names; ModelNotFoundError, or
+        InvalidNameError (a ValueError: 400) for a name no registration could have."""
+        for value, what, check in ((name, "model", check_model_name), (version, "version", check_version)):
+            if value is not None:
+                try:
+                    check(value, what)
+                except ValueError as exc:
+                    raise InvalidNameError(str(exc)) from None
         model = self.models.get(name)
         if model is None or not model.versions:
             raise ModelNotFoundError(f"Model not found: {name}")
@@ -258,11 +270,12 @@ class ModelRegistry:
         self._save(None)
 
     # -- changes (the management app's side) --------------------------------------------
-    async def open(self, path: Path) -> LoadedArchive:
-        """Verify and extract the archive off the event loop."""
+    async def open(self, path: Path, chat_template: str | None = None) -> LoadedArchive:
+        """Verify and extract the archive off the event loop (a .gguf file or a model folder:
+        archived first, with `chat_template` when given)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, load_archive, path,
-                                          self.allow_custom_handlers)
+                                          self.allow_custom_handlers, chat_template)
 
     async def register(self, archive: LoadedArchive, *, url: str, name: str | None = None,
                        initial_workers: int | None = None, max_workers: int | None = None,
@@ -427,6 +440,10 @@ class ModelRegistry:
         model.default_version = entry.version
         self._save(lambda: setattr(model, "default_version", old_default))
         return entry
+
+    def save_change(self, undo: Callable[[], None] | None) -> None:
+        """Persist a change made beside the registry (a LoRA adapter registered or removed)."""
+        self._save(undo)
 
     def _save(self, undo: Callable[[], None] | None) -> None:
         """Persist a change just made in memory. If that fails, `undo` it and raise

@@ -10,9 +10,10 @@ owns the registry, the workers and the thread pool: on start it restores the sna
 registers the `load_models` archives in the background (the ports already answer; /ready turns
 200 once every version that should serve has a ready worker); on stop it stops them.
 
-Stop (SIGTERM or SIGINT): new requests get 503; in-flight ones get up to `drain_grace` seconds
-to finish (the drain's event fires when the last one ends); then the ports close and the
-workers stop (what is left is aborted), exit 0. A second signal skips the wait.
+Stop (SIGTERM or SIGINT): new requests get 503 with Retry-After; in-flight ones get up to
+`drain_grace` seconds to finish (the drain's event fires when the last one ends); those left
+are cut with an error reply (a stream: an error event, then `[DONE]`); the workers stop while
+the ports still answer 503; then the ports close, exit 0. A second signal skips the wait.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import os
 import signal
+import sys
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,11 +33,14 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from server.archives import LoadedArchive, resolve_url
+from server.adapters import is_adapter
+from server.archives import LoadedArchive, resolve_url, store_archives
 from server.auth import KeyStore, choose_keys, write_key_file
 from server.config import ServerConfig, ServerConfigError, parse_address
-from server.connections import ConnectionLimits, GuardedAppRunner
-from server.inference_app import build_inference_app
+from server.connections import ConnectionLimits, GuardedAppRunner, PathShape
+from server.console import sign_in_line
+from server.devices import assign_devices, cuda_visible_devices, visible_gpus
+from server.inference_app import build_inference_app, shape_for_path
 from server.lifecycle import BudgetCollector
 from server.management_app import build_management_app
 from server.metrics import ServerMetrics, build_metrics_app
@@ -46,7 +52,7 @@ from server.registry import (
     worker_threads,
 )
 from server.snapshot import Snapshotter
-from server.state import ServerState
+from server.state import Drain, ServerState
 from server.workers import WorkerStartFailed
 
 if TYPE_CHECKING:
@@ -64,7 +70,7 @@ handler:
   dtype: bfloat16
   kv_cache_memory: 1GiB
 """
-ARCHIVE_SUFFIXES = (".mar", ".zip", ".tar.gz", ".tgz")
+CUT_WAIT_S = 5.0  # for the requests cut after drain_grace to send their error replies
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +82,8 @@ class StartupModel:
 
 def startup_models(config: ServerConfig) -> list[StartupModel]:
     """`load_models` -> archives in the store ("all": every archive there; "default": the
-    bundled model, archived into the store first when absent)."""
+    bundled model, archived into the store first when absent), or a `.gguf` file / model folder
+    (archived behind the scenes), under the same location rules as POST /models."""
     store = config.model_store_path
     out: list[StartupModel] = []
     for item in config.load_models:
@@ -84,15 +91,13 @@ def startup_models(config: ServerConfig) -> list[StartupModel]:
         if not sep:
             name, url = None, item
         if url == "all":
-            for path in sorted(store.iterdir()) if store.is_dir() else []:
-                if path.name.endswith(ARCHIVE_SUFFIXES) or (path / "MAR-INF" / "MANIFEST.json").is_file():
-                    out.append(StartupModel(None, path.name, path.resolve()))
+            out.extend(StartupModel(None, path.name, path.resolve()) for path in store_archives(store))
             continue
         if url == "default":
             url = ensure_default_archive(store).name
             name = name or DEFAULT_ARCHIVE_NAME
         try:
-            path = resolve_url(url, store, [])
+            path = resolve_url(url, store, config.allowed_urls)
         except (PermissionError, FileNotFoundError, ValueError) as exc:
             raise ServerConfigError(f"--models {item}: {exc}") from None
         out.append(StartupModel(name, url, path))
@@ -152,13 +157,22 @@ def build_state(config: ServerConfig, make_engine: EngineBuilder, keys: KeyStore
     metrics = ServerMetrics(versions=registry.all_versions, vllm=config.vllm_metrics)
     metrics.registry.register(BudgetCollector(registry.lifecycle))
     return ServerState(config=config, registry=registry, metrics=metrics, keys=keys,
-                       executor=executor)
+                       executor=executor, drain=Drain(max_per_client=config.max_in_flight_per_client))
 
 
-def connection_limits(config: ServerConfig) -> ConnectionLimits:
-    return ConnectionLimits(header_timeout=config.header_read_timeout,
-                            body_timeout=config.body_read_timeout,
-                            max_connections=config.max_connections)
+def connection_limits(config: ServerConfig, shape: PathShape | None = None) -> ConnectionLimits:
+    limits = ConnectionLimits(header_timeout=config.header_read_timeout,
+                              body_timeout=config.body_read_timeout,
+                              max_connections=config.max_connections,
+                              per_client_connections=config.max_connections_per_client)
+    if shape is not None:
+        limits.shape = shape
+    return limits
+
+
+def _path_shape(port: str) -> PathShape | None:
+    """The error shape of aiohttp's own replies (parser errors) on `port`, by the path named."""
+    return shape_for_path if port == "inference" else None  # else TorchServe's
 
 
 class Server:
@@ -173,6 +187,8 @@ class Server:
         self.snapshot = Snapshotter(config.snapshot_path) if config.snapshot_path else None
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
+        self._startup: asyncio.Task | None = None  # the startup registrations
+        self._workers_stopped = False
 
     # -- start ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -190,15 +206,15 @@ class Server:
                 raise ServerConfigError(str(exc)) from None
             keys = KeyStore(chosen, Path(config.key_file).expanduser().absolute())
         self.state = state = build_state(config, self._make_engine, keys)
+        if self.snapshot is not None:
+            self.snapshot.adapters = state.adapters
         restored = self.snapshot.load() if self.snapshot and config.restore_snapshot else []
         opened = [(m, await state.registry.open(m.path)) for m in models]
 
         async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-            startup = asyncio.create_task(self._register_at_start(restored, opened))
+            self._startup = asyncio.create_task(self._register_at_start(restored, opened))
             yield
-            startup.cancel()
-            await asyncio.gather(startup, return_exceptions=True)
-            await state.registry.shutdown()
+            await self._stop_workers()
             state.executor.shutdown(wait=False, cancel_futures=True)
             state.limits.shutdown()
 
@@ -207,12 +223,13 @@ class Server:
                 "metrics": build_metrics_app(state.metrics)}
         for name, app in apps.items():
             host, port = parse_address(getattr(config, f"{name}_address"))
-            runner = GuardedAppRunner(app, connection_limits(config), access_log=None,
-                                      shutdown_timeout=2.0)
+            runner = GuardedAppRunner(app, connection_limits(config, _path_shape(name)),
+                                      access_log=None, shutdown_timeout=2.0)
             await runner.setup()
             self.runners.append(runner)
             await web.TCPSite(runner, host, port).start()
-            self.ports[name] = port = runner.addresses[0][1]  # the real one when 0 was asked
+            port = runner.addresses[0][1]  # the real one when 0 was asked
+            self.ports[name] = state.ports[name] = port
             self.out(f"pagedserve: {name} API listening on http://{host}:{port}")
         if keys is not None:
             if write_keys:  # only now that every port is ours
@@ -221,6 +238,10 @@ class Server:
                      f"({'written' if write_keys else 'kept'}; send 'Authorization: Bearer <key>')")
         else:
             self.out("pagedserve: token authorization is OFF (--disable-token-auth)")
+        # The keys ride in the fragment, which the browser keeps to itself; printed with them
+        # only to a terminal unless told (stdout under a service manager is a log).
+        with_keys = config.console_link_keys
+        self.out(sign_in_line(state, sys.stdout.isatty() if with_keys is None else with_keys))
 
     async def _register_at_start(self, restored, opened) -> None:
         """The snapshot's models, then the `load_models` archives (the lifecycle's task)."""
@@ -229,8 +250,16 @@ class Server:
         registry.lifecycle.progress = self.out  # a line per worker ready while starting
         try:
             await self._restore(restored)
+            models = [(m, a) for m, a in opened if not is_adapter(a)]
             await asyncio.gather(*(self._register_startup(archive, model.url, model.name)
-                                   for model, archive in opened))  # in parallel, in the budget
+                                   for model, archive in models))  # in parallel, in the budget
+            # LoRA adapters once their base versions are there: the snapshot's, then --models'
+            if self.snapshot is not None:
+                for e in self.snapshot.adapter_entries:
+                    await self._restore_adapter(e)
+            for model, archive in opened:
+                if is_adapter(archive):
+                    await self._register_adapter(archive, model.url, model.name)
         except Exception:  # a bug: the server keeps serving what did register
             logger.exception("the startup registrations failed")
         self._save_snapshot()
@@ -269,6 +298,34 @@ class Server:
                          "for the next start", e.name, e.version, exc)
             self.snapshot.carry(e)
 
+    async def _restore_adapter(self, e) -> None:
+        try:
+            path = resolve_url(e.url, self.config.model_store_path, self.config.allowed_urls)
+            archive = await self.state.registry.open(path)
+            if not is_adapter(archive):
+                raise ValueError(f"{e.url} is not a LoRA adapter archive")
+            await self._register_adapter(archive, e.url, e.name, quiet=False)
+        except (OSError, LookupError, ValueError, RuntimeError) as exc:
+            logger.error("snapshot: could not restore adapter %s: %s; it stays in the snapshot "
+                         "for the next start", e.name, exc)
+            self.snapshot.carry_adapter(e)
+
+    async def _register_adapter(self, archive: LoadedArchive, url: str, name: str | None,
+                                quiet: bool = True) -> None:
+        """A LoRA adapter onto its base version (given with --models, or from the snapshot)."""
+        try:
+            adapter = await self.state.adapters.register(self.state.registry, archive, url, name)
+        except ConflictError:
+            logger.info("adapter %s is already registered", name or archive.name)
+            return
+        except (LookupError, ValueError) as exc:
+            if not quiet:
+                raise
+            logger.error("adapter %s: %s", name or archive.name, exc)
+            return
+        self.out(f"pagedserve: registered adapter {adapter.name} on {adapter.base.name} "
+                 f"{adapter.base.version} from {url}")
+
     async def _register_startup(self, archive: LoadedArchive, url: str, name: str | None) -> None:
         try:
             entry = await self.state.registry.register(archive, url=url, name=name,
@@ -297,6 +354,12 @@ class Server:
                 logger.warning("%s: kv_offload is not used with tensor parallelism", worker_name)
         if entry.model_config.device_type is DeviceType.GPU:
             options["device"] = "cuda"
+            slot = next((s for s in entry.pool.slots if worker_name.endswith(f"#{s.id}")), None)
+            if slot is not None:  # its own GPUs: round-robin, a TP group on consecutive ones
+                slot.devices = assign_devices(slot.index, visible_gpus(),
+                                              entry.model_config.device_ids,
+                                              options.get("tensor_parallel_size", 1))
+                options["visible_devices"] = cuda_visible_devices(slot.devices)
         # The registry opened and verified the archive (custom handler rules included).
         config = EngineConfig(model=str(entry.model_dir), model_verified=True, **options)
         return AsyncLLM(config, entry.tokenizer, name=worker_name, on_dead=on_dead,
@@ -350,8 +413,11 @@ class Server:
         await self._stop.wait()
 
     async def stop(self) -> None:
-        """Drain (up to drain_grace, or until a second signal), then close the ports; the
-        inference app's cleanup stops the workers and the thread pool."""
+        """The shutdown sequence (docs/operations.md): readiness turns 503 and new requests get
+        503 with Retry-After; requests in flight get up to drain_grace seconds (or until a
+        second signal) to finish; those still running are cut (a stream ends with an error
+        event and `[DONE]`, a whole reply is a 503); the workers stop; only then do the ports
+        close, so that a load balancer sees a draining port, never a refused one, until exit."""
         state = self.state
         if state is not None:
             state.drain.begin()
@@ -360,12 +426,24 @@ class Server:
             await asyncio.wait({idle, force}, return_when=asyncio.FIRST_COMPLETED)
             force.cancel()
             if state.drain.in_flight:
-                self.out(f"pagedserve: aborting {state.drain.in_flight} request(s) still in flight")
+                self.out(f"pagedserve: aborting {state.drain.cut()} request(s) still in flight")
+                await state.drain.wait_idle(CUT_WAIT_S)  # their error replies go out
+            await self._stop_workers()
         for runner in reversed(self.runners):
             await runner.cleanup()
         if self.runners:
             self.out("pagedserve: stopped")
         self.runners.clear()
+
+    async def _stop_workers(self) -> None:
+        """Cancel the startup registrations and stop every worker (once)."""
+        if self._workers_stopped or self.state is None:
+            return
+        self._workers_stopped = True
+        if self._startup is not None:
+            self._startup.cancel()
+            await asyncio.gather(self._startup, return_exceptions=True)
+        await self.state.registry.shutdown()
 
 
 async def serve(config: ServerConfig) -> int:
@@ -385,4 +463,17 @@ def run_serve(config: ServerConfig) -> int:
 
     torch.set_num_threads(1)  # tokenization only: leave the cores to the workers
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(config))
+    loop = asyncio.new_event_loop()
+    try:
+        code = loop.run_until_complete(serve(config))
+    except BaseException:
+        loop.close()
+        raise
+    # Stopped in order: workers first, the ports last. Exit now: asyncio.run's and the
+    # interpreter's teardown (joining executor threads, and more) would leave seconds between
+    # the ports closing and the process ending, in which a load balancer sees a refused port
+    # on a live process.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -16,9 +16,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", metavar="FILE", help="server config YAML (see config/server-config.yaml)")
     p.add_argument("--model-store", metavar="DIR", help="folder of archives (default: model_store)")
     p.add_argument("--models", nargs="+", metavar="NAME=ARCHIVE",
-                   help="archives to register at start, relative to the model store: "
-                        "NAME=ARCHIVE, ARCHIVE, 'all', or 'default' (the bundled model, "
-                        "archived into the store when absent)")
+                   help="models to register at start, relative to the model store (or allowed by "
+                        "allowed_urls): NAME=ARCHIVE, ARCHIVE, a .gguf file, a Hugging Face-style "
+                        "model folder, 'all', or 'default' (the bundled model, archived into the "
+                        "store when absent)")
     p.add_argument("--inference-address", metavar="HOST:PORT")
     p.add_argument("--management-address", metavar="HOST:PORT")
     p.add_argument("--metrics-address", metavar="HOST:PORT")

@@ -117,9 +117,11 @@ class EmbeddingsShaper:
 
     def whole(self, out: RequestOutput, total_s: float) -> dict[str, Any]:
         try:
-            return embeddings_response(self.request, self.model, out)
+            body = embeddings_response(self.request, self.model, out)
         except HandlerError as exc:
             raise ErrorReply.from_handler_error(exc) from None
+        body["timings"] = timings(out, total_s)
+        return body
 
     def error(self, code: int, message: str) -> dict[str, Any]:
         return openai_error(code, message)

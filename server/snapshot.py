@@ -3,7 +3,8 @@
 The file holds, per model version: name, version, archive URL, min/max workers, whether it
 is the default version, its lifecycle state (loaded, sleeping or unloaded) and whether it is
 pinned (one `SnapshotEntry`; the last two default to "loaded" and unpinned, as in files
-written before they existed). The registry saves it before each change takes
+written before they existed); and per LoRA adapter its name and archive URL (`AdapterEntry`,
+restored after the models, onto its base version). The registry saves it before each change takes
 effect (`server.safe_write`: an O_EXCL|O_NOFOLLOW temporary file, fsync, rename, fsync of the
 folder), and a failed save undoes the change (`server.registry.SaveFailedError`). It is read
 back at start. An entry that could not be restored — malformed (a wrong type, a missing key, a
@@ -27,6 +28,7 @@ from server.registry import MAX_NAME_LENGTH, NAME_PATTERN, VERSION_PATTERN
 from server.safe_write import write_atomically
 
 if TYPE_CHECKING:
+    from server.adapters import AdapterRegistry
     from server.registry import ModelRegistry
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,13 @@ def _key(raw: Any) -> tuple[Any, Any] | None:
     return (raw.get("name"), raw.get("version")) if isinstance(raw, dict) else None
 
 
+class AdapterEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One registered LoRA adapter as the snapshot keeps it (its base is in its manifest)."""
+
+    name: Name
+    url: Annotated[str, msgspec.Meta(min_length=1)]
+
+
 class Snapshotter:
     """Writes the registry's snapshot to `path` when its content changed."""
 
@@ -79,6 +88,9 @@ class Snapshotter:
         self.path = Path(path).expanduser().absolute()
         # Entries not restored at this start, as read (JSON values), kept for the next start.
         self.carried: list[Any] = []
+        self.carried_adapters: list[Any] = []
+        self.adapters: AdapterRegistry | None = None  # the registered adapters, saved too
+        self.adapter_entries: list[AdapterEntry] = []  # read by load(), restored after the models
         self._last: str | None = None
 
     def carry(self, entry: SnapshotEntry) -> None:
@@ -91,7 +103,13 @@ class Snapshotter:
         entries: list[Any] = msgspec.to_builtins(entries_of(registry))
         registered = {_key(e) for e in entries}
         entries += [e for e in self.carried if _key(e) is None or _key(e) not in registered]
-        text = json.dumps({"format": FORMAT, "models": entries}, indent=2) + "\n"
+        adapters: list[Any] = [{"name": a.name, "url": a.url}
+                               for a in (self.adapters.sorted() if self.adapters else [])]
+        names = {a["name"] for a in adapters}
+        adapters += [a for a in self.carried_adapters
+                     if not isinstance(a, dict) or a.get("name") not in names]
+        text = json.dumps({"format": FORMAT, "models": entries, "adapters": adapters},
+                          indent=2) + "\n"
         if text == self._last:
             return
         try:
@@ -118,6 +136,7 @@ class Snapshotter:
         except (OSError, ValueError, RecursionError) as exc:
             raise ValueError(f"snapshot {self.path} is malformed ({exc}); move it away to "
                              "start without it") from None
+        self._load_adapters(data.get("adapters", []))
         entries = []
         for i, item in enumerate(models):
             try:
@@ -129,3 +148,18 @@ class Snapshotter:
                              "in the snapshot: correct or remove it", self.path, i, exc, shown)
                 self.carried.append(item)
         return entries
+
+    def _load_adapters(self, items: Any) -> None:
+        """Read the adapters' entries into `adapter_entries` (a malformed one is carried)."""
+        self.adapter_entries: list[AdapterEntry] = []
+        for item in items if isinstance(items, list) else []:
+            try:
+                self.adapter_entries.append(msgspec.convert(item, AdapterEntry))
+            except msgspec.ValidationError as exc:
+                logger.error("snapshot %s: adapter entry %s is malformed (%s); kept in the "
+                             "snapshot: correct or remove it", self.path, json.dumps(item)[:200], exc)
+                self.carried_adapters.append(item)
+
+    def carry_adapter(self, entry: AdapterEntry) -> None:
+        """Keep an adapter that could not be restored in every later save."""
+        self.carried_adapters.append(msgspec.to_builtins(entry))

@@ -3,7 +3,8 @@ chunked transfer (/predictions), with a cap on the bytes a response may carry.
 
 A write to a client that went away raises `ConnectionError` (aiohttp's
 `ClientConnectionResetError` is one); the caller lets it propagate so the engine request is
-aborted. Error events bypass the size cap: a stream always ends with its reason. An open
+aborted. Error events bypass the size cap: a stream always ends with its reason (an SSE stream
+with the error event, then `[DONE]`). An open
 stream is kept on its request (`OPEN_STREAM_KEY`) so that an error after the headers went out
 ends it with an error event (`fail`) rather than a second response.
 """
@@ -21,6 +22,12 @@ from aiohttp import web
 class StreamFormat(enum.Enum):
     SSE = "text/event-stream"  # `data: {json}\n\n` ... `data: [DONE]\n\n`
     NDJSON = "application/x-ndjson"  # one JSON object per line, one line per chunk
+    # Anthropic's: `event: {type}\ndata: {json}\n\n`, the event named by the object's "type"; no [DONE]
+    SSE_EVENTS = "text/event-stream; events"
+
+    @property
+    def content_type(self) -> str:
+        return self.value.partition(";")[0]
 
 
 class ResponseTooLarge(Exception):
@@ -59,7 +66,7 @@ class ChunkStream:
 
     async def open(self) -> None:
         response = web.StreamResponse(status=200, headers={
-            "Content-Type": self.format.value + "; charset=utf-8",
+            "Content-Type": self.format.content_type + "; charset=utf-8",
             "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no",  # proxies must not sit on the tokens
             **self.headers,
@@ -70,14 +77,14 @@ class ChunkStream:
         self.request[OPEN_STREAM_KEY] = self
 
     async def send(self, obj: Any) -> None:
-        data = self._frame(encode_json(obj))
+        data = self._frame(encode_json(obj), obj)
         if self.sent_bytes + len(data) > self.max_bytes:
             raise ResponseTooLarge(self.max_bytes)
         await self._write(data)
 
     async def send_error(self, obj: Any) -> None:
         """The last event of a stream that failed (never refused for size)."""
-        await self._write(self._frame(encode_json(obj)))
+        await self._write(self._frame(encode_json(obj), obj))
 
     async def close(self, done_marker: bool = True) -> None:
         if self.format is StreamFormat.SSE and done_marker:
@@ -86,14 +93,17 @@ class ChunkStream:
         self.request.pop(OPEN_STREAM_KEY, None)
 
     async def fail(self, event: Any) -> None:
-        """End the stream with `event` (no `[DONE]`), if the client is still there."""
+        """End the stream with the error `event` (then, in SSE, `[DONE]`: the stream ended, and
+        the event before it says it did not finish), if the client is still there."""
         try:
             await self.send_error(event)
-            await self.close(done_marker=False)
+            await self.close()
         except ConnectionError:
             self.request.pop(OPEN_STREAM_KEY, None)
 
-    def _frame(self, payload: bytes) -> bytes:
+    def _frame(self, payload: bytes, obj: Any) -> bytes:
+        if self.format is StreamFormat.SSE_EVENTS:
+            return b"event: " + str(obj.get("type", "message")).encode() + b"\ndata: " + payload + b"\n\n"
         if self.format is StreamFormat.SSE:
             return b"data: " + payload + b"\n\n"
         return payload + b"\n"

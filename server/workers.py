@@ -72,6 +72,8 @@ class WorkerSlot:
     starting: bool = False  # inside engine.start(): its threads own the engine's sockets
     overhead: int | None = None  # measured when ready: RSS minus weights and KV pool
     sleep_rss: int | None = None  # RSS measured after falling asleep
+    index: int = 0  # its place among the pool's workers (the smallest free): picks its GPUs
+    devices: tuple[int, ...] = ()  # the GPUs it was given (server/devices.py); () on the CPU
 
     @property
     def is_ready(self) -> bool:
@@ -138,7 +140,8 @@ class WorkerPool:
         return [self._add_slot(give_up=give_up) for _ in range(n)]
 
     def _add_slot(self, *, give_up: bool) -> WorkerSlot:
-        slot = WorkerSlot(id=self._next_id())
+        taken = {s.index for s in self.slots}
+        slot = WorkerSlot(id=self._next_id(), index=next(i for i in range(len(taken) + 1) if i not in taken))
         self.slots.append(slot)
         slot.task = self._spawn(self._run_start(slot, give_up=give_up))
         self._on_change()

@@ -36,3 +36,44 @@ def default_model_dir() -> Path:
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
     return default_model_dir()
+
+
+TEMP_BUDGET_BYTES = 200 * 1024 * 1024  # what the suite may leave in the temp folder
+
+
+def _disk_usage(root: Path) -> tuple[int, int]:
+    """(bytes of the files under `root`, of which bytes in files hard-linked elsewhere too);
+    each inode counted once."""
+    seen: set[tuple[int, int]] = set()
+    total = linked = 0
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_size
+            linked += st.st_size if st.st_nlink > 1 else 0
+    return total, linked
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    """What the session left in its temp folder (all xdist workers' folders are under the
+    controller's), printed so that CI's output shows it; over TEMP_BUDGET_BYTES is flagged."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is None:
+        return
+    root = factory.getbasetemp()
+    total, linked = _disk_usage(root)
+    own = total - linked
+    verdict = "within" if own <= TEMP_BUDGET_BYTES else "OVER"
+    terminalreporter.write_sep("-", "temp folder usage")
+    terminalreporter.write_line(
+        f"temp folder {root}: {own / 2**20:.1f} MiB left by this session ({verdict} the "
+        f"{TEMP_BUDGET_BYTES / 2**20:.0f} MiB budget); {linked / 2**20:.1f} MiB more are hard "
+        "links to files kept in the test cache (no extra disk)")

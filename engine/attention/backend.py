@@ -44,10 +44,13 @@ class AttentionBackend(abc.ABC):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Write key/value at `meta.slot_mapping`, then return attention output `[T, num_heads, head_dim]`.
 
-        Causal: the query token at position p of a sequence sees that sequence's tokens 0..p.
+        Causal: the query token at position p of a sequence sees that sequence's tokens 0..p;
+        with a sliding `window` w only (p - w, p]. `softcap`: scores become cap * tanh(s / cap).
         """
         check_shapes(query, key, value, kv_cache, meta, self.kv_dtype)
         if self.kv_dtype.quantized:
@@ -55,7 +58,9 @@ class AttentionBackend(abc.ABC):
                            meta.slot_mapping)
         else:
             write_kv_cache(key, value, kv_cache, meta.slot_mapping)
-        return self.attend(query, key, value, kv_cache, meta, scale)
+        if window is None and softcap is None:
+            return self.attend(query, key, value, kv_cache, meta, scale)
+        return self.attend(query, key, value, kv_cache, meta, scale, window=window, softcap=softcap)
 
     @abc.abstractmethod
     def attend(
@@ -66,6 +71,8 @@ class AttentionBackend(abc.ABC):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """The attention itself, with this step's key/value already in `kv_cache` (`key`/`value`
         are there too, for a backend that reads a whole prompt's K/V without the cache)."""

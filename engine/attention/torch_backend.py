@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.attention import windowed
 from engine.attention.backend import AttentionBackend
 from engine.attention.kv_quant import KVCacheDtype
 from engine.attention.metadata import AttentionMetadata
@@ -169,10 +170,14 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         num_decodes = meta.num_decodes
         if meta.num_seqs == 0:
             return torch.empty_like(query)
+        if softcap is not None or (window is not None and meta.max_seq_len > window):
+            return self._attend_windowed(query, key, value, kv_cache, meta, scale, window, softcap)
         if num_decodes == meta.num_seqs:
             return self._decode(query, kv_cache, meta, scale)
         out = torch.empty_like(query)
@@ -191,6 +196,30 @@ class TorchAttentionBackend(AttentionBackend):
             if short is None or i not in short.seqs:
                 out[start:end] = self._prefill(query[start:end], key[start:end], value[start:end], kv_cache, meta, i,
                                                scale)
+            start = end
+        return out
+
+    def _attend_windowed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float, window: int | None,
+                         softcap: float | None) -> torch.Tensor:
+        """A sliding-window or soft-capped layer (engine.attention.windowed): decodes batched over
+        their windows, prefill chunks one sequence at a time."""
+        out = torch.empty_like(query)
+        n = meta.num_decodes
+        if n:
+            out[:n] = windowed.decode(query[:n], kv_cache, meta, scale, window, softcap, self.read_kv)
+        block_size = kv_cache.shape[2]
+        start = n
+        for i in range(n, meta.num_seqs):
+            end = start + meta.query_lens[i]
+            seq_len = meta.seq_lens[i]
+            if meta.query_lens[i] == seq_len and not self.kv_dtype.quantized:
+                k, v = key[start:end], value[start:end]
+            else:
+                blocks = meta.block_tables[i, : (seq_len + block_size - 1) // block_size]
+                k = self._read_context(kv_cache[0], blocks, seq_len, query.dtype)
+                v = self._read_context(kv_cache[1], blocks, seq_len, query.dtype)
+            out[start:end] = windowed.prefill(query[start:end], k, v, seq_len, scale, window, softcap)
             start = end
         return out
 

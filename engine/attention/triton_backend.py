@@ -26,7 +26,12 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        if softcap is not None or (window is not None and meta.max_seq_len > window):
+            raise NotImplementedError("the triton attention backend has no sliding window or soft-capping; "
+                                      "use attention_backend: torch for this model")
         return paged_attention(
             query, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens_tensor,
             meta.query_start_loc, meta.max_query_len, scale, kv_quant=self.kv_dtype.value,

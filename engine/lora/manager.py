@@ -52,3 +52,15 @@ class LoRAManager:
         return LoRABatch.build(self.slots.layers, row_slots, self.dtype, self.device, use_triton)
 
 
+class LoRAUnsupported:
+    """Stands for the runner's LoRA manager where adapters cannot run (a tensor-parallel worker,
+    a mixture-of-experts model): every adapter is refused with `reason`."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def load(self, ref: LoRARequest):
+        raise ValueError(self.reason)
+
+    def build_batch(self, adapters: list, num_rows: list[int], use_triton: bool | None = None) -> None:
+        return None  # no request ever holds an adapter here

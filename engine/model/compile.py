@@ -14,7 +14,9 @@ attention calls are compiled. A step's token count is padded up to a bucket (pow
 number of compiles is bounded; steps with more tokens than the largest compiled bucket, or with
 LoRA adapters, run eagerly. Every bucket is compiled by `warm_up()`, which the model runner calls
 before the engine reports ready. Compiled code is cached on disk by inductor's FX graph cache
-(`compile_cache_dir`, default `<cache>/inductor`), so a second start reuses it.
+(`compile_cache_dir`, default `<cache>/inductor`), so a second start reuses it. Models with
+sliding windows, soft-capping or mixture-of-experts MLPs (whose per-expert segments are data)
+always run eagerly.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.config import CompileMode, EngineConfig
 
 if TYPE_CHECKING:
-    from engine.model.llama import LlamaForCausalLM
+    from engine.model.causal_lm import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +85,7 @@ class CompiledForward:
     step takes the compiled path, `__call__` runs it (hidden states of the real rows only).
     """
 
-    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, buckets: Sequence[int],
+    def __init__(self, model: CausalLM, backend: AttentionBackend, buckets: Sequence[int],
                  cache_dir: str | Path | None = None) -> None:
         if not buckets:
             raise ValueError("CompiledForward needs at least one bucket")
@@ -164,10 +166,12 @@ def compile_buckets(config: EngineConfig, dtype: torch.dtype, device: torch.devi
     return token_buckets(config.max_num_batched_tokens, largest)
 
 
-def compiled_forward_for(config: EngineConfig, model: LlamaForCausalLM, backend: AttentionBackend,
+def compiled_forward_for(config: EngineConfig, model: CausalLM, backend: AttentionBackend,
                          kv_caches: list[torch.Tensor], buckets: Sequence[int]) -> CompiledForward | None:
     """The engine's compiled forward over `buckets` (compile_buckets), warmed up; None for none."""
-    if not buckets:
+    if not buckets or model.spec.needs_plain_attention:  # windows / soft-caps: not in the compiled op
+        return None
+    if model.spec.moe is not None:  # experts' segment sizes are data (engine.model.layers.moe): eager
         return None
     compiled = CompiledForward(model, backend, buckets, config.compile_cache_dir)
     start = time.perf_counter()

@@ -74,8 +74,14 @@ def _convert_gguf(path: Path, out: Path) -> list[Path]:
     tokenizer.save_pretrained(out)
     # A model loaded from GGUF is marked quantized and save_pretrained refuses it, so its
     # (already de-quantised, float32) state dict is streamed to safetensors directly.
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 dtype=torch.float32)
+    model, loading = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                          dtype=torch.float32, output_loading_info=True)
+    # transformers re-initializes (randomly) what does not fit the config it read from the GGUF:
+    # a conversion must never hand such weights on.
+    bad = {k: sorted(loading.get(k) or ())[:5] for k in ("missing_keys", "mismatched_keys")}
+    if any(bad.values()):
+        raise ValueError(f"{path.name}: the weights do not fit the shape read from its metadata "
+                         f"(missing: {bad['missing_keys']}, mismatched: {bad['mismatched_keys']})")
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config

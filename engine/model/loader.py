@@ -1,4 +1,4 @@
-"""Load a Llama-family model directory (config.json + safetensors) and size/allocate its KV cache.
+"""Load a model directory (config.json + safetensors) and size/allocate its KV cache.
 
 Weights load through safetensors only: pickle-based checkpoints (.bin, .pt, .pth, .ckpt) are
 refused, never opened.
@@ -18,9 +18,10 @@ from safetensors import safe_open
 from engine.attention.backend import AttentionBackend
 from engine.attention.kv_quant import KVCacheDtype, kv_row_width, kv_storage_dtype
 from engine.config import EngineConfig, resolve_dtype
-from engine.model.llama import LlamaForCausalLM
-from engine.model.llama_spec import LlamaSpec
+from engine.model.causal_lm import CausalLM
 from engine.model.quant_spec import QuantSpec
+from engine.model.registry import family_of, parse_config
+from engine.model.spec import ModelSpec
 from kernels.cpu_fused_ops import CpuFusedOps, load_fused_ops
 from kernels.cpu_isa import cpu_has_bf16_dot
 from kernels.cpu_packed_linear import PackedLinear, packed_linear_supported
@@ -84,7 +85,7 @@ def load_model(
     quant: QuantSpec | None = None,
     pack_linear: bool = True,
     tp: TensorParallelGroup | None = None,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """Build the model from `model_dir/config.json` and fill it from its safetensors files.
 
     `pack_linear`: on CPU in bfloat16, swap the projections for packed or upcasting layers
@@ -97,8 +98,9 @@ def load_model(
     """
     config = read_config(model_dir)
     files = safetensors_files(model_dir)
-    model = LlamaForCausalLM(
-        config, resolve_dtype(dtype), device, backend, max_model_len=max_model_len, fused_ops=fused_ops,
+    spec = parse_config(config)
+    model = family_of(spec).model_cls(
+        spec, resolve_dtype(dtype), device, backend, max_model_len=max_model_len, fused_ops=fused_ops,
         quant=quant, tp=tp,
     )
     if tp is None:
@@ -115,8 +117,8 @@ def load_model(
     return model.eval()
 
 
-def _spec(config: Any) -> LlamaSpec:
-    return config if isinstance(config, LlamaSpec) else LlamaSpec.from_hf(config)
+def _spec(config: Any) -> ModelSpec:
+    return config if isinstance(config, ModelSpec) else parse_config(config)
 
 
 def kv_cache_bytes_per_block(config: Any, block_size: int, dtype: str | torch.dtype,
@@ -127,7 +129,7 @@ def kv_cache_bytes_per_block(config: Any, block_size: int, dtype: str | torch.dt
     return 2 * spec.num_layers * block_size * spec.num_kv_heads * kv_row_width(spec.head_dim, kv_dtype) * itemsize
 
 
-def kv_pool_size(config: EngineConfig, rank_spec: LlamaSpec, kv_dtype: KVCacheDtype) -> tuple[int, int]:
+def kv_pool_size(config: EngineConfig, rank_spec: ModelSpec, kv_dtype: KVCacheDtype) -> tuple[int, int]:
     """(bytes one KV block takes in the whole worker, blocks in the pool) for a model whose
     process holds the KV heads of `rank_spec` (all of them, or a tensor-parallel rank's share).
 

@@ -33,7 +33,7 @@ _PLACEHOLDER_MODEL = "<model-config>"
 HANDLER_OPTIONS_KEY = "options"  # handler.options: settings for a custom handler, not the engine
 # EngineConfig fields that are not per-archive settings: the archive is the model, deviceType
 # picks the device, and the server says whether it verified the archive.
-_NOT_HANDLER_KEYS = frozenset({"model", "device", "model_verified"})
+_NOT_HANDLER_KEYS = frozenset({"model", "device", "visible_devices", "model_verified"})
 
 
 class ModelConfigError(ValueError):
@@ -56,6 +56,7 @@ class ParallelType(str, enum.Enum):
     CUSTOM = "custom"
 
 
+DEFAULT_MAX_TOKENS = 1024
 _Workers = Annotated[int, Meta(ge=1, le=MAX_WORKERS)]
 _Seconds = Annotated[int, Meta(ge=1, le=MAX_TIMEOUT_S)]
 
@@ -68,6 +69,9 @@ class ModelConfigFile(msgspec.Struct, forbid_unknown_fields=True, rename="camel"
     response_timeout: _Seconds = 120  # seconds
     startup_timeout: _Seconds = 120  # seconds
     device_type: str | None = None  # a DeviceType; None: the server's default device
+    # GPUs (indexes as the server sees them) the workers share round-robin; None: every visible
+    # one (server/devices.py).
+    device_ids: list[Annotated[int, Meta(ge=0, le=1023)]] | None = None
     parallel_type: str | None = None  # a ParallelType
     parallel_level: Annotated[int, Meta(ge=1, le=MAX_WORKERS)] = 1
     job_queue_size: Annotated[int, Meta(ge=1, le=1 << 20)] = 100
@@ -78,6 +82,8 @@ class ModelConfigFile(msgspec.Struct, forbid_unknown_fields=True, rename="camel"
     keep_alive: Annotated[float, Meta(ge=-1, le=MAX_TIMEOUT_S)] | None = None
     # How the front end picks among the version's workers (server.routing).
     routing: typing.Literal["least_loaded", "prefix_affinity"] = "least_loaded"
+    # Output tokens of a request that names no limit (capped by the context left after its prompt).
+    default_max_tokens: Annotated[int, Meta(ge=1, le=1 << 20)] = DEFAULT_MAX_TOKENS
     handler: dict[str, Any] | None = None
 
 
@@ -110,12 +116,14 @@ class ModelConfig(msgspec.Struct, kw_only=True):
     response_timeout: int = 120  # seconds
     startup_timeout: int = 120  # seconds
     device_type: DeviceType | None = None  # None: the server's default device
+    device_ids: list[int] | None = None  # GPUs the workers share; None: all visible
     parallel_type: ParallelType | None = None
     parallel_level: int = 1
     job_queue_size: int = 100
     tool_parser: str = "hermes"  # hermes, llama3_json or pythonic
     keep_alive: float | None = None  # seconds; None: the server's keep_alive
     routing: str = "least_loaded"  # least_loaded or prefix_affinity
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # a request without a token limit
     handler: dict[str, Any] = msgspec.field(default_factory=dict)
     source: str = "model-config.yaml"  # the file name used in error messages
 

@@ -30,8 +30,8 @@ def resolve_model_dir(model: str | Path, *, allow_custom_handlers: bool = False,
 
     A plain directory (config.json + safetensors) is used as is. An archive (`.mar`, `.tar.gz`,
     or a folder with MAR-INF/MANIFEST.json) is verified exactly as the server would; an archive
-    file is extracted once into the cache, keyed by its path, size and mtime (a changed archive
-    is opened afresh), under a lock so concurrent processes extract it once.
+    file is extracted once into the cache, keyed by its file (inode), size and mtime (a changed
+    archive is opened afresh), under a lock so concurrent processes extract it once.
     """
     path = Path(model).expanduser()
     if not path.exists():
@@ -41,7 +41,9 @@ def resolve_model_dir(model: str | Path, *, allow_custom_handlers: bool = False,
     if path.is_dir():
         return open_archive(path, path, allow_custom_handlers=allow_custom_handlers).root
     stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    # The file itself (device and inode: hard links to one archive share its extraction), its
+    # size and mtime.
+    key = hashlib.sha256(f"{stat.st_dev}|{stat.st_ino}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     cache = cache_dir or archive_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     dest = cache / f"{path.name}-{key}"

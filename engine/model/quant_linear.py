@@ -41,6 +41,10 @@ INT4_KERNEL_MAX_ROWS = 32  # more rows de-quantize the weight for the call and u
 # The LM head (49152 x 576 here) sees at most one row per sequence: de-quantizing it per call
 # would cost far more than the weight-only kernel at any batch size, so it always uses the kernel.
 HEAD_WEIGHT_ONLY_MAX_ROWS = 1 << 62
+# Calls of up to this many rows run the native int4 GEMV (kernels/csrc/int4_gemv.h) where the
+# native extension is loaded, instead of torch's weight-only int4 kernel
+# (benchmarks/results/bench_int4_gemv*.md).
+INT4_GEMV_MAX_ROWS = 16
 _INT4_BLOCK_N = 64  # the packed layout's block under AVX-512 (32 under AVX2): archives load on both
 
 
@@ -265,6 +269,7 @@ class Int4Linear(_QuantBase):
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes.to(torch.int32), 2)
         zero = self.offset + 8 * self.scale
         self.scales_and_zeros = torch.stack((self.scale, zero), dim=-1).transpose(0, 1).contiguous().to(self.dtype)
+        self.gemv_scale_shift = scale_and_shift(self.scales_and_zeros)  # the native GEMV's float32 form
         empty = torch.empty(0, dtype=torch.uint8)
         self.codes, self.scale, self.offset = empty, empty.float(), empty.float()
 
@@ -279,7 +284,10 @@ class Int4Linear(_QuantBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = self._rows(x).to(self.dtype)
-        if rows.shape[0] <= self.kernel_max_rows:
+        if self.dequant is not None and rows.shape[0] <= INT4_GEMV_MAX_ROWS:
+            out = self.dequant.int4pack_gemv(rows.float(), self.packed, *self.gemv_scale_shift, self.group_size,
+                                             packed_block_n())
+        elif rows.shape[0] <= self.kernel_max_rows:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size,
                                                              self.scales_and_zeros)
         elif self.dequant is not None and not cpu_has_bf16_dot():

@@ -57,7 +57,7 @@ _DEFAULTS = {"dtype": "auto", "tensor_parallel_size": 1, "pipeline_parallel_size
 _UNDERSTOOD = frozenset({"served_model_name", "model", "tokenizer"})
 # TorchServe frontend keys that only shape TorchServe's own batching or process model.
 IGNORED_FRONTEND = ("batchSize", "maxBatchDelay", "asyncCommunication", "continuousBatching",
-                    "deviceIds", "torchrun", "useVenv", "maxRetryTimeoutInSec",
+                    "torchrun", "useVenv", "maxRetryTimeoutInSec",
                     "clientTimeoutInMills")
 VLLM_HANDLER_KEYS = ("model_path", "vllm_engine_config", "adapters")
 

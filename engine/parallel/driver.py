@@ -29,10 +29,9 @@ import torch.distributed as dist
 
 from engine.attention.kv_quant import parse_kv_cache_dtype
 from engine.config import EngineConfig
-from engine.lora.request import LoRARequest
-from engine.model.llama_spec import LlamaSpec
 from engine.model.loader import kv_pool_size, read_config
 from engine.model.quant_spec import QuantMethod, QuantSpec
+from engine.model.registry import check_tensor_parallel_support, parse_config
 from engine.parallel.group import LOOPBACK, TensorParallelGroup, rank_device
 from engine.parallel.messages import Kind, Message, forward_message
 from engine.parallel.rank_worker import (
@@ -64,7 +63,9 @@ class TensorParallelModel:
         if quant is not None and quant.method is not QuantMethod.NONE:
             raise ValueError(f"a quantized model ({quant.method.value}) cannot run with tensor_parallel_size={size}: "
                              "tensor parallelism shards full-precision weights only")
-        rank_spec = shard_spec(LlamaSpec.from_hf(read_config(model_dir)), size)  # refuses sizes that do not divide
+        spec = parse_config(read_config(model_dir))
+        check_tensor_parallel_support(spec, size)
+        rank_spec = shard_spec(spec, size)  # refuses sizes that do not divide
         _, num_blocks = kv_pool_size(config, rank_spec, parse_kv_cache_dtype(config.kv_cache_dtype))
         self.size = size
         self.group = TensorParallelGroup(0, size, rank_device(config.device, 0))
@@ -184,19 +185,6 @@ class TensorParallelModel:
         for process in self.ranks:
             process.join(max(0.0, deadline - time.monotonic()))
         self._finalizer()
-
-
-class LoRAUnsupported:
-    """Stands for the runner's LoRA manager on a tensor-parallel worker: every adapter is refused."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def load(self, ref: LoRARequest):
-        raise ValueError(lora_refusal(self.size))
-
-    def build_batch(self, adapters: list, num_rows: list[int], use_triton: bool | None = None) -> None:
-        return None  # no request ever holds an adapter here
 
 
 def lora_refusal(size: int) -> str:

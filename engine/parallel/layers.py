@@ -5,7 +5,7 @@ column-parallel ones (q/k/v, gate/up: a slice of the output rows) need nothing m
 row-parallel ones (o_proj, down_proj: a slice of the input columns) each give a partial sum of
 the whole output, which an all-reduce completes; the embedding holds a slice of the vocabulary
 and looks up only the ids inside it (zeros elsewhere), which an all-reduce completes as well.
-The LM head's slice of the logits is gathered to rank 0 by `LlamaForCausalLM.compute_logits`.
+The LM head's slice of the logits is gathered to rank 0 by `CausalLM.compute_logits`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from engine.model.llama import LlamaModel
+    from engine.model.layers.decoder import DecoderModel
     from engine.parallel.group import TensorParallelGroup
 
 
@@ -40,7 +40,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.group.all_reduce(out)
 
 
-def parallelize(model: LlamaModel, group: TensorParallelGroup, vocab_per_rank: int) -> None:
+def parallelize(model: DecoderModel, group: TensorParallelGroup, vocab_per_rank: int) -> None:
     """Make `model` (built at its rank's sizes, on the meta device, before its weights load)
     rank `group.rank`'s part: a vocabulary-parallel embedding, and an all-reduce after every
     row-parallel projection."""

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from engine.attention.kv_quant import parse_kv_cache_dtype
 from engine.attention.selector import select_backend
 from engine.config import EngineConfig
-from engine.model.llama import LlamaForCausalLM
+from engine.model.causal_lm import CausalLM
 from engine.model.loader import allocate_kv_caches, load_model, select_fused_ops
 from engine.parallel.group import LOOPBACK, TensorParallelGroup, rank_device
 from engine.parallel.messages import Kind, read_forward
@@ -57,7 +57,7 @@ class RankArgs:
 
 
 def load_rank(config: EngineConfig, model_dir: str, max_model_len: int, group: TensorParallelGroup,
-              backend=None) -> LlamaForCausalLM:
+              backend=None) -> CausalLM:
     """Rank `group.rank`'s shard of the model, read from `model_dir` (rank 0 passes its runner's
     attention backend; the other ranks make their own)."""
     if backend is None:
@@ -70,6 +70,10 @@ def run_rank(args: RankArgs) -> None:
     """Process entry point (multiprocessing, spawn)."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
+    # SIGTERM to the whole group (systemd's KillMode=control-group, `timeout`, a process-group
+    # kill) is the front end's to handle too: it drains, then stops us; if it dies we die
+    # with it (die_with_parent).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(args.parent_pid,), name="tp-parent-watch", daemon=True).start()
     config, rank = args.config, args.rank
     logging.basicConfig(level=logging.INFO,
@@ -98,7 +102,7 @@ def run_rank(args: RankArgs) -> None:
 
 
 @torch.inference_mode()
-def serve(model: LlamaForCausalLM, kv_caches: list[torch.Tensor], group: TensorParallelGroup) -> None:
+def serve(model: CausalLM, kv_caches: list[torch.Tensor], group: TensorParallelGroup) -> None:
     """Run rank 0's messages until STOP: each FORWARD is this rank's share of the step (its
     collectives meet rank 0's), each LOGITS its slice of the vocabulary for the gather."""
     while True:

@@ -6,6 +6,9 @@ Rank r of N holds (as vLLM does):
   `r*K // N`, replicated on the N/K ranks whose query heads use it;
 - rows `[r*I/N, (r+1)*I/N)` of gate_proj and up_proj, the same columns of down_proj;
 - rows `[r*V/N, (r+1)*V/N)` of the embedding and of an untied LM head (the vocabulary);
+- mixture of experts: every expert, each cut like the MLP by its own intermediate size E
+  (rows `[r*E/N, (r+1)*E/N)` of its gate/up, those columns of its down), the shared expert
+  likewise; the router and the shared expert's gate whole (every rank routes every token);
 - the norms whole. A row-parallel bias (o_proj, down_proj) is added once: rank 0 holds it,
   the other ranks zeros, so the all-reduce of the partial outputs adds it exactly once.
 
@@ -24,13 +27,16 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.model.llama_spec import LlamaSpec
+from engine.model.spec import ModelSpec
 
 _LAYER_TENSOR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
+# An expert's projection (Qwen / OLMoE names, and Mixtral's w1 = gate, w3 = up, w2 = down).
+_EXPERT_TENSOR = re.compile(r"^model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.(experts\.\d+|shared_expert)\."
+                            r"(gate_proj|up_proj|w1|w3|down_proj|w2)\.weight$")
 _VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def check_tensor_parallel(spec: LlamaSpec, size: int) -> None:
+def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
     """ValueError naming every model size that `size` ranks cannot share evenly."""
     if size == 1:
         return
@@ -45,6 +51,11 @@ def check_tensor_parallel(spec: LlamaSpec, size: int) -> None:
                         f"multiple of them: each KV head is replicated on tensor_parallel_size / KV heads ranks)")
     if spec.intermediate_size % size:
         problems.append(f"MLP intermediate size {spec.intermediate_size}")
+    if spec.moe is not None:
+        if spec.moe.intermediate_size % size:
+            problems.append(f"expert intermediate size {spec.moe.intermediate_size}")
+        if spec.moe.shared_intermediate_size % size:
+            problems.append(f"shared expert intermediate size {spec.moe.shared_intermediate_size}")
     if spec.vocab_size % size:
         problems.append(f"vocabulary of {spec.vocab_size} tokens")
     if problems:
@@ -52,16 +63,21 @@ def check_tensor_parallel(spec: LlamaSpec, size: int) -> None:
                          f"{', '.join(problems)}; choose a size that divides them")
 
 
-def shard_spec(spec: LlamaSpec, size: int) -> LlamaSpec:
+def shard_spec(spec: ModelSpec, size: int) -> ModelSpec:
     """The sizes one of `size` ranks holds (checked first): its query and KV heads, its part of
     the MLP and of the vocabulary. Hidden size, layers and head size are the model's."""
     check_tensor_parallel(spec, size)
+    moe = spec.moe
+    if moe is not None:  # every rank holds every expert, a slice of each (engine.model.layers.moe)
+        moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // size,
+                                  shared_intermediate_size=moe.shared_intermediate_size // size)
     return dataclasses.replace(
         spec,
         num_heads=spec.num_heads // size,
         num_kv_heads=max(1, spec.num_kv_heads // size),
         intermediate_size=spec.intermediate_size // size,
         vocab_size=spec.vocab_size // size,
+        moe=moe,
     )
 
 
@@ -77,11 +93,17 @@ class TensorSlice:
     zeros: bool = False
 
 
-def tensor_slice(name: str, spec: LlamaSpec, rank: int, size: int) -> TensorSlice | None:
+def tensor_slice(name: str, spec: ModelSpec, rank: int, size: int) -> TensorSlice | None:
     """What rank `rank` of `size` holds of the HF tensor `name`; None: the whole tensor."""
     local = shard_spec(spec, size)
     if name in _VOCAB_TENSORS:
         return TensorSlice(0, rank * local.vocab_size, local.vocab_size, spec.vocab_size)
+    expert = _EXPERT_TENSOR.match(name)
+    if expert is not None:
+        moe = spec.moe
+        full = moe.shared_intermediate_size if expert.group(1) == "shared_expert" else moe.intermediate_size
+        width = full // size
+        return TensorSlice(1 if expert.group(2) in ("down_proj", "w2") else 0, rank * width, width, full)
     match = _LAYER_TENSOR.match(name)
     if match is None:
         return None  # norms (and anything load_weights will refuse by name)
@@ -103,7 +125,7 @@ def tensor_slice(name: str, spec: LlamaSpec, rank: int, size: int) -> TensorSlic
     return None
 
 
-def iter_rank_tensors(files: list[Path], spec: LlamaSpec, rank: int, size: int
+def iter_rank_tensors(files: list[Path], spec: ModelSpec, rank: int, size: int
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Like engine.model.loader.iter_safetensors, but only this rank's slice of each tensor is
     read from disk."""

@@ -11,10 +11,10 @@ from engine.sampling_params import SamplingParams
 
 def can_draft(params: SamplingParams) -> bool:
     """Whether a request's tokens may be drafted and verified in one pass: verification samples
-    every position with the request's plain sampling settings, so settings that depend on the
-    position's history or report per-position extras decode one token at a time."""
-    return (params.structured_outputs is None and not params.has_penalties and params.logprobs is None
-            and params.min_tokens == 0)
+    every position with the request's plain sampling settings (and its grammar's mask for that
+    position), so settings that depend on the position's history or report per-position extras
+    decode one token at a time."""
+    return not params.has_penalties and params.logprobs is None and params.min_tokens == 0
 
 
 class NgramProposer:

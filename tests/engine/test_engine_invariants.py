@@ -29,9 +29,14 @@ def check_pool_consistency(engine: EngineCore) -> None:
         assert block.block_hash == block_hash and block.token_ids is not None
 
 
-@pytest.mark.parametrize(("caching", "speculative"), [(True, None), (False, None), (True, {"num_speculative_tokens": 3})],
-                         ids=["caching", "no-caching", "speculative"])
+@pytest.mark.parametrize(("caching", "speculative"), [
+    (True, None), (False, None), (True, {"num_speculative_tokens": 3}),
+    (True, {"method": "suffix", "num_speculative_tokens": 8, "suffix_spec_factor": 8.0}),
+    (True, {"method": "draft", "num_speculative_tokens": 2, "draft_model": "tiny"}),
+], ids=["caching", "no-caching", "speculative", "suffix", "draft-model"])
 def test_random_workload_leaves_every_block_free(tiny_model_dir, caching, speculative):
+    if speculative and speculative.get("draft_model") == "tiny":
+        speculative = {**speculative, "draft_model": str(tiny_model_dir)}
     engine = EngineCore(EngineConfig(
         model=str(tiny_model_dir), num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
         max_num_batched_tokens=24, max_num_seqs=6, enable_prefix_caching=caching, max_model_len=96,
@@ -73,6 +78,8 @@ def test_random_workload_leaves_every_block_free(tiny_model_dir, caching, specul
     assert pool.get_num_free_blocks() == NUM_BLOCKS
     assert all(b.ref_cnt == 0 for b in pool.blocks)
     assert not engine.kv_manager.req_to_blocks and not engine.runner.requests
+    if speculative and engine.drafter.draft_model is not None:  # the draft pool is all free too
+        assert engine.drafter.draft_model.num_free_blocks == engine.drafter.draft_model.num_blocks
     if caching:
         assert engine.kv_manager.num_hit_tokens > 0
         # Every surviving hash still names the tokens its block holds; reused blocks lost theirs.

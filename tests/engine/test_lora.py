@@ -17,6 +17,7 @@ from engine.lora.adapter import load_adapter, lora_shapes
 from engine.lora.request import LoRARequest
 from engine.lora.slots import LoRASlots
 from engine.model.llama_spec import LlamaSpec
+from engine.model.registry import parse_config
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -48,7 +49,7 @@ def tiny_adapters(tiny_model_dir, tmp_path_factory):
 
 
 def _spec(tiny_model_dir) -> LlamaSpec:
-    return LlamaSpec.from_hf(json.loads((tiny_model_dir / "config.json").read_text()))
+    return parse_config(json.loads((tiny_model_dir / "config.json").read_text()))
 
 
 def _run(core: EngineCore, prompts, loras, params=GREEDY, prefix="r") -> list[Request]:
@@ -181,12 +182,15 @@ def test_prefix_cache_never_shares_blocks_across_adapters(tiny_model_dir, tiny_a
         assert pool.get_cached_block(h, prompt[:16] if h in [hs[0] for hs in hashes.values()] else prompt[16:32])
 
 
-def test_speculative_decoding_with_an_adapter_keeps_greedy_tokens(tiny_model_dir, tiny_adapters):
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
+def test_speculative_decoding_with_an_adapter_keeps_greedy_tokens(tiny_model_dir, tiny_adapters, method):
     prompt = [3, 5, 7, 3, 5, 7, 3, 5, 7, 3, 5]
     loras = [tiny_adapters[1][0], None, tiny_adapters[0][0]]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     plain = EngineCore(EngineConfig(str(tiny_model_dir), num_kv_blocks=64))
-    spec = EngineCore(EngineConfig(str(tiny_model_dir), num_kv_blocks=64, speculative={"num_speculative_tokens": 3}))
+    options = {"draft_model": str(tiny_model_dir)} if method == "draft" else {}
+    spec = EngineCore(EngineConfig(str(tiny_model_dir), num_kv_blocks=64,
+                                   speculative={"method": method, "num_speculative_tokens": 3, **options}))
     expected = [r.output_token_ids for r in _run(plain, [prompt] * 3, loras, params)]
     got = [r.output_token_ids for r in _run(spec, [prompt] * 3, loras, params)]
     assert got == expected

@@ -50,3 +50,18 @@ def test_a_busy_engine_does_not_sleep(tiny_model_dir):
     with pytest.raises(RuntimeError, match="unfinished requests"):
         engine.sleep()
     assert not engine.sleeping and engine.runner is not None
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_sleep_on_a_gpu_gives_the_device_memory_back(tiny_model_dir):
+    import torch
+
+    engine = EngineCore(EngineConfig(model=str(tiny_model_dir), device="cuda", num_kv_blocks=256,
+                                     block_size=16, max_model_len=128))
+    generate(engine, "a")
+    awake = torch.cuda.memory_reserved()
+    engine.sleep()
+    asleep = torch.cuda.memory_reserved()
+    assert asleep < awake // 4, (awake, asleep)  # weights and KV pool are off the device
+    engine.wake()
+    assert generate(engine, "b")

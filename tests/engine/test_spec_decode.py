@@ -10,7 +10,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.request import FinishReason
 from engine.scheduler.output import ModelRunnerOutput
-from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.config import SpecMethod, SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer, can_draft
 from engine.spec_decode.rejection import rejection_sample, verify_greedy
 from tests.engine.kv_helpers import make_request
@@ -33,19 +33,32 @@ def test_ngram_proposals():
 
 def test_what_may_be_drafted():
     assert can_draft(SamplingParams(temperature=0.7, top_p=0.9, seed=3))
-    for params in (SamplingParams(logprobs=1), SamplingParams(presence_penalty=0.5),
-                   SamplingParams(min_tokens=2), SamplingParams(structured_outputs={"json_object": True})):
+    assert can_draft(SamplingParams(structured_outputs={"json_object": True}))  # drafts checked by the grammar
+    for params in (SamplingParams(logprobs=1), SamplingParams(presence_penalty=0.5), SamplingParams(min_tokens=2)):
         assert not can_draft(params)
 
 
 def test_config():
-    assert EngineConfig("m", speculative={"num_speculative_tokens": 3}).speculative_config == SpeculativeConfig(3)
-    with pytest.raises(ValueError, match="only 'ngram'"):
-        SpeculativeConfig(method="eagle")
-    with pytest.raises(ValueError, match="unknown key"):
+    config = EngineConfig("m", speculative={"num_speculative_tokens": 3, "method": "auto"})
+    assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=3, method=SpecMethod.AUTO)
+    assert config.speculative["method"] == "auto" and config.speculative["suffix_max_depth"] == 24
+    assert SpeculativeConfig(method="suffix").method is SpecMethod.SUFFIX
+    with pytest.raises(ValueError, match="^speculative.method: invalid enum value 'eagle'"):
+        SpeculativeConfig.from_options({"method": "eagle"})
+    with pytest.raises(ValueError, match="^speculative: unknown field 'k'"):
         SpeculativeConfig.from_options({"k": 3})
-    with pytest.raises(ValueError, match="prompt_lookup_min=5 exceeds"):
+    with pytest.raises(ValueError, match="^speculative.num_speculative_tokens: must be <= 32, got 33"):
+        SpeculativeConfig.from_options({"num_speculative_tokens": 33})
+    with pytest.raises(ValueError, match="^speculative.suffix_min_prob: must be <= 1.0, got 2"):
+        SpeculativeConfig.from_options({"method": "suffix", "suffix_min_prob": 2})
+    for options in ({"method": "draft"}, {"method": "suffix", "draft_model": "/models/small"}):
+        with pytest.raises(ValueError, match="^speculative.draft_model: is required with method 'draft' and only"):
+            SpeculativeConfig.from_options(options)
+    assert SpeculativeConfig(method="draft", draft_model="/m").draft_model == "/m"
+    with pytest.raises(ValueError, match="^prompt_lookup_min: 5 exceeds prompt_lookup_max=4"):
         SpeculativeConfig(prompt_lookup_min=5)
+    with pytest.raises(ValueError, match="^num_speculative_tokens: must be >= 1, got 0"):
+        SpeculativeConfig(num_speculative_tokens=0)
 
 
 # -- verification -----------------------------------------------------------------------------------

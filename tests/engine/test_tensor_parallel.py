@@ -23,6 +23,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
 from engine.model.archive import ArchiveError, open_archive, write_archive
 from engine.model.llama_spec import LlamaSpec
+from engine.model.registry import parse_config
 from engine.model.loader import kv_pool_size, read_config, safetensors_files
 from engine.model.model_config import ModelConfig, ModelConfigError
 from engine.parallel.driver import TensorParallelError
@@ -231,7 +232,7 @@ def test_tensor_slices_follow_the_heads():
 
 def test_a_rank_reads_exactly_its_slices(mqa_model):
     files = safetensors_files(mqa_model)
-    model_spec = LlamaSpec.from_hf(read_config(mqa_model))
+    model_spec = parse_config(read_config(mqa_model))
     with safe_open(str(files[0]), framework="pt") as f:
         for name, part in iter_rank_tensors(files, model_spec, 1, 2):
             full = f.get_tensor(name)

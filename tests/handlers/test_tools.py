@@ -31,7 +31,8 @@ def test_tool_choice_modes_and_their_constraints():
     schema = json.loads(required.params.structured_outputs.json)
     assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
     assert [c["properties"]["name"]["const"] for c in schema["items"]["anyOf"]] == ["get_weather", "get_time"]
-    assert "maxItems" not in json.loads(chat(tool_choice="required").params.structured_outputs.json)
+    # Parallel calls: at most one per offered tool, so the list (and the answer) ends by itself.
+    assert json.loads(chat(tool_choice="required").params.structured_outputs.json)["maxItems"] == 2
     named = chat(tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert json.loads(named.params.structured_outputs.json) == WEATHER["function"]["parameters"]
 
@@ -107,6 +108,10 @@ def test_required_and_named_outputs_are_read_as_json():
     required = chat(tool_choice="required").tools
     [call] = parse_output('[{"name":"get_weather","arguments":{"city":"Paris"}}]', required, ToolParser.HERMES).calls
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+    cut = parse_output('[{"name":"get_weather","arguments":{"city":"Paris"}}, {"name":"get_ti', required,
+                       ToolParser.HERMES)  # max_tokens cut the list: its complete calls stand
+    assert [c.name for c in cut.calls] == ["get_weather"] and cut.content is None
+    assert parse_output('[{"name":"get_wea', required, ToolParser.HERMES).calls == []
     named = chat(tool_choice={"type": "function", "function": {"name": "get_time"}}).tools
     [call] = parse_output('{"zone":"UTC"}', named, ToolParser.PYTHONIC).calls
     assert (call.name, call.arguments) == ("get_time", '{"zone":"UTC"}')

@@ -27,7 +27,7 @@ def test_the_tag_follows_content_flags_and_the_source_path(tmp_path):
 
 
 def test_an_empty_cache_has_nothing_built_and_disabled_kernels_load_as_none(tmp_path, monkeypatch):
-    from kernels.cpu_paged_attention import EXTENSION
+    from kernels.cpu_native import EXTENSION
 
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
     assert EXTENSION.folder.parent == tmp_path / "torch_extensions"
@@ -40,7 +40,7 @@ def test_an_empty_cache_has_nothing_built_and_disabled_kernels_load_as_none(tmp_
 def test_a_built_extension_loads_without_cpp_extension_and_without_a_message(monkeypatch, caplog):
     from torch.utils import cpp_extension
 
-    from kernels.cpu_paged_attention import EXTENSION
+    from kernels.cpu_native import EXTENSION
 
     if EXTENSION.load() is None:  # built here once (shared cache) unless there is no compiler
         pytest.skip("the CPU extension cannot be built on this machine")

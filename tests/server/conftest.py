@@ -4,6 +4,7 @@ per session), and real `pagedserve serve` processes on free ports (see server_pr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+import shutil
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,21 @@ handler:
 """
 
 
+def _test_cache() -> Path:
+    """Archives of the default model built for tests, and their extractions: in the user cache,
+    built once per machine (not once per xdist worker in the temp folder: 540 MB each)."""
+    from engine.model.default_model import default_cache_dir
+
+    return default_cache_dir() / "tests"
+
+
 def _write_archive(store: Path, tmp: Path, file_name: str, version: str) -> Path:
+    """`store/file_name`: a hard link to the default model's archive of `version` in the test
+    cache (built there once, under a lock that parallel workers share)."""
+    import fcntl
+    import hashlib
+    import os
+
     from engine.model.archive import write_archive
     from engine.model.default_model import default_gguf_path, default_model_dir
 
@@ -48,12 +63,25 @@ def _write_archive(store: Path, tmp: Path, file_name: str, version: str) -> Path
         default_gguf_path()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    config = tmp / f"model-config-{version}.yaml"
-    config.write_text(TEST_MODEL_CONFIG)
-    written = write_archive(default_model_dir(), tmp / f"build-{version}", model_name=MODEL,
-                            version=version, config_file=config)
+    model_dir = default_model_dir()
+    key = hashlib.sha256(f"{model_dir.name}|{version}|{TEST_MODEL_CONFIG}".encode()).hexdigest()[:12]
+    cache = _test_cache() / "archives" / key
+    cache.mkdir(parents=True, exist_ok=True)
+    cached = cache / file_name
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not cached.exists():
+            config = tmp / f"model-config-{version}.yaml"
+            config.write_text(TEST_MODEL_CONFIG)
+            written = write_archive(model_dir, cache / f"build-{version}", model_name=MODEL,
+                                    version=version, config_file=config)
+            written.rename(cached)
+            (cache / f"build-{version}").rmdir()
     dest = store / file_name
-    written.rename(dest)
+    try:
+        os.link(cached, dest)  # same file: no bytes in the temp folder, one extraction
+    except OSError:  # another file system
+        shutil.copy2(cached, dest)
     return dest
 
 
@@ -69,7 +97,6 @@ def model_store(tmp_path_factory) -> Path:
 def tiny_model(tmp_path_factory) -> Path:
     """A tiny random-weight Llama with the default model's tokenizer: workers start in seconds."""
     transformers = pytest.importorskip("transformers")
-    import shutil
 
     from engine.model.default_model import default_model_dir
 
@@ -92,9 +119,32 @@ def archive_v2(model_store, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def archive_cache(tmp_path_factory) -> Path:
-    """Where servers extract archives (shared by the session's servers: extracted once)."""
-    return tmp_path_factory.mktemp("archive_cache")
+def archive_cache() -> Path:
+    """Where servers extract archives: in the test cache, shared by the session's servers and
+    by parallel workers (extraction is keyed by the archive file and locked: the default
+    model's archive, hard-linked into each store, is extracted once per machine). Extractions
+    not used for 6 hours (those of the small archives a session builds for itself) are removed
+    when a session starts."""
+    cache = _test_cache() / "extracted"
+    cache.mkdir(parents=True, exist_ok=True)
+    _prune_extractions(cache, max_age_s=6 * 3600)
+    return cache
+
+
+def _prune_extractions(cache: Path, max_age_s: float) -> None:
+    import fcntl
+    import time
+
+    for lock_path in cache.glob(".*.lock"):  # opened (mtime updated) on every use
+        try:
+            if time.time() - lock_path.stat().st_mtime < max_age_s:
+                continue
+            with open(lock_path, "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                shutil.rmtree(cache / lock_path.name[1:].removesuffix(".lock"), ignore_errors=True)
+                lock_path.unlink()
+        except OSError:  # in use by another worker, or gone already
+            continue
 
 
 ServerFactory = Callable[..., ServerProcess]

@@ -22,6 +22,9 @@ from engine.sampling_params import SamplingParams
 from engine.structured_output_params import StructuredOutputsParams
 from handlers.llm_input import ChatMessage, PredictionsBody
 from handlers.openai_protocol import ChatBody, CompletionBody, StreamOptions
+from server.anthropic import schemas as anthropic_schemas
+from server.ollama import schemas as ollama_schemas
+from server.vllm import routes as vllm_routes
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +53,12 @@ SAMPLING = field_names(SamplingParams)
 PREDICTIONS = sorted(set(field_names(PredictionsBody)) | set(SAMPLING))
 COMPLETIONS = sorted(set(field_names(CompletionBody)) | set(SAMPLING))
 CHAT = sorted(set(field_names(ChatBody)) | set(SAMPLING))
+# The other APIs' bodies (issue 29): Ollama's, Anthropic's, vLLM's /tokenize.
+OLLAMA_GENERATE = sorted(set(field_names(ollama_schemas.GenerateBody)) | {"options", "keep_alive"})
+OLLAMA_CHAT = sorted(set(field_names(ollama_schemas.ChatBody)) | {"options", "keep_alive"})
+OLLAMA_EMBED = field_names(ollama_schemas.EmbedBody)
+ANTHROPIC = field_names(anthropic_schemas.MessagesBody)
+TOKENIZE = field_names(vllm_routes.TokenizeBody)
 CONSTRAINTS = field_names(StructuredOutputsParams)
 MESSAGE = field_names(ChatMessage)
 

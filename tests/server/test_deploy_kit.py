@@ -69,8 +69,8 @@ def test_kubernetes_probes_ports_and_drain():
     [c] = pod["containers"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == PORTS
-    assert c["livenessProbe"]["httpGet"] == {"path": "/ping", "port": "inference"}
-    assert c["startupProbe"]["httpGet"] == {"path": "/ping", "port": "inference"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/live", "port": "inference"}
+    assert c["startupProbe"]["httpGet"] == {"path": "/live", "port": "inference"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "inference"}
     args = serve_args(c["args"])
     for api, port in PORTS.items():

@@ -148,8 +148,8 @@ def test_a_stream_that_fails_midway_ends_with_an_error_event(server, monkeypatch
     else:
         status, data = _stream_raw(server, "/v1/completions", {**body, "model": TINY})
         events = [line.removeprefix(b"data: ") for line in data.splitlines() if line.strip()]
-        assert events[-1] != b"[DONE]"
-        error = json.loads(events[-1])["error"]
+        assert events[-1] == b"[DONE]"  # after the error event
+        error = json.loads(events[-2])["error"]
     assert status == 200 and b"HTTP/1.1" not in data
     assert error["code"] == 500 and "internal error" in error["message"], error
     assert len(events) >= 2  # what was sent before the failure, then the error event

@@ -138,6 +138,11 @@ ROUTES = [
     ("/v1/chat/completions", fv.CHAT, {"model": fv.PLAUSIBLE["model"], "messages": fv.PLAUSIBLE["messages"]}),
     ("/predictions/fuzz/1.0/v1/completions", fv.COMPLETIONS, {"prompt": fv.PLAUSIBLE["prompt"]}),
     ("/predictions/fuzz/1.0/v1/chat/completions", fv.CHAT, {"messages": fv.PLAUSIBLE["messages"]}),
+    ("/api/generate", fv.OLLAMA_GENERATE, {"model": fv.PLAUSIBLE["model"], "prompt": fv.PLAUSIBLE["prompt"]}),
+    ("/api/chat", fv.OLLAMA_CHAT, {"model": fv.PLAUSIBLE["model"], "messages": fv.PLAUSIBLE["messages"]}),
+    ("/api/embed", fv.OLLAMA_EMBED, {"model": fv.PLAUSIBLE["model"], "input": fv.PLAUSIBLE["prompt"]}),
+    ("/v1/messages", fv.ANTHROPIC, {"model": fv.PLAUSIBLE["model"], "messages": fv.PLAUSIBLE["messages"]}),
+    ("/tokenize", fv.TOKENIZE, {"model": fv.PLAUSIBLE["model"], "prompt": fv.PLAUSIBLE["prompt"]}),
 ]
 
 
@@ -147,7 +152,7 @@ def inference_body(draw):
     return path, draw(fv.body(fields, required))
 
 
-@settings(FUZZ, max_examples=160)
+@settings(FUZZ, max_examples=220)
 @given(request=inference_body())
 def test_inference_bodies(server, worker_pid, request):
     """Bodies for /predictions and the OpenAI routes, every form of their paths."""
@@ -158,7 +163,9 @@ def test_inference_bodies(server, worker_pid, request):
 INFERENCE_PATHS = ["/ping", "/live", "/ready", "/v1/models", "/predictions/fuzz/1.0/v1/models",
                    "/predictions/{s}", "/predictions/fuzz/{s}", "/predictions/{s}/{s}/v1/completions",
                    "/predictions/fuzz/{s}/v1/chat/completions", "/predictions/{s}/1.0/v1/models",
-                   "/v1/{s}", "/{s}", "/predictions/fuzz/1.0/{s}", "/v1/completions", "/predictions/fuzz"]
+                   "/v1/{s}", "/{s}", "/predictions/fuzz/1.0/{s}", "/v1/completions", "/predictions/fuzz",
+                   "/api/{s}", "/api/chat", "/api/tags", "/api/ps", "/v1/messages", "/v1/messages/{s}",
+                   "/tokenize", "/health"]
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "FUZZ"]
 CONTENT_TYPES = [None, "application/json", "text/plain", "application/x-www-form-urlencoded",
                  "multipart/form-data; boundary=x", "application/json; charset=latin-1",

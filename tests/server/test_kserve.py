@@ -27,11 +27,13 @@ def test_v1_predict_round_trip(tiny_server, expected):
     r = tiny_server.post("inference", f"/v1/models/{TINY}:predict",
                          json={"instances": PROMPTS, "parameters": PARAMS})
     assert r.status == 200, r.text
-    assert r.json() == {"predictions": expected}
+    reply = r.json()
+    assert set(reply) == {"predictions", "timings"} and reply["predictions"] == expected
+    assert reply["timings"]["total_s"] > 0 and reply["timings"]["decode_s"] is not None  # as elsewhere
     instances = [{"prompt": PROMPTS[0]}, {"text": PROMPTS[1]}]
     r = tiny_server.post("inference", f"/v1/models/{TINY}:predict",
                          json={"instances": instances, "parameters": {"max_new_tokens": 4, "temperature": 0}})
-    assert r.json() == {"predictions": expected}
+    assert r.json()["predictions"] == expected
     # /v1/models/{id} is still OpenAI's model route, with KServe v1's model status beside it.
     r = tiny_server.get("inference", f"/v1/models/{TINY}")
     assert r.status == 200 and r.json()["id"] == TINY and r.json()["object"] == "model"
@@ -44,7 +46,9 @@ def test_v2_infer_round_trip(tiny_server, expected):
     for path in (f"/v2/models/{TINY}/infer", f"/v2/models/{TINY}/versions/1.0/infer"):
         r = tiny_server.post("inference", path, json=body)
         assert r.status == 200, r.text
-        assert r.json() == {"model_name": TINY, "model_version": "1.0", "id": "req-7", "outputs": [
+        reply = r.json()
+        assert reply.pop("timings")["total_s"] > 0
+        assert reply == {"model_name": TINY, "model_version": "1.0", "id": "req-7", "outputs": [
             {"name": "text_output", "datatype": "BYTES", "shape": [2], "data": expected}]}
     nested = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "BYTES", "data": [[PROMPTS[0]]]}],
               "outputs": [{"name": "generated"}], "parameters": PARAMS}

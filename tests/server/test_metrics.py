@@ -58,6 +58,8 @@ def test_requests_and_engine_figures(server):
     assert 0 < value(m, "pagedserve_prefix_cache_hit_rate", model=MODEL) < 1
     assert value(m, "pagedserve_preemptions_total", model=MODEL) == 0
     assert value(m, "pagedserve_spec_decode_draft_tokens_total", model=MODEL) == 0  # not configured
+    assert value(m, "pagedserve_spec_decode_requests_drafted_total", model=MODEL) == 0
+    assert value(m, "pagedserve_spec_decode_suffix_global_bytes", model=MODEL) == 0
 
 
 def test_worker_threads_share_the_cores(server, monkeypatch):

@@ -157,6 +157,7 @@ def test_embeddings_through_the_sdk(server, client):
     assert r.object == "list" and r.model == MODEL and [d.index for d in r.data] == [0, 1, 2]
     vectors = np.array([d.embedding for d in r.data])
     assert vectors.shape == (3, 576)  # SmolLM2's hidden size
+    assert r.model_extra["timings"]["total_s"] > 0 and "cached_prompt_tokens" in r.model_extra["timings"]
     assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)
     # Identical text, identical vector (up to bf16 rounding: the repeat may hit the prefix cache);
     # different texts differ.

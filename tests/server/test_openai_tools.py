@@ -15,6 +15,7 @@ from tests.server.conftest import MODEL
 from tests.server.openai_fixtures import client, server  # noqa: F401 -- fixtures
 
 openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
 pydantic = pytest.importorskip("pydantic")
 pytestmark = pytest.mark.slow
 
@@ -46,6 +47,41 @@ def test_required_tool_call_validates_against_the_schema(client):
         Weather.model_validate_json(call.function.arguments)
     else:
         assert isinstance(json.loads(call.function.arguments)["zone"], str)
+
+
+def _valid_call(call) -> None:
+    """A call of one of TOOLS whose arguments validate against that tool's schema."""
+    if call.function.name == "get_weather":
+        Weather.model_validate_json(call.function.arguments)
+    else:
+        assert call.function.name == "get_time"
+        jsonschema.validate(json.loads(call.function.arguments), TOOLS[1]["function"]["parameters"])
+
+
+MANY = [{"role": "user", "content": "What's the weather in Paris and in London, and the time in Tokyo?"}]
+
+
+@pytest.mark.parametrize("parallel", [None, True, False])
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
+@pytest.mark.parametrize("tools", [TOOLS, TOOLS[:1]], ids=["two-tools", "one-tool"])
+def test_forced_tool_calls_end_by_themselves(client, tools, choice, parallel):
+    """`required` and a named function, with parallel_tool_calls unset, true or false and no
+    max_tokens: the grammar ends the answer after the call list. Before issue 29 the default
+    model answered this prompt with call after call until the limit: no tool_calls and
+    finish_reason "length"."""
+    kwargs = {} if parallel is None else {"parallel_tool_calls": parallel}
+    tool_choice = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
+    r = client.chat.completions.create(model=MODEL, messages=MANY, tools=tools, tool_choice=tool_choice,
+                                       temperature=0, **kwargs)
+    [choice_out] = r.choices
+    assert choice_out.finish_reason == "tool_calls", choice_out
+    calls = choice_out.message.tool_calls
+    assert 1 <= len(calls) <= (1 if parallel is False or choice != "required" else len(tools))
+    for call in calls:
+        _valid_call(call)
+    if choice != "required":
+        assert [c.function.name for c in calls] == [choice]
+    assert r.usage.completion_tokens < 100  # it stopped at the end of the list, not at a limit
 
 
 def test_named_function_and_a_round_trip_with_the_tool_result(client):

@@ -1,5 +1,6 @@
-"""The request watchdog on a real server: responseTimeout ends a whole reply that takes too long
-with a 504 and a stream whose next chunk is overdue with a 504 error event; a client that hangs
+"""The request watchdog on a real server: responseTimeout ends a whole reply whose engine makes no
+progress for that long with a 504 (one that keeps progressing is answered whole, however long it
+takes) and a stream whose next chunk is overdue with a 504 error event; a client that hangs
 up while its request still waits for the first token is noticed at once. Each case aborts the
 request in the engine: afterwards every KV block is free and the worker serves on.
 
@@ -13,6 +14,7 @@ import os
 import signal
 import socket
 import threading
+import time
 
 import pytest
 
@@ -62,6 +64,34 @@ def test_whole_reply_past_response_timeout_is_504_and_aborted(server):
     blocks_freed(server, QUICK)
 
 
+def test_a_whole_reply_that_keeps_progressing_outlives_response_timeout(server):
+    """responseTimeout ends a request whose engine stops progressing, not one that runs long
+    (issue 29): the worker is paused for 1.8 s at a time (less than the 3 s timeout) and let run
+    0.15 s in between, so the reply takes several timeouts' worth of time and still comes whole."""
+    pid = observe.worker(server, MODEL, QUICK)["pid"]
+    done = threading.Event()
+
+    def throttle() -> None:
+        while not done.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            done.wait(1.8)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.15)
+
+    pauser = threading.Thread(target=throttle)
+    started = time.monotonic()
+    pauser.start()
+    try:
+        r = server.post("inference", f"/predictions/{MODEL}/{QUICK}", json=LONG)
+    finally:
+        done.set()
+        pauser.join()
+        os.kill(pid, signal.SIGCONT)
+    assert r.status == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == LONG["max_tokens"]
+    assert time.monotonic() - started > 3.5  # longer than responseTimeout (3 s)
+
+
 def test_stream_with_an_overdue_chunk_ends_with_a_504_event(server):
     pid = observe.worker(server, MODEL, QUICK)["pid"]
     try:  # the engine stalls mid-stream
@@ -69,10 +99,10 @@ def test_stream_with_an_overdue_chunk_ends_with_a_504_event(server):
                                            after=1, pid=pid, sig=signal.SIGSTOP)
     finally:
         os.kill(pid, signal.SIGCONT)
-    assert events[-1] != b"[DONE]"
-    error = events[-1]["error"]
+    assert events[-1] == b"[DONE]"  # after the error event
+    error = events[-2]["error"]
     assert error["code"] == 504 and "next chunk" in error["message"], error
-    assert all("choices" in e for e in events[:-1])
+    assert all("choices" in e for e in events[:-2])
     blocks_freed(server, QUICK)
     assert observe.worker(server, MODEL, QUICK)["pid"] == pid  # a timeout is not a worker restart
 

@@ -87,13 +87,16 @@ def test_sigterm_aborts_what_outlives_the_grace_period(server_factory):
         os.kill(w["pid"], 0)  # the worker is gone too
 
 
-def test_models_default_archives_the_bundled_model_once(tmp_path, archive_cache):
+def test_models_default_archives_the_bundled_model_once(tmp_path):
     """The README's command: `serve --models default` writes model_store/smollm2.mar and serves it."""
+    import shutil
+
     from tests.server.server_process import ServerProcess
 
-    store = tmp_path / "model_store"
+    store, extracted = tmp_path / "model_store", tmp_path / "extracted"
+    # Its own extraction folder: this archive is new at every run (not the shared test cache's).
     s = ServerProcess(tmp_path / "srv", store, models=["default"],
-                      env={"PAGEDSERVE_ARCHIVE_DIR": str(archive_cache)})
+                      env={"PAGEDSERVE_ARCHIVE_DIR": str(extracted)})
     try:
         s.start()
         assert (store / "smollm2.mar").is_file()
@@ -104,3 +107,5 @@ def test_models_default_archives_the_bundled_model_once(tmp_path, archive_cache)
         assert r.status == 200 and r.json()["choices"][0]["text"]
     finally:
         assert s.stop() == 0
+        shutil.rmtree(store, ignore_errors=True)  # 540 MB written by the server: not left in temp
+        shutil.rmtree(extracted, ignore_errors=True)

@@ -118,8 +118,8 @@ def test_kill_9_of_a_rank_mid_stream_restarts_the_group(server, expected):
     [rank] = rank_pids(before["pid"])
     body = {"model": "tinytp", "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True}
     events = observe.stream_and_signal(server, body, after=3, pid=rank, sig=signal.SIGKILL)
-    assert events[-1] != b"[DONE]" and len(events) < 400
-    error = events[-1]["error"]
+    assert events[-1] == b"[DONE]" and len(events) < 400  # after the error event
+    error = events[-2]["error"]
     assert error["code"] == 503, error
     assert f"rank 1 (pid {rank}) was killed by SIGKILL" in error["message"]
 

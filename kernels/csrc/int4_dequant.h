@@ -9,35 +9,16 @@
 // (q - 8) * scale + zero, with scale and zero per (group of `group_size` inputs, output row);
 // the launcher passes them as float32 [groups, N] with `shift` = zero - 8 * scale, so the value
 // is q * scale + shift (one FMA).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
-#include <cstdint>
-
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
+// Included by native.cpp once per instruction set (see vec.h); written against vec.h.
 namespace {
 
 // 16 codes (one nibble of 16 bytes) -> 16 floats q * scale + shift, stored at out.
 inline void put16(const uint8_t* bytes, bool high, const float* scale, const float* shift, float* out) {
-#if defined(__AVX512F__)
-  __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-  q = high ? _mm512_srli_epi32(q, 4) : _mm512_and_si512(q, _mm512_set1_epi32(0x0F));
-  _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_loadu_ps(scale), _mm512_loadu_ps(shift)));
-#elif defined(__AVX2__) && defined(__FMA__)
-  for (int h = 0; h < 16; h += 8) {
-    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + h)));
-    q = high ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, _mm256_set1_epi32(0x0F));
-    _mm256_storeu_ps(out + h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(scale + h), _mm256_loadu_ps(shift + h)));
+  using namespace vec;
+  for (int j = 0; j < 16; j += W) {
+    const F q = high ? load_u4_hi(bytes + j) : load_u4_lo(bytes + j);
+    store(out + j, fma(q, load(scale + j), load(shift + j)));
   }
-#else
-  for (int j = 0; j < 16; ++j) {
-    const int q = high ? (bytes[j] >> 4) : (bytes[j] & 0x0F);
-    out[j] = static_cast<float>(q) * scale[j] + shift[j];
-  }
-#endif
 }
 
 }  // namespace
@@ -89,9 +70,4 @@ torch::Tensor int4pack_dequant_t(torch::Tensor packed, torch::Tensor scale, torc
   torch::Tensor out = torch::empty({packed.size(1) * 2, packed.size(0)}, scale.options());
   int4pack_dequant_t_into(packed, scale, shift, group_size, block_n, 0, packed.size(0), out);
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4pack_dequant_t", &int4pack_dequant_t, "int4 CPU packed layout -> float32 W^T [K, N]");
-  m.def("int4pack_dequant_t_into", &int4pack_dequant_t_into, "columns [n_begin, n_end) of W^T into out");
 }

@@ -9,15 +9,7 @@
 // int8_mm_epilogue(acc int32 [M, N], x_scale [M], w_scale [N], x_out [M, J], w_out [J, N]) ->
 //   out[m, n] = (acc[m, n] * x_scale[m] + sum_j x_out[m, j] * w_out[j, n]) * w_scale[n], in one
 //   pass, float32 or bf16 (rounded once, to nearest even); torch took five passes.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <numeric>
-#include <vector>
-
+// Included by native.cpp once per instruction set (see vec.h).
 namespace {
 
 constexpr int64_t kChunk = 256;  // output columns per epilogue task: its partial sums stay in L1
@@ -126,9 +118,4 @@ torch::Tensor int8_mm_epilogue(torch::Tensor acc, torch::Tensor x_scale, torch::
     epilogue(a, xs, ws, xo, wo, out.data_ptr<float>(), M, N, J);
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_quantize_rows", &int8_quantize_rows, "per-token int8 quantization with outlier channels kept apart");
-  m.def("int8_mm_epilogue", &int8_mm_epilogue, "int8 product epilogue: scales and outlier channels, one pass");
 }

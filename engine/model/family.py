@@ -1,0 +1,31 @@
+"""What the registry knows about one model family (engine.model.registry holds them all)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.model.causal_lm import CausalLM
+    from engine.model.spec import ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One model definition: the HF architectures it serves, how their config parses into a
+    ModelSpec, and the model class built from it.
+
+    `parse(config, architecture)` raises ValueError (naming the field) on anything the family
+    does not run. `gguf_architectures`: the GGUF `general.architecture` values it loads.
+    `tensor_parallel`: whether engine.parallel's sharding covers its checkpoint names.
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    model_types: tuple[str, ...]
+    parse: Callable[[Mapping[str, Any], str], ModelSpec]
+    model_cls: type[CausalLM]
+    gguf_architectures: tuple[str, ...] = ()
+    tensor_parallel: bool = False
+    notes: str = ""

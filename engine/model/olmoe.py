@@ -1,0 +1,34 @@
+"""OLMoE: pre-norm layers whose q and k projections are each RMS-normed as a whole (over all
+heads, not per head) before RoPE, and whose MLPs are sparse blocks with softmax top-k routing
+(raw weights unless `norm_topk_prob`). `clip_qkv` is refused. No tensor parallelism: the q/k
+norms span every head, which a rank does not hold."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from engine.model.family import Family
+from engine.model.layers.moe import MoESpec, RouterScoring
+from engine.model.moe_lm import MoECausalLM, num_experts
+from engine.model.spec import ModelSpec, base_fields
+
+
+class OlmoeForCausalLM(MoECausalLM):
+    """Checkpoint names are the block's own (`mlp.gate`, `mlp.experts.{e}`)."""
+
+
+def parse_olmoe(cfg: Mapping[str, Any], arch: str) -> ModelSpec:
+    if cfg.get("clip_qkv") is not None:
+        raise ValueError(f"clip_qkv={cfg['clip_qkv']} is not supported for {arch}; supported: clip_qkv null")
+    fields = base_fields(cfg, arch)
+    moe = MoESpec(num_experts=num_experts(cfg), top_k=int(cfg["num_experts_per_tok"]),
+                  intermediate_size=int(cfg["intermediate_size"]), scoring=RouterScoring.SOFTMAX_TOPK,
+                  normalize=bool(cfg.get("norm_topk_prob", False)))
+    bias = bool(cfg.get("attention_bias", False))
+    fields.update(qk_norm=True, qk_norm_full=True, qkv_bias=bias, o_bias=bias, moe=moe)
+    return ModelSpec(**fields)
+
+
+OLMOE = Family("olmoe", ("OlmoeForCausalLM",), ("olmoe",), parse_olmoe, OlmoeForCausalLM,
+               notes="experts with softmax top-k routing, q/k RMSNorm over whole projections")

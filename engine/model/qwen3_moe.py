@@ -1,0 +1,34 @@
+"""Qwen3-MoE: the Qwen3 layout (per-head q/k RMSNorm) whose MLPs are sparse blocks with softmax
+top-k routing (weights renormalized when `norm_topk_prob`), no shared expert; layers in
+`mlp_only_layers` or off the `decoder_sparse_step` grid keep a dense MLP."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from engine.model.family import Family
+from engine.model.layers.moe import MoESpec, RouterScoring
+from engine.model.llama import sliding_fields
+from engine.model.moe_lm import MoECausalLM, num_experts, qwen_dense_layers
+from engine.model.spec import ModelSpec, base_fields
+
+
+class Qwen3MoeForCausalLM(MoECausalLM):
+    """Checkpoint names are the block's own (`mlp.gate`, `mlp.experts.{e}`)."""
+
+
+def parse_qwen3_moe(cfg: Mapping[str, Any], arch: str) -> ModelSpec:
+    fields = base_fields(cfg, arch)
+    moe = MoESpec(
+        num_experts=num_experts(cfg), top_k=int(cfg["num_experts_per_tok"]),
+        intermediate_size=int(cfg["moe_intermediate_size"]), scoring=RouterScoring.SOFTMAX_TOPK,
+        normalize=bool(cfg.get("norm_topk_prob", False)), dense_layers=qwen_dense_layers(cfg),
+    )
+    bias = bool(cfg.get("attention_bias", False))
+    fields.update(qk_norm=True, qkv_bias=bias, o_bias=bias, moe=moe, **sliding_fields(cfg))
+    return ModelSpec(**fields)
+
+
+QWEN3_MOE = Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), parse_qwen3_moe, Qwen3MoeForCausalLM,
+                   tensor_parallel=True, notes="experts with softmax top-k routing, per-head q/k RMSNorm")

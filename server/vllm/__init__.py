@@ -1,0 +1,2 @@
+"""vLLM's extra routes on the inference port (`/tokenize`, `/detokenize`, `/version`,
+`/health`): `routes`."""
