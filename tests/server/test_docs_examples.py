@@ -6,7 +6,8 @@ default`, in a fresh folder, with the management API on and its addresses moved 
 PAGEDSERVE_* variables). Then every ```bash block of a page runs, in order, in one shell (so a
 variable set by one block is there for the next), and every ```python block in its own process,
 both in the server's folder (where `key_file.json` is). The examples say `localhost:8080` (8081,
-8082) and `.venv/bin/`; the test maps those to the server's ports and this venv. A curl that gets
+8082), `.venv/bin/` and `<inference key>` (`<management key>`); the test maps those to the
+server's ports, this venv and the server's keys. A curl that gets
 an HTTP error fails its block (`--fail-with-body`), and so does any command that exits non-zero.
 
 A block preceded by a `<!-- not run: REASON -->` line is not run (a deployment command, a
@@ -76,6 +77,10 @@ def live(tmp_path_factory, model_store, archive_cache):
 
 
 def localize(code: str, server: ServerProcess) -> str:
+    """The docs' default ports, `.venv/bin/` and `<inference key>` / `<management key>`
+    placeholders, mapped to this server and this venv."""
+    for api in ("inference", "management"):
+        code = code.replace(f"<{api} key>", (server.keys or {}).get(api, ""))
     for api, port in PORTS.items():
         for host in ("localhost", "127.0.0.1"):
             code = code.replace(f"{host}:{port}", f"127.0.0.1:{server.ports[api]}")
