@@ -46,6 +46,27 @@ def run_phase(script: str, args: list[str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def cpu_kind() -> str:
+    """A short name for the kind of CPU, the key of a benchmark's results file
+    (`results/<benchmark>.<cpu-kind>.md`): one current file per benchmark per CPU kind."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine() or "unknown"
+    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
+    if "AMD" in name:
+        return "zen4" if "avx512f" in flags else "zen3" if "avx2" in flags else "amd"
+    if "Intel" in name:
+        return "xeon-amx" if "amx_bf16" in flags else "xeon" if "avx512f" in flags else "intel"
+    return platform.machine() or "unknown"
+
+
+def result_path(name: str, ext: str) -> Path:
+    """Where benchmark `name` writes its `ext` results on this kind of CPU."""
+    return RESULTS / f"{name}.{cpu_kind()}.{ext}"
+
+
 def cpu_description() -> str:
     """The CPU's model name, logical CPU count and the matmul-relevant ISA flags."""
     try:

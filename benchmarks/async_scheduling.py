@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from _common import RESULTS, run_phase
+from _common import RESULTS, result_path, run_phase
 
 MIN_ROUNDS = 5
 
@@ -105,8 +105,8 @@ def main() -> None:
         "", f"Run on {summary['date']} ({summary['platform']}).",
     ]
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (RESULTS / f"{args.name}.md").write_text("\n".join(md) + "\n")
+    result_path(f"{args.name}", "json").write_text(json.dumps(summary, indent=2) + "\n")
+    result_path(f"{args.name}", "md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 

@@ -27,7 +27,7 @@ Loopback only; request counts and time are bounded (`--requests` per phase, `--r
 
     .venv/bin/python benchmarks/attack_latency.py [--rounds 5] [--requests 30] [--attacks grammar,stops,bad_field,huge_prompt]
 
-Results go to benchmarks/results/attack_latency.{json,md}.
+Results go to benchmarks/results/attack_latency.<cpu-kind>.{json,md}.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from _common import RESULTS, peak_rss_mib
+from _common import RESULTS, peak_rss_mib, result_path
 from _common import start_server as common_start_server
 
 REPO = Path(__file__).resolve().parent.parent
@@ -292,7 +292,7 @@ def write_results(args, attacks: list[str], rounds: list[dict], summary: dict, r
             "rounds": args.rounds, "requests_per_phase": args.requests,
             "stop_strings": f"{args.stop_count} x {args.stop_len} chars",
             "attacks": {name: vars(ATTACKS[name]) for name in attacks}}
-    (RESULTS / f"{args.results}.json").write_text(json.dumps(
+    result_path(f"{args.results}", "json").write_text(json.dumps(
         {"meta": meta, "summary": summary, "front_end_rss": rss, "rounds": rounds}, indent=1))
     lines = [f"# {args.results}", "",
              f"Plain `/predictions` latency (4 tokens, one request at a time, {args.requests} per phase) with "
@@ -314,7 +314,7 @@ def write_results(args, attacks: list[str], rounds: list[dict], summary: dict, r
                      f"{'yes' if s['p99_within_2x'] else 'no'} |")
     lines += ["", f"Front end RSS: {rss['start_mib']:.0f} MiB after warm-up, {rss['end_mib']:.0f} MiB at the end, "
               f"peak {rss['peak_mib']:.0f} MiB.", ""]
-    (RESULTS / f"{args.results}.md").write_text("\n".join(lines))
+    result_path(f"{args.results}", "md").write_text("\n".join(lines))
 
 
 if __name__ == "__main__":

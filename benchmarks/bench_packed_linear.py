@@ -9,7 +9,7 @@
 Method (issue 14): paired rounds (at least 5), the two sides' order reversed every other round;
 the result is the median of the per-round ratios (every one printed), never the best round.
 
-Writes benchmarks/results/bench_packed_linear.{md,json}; reports peak RSS.
+Writes benchmarks/results/bench_packed_linear.<cpu-kind>.{md,json}; reports peak RSS.
 
     .venv/bin/python benchmarks/bench_packed_linear.py [--rounds 5]
 """
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from _common import RESULTS, cpu_description, peak_rss_mib
+from _common import RESULTS, cpu_description, peak_rss_mib, result_path
 
 MIN_ROUNDS = 5
 
@@ -124,7 +124,7 @@ def main() -> None:
     summary = {"shapes": shapes, "engine": engine, "peak_rss_mib": peak_mib,
                "date": time.strftime("%Y-%m-%d %H:%M"), "platform": platform.platform()}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bench_packed_linear.json").write_text(json.dumps(summary, indent=2) + "\n")
+    result_path("bench_packed_linear", "json").write_text(json.dumps(summary, indent=2) + "\n")
     md = ["# bf16 linear on CPU: F.linear vs PackedLinear (latest run)", "",
           (f"2 threads; median of {args.rounds} paired rounds (order reversed every other round); "
           f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores."), "",
@@ -137,7 +137,7 @@ def main() -> None:
            f"median of the per-round ratios **{engine['speedup']:.2f}x** (per round: "
            + ", ".join(f"{r:.2f}x" for r in engine["per_round"]) + ").",
            "", f"Peak RSS {peak_mib:.0f} MiB (both engines loaded). Run on {summary['date']} ({summary['platform']}; {cpu_description()})."]
-    (RESULTS / "bench_packed_linear.md").write_text("\n".join(md) + "\n")
+    result_path("bench_packed_linear", "md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 

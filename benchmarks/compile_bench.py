@@ -8,7 +8,7 @@ reported). Each round times `reps` forwards of each side, the two sides alternat
 first; the result is the median of the per-round eager/compiled time ratios (> 1: compiled is
 faster), every round's ratio printed. Never best-of.
 
-    .venv/bin/python benchmarks/compile_bench.py [--rounds 7] [--threads 2] [--out benchmarks/results/compile.json]
+    .venv/bin/python benchmarks/compile_bench.py [--rounds 7] [--threads 2] [--out benchmarks/results/compile.xeon.json]
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
    second) against the device's peak (from its memory clock and bus width) and against a plain
    device-to-device copy measured here.
 
-Each check prints PASS or FAIL with its numbers; results go to benchmarks/results/gpu_check.{json,md}
+Each check prints PASS or FAIL with its numbers; results go to benchmarks/results/gpu_check.<cpu-kind>.{json,md}
 and the exit status is 1 if any check failed. Without a CUDA device it says so and exits 0
 (nothing is written). `--dry-run-on-cpu` runs checks 1-3 on the CPU (Triton's interpreter, small
 layouts, nothing written), to test the script itself where no GPU is lent.
@@ -34,8 +34,9 @@ import traceback
 from pathlib import Path
 from statistics import median
 
+from _common import RESULTS, result_path
+
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK = 16
 
 
@@ -319,8 +320,8 @@ def write_results(results: dict) -> None:
                f"{'-' if r['vs_peak'] is None else format(r['vs_peak'], '.0%')} | {r['vs_copy']:.0%} |"
                for r in bw["decode"]]
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    (RESULTS / "gpu_check.md").write_text("\n".join(md) + "\n")
+    result_path("gpu_check", "json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    result_path("gpu_check", "md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 

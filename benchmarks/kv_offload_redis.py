@@ -13,7 +13,7 @@ model, one torch thread, `kv_offload: {cpu_size_gb: 1, remote_url: redis://...}`
   recomputed (correct output), with a warning and a counted `remote_down` fault.
 
 Time to first token is the time of `generate(max_tokens=1)`. Each phase runs in a fresh child
-process. Results go to benchmarks/results/kv_offload_redis.{json,md}.
+process. Results go to benchmarks/results/kv_offload_redis.<cpu-kind>.{json,md}.
 
     .venv/bin/python benchmarks/kv_offload_redis.py [--prompt-len 2000] [--trials 3]
 """
@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import RESULTS, peak_rss_mib, run_phase
+from _common import RESULTS, peak_rss_mib, result_path, run_phase
 
 BLOCK = 16
 
@@ -118,7 +118,7 @@ def dbsize(port: int) -> int:
 
 def write_results(result: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "kv_offload_redis.json").write_text(json.dumps(result, indent=2) + "\n")
+    result_path("kv_offload_redis", "json").write_text(json.dumps(result, indent=2) + "\n")
     s = result["summary"]
     lines = ["# Shared Redis KV tier: a prompt prefilled by one engine process, served by another", "",
              f"Settings: `{json.dumps(result['settings'])}`", "",
@@ -134,7 +134,7 @@ def write_results(result: dict) -> None:
              f"second {s['same_output_second']}, after the kill {s['same_output_killed']}; faults after the kill: "
              f"`{json.dumps(result['killed']['stats']['fault_kinds'])}`.",
              "", f"Machine: {result['machine']} (shared and busy: absolute times are rough; the ratio is paired)."]
-    (RESULTS / "kv_offload_redis.md").write_text("\n".join(lines) + "\n")
+    result_path("kv_offload_redis", "md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:

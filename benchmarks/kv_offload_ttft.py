@@ -15,7 +15,7 @@ copies several times slower and erratic:
 A restore covers the prompt but its last block (the last token must be computed). The run covers
 the default chunk_size 256 and 128. Each phase runs in a fresh child process (its own peak RSS);
 each case reports the median over its prompts and the median ratio of paired measurements.
-Results go to benchmarks/results/kv_offload_ttft.{json,md}.
+Results go to benchmarks/results/kv_offload_ttft.<cpu-kind>.{json,md}.
 
     .venv/bin/python benchmarks/kv_offload_ttft.py [--prompt-len 2000] [--trials 3]
 """
@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import RESULTS, peak_rss_mib, run_phase
+from _common import RESULTS, peak_rss_mib, result_path, run_phase
 
 BLOCK = 16
 
@@ -164,7 +164,7 @@ def main() -> None:
         return
 
     if args.render:
-        summary = json.loads((RESULTS / "kv_offload_ttft.json").read_text())
+        summary = json.loads(result_path("kv_offload_ttft", "json").read_text())
         for row in summary["by_chunk_size"].values():
             row.update(summarize(row["runs"]["first"], row["runs"]["restart"]))
     else:
@@ -190,9 +190,9 @@ def main() -> None:
                 "runs": runs,
             }
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "kv_offload_ttft.json").write_text(json.dumps(summary, indent=2) + "\n")
+        result_path("kv_offload_ttft", "json").write_text(json.dumps(summary, indent=2) + "\n")
     md = render(summary)
-    (RESULTS / "kv_offload_ttft.md").write_text(md)
+    result_path("kv_offload_ttft", "md").write_text(md)
     print(md)
 
 

@@ -15,7 +15,7 @@ adapter_model.safetensors), so nothing is downloaded.
 
     .venv/bin/python benchmarks/lora.py [--rounds 5] [--batch 16] [--prompt-len 64] [--max-tokens 32] [--threads 1]
 
-Results go to benchmarks/results/lora.{json,md}.
+Results go to benchmarks/results/lora.<cpu-kind>.{json,md}.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import RESULTS, make_prompts, peak_rss_mib
+from _common import RESULTS, make_prompts, peak_rss_mib, result_path
 
 REPO = Path(__file__).resolve().parent.parent
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -41,7 +41,7 @@ def write_adapter(folder: Path, spec, rank: int, seed: int) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from engine.lora.manager import lora_shapes
+    from engine.lora.adapter import lora_shapes
 
     shapes = lora_shapes(spec)
     g = torch.Generator().manual_seed(seed)
@@ -62,9 +62,8 @@ def write_adapter(folder: Path, spec, rank: int, seed: int) -> Path:
 
 def time_registration(model_dir: Path, spec, tmp: Path, rank: int) -> dict:
     """Seconds for each step of registering one adapter on the server, and its first slot load."""
-    from engine.lora.adapter import load_adapter
+    from engine.lora.adapter import load_adapter, lora_shapes
     from engine.lora.archive import write_lora_archive
-    from engine.lora.manager import lora_shapes
     from engine.lora.slots import LoRASlots
     from engine.model.archive_write import write_archive
     from server.archives import load_archive
@@ -144,7 +143,7 @@ def main() -> None:
         "target_ratio": 0.75, "peak_rss_mib": peak_rss_mib(), "registration": registration,
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "lora.json").write_text(json.dumps(result, indent=2) + "\n")
+    result_path("lora", "json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         "# LoRA: mixed-adapter batch vs no adapter", "",
         f"Default model, bf16, {args.threads} torch thread(s), batch {args.batch} x {args.prompt_len} prompt tokens, {args.max_tokens} output "
@@ -161,7 +160,7 @@ def main() -> None:
         "(what POST /models costs besides the HTTP round trip); first load into a worker's slots "
         "{first_slot_load_s:.3f} s (allocates the slots), a later one {next_slot_load_s:.3f} s.".format(**registration),
     ]
-    (RESULTS / "lora.md").write_text("\n".join(lines) + "\n")
+    result_path("lora", "md").write_text("\n".join(lines) + "\n")
     print(json.dumps({"median_ratio": result["median_ratio"], "registration": registration}))
 
 

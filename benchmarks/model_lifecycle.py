@@ -14,7 +14,7 @@ minWorkers 0 (bfloat16, a 256 MiB KV pool). Per case, five rounds of one greedy 
 
 TTFT is the server's own `timings.ttft_s` (from the request's arrival, so the load or wake it
 waited for is included). Memory is the sum of the workers' RSS in each state and what the
-budget counts. Results go to benchmarks/results/model_lifecycle.{json,md}.
+budget counts. Results go to benchmarks/results/model_lifecycle.<cpu-kind>.{json,md}.
 
     .venv/bin/python benchmarks/model_lifecycle.py [--rounds 5] [--threads 2]
 """
@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import RESULTS  # noqa: E402
+from _common import RESULTS, result_path  # noqa: E402
 
 MODEL = "smollm2"
 CONFIG = """\
@@ -105,8 +105,8 @@ def main() -> None:
     parser.add_argument("--render", action="store_true", help="only rewrite the .md from the .json")
     args = parser.parse_args()
     if args.render:
-        (RESULTS / "model_lifecycle.md").write_text(render(json.loads(
-            (RESULTS / "model_lifecycle.json").read_text())))
+        result_path("model_lifecycle", "md").write_text(render(json.loads(
+            result_path("model_lifecycle", "json").read_text())))
         return
     from engine.model.archive import write_archive
     from engine.model.default_model import default_model_dir
@@ -153,8 +153,8 @@ def main() -> None:
               "load_average": os.getloadavg(), "machine": platform.machine(),
               "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "model_lifecycle.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / "model_lifecycle.md").write_text(render(result))
+    result_path("model_lifecycle", "json").write_text(json.dumps(result, indent=2) + "\n")
+    result_path("model_lifecycle", "md").write_text(render(result))
     print(render(result))
 
 

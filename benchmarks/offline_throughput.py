@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from _common import RESULTS, cpu_description, make_prompts, peak_rss_mib, run_phase
+from _common import RESULTS, cpu_description, make_prompts, peak_rss_mib, result_path, run_phase
 
 MIN_ROUNDS = 5  # fewer paired rounds than this give no result worth a median
 TTFT_TRIALS = 5
@@ -315,8 +315,8 @@ def write_results(args, summary: dict) -> None:
         "", f"Run on {summary['date']} ({summary['machine']['platform']}; {summary['machine']['cpu']}).",
     ]
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (RESULTS / f"{args.name}.md").write_text("\n".join(md) + "\n")
+    result_path(f"{args.name}", "json").write_text(json.dumps(summary, indent=2) + "\n")
+    result_path(f"{args.name}", "md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 
@@ -332,7 +332,7 @@ def run_profile(args) -> None:
     md += ["", f"Run on {time.strftime('%Y-%m-%d %H:%M')} ({platform.platform()}).",
            "Parts: see benchmarks/step_profile.py."]
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}_profile.md").write_text("\n".join(md) + "\n")
+    result_path(f"{args.name}_profile", "md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 

@@ -25,8 +25,9 @@ import sys
 import time
 from pathlib import Path
 
+from _common import result_path
+
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 
 
 def run_dtype(dtype_name: str, tokens: int, rounds: int, threads: int) -> dict:
@@ -134,9 +135,9 @@ def main() -> None:
         print("\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")))
         results["dtypes"].append(json.loads(lines[-1][len("RESULT "):]))
     results["load_after"] = os.getloadavg()[0]
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
-    write_markdown(results, RESULTS / f"{args.name}.md")
-    print(f"wrote {RESULTS / args.name}.{{json,md}}")
+    result_path(f"{args.name}", "json").write_text(json.dumps(results, indent=2) + "\n")
+    write_markdown(results, result_path(args.name, "md"))
+    print(f"wrote {result_path(args.name, 'md')} and .json")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ tokens, and over the follow-up turns alone, whose prefix was computed before), t
 (prompt + output) per second of wall time, and the mean request latency. The phases alternate
 for `--rounds` rounds, the order flipping every round; the headline is the median of the
 per-round paired ratios (pa / ll). The load generator shares the machine with the server.
-Results go to benchmarks/results/prefix_routing.{json,md}.
+Results go to benchmarks/results/prefix_routing.<cpu-kind>.{json,md}.
 
     .venv/bin/python benchmarks/prefix_routing.py [--rounds 3] [--conversations 8] [--turns 4]
 """
@@ -39,7 +39,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from _common import RESULTS
+from _common import RESULTS, result_path
 from _common import start_server as common_start_server
 
 REPO = Path(__file__).resolve().parent.parent
@@ -134,7 +134,7 @@ def route_hits(metrics_url: str) -> dict[str, float]:
 
 def write_results(result: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "prefix_routing.json").write_text(json.dumps(result, indent=2) + "\n")
+    result_path("prefix_routing", "json").write_text(json.dumps(result, indent=2) + "\n")
     s = result["summary"]
     lines = ["# Prefix-affinity routing vs least-loaded (2 workers, multi-turn chat)", "",
              f"{result['settings']}", "",
@@ -150,7 +150,7 @@ def write_results(result: dict) -> None:
               f"(follow-ups {s['followup_hit_rate_ll_median']:.3f} -> {s['followup_hit_rate_pa_median']:.3f}).",
               "", f"Router prefix hits per worker at the end: `{json.dumps(result['route_prefix_hits'])}`",
               "", f"Machine: {result['machine']} (shared, busy: figures are rough; ratios are paired per round)."]
-    (RESULTS / "prefix_routing.md").write_text("\n".join(lines) + "\n")
+    result_path("prefix_routing", "md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:

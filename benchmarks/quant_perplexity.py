@@ -13,7 +13,7 @@ Perplexity = exp(mean negative log-likelihood of every token after the first of 
 
     PYTHONPATH=. .venv/bin/python benchmarks/quant_perplexity.py [--window 1024] [--threads 2]
 
-Writes benchmarks/results/quant_perplexity.{json,md}.
+Writes benchmarks/results/quant_perplexity.<cpu-kind>.{json,md}.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import RESULTS, result_path
 
 from engine import LLM
 from engine.attention.metadata import AttentionMetadata
@@ -34,7 +35,6 @@ from engine.model.default_model import default_gguf_path, default_model_dir
 from engine.model.quant_convert import convert_gguf_quantized
 
 TEXT = Path(__file__).parent / "data" / "coriolanus_act1.txt"
-RESULTS = Path(__file__).parent / "results"
 
 
 def window_nll(llm: LLM, ids: list[int], chunk: int = 0) -> tuple[float, int]:
@@ -73,7 +73,7 @@ def perplexity(llm: LLM, tokens: list[int], window: int, chunk: int = 0) -> floa
 
 
 def write_results(rows: list[dict], kept: list[dict], labels: list[str], num_tokens: int, args) -> None:
-    """Write benchmarks/results/quant_perplexity.{json,md}: this run's rows, then the kept ones."""
+    """Write benchmarks/results/quant_perplexity.<cpu-kind>.{json,md}: this run's rows, then the kept ones."""
     done = {r["mode"] for r in rows}
     rows = [dict(r) for r in rows] + [r for r in kept if r["mode"] not in done]
     rows.sort(key=lambda r: labels.index(r["mode"]) if r["mode"] in labels else len(labels))
@@ -83,13 +83,13 @@ def write_results(rows: list[dict], kept: list[dict], labels: list[str], num_tok
     RESULTS.mkdir(exist_ok=True)
     meta = {"tokens": num_tokens, "window": args.window, "threads": args.threads,
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "platform": platform.platform()}
-    (RESULTS / "quant_perplexity.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    result_path("quant_perplexity", "json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = ["# Perplexity by quantization mode (default model, SmolLM2-135M-Instruct)", "",
              f"{meta['tokens']} tokens of *Coriolanus* (benchmarks/data/coriolanus_act1.txt), windows of "
              f"{args.window} tokens, {meta['when']}.", "",
              "| mode | perplexity | vs bf16 |", "| --- | --- | --- |"]
     lines += [f"| {r['mode']} | {r['ppl']:.3f} | {r['vs_bf16_pct']:+.2f} % |" for r in rows]
-    (RESULTS / "quant_perplexity.md").write_text("\n".join(lines) + "\n")
+    result_path("quant_perplexity", "md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -101,7 +101,7 @@ def main() -> None:
                                                "the other rows, bf16 included, are kept from the last results file")
     args = ap.parse_args()
     only = [o.strip() for o in args.only.split("|") if o.strip()]
-    old = RESULTS / "quant_perplexity.json"
+    old = result_path("quant_perplexity", "json")
     kept = json.loads(old.read_text())["rows"] if only and old.exists() else []
     plain = default_model_dir()
     text = TEXT.read_text()

@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import RESULTS, cpu_description, make_prompts, peak_rss_mib, run_phase
+from _common import RESULTS, cpu_description, make_prompts, peak_rss_mib, result_path, run_phase
 
 
 def _rss_mib() -> float:
@@ -171,8 +171,8 @@ def report(args, modes: list[str], results: dict, rounds_done: int) -> None:
               f"{args.ttft_len}-token prompt; {args.batch_prompts} prompts x 200 tokens -> {args.batch_output} "
               f"tokens. Run on {when} ({platform.platform()})."]
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "summary": summary}, indent=2) + "\n")
-    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    result_path(f"{args.name}", "json").write_text(json.dumps({"args": vars(args), "summary": summary}, indent=2) + "\n")
+    result_path(f"{args.name}", "md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

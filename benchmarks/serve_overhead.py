@@ -42,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import RESULTS, cpu_description, make_prompts, peak_rss_mib, run_phase
+from _common import RESULTS, cpu_description, make_prompts, peak_rss_mib, result_path, run_phase
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_NAME = "bench"
@@ -341,7 +341,7 @@ def write_results(args, thread_counts: list[int], runs: dict, rounds_done: int) 
         "by_threads": results,
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    result_path(f"{args.out}", "json").write_text(json.dumps(summary, indent=2) + "\n")
     md = [
         "# Serving overhead: HTTP server vs offline engine (latest run)", "",
         (f"{args.num_prompts} concurrent requests x {args.prompt_len} prompt tokens, {args.output_len} output "
@@ -357,12 +357,12 @@ def write_results(args, thread_counts: list[int], runs: dict, rounds_done: int) 
     off_best, http_best = results[str(off_t)]["offline_tok_per_s"], results[str(http_t)]["http_tok_per_s"]
     summary["best_settings"] = {"offline_threads": off_t, "http_threads": http_t,
                                 "throughput_overhead": 1 - http_best / off_best}
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    result_path(f"{args.out}", "json").write_text(json.dumps(summary, indent=2) + "\n")
     md += [(f"**Each side at its best thread setting** (offline engine {off_t} thread(s): {off_best:.1f} tok/s; "
            f"server, worker with {http_t} thread(s): {http_best:.1f} tok/s): server overhead "
            f"**{100 * (1 - http_best / off_best):+.1f} %** of throughput."), ""]
     md.append(f"Run on {summary['date']} ({summary['machine']['platform']}; {summary['machine']['processor']}).")
-    (RESULTS / f"{args.out}.md").write_text("\n".join(md) + "\n")
+    result_path(f"{args.out}", "md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 

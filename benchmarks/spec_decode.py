@@ -10,7 +10,7 @@ all workloads; the order of the methods flips every round. A method's speed-up f
 workload is the median over rounds of (its tok/s) / (plain's tok/s in the same round).
 Throughput = output tokens / wall time, and / the process's CPU time (the engine runs on one
 thread; on a shared machine CPU time is what the method changes); acceptance = drafts kept / drafts. The agent phase
-prints the global suffix trie's size. Results: benchmarks/results/spec_decode.{json,md}.
+prints the global suffix trie's size. Results: benchmarks/results/<out>.<cpu-kind>.{json,md}.
 
     .venv/bin/python benchmarks/spec_decode.py [--rounds 5] [--k 6]
 """
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import RESULTS, cpu_description, run_phase
+from _common import RESULTS, cpu_description, result_path, run_phase
 
 REPO = Path(__file__).resolve().parent.parent
 METHODS = ("plain", "ngram", "suffix", "auto")
@@ -187,7 +187,7 @@ def write_results(args, methods: list[str], runs: dict) -> None:
             "cpu": cpu_description(), "date": time.strftime("%Y-%m-%d %H:%M"),
             "note": "busy machine (other jobs running; 1-minute load average at the end: "
                     f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)"}
-    (RESULTS / f"{args.out}.json").write_text(json.dumps({**meta, "cases": summary}, indent=2) + "\n")
+    result_path(args.out, "json").write_text(json.dumps({**meta, "cases": summary}, indent=2) + "\n")
     md = [f"# Speculative decoding: each method vs plain decoding ({len(runs['plain'])} paired rounds)", "",
           (f"Default model (SmolLM2-135M), bf16, {args.threads} thread(s), num_speculative_tokens={args.k}, up to "
           f"{args.max_tokens} output tokens (agent: {args.agent_tokens} per turn, 10 turns). chat: sampled (temperature 0.8, "
@@ -204,7 +204,7 @@ def write_results(args, methods: list[str], runs: dict) -> None:
           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows, "",
           memory, "",
           f"CPU: {meta['cpu']}; commit {commit}; {meta['date']}; {meta['note']}."]
-    (RESULTS / f"{args.out}.md").write_text("\n".join(md) + "\n")
+    result_path(args.out, "md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from _common import RESULTS
+from _common import RESULTS, result_path
 
 REPO = Path(__file__).resolve().parent.parent
 READY = "pagedserve: ready"
@@ -133,7 +133,7 @@ def main() -> int:
             result["load_after"] = os.getloadavg()[0]
             print(json.dumps({k: v for k, v in result["compare"].items() if k != "ready_s"}))
             RESULTS.mkdir(exist_ok=True)
-            (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+            result_path(f"{args.name}", "json").write_text(json.dumps(result, indent=1) + "\n")
             return 0
         if args.prepare:
             print("pagedserve prepare:", flush=True)
@@ -146,7 +146,7 @@ def main() -> int:
     print(json.dumps({"prepare_s": result.get("prepare", {}).get("elapsed_s"),
                       "ready_s": [s["ready_s"] for s in result["starts"]]}))
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    result_path(f"{args.name}", "json").write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import RESULTS, cpu_description, make_prompts, run_phase
+from benchmarks._common import RESULTS, cpu_description, make_prompts, result_path, run_phase
 
 
 def phase(args: argparse.Namespace) -> dict:
@@ -84,7 +84,7 @@ def main() -> None:
               "rounds": rounds, "median_ratio": statistics.median(r["ratio"] for r in rounds),
               "all_identical": all(r["identical"] for r in rounds)}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2) + "\n")
+    result_path(f"{args.out}", "json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# Tensor parallelism: TP = {args.tp} vs TP = 1 (offline, default model, {args.dtype})", "",
              (f"{result['cpu']}; {args.threads} threads per worker (shared among its ranks); load average at the "
               f"end {result['load_average'][0]:.1f}. {args.num_prompts} prompts x {args.prompt_len} tokens, "
@@ -94,7 +94,7 @@ def main() -> None:
               f"{r['identical']} |" for i, r in enumerate(rounds, 1)]
     lines += ["", (f"Median ratio TP={args.tp} / TP=1: **{result['median_ratio']:.2f}x**; outputs identical in every "
                    f"round: {result['all_identical']}.")]
-    (RESULTS / f"{args.out}.md").write_text("\n".join(lines) + "\n")
+    result_path(f"{args.out}", "md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -1,25 +1,29 @@
-"""Engine configuration: one dataclass, validated at construction.
+"""Engine configuration: one msgspec Struct with its constraints declared on the fields.
 
-Its field annotations are the declaration model-config.yaml's `handler:` section is checked
-against (engine.model.model_config derives the keys and their types from them, with the bounds
-given here as `Annotated[..., msgspec.Meta(...)]`): a new field is a new key there.
+The declaration (`EngineFields`) is what `EngineConfig(...)`, `LLM(**options)` and
+model-config.yaml's `handler:` section are checked against (engine.model.model_config derives the
+section from it: a new field is a new key there), and what the configuration reference in the
+docs is generated from: a field's comment is its documentation. Only rules that tie fields
+together are written by hand (`__post_init__`). Importing this module does not import torch.
 """
 
 from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass, field
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-import torch
+import msgspec
 from msgspec import Meta
 
-from engine.attention.kv_quant import parse_kv_cache_dtype
-from engine.attention.selector import BACKEND_NAMES
+from engine.kv_cache.hashing import PrefixCacheHash
 from engine.kv_offload.config import KVOffloadConfig
-from engine.model.compile import CompileMode
-from engine.spec_decode.config import SpeculativeConfig
+from engine.schema import SchemaError, check_fields
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.spec_decode.config import SpeculativeConfig
 
 
 class SchedulingPolicy(enum.Enum):
@@ -27,29 +31,31 @@ class SchedulingPolicy(enum.Enum):
     PRIORITY = "priority"
 
 
-class PrefixCacheHash(enum.Enum):
-    SHA256 = "sha256"
-    # Python's built-in hash over a tuple: fast, not collision-resistant across tenants.
-    BUILTIN = "builtin"
+class CompileMode(enum.Enum):
+    """torch.compile of the forward (engine.model.compile)."""
+
+    NONE = "none"
+    AUTO = "auto"
+    ALWAYS = "always"
 
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+# dtype names -> torch's attribute name (the canonical name EngineConfig keeps)
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+DTypeName = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
 
 MAX_TENSOR_PARALLEL = 64  # ranks of one worker
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+SIZE_PATTERN = r"^\s*(\d+(?:\.\d+)?)\s*([KMGTkmgt]i?[Bb]|[Bb])?\s*$"
+_SIZE_RE = re.compile(SIZE_PATTERN)
 _SIZE_UNITS = {
     "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+Size = Annotated[int, Meta(ge=1)] | Annotated[
+    str, Meta(pattern=SIZE_PATTERN, extra={"expected": "a size such as 2GiB, 512MiB or a byte count"})]
+_Positive = Annotated[int, Meta(ge=1)]
 
 
 def parse_size(value: int | str) -> int:
@@ -70,156 +76,131 @@ def parse_size(value: int | str) -> int:
     return size
 
 
-def _coerce_enum(enum_cls: type[enum.Enum], name: str, value: object) -> enum.Enum:
-    try:
-        return enum_cls(value.value if isinstance(value, enum_cls) else value)
-    except ValueError:
-        allowed = [member.value for member in enum_cls]
-        raise ValueError(f"{name}: choose one of {allowed}, got {value!r}") from None
+def resolve_dtype(value: Any) -> torch.dtype:
+    """A dtype name (or a torch.dtype) -> the torch.dtype; imports torch."""
+    import torch
 
-
-def resolve_dtype(value: str | torch.dtype) -> torch.dtype:
     if isinstance(value, torch.dtype):
-        if value not in _DTYPES.values():
+        if value not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"unsupported dtype {value}")
         return value
     try:
-        return _DTYPES[str(value).lower()]
+        return getattr(torch, _DTYPES[str(value).lower()])
     except KeyError:
         raise ValueError(f"unsupported dtype {value!r}: choose one of {sorted(_DTYPES)}") from None
 
 
-@dataclass(slots=True)
-class EngineConfig:
+class EngineFields(msgspec.Struct, forbid_unknown_fields=True):
     """Everything the engine needs besides the model directory's own config.json.
 
     The KV pool is sized from a budget: `num_kv_blocks` exactly, or `kv_cache_memory` bytes
     (default 1GiB). It never grabs "whatever is free".
     """
 
-    model: str
-    dtype: str | torch.dtype = "float32"
-    device: str = "cpu"
+    model: str  # the model directory or archive
+    dtype: DTypeName = "float32"  # the weights' and activations' dtype
+    device: Annotated[str, Meta(pattern=r"^(cpu|cuda(:\d+)?)$", extra={"expected": "cpu or cuda[:N]"})] = "cpu"
     # CUDA_VISIBLE_DEVICES of the worker process (set by the server per worker: its GPUs, seen
     # as cuda:0..N-1 inside); None: inherited.
     visible_devices: str | None = None
-    max_model_len: Annotated[int, Meta(ge=1)] | None = None  # default: the model's max_position_embeddings
-    block_size: Annotated[int, Meta(ge=1)] = 16
-    max_num_batched_tokens: Annotated[int, Meta(ge=1)] = 2048
-    max_num_seqs: Annotated[int, Meta(ge=1)] = 64
-    kv_cache_memory: int | str = "1GiB"
-    num_kv_blocks: Annotated[int, Meta(ge=2)] | None = None
+    max_model_len: _Positive | None = None  # default: the model's max_position_embeddings
+    block_size: Annotated[int, Meta(ge=1, le=1024)] = 16  # tokens per KV block; a power of two
+    max_num_batched_tokens: _Positive = 2048  # the scheduler's token budget per step
+    max_num_seqs: _Positive = 64  # requests running at once
+    kv_cache_memory: Size = "1GiB"  # the KV pool's size: bytes, or a size such as "512MiB"
+    num_kv_blocks: Annotated[int, Meta(ge=2)] | None = None  # the KV pool's size in blocks (wins over kv_cache_memory)
     enable_prefix_caching: bool = True
-    prefix_cache_hash: str | PrefixCacheHash = PrefixCacheHash.SHA256
-    scheduling_policy: str | SchedulingPolicy = SchedulingPolicy.FCFS
+    prefix_cache_hash: PrefixCacheHash = PrefixCacheHash.SHA256  # the block hash of the prefix cache
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     seed: Annotated[int, Meta(ge=0)] = 0
-    # "auto" (Triton on CUDA, torch on CPU), "torch" or "triton": engine.attention.backend
-    attention_backend: str = "auto"
-    num_threads: Annotated[int, Meta(ge=1)] | None = None  # torch intra-op threads; None leaves torch's default
+    # "auto" (Triton on CUDA, torch on CPU), "torch" or "triton": engine.attention.selector
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    num_threads: _Positive | None = None  # torch intra-op threads; None leaves torch's default
     # True when `model` is a directory the caller already opened and verified (the server's
     # extracted archive): the engine loads it as it is, without re-hashing or re-checking it.
     model_verified: bool = False
-    # Tiered KV offload through LMCache: {"cpu_size_gb", "disk_path", "disk_size_gb",
-    # "chunk_size", "remote_url"} (engine.kv_offload.config); None = off. Normalised (defaults filled) here.
-    kv_offload: dict | None = None
+    # Tiered KV offload through LMCache (engine.kv_offload.config); None = off.
+    kv_offload: KVOffloadConfig | None = None
     # Speculative decoding: {"method": "ngram" | "suffix" | "auto", "num_speculative_tokens", ...}
-    # (engine.spec_decode.config.SpeculativeConfig); None = off. Normalised here.
-    speculative: dict | None = None
+    # (engine.spec_decode.config.SpeculativeConfig); None = off.
+    speculative: dict[str, Any] | None = None
     # Quantized layers (engine.model.quant_spec): None loads the checkpoint as it is (quantized
     # or not); "none", "int8", "int4" or "w8a8" asks for that mode (a quantized checkpoint
-    # refuses a different one). quant_group_size: int4's group size (32, 64 or 128).
-    quantization: str | None = None
-    quant_group_size: int = 32
+    # refuses a different one).
+    quantization: Literal["none", "int8", "int4", "w8a8"] | None = None
+    quant_group_size: Literal[32, 64, 128] = 32  # int4's group size
     # KV cache storage (engine.attention.kv_quant): "auto" (the model dtype), "fp8_e4m3" or "int8"
     # (codes + a bf16 scale per token and KV head: ~half of bf16's bytes, so ~2x the blocks).
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "int8"] = "auto"
     # LoRA adapters (engine.lora): at most max_loras resident per worker (a step runs requests of
     # at most that many adapters; more are swapped in LRU order), each of rank <= max_lora_rank.
-    max_loras: Annotated[int, Meta(ge=1)] = 4
-    max_lora_rank: Annotated[int, Meta(ge=1)] = 16
+    max_loras: _Positive = 4
+    max_lora_rank: _Positive = 16
     # Schedule and prepare step k+1 while step k's forward runs on a thread of the engine's own
     # (engine.engine_core.EngineCore.step). Output is the same; off by default: 0.71x with 2
-    # threads, 0.98x with 1 on a quiet 2-core CPU (benchmarks/results/async_scheduling.md).
+    # threads, 0.98x with 1 on a quiet 2-core CPU (benchmarks/results/async_scheduling.unrecorded.md).
     async_scheduling: bool = False
     # Tensor parallelism (engine.parallel): the worker runs as this many processes joined by
     # torch.distributed (gloo on CPU, NCCL on CUDA with one device each), each holding 1/N of
-    # the heads, the MLP and the vocabulary. Not combined with quantization, LoRA adapters,
-    # KV offload or speculative decoding (refused).
+    # the heads, the MLP and the vocabulary. Not combined with quantization, KV offload or
+    # speculative decoding (refused).
     tensor_parallel_size: Annotated[int, Meta(ge=1, le=MAX_TENSOR_PARALLEL)] = 1
     # torch.compile of the forward (engine.model.compile): "none" (eager), "auto" (compiled only
     # where benchmarks/compile_bench.py measured a gain) or "always"; compiled before the worker
-    # says ready (not with tensor parallelism: eager). compile_max_tokens: the largest token
-    # bucket compiled (buckets are powers of two; default max_num_batched_tokens, capped by what
-    # "auto" measured); bigger steps run eager. compile_cache_dir: inductor's on-disk cache
-    # (default <cache>/inductor).
-    compile: str | CompileMode = CompileMode.NONE
-    compile_max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    compile_cache_dir: str | None = None
-    torch_dtype: torch.dtype = field(init=False)
-    kv_offload_config: KVOffloadConfig | None = field(init=False)
-    speculative_config: SpeculativeConfig | None = field(init=False)
+    # says ready (not with tensor parallelism: eager).
+    compile: CompileMode = CompileMode.NONE
+    # The largest token bucket compiled (buckets are powers of two; default
+    # max_num_batched_tokens, capped by what "auto" measured); bigger steps run eager.
+    compile_max_tokens: _Positive | None = None
+    compile_cache_dir: str | None = None  # inductor's on-disk cache (default <cache>/inductor)
+
+
+class EngineConfig(EngineFields):
+    """The engine's settings, checked against their declaration when built (a `SchemaError`,
+    a ValueError, naming the field), with names normalised: `dtype` is torch's name,
+    `kv_cache_memory` bytes, enums their members, `kv_offload` a `KVOffloadConfig`."""
 
     def __post_init__(self) -> None:
-        self.torch_dtype = resolve_dtype(self.dtype)
-        self.dtype = str(self.torch_dtype).removeprefix("torch.")
+        if type(self.dtype).__name__ == "dtype":  # a torch.dtype given in Python
+            self.dtype = str(self.dtype).removeprefix("torch.")
+        for name in ("dtype", "quantization", "kv_cache_dtype"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                setattr(self, name, value.lower())
+        checked = check_fields(self, EngineFields)
+        for field in msgspec.structs.fields(EngineFields):
+            setattr(self, field.name, getattr(checked, field.name))
+        self.dtype = _DTYPES[self.dtype]
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
-        self.prefix_cache_hash = _coerce_enum(PrefixCacheHash, "prefix_cache_hash", self.prefix_cache_hash)
-        self.scheduling_policy = _coerce_enum(SchedulingPolicy, "scheduling_policy", self.scheduling_policy)
-        self.compile = _coerce_enum(CompileMode, "compile", self.compile)
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_model_len is not None and (
-            not isinstance(self.max_model_len, int) or self.max_model_len < 1
-        ):
-            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
-        if self.num_kv_blocks is not None and (
-            not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2
-        ):
-            raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
-        for name in ("max_loras", "max_lora_rank"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be true or false, got {self.async_scheduling!r}")
-        if self.compile_max_tokens is not None and (
-            not isinstance(self.compile_max_tokens, int) or isinstance(self.compile_max_tokens, bool)
-            or self.compile_max_tokens < 1
-        ):
-            raise ValueError(f"compile_max_tokens must be a positive integer, got {self.compile_max_tokens!r}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        if self.attention_backend not in BACKEND_NAMES:
-            raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, "
-                             f"got {self.attention_backend!r}")
-        if not str(self.device).startswith(("cpu", "cuda")):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.quantization is not None:
-            allowed = ("none", "int8", "int4", "w8a8")
-            if not isinstance(self.quantization, str) or self.quantization.lower() not in allowed:
-                raise ValueError(f"quantization must be one of {', '.join(allowed)}, got {self.quantization!r}")
-            self.quantization = self.quantization.lower()
-        if self.quant_group_size not in (32, 64, 128) or isinstance(self.quant_group_size, bool):
-            raise ValueError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size!r}")
-        self.kv_cache_dtype = parse_kv_cache_dtype(self.kv_cache_dtype).value
+            raise SchemaError(f"block_size: must be a power of two, got {self.block_size}", "block_size")
         self._check_tensor_parallel()
-        self.kv_offload_config = None
-        if self.kv_offload is not None:
-            self.kv_offload_config = KVOffloadConfig.from_options(self.kv_offload, self.block_size)
-            self.kv_offload = self.kv_offload_config.as_dict()
-        self.speculative_config = None
+        if self.kv_offload is not None and self.kv_offload.chunk_size % self.block_size:
+            raise SchemaError(f"kv_offload.chunk_size: must be a multiple of block_size={self.block_size}, "
+                              f"got {self.kv_offload.chunk_size}", "kv_offload.chunk_size")
         if self.speculative is not None:
-            self.speculative_config = SpeculativeConfig.from_options(self.speculative)
-            self.speculative = self.speculative_config.as_dict()
+            from engine.spec_decode.config import SpeculativeConfig
+
+            self.speculative = SpeculativeConfig.from_options(self.speculative).as_dict()
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype)
+
+    @property
+    def kv_offload_config(self) -> KVOffloadConfig | None:
+        return self.kv_offload
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        if self.speculative is None:
+            return None
+        from engine.spec_decode.config import SpeculativeConfig
+
+        return SpeculativeConfig.from_options(self.speculative)
 
     def _check_tensor_parallel(self) -> None:
         size = self.tensor_parallel_size
-        if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_TENSOR_PARALLEL:
-            raise ValueError(f"tensor_parallel_size must be an integer from 1 to {MAX_TENSOR_PARALLEL}, got {size!r}")
         if size == 1:
             return
         unsupported = [name for name, on in (
@@ -228,8 +209,8 @@ class EngineConfig:
             ("speculative", self.speculative is not None),
         ) if on]
         if unsupported:
-            raise ValueError(f"{unsupported[0]} is not supported with tensor_parallel_size={size}; "
-                             f"turn it off or use tensor_parallel_size=1")
+            raise SchemaError(f"{unsupported[0]}: is not supported with tensor_parallel_size={size}; "
+                             f"turn it off or use tensor_parallel_size=1", unsupported[0])
 
     def resolve_max_model_len(self, model_max_positions: int) -> int:
         if self.max_model_len is None:

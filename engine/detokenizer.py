@@ -37,7 +37,6 @@ class _DecodeState:
 class _StopState:
     """What is known about stop strings and what has been streamed."""
 
-    matched: str | None = None  # the stop string that ended the output
     end: int | None = None  # len(output_text) once a stop matched
     sent: int = 0  # characters of output text already returned by get_next_delta
     finished: bool = False
@@ -87,11 +86,6 @@ class IncrementalDetokenizer:
         """Generated text so far, truncated at a matched stop string."""
         text = self._decode.text
         return text if self._stop.end is None else text[: self._stop.end]
-
-    @property
-    def matched_stop(self) -> str | None:
-        """The stop string that ended the output, or None."""
-        return self._stop.matched
 
     @property
     def finished(self) -> bool:
@@ -169,7 +163,6 @@ class IncrementalDetokenizer:
             return None
         idx, s = found
         stop = self._stop
-        stop.matched = s
         stop.end = idx + len(s) if self.include_stop_str_in_output else idx
         stop.finished = True
         return s

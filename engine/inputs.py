@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.pooling import PoolingParams
 from engine.lora.request import LoRARequest
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.structured_output_params import check_grammar
 

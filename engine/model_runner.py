@@ -14,8 +14,8 @@ from engine.attention.selector import select_backend
 from engine.config import EngineConfig
 from engine.input_batch import InputBatch, StepInputs
 from engine.logits_processors import apply_logit_bias
-from engine.lora.adapter import LoRAAdapter
-from engine.lora.manager import LoRAManager, LoRAUnsupported, lora_shapes
+from engine.lora.adapter import LoRAAdapter, lora_shapes
+from engine.lora.manager import LoRAManager, LoRAUnsupported
 from engine.lora.punica import LoRABatch
 from engine.model.compile import compile_buckets, compiled_forward_for
 from engine.model.loader import (

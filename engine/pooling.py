@@ -15,8 +15,12 @@ came from the cache. The vector is L2-normalised unless `normalize` is false.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 class PoolingParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -28,6 +32,8 @@ class PoolingParams(msgspec.Struct, forbid_unknown_fields=True):
 def pool_last_token(hidden: torch.Tensor, params: list[PoolingParams]) -> list[list[float]]:
     """Rows of `hidden` ([R, hidden_size], one last-token row per request) -> one vector per
     request, in float32, each L2-normalised when its params ask for it."""
+    import torch  # here, where the tensors are: PoolingParams travels through the torch-free front end
+
     pooled = hidden.float()
     norms = pooled.norm(dim=-1, keepdim=True).clamp_min(1e-12)
     scale = torch.tensor([[p.normalize] for p in params], dtype=torch.bool, device=pooled.device)

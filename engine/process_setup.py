@@ -14,8 +14,6 @@ import ctypes
 import ctypes.util
 from typing import TYPE_CHECKING
 
-import torch
-
 if TYPE_CHECKING:
     from engine.config import EngineConfig
 
@@ -61,6 +59,8 @@ def configure_engine_process(config: EngineConfig) -> None:
     shared by sampled rows without a per-request seed); on a CPU, glibc malloc keeps large
     temporaries on the heap.
     """
+    import torch  # the process that runs the engine; memory and thread helpers here need none
+
     threads = config.num_threads
     if config.tensor_parallel_size > 1:
         threads = rank_threads(threads or torch.get_num_threads(), config.tensor_parallel_size)

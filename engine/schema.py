@@ -25,6 +25,8 @@ _BOUND = re.compile(r"^Expected `(?P<want>[^`]+)` (?P<op>>=|<=|>|<) (?P<limit>\S
 _LENGTH = re.compile(r"^Expected `(?P<want>[^`]+)` of length (?P<op>>=|<=) (?P<limit>\d+)$")
 _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>[^`]+)`$")
 _MISSING = re.compile(r"^Object missing required field `(?P<name>[^`]+)`$")
+_ENUM = re.compile(r"^Invalid enum value ")
+_REGEX = re.compile(r"^Expected `str` matching regex '(?P<regex>.*)'$", re.DOTALL)
 _NAMED = re.compile(r"^(?P<name>[A-Za-z_][\w.\[\]]*): (?P<rest>.*)$", re.DOTALL)
 _PATH_PART = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
 _KINDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
@@ -49,7 +51,7 @@ def convert(data: Any, schema: type[T], *, strict: bool = True) -> T:
     try:
         return msgspec.convert(data, schema, strict=strict)
     except msgspec.ValidationError as exc:
-        raise schema_error(exc, data) from None
+        raise schema_error(exc, data, schema) from None
 
 
 def check_fields(obj: msgspec.Struct, schema: type[S]) -> S:
@@ -62,8 +64,9 @@ def check_fields(obj: msgspec.Struct, schema: type[S]) -> S:
     return convert(data, schema)
 
 
-def schema_error(exc: msgspec.ValidationError, data: Any = None) -> SchemaError:
-    """msgspec's message -> "field: must be ..., got VALUE" (the value read back from `data`)."""
+def schema_error(exc: msgspec.ValidationError, data: Any = None, schema: Any = None) -> SchemaError:
+    """msgspec's message -> "field: must be ..., got VALUE" (the value read back from `data`, the
+    allowed values of a Literal or Enum field read from `schema`)."""
     match = _AT.match(str(exc))
     message, path = match["msg"], _field_name(match["path"] or "")
     value = _lookup(data, match["path"] or "")
@@ -84,8 +87,15 @@ def schema_error(exc: msgspec.ValidationError, data: Any = None) -> SchemaError:
         text = f"must have {_SIZE_WORDS[found['op']]} {found['limit']} {_LENGTH_WORDS.get(kind, 'items')}{size}"
         if kind == "str":
             text = f"must be {_SIZE_WORDS[found['op']]} {found['limit']} characters long{size}"
+    elif _REGEX.match(message) and (expected := _expected(schema, match["path"] or "")):
+        text = f"must be {expected}{_got(value)}"
+    elif found := _REGEX.match(message):
+        text = f"must match {found['regex'].replace(chr(92) * 2, chr(92))}{_got(value)}"
+    elif _ENUM.match(message) and (allowed := _allowed(schema, match["path"] or "")):
+        text = f"must be one of {', '.join(show(v) for v in allowed)}{_got(value)}"
     elif found := _NAMED.match(message):  # a __post_init__ message that names its own field
-        name = _join(path, found["name"])
+        named = found["name"]
+        name = named if path and named.startswith(f"{path}.") else _join(path, named)
         return SchemaError(f"{name}: {found['rest']}", name)
     else:
         text = message[0].lower() + message[1:] if message else "invalid value"
@@ -115,6 +125,55 @@ def _lookup(data: Any, path: str) -> Any:
         except (KeyError, IndexError, TypeError, ValueError):
             return _MISSING_VALUE
     return data
+
+
+def _field_type(schema: Any, path: str) -> Any:
+    """msgspec's description of the field at `path` (msgspec's "$.a.b" form) of `schema`."""
+    if schema is None:
+        return None
+    try:
+        info = msgspec.inspect.type_info(schema)
+    except (TypeError, ValueError):
+        return None
+    for key, index in _PATH_PART.findall(path):
+        info = _unwrap(info)
+        if index:
+            info = getattr(info, "item_type", None)
+        elif isinstance(info, (msgspec.inspect.StructType, msgspec.inspect.DataclassType)):
+            info = next((f.type for f in info.fields if f.encode_name == key), None)
+        elif isinstance(info, msgspec.inspect.DictType):
+            info = info.value_type
+        else:
+            return None
+    return info
+
+
+def _allowed(schema: Any, path: str) -> list[Any]:
+    """The values a Literal or Enum field at `path` of `schema` allows."""
+    info = _unwrap(_field_type(schema, path), want=(msgspec.inspect.LiteralType, msgspec.inspect.EnumType))
+    if isinstance(info, msgspec.inspect.LiteralType):
+        return list(info.values)
+    if isinstance(info, msgspec.inspect.EnumType):
+        return [member.value for member in info.cls]
+    return []
+
+
+def _expected(schema: Any, path: str) -> str | None:
+    """A field's own words for what it takes (`Meta(extra={"expected": ...})`), if it has them."""
+    info = _field_type(schema, path)
+    members = info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)
+    for member in members:
+        if isinstance(member, msgspec.inspect.Metadata) and isinstance(member.extra, dict):
+            return member.extra.get("expected")
+    return None
+
+
+def _unwrap(info: Any, want: tuple = (msgspec.inspect.StructType, msgspec.inspect.DataclassType,
+                                      msgspec.inspect.DictType, msgspec.inspect.ListType)) -> Any:
+    """The member of a union (`X | None`) of the kind wanted."""
+    if isinstance(info, msgspec.inspect.UnionType):
+        return next((t for t in info.types if isinstance(t, want)), info)
+    return info
 
 
 def _field_name(path: str) -> str | None:

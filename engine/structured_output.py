@@ -16,14 +16,24 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from engine.structured_output_params import StructuredOutputsParams, xgrammar_message, xgrammar_module
 
-if TYPE_CHECKING:
-    from engine.request import Request
+
+class _Params(Protocol):
+    structured_outputs: StructuredOutputsParams | None
+
+
+class Request(Protocol):
+    """What the grammar manager reads and writes of a request (engine.request.Request): the
+    request holds its grammar's state; this module, which makes that state, names only these."""
+
+    request_id: str
+    sampling_params: _Params
+    grammar: GrammarState | None
 
 COMPILE_TIMEOUT_S = 30.0
 ANY_OBJECT_SCHEMA = '{"type": "object"}'

@@ -11,12 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.inputs import InvalidInput
 from engine.model.model_config import ModelConfig
+from handlers.errors import HandlerError
 
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput
     from handlers.llm_input import ParsedBody
+
+__all__ = ["BaseHandler", "Context", "HandlerError"]
 
 
 @dataclass(slots=True)
@@ -28,24 +30,6 @@ class Context:
     manifest: dict[str, Any] = field(default_factory=dict)
     model_config: ModelConfig = field(default_factory=ModelConfig)
     system_properties: dict[str, Any] = field(default_factory=dict)  # e.g. {"device": "cpu"}
-
-
-class HandlerError(ValueError):
-    """A request the handler refuses; `code` is the HTTP status the server should answer."""
-
-    def __init__(self, message: str, code: int = 400, param: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.param = param  # the request field at fault, when one is (OpenAI's error `param`)
-
-    @classmethod
-    def from_invalid_input(cls, exc: InvalidInput) -> HandlerError:
-        """The engine's refusal of a prepared request, as a 400 naming the field."""
-        return cls(str(exc), 400, param=exc.field)
-
-    def to_response(self) -> dict[str, Any]:
-        kind = "BadRequest" if self.code == 400 else "InternalServerError"
-        return {"code": self.code, "type": kind, "message": str(self)}
 
 
 class BaseHandler(abc.ABC):

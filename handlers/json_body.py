@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from engine.schema import show
-from handlers.base_handler import HandlerError
+from handlers.errors import HandlerError
 
 MAX_JSON_DEPTH = 64  # objects and arrays inside each other (a JSON schema of ~30 levels fits)
 

@@ -18,7 +18,7 @@ import msgspec
 from engine.inputs import PromptSpec
 from engine.sampling_params import SamplingParams, TokenId
 from engine.schema import SchemaError, convert
-from handlers.base_handler import HandlerError
+from handlers.errors import HandlerError
 from handlers.json_body import decode_json_body
 
 TokenIds = Annotated[list[TokenId], msgspec.Meta(min_length=1)]

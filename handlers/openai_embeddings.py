@@ -21,7 +21,7 @@ import numpy as np
 from engine.inputs import PromptSpec
 from engine.outputs import RequestOutput
 from engine.sampling_params import TokenId
-from handlers.base_handler import HandlerError
+from handlers.errors import HandlerError
 from handlers.llm_input import convert_body
 
 MAX_INPUTS = 2048  # inputs in one body (OpenAI's limit)

@@ -24,7 +24,7 @@ from msgspec import Meta
 
 from engine.sampling_params import MAX_LOGPROBS, MAX_TOKENS, SamplingParams, TokenId
 from engine.structured_output_params import StructuredOutputsParams
-from handlers.base_handler import HandlerError
+from handlers.errors import HandlerError
 from handlers.llm_input import (
     ChatMessages,
     PromptSpec,

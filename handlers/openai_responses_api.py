@@ -28,8 +28,8 @@ from msgspec import Meta
 
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import MAX_TOKENS
-from handlers.base_handler import HandlerError
 from handlers.deltas import ChoiceDelta
+from handlers.errors import HandlerError
 from handlers.llm_input import convert_body
 from handlers.llm_output import timings
 from handlers.openai_protocol import OpenAIRequest, parse_chat_request

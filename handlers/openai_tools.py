@@ -36,7 +36,7 @@ import msgspec
 from msgspec import Meta
 
 from engine.inputs import PromptSpec
-from handlers.base_handler import HandlerError
+from handlers.errors import HandlerError
 
 MAX_TOOLS = 128
 MAX_PARALLEL_CALLS = 8  # calls in one `required` answer (at most one per offered tool)

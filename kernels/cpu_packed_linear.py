@@ -44,10 +44,6 @@ class PackedLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _BATCH_HINT)
         self.bias = None if bias is None else bias.detach().contiguous()
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> PackedLinear:
-        return cls(linear.weight, linear.bias)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")

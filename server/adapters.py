@@ -21,11 +21,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from engine.lora.adapter import load_adapter
+from engine.lora.adapter import load_adapter, lora_shapes
 from engine.lora.archive import model_dir_digest
-from engine.lora.manager import lora_shapes
 from engine.lora.request import LoRARequest
-from engine.model.registry import parse_config
 from server.archives import LoadedArchive
 from server.registry import ConflictError, ModelRegistry, ModelVersion, check_model_name
 
@@ -120,6 +118,7 @@ def _check_against_base(archive: LoadedArchive, base: ModelVersion, name: str) -
         raise ValueError(f"adapter {name!r} was made for other weights than model {base.name!r} version "
                          f"{base.version} (base weights sha256 {digest[:16]}..., the adapter's manifest pins "
                          f"{record['baseWeightsSha256'][:16]}...): refused")
+    from engine.model.registry import parse_config  # the model families import torch: only here
     spec = parse_config(json.loads((base.model_dir / "config.json").read_text()))
     max_rank = int(base.model_config.handler.get("max_lora_rank", DEFAULT_MAX_LORA_RANK))
     return load_adapter(name, archive.model_dir, lora_shapes(spec), max_rank).rank

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import msgspec
 from aiohttp import web
@@ -137,16 +137,21 @@ class Watchdog:
         self._worker.interrupt(self._request_id, error)
 
 
-class Shaper(Protocol):
-    """The bodies of one endpoint's replies."""
+class WholeShaper(Protocol):
+    """The bodies of one endpoint's whole (not streamed) replies."""
 
     stream_format: StreamFormat
 
     def whole(self, out: RequestOutput, total_s: float) -> dict[str, Any]: ...
+    def error(self, code: int, message: str) -> dict[str, Any]: ...
+
+
+class Shaper(WholeShaper, Protocol):
+    """The bodies of one endpoint's replies, whole or streamed."""
+
     def opening(self, n: int) -> dict[str, Any] | list[dict[str, Any]] | None: ...
     def chunk(self, deltas: list[ChoiceDelta]) -> dict[str, Any] | list[dict[str, Any]]: ...
     def closing(self, deltas: list[ChoiceDelta], out: RequestOutput, total_s: float) -> list[dict[str, Any]]: ...
-    def error(self, code: int, message: str) -> dict[str, Any]: ...
 
 
 @dataclass(slots=True)
@@ -202,7 +207,9 @@ def _bounded_prepare(bounds: PromptBounds, tokenizer, spec: PromptSpec, params: 
 
 
 async def respond(request: web.Request, state: ServerState, version: ModelVersion, job: Prepared,
-                  shaper: Shaper, *, stream: bool, started: float) -> web.StreamResponse:
+                  shaper: WholeShaper, *, stream: bool, started: float) -> web.StreamResponse:
+    """Run the prepared job and answer it: whole, or streamed (`stream`: the shaper is then a
+    `Shaper`, one that shapes chunks too)."""
     request_id = request[REQUEST_ID_KEY]
     outputs = job.worker.generate(request_id, job.input, arrival_time=started, priority=job.input.priority)
     watchdog = Watchdog(request, job.worker, request_id, version.model_config.response_timeout,
@@ -218,7 +225,7 @@ async def respond(request: web.Request, state: ServerState, version: ModelVersio
             if first.refusal is not None:  # a grammar that failed to compile, a refused prompt
                 raise ErrorReply(400, first.refusal)
             if stream:
-                return await _stream(request, state, version, outputs, first, shaper, job.input.params,
+                return await _stream(request, state, version, outputs, first, cast(Shaper, shaper), job.input.params,
                                      started, watchdog)
             return await _collect(request, state, version, outputs, first, shaper, started, watchdog)
     except ConnectionError:  # the client went away; leaving the `async with` aborted the request
@@ -236,7 +243,7 @@ async def _next(outputs) -> RequestOutput:
 
 
 async def _collect(request: web.Request, state: ServerState, version: ModelVersion, outputs,
-                   out: RequestOutput, shaper: Shaper, started: float, watchdog: Watchdog) -> web.Response:
+                   out: RequestOutput, shaper: WholeShaper, started: float, watchdog: Watchdog) -> web.Response:
     try:
         while not out.finished:
             out = await _next(outputs)

@@ -16,6 +16,7 @@ from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from engine.model.archive_manifest import BUILTIN_HANDLERS, ArchiveError
@@ -212,7 +213,7 @@ def _with_register_params(archive: LoadedArchive, params: RegisterParams) -> Loa
                               f"be named at registration, got {params.handler!r}", "handler")
     if params.startup_timeout is None:
         return archive
-    config = dataclasses.replace(archive.model_config, startup_timeout=params.startup_timeout)
+    config = msgspec.structs.replace(archive.model_config, startup_timeout=params.startup_timeout)
     return dataclasses.replace(archive, model_config=config)
 
 

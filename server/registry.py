@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import os
@@ -30,6 +29,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from engine.model.model_config import ModelConfig
 from handlers.base_handler import BaseHandler, Context
@@ -245,18 +246,11 @@ class ModelRegistry:
             raise ModelNotFoundError(f"Model version: {version} does not exist for model: {name}")
         return found
 
-    def default_versions(self) -> list[ModelVersion]:
-        return [m.versions[m.default_version] for m in self.sorted_models()
-                if m.default_version in m.versions]
-
     def all_versions(self) -> list[ModelVersion]:
         return [v for m in self.sorted_models() for v in m.versions.values()]
 
     def sorted_models(self) -> list[RegisteredModel]:
         return [self.models[n] for n in sorted(self.models)]
-
-    def total_in_flight(self) -> int:
-        return sum(v.in_flight for v in self.all_versions())
 
     def total_workers(self) -> int:
         return sum(v.pool.size for v in self.all_versions())
@@ -308,7 +302,7 @@ class ModelRegistry:
             check_worker_counts(min_workers, max_w)
         if response_timeout is not None:
             check_timeout("response_timeout", response_timeout)
-            config = dataclasses.replace(config, response_timeout=response_timeout)
+            config = msgspec.structs.replace(config, response_timeout=response_timeout)
         check_timeout("responseTimeout", config.response_timeout)
         async with self._lock:
             model = self.models.get(name)

@@ -109,7 +109,7 @@ class OpenAIShaper:
 
 @dataclass(slots=True)
 class EmbeddingsShaper:
-    """/v1/embeddings: answered whole only (there is nothing to stream)."""
+    """/v1/embeddings: answered whole only (there is nothing to stream): a `WholeShaper`."""
 
     request: EmbeddingsRequest
     model: str  # the name the client asked for
@@ -122,15 +122,6 @@ class EmbeddingsShaper:
             raise ErrorReply.from_handler_error(exc) from None
         body["timings"] = timings(out, total_s)
         return body
-
-    def opening(self, n: int) -> None:
-        return None
-
-    def chunk(self, deltas: list[ChoiceDelta]) -> dict[str, Any]:
-        raise NotImplementedError("embeddings are not streamed")
-
-    def closing(self, deltas: list[ChoiceDelta], out: RequestOutput, total_s: float) -> list[dict[str, Any]]:
-        raise NotImplementedError("embeddings are not streamed")
 
     def error(self, code: int, message: str) -> dict[str, Any]:
         return openai_error(code, message)

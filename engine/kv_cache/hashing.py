@@ -9,13 +9,20 @@ prefix cache and the KV offload tier (whose chunks are runs of blocks: see
 
 from __future__ import annotations
 
+import enum
 import hashlib
 from array import array
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NewType
+from typing import NewType
 
-if TYPE_CHECKING:
-    from engine.config import PrefixCacheHash
+
+class PrefixCacheHash(enum.Enum):
+    """The hash function of the prefix cache's block hashes (EngineConfig.prefix_cache_hash)."""
+
+    SHA256 = "sha256"
+    # Python's built-in hash over a tuple: fast, not collision-resistant across tenants.
+    BUILTIN = "builtin"
+
 
 BlockHash = NewType("BlockHash", bytes)
 HashFn = Callable[[bytes], bytes]

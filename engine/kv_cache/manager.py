@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 from engine.kv_cache.block import KVCacheBlock
 from engine.kv_cache.block_pool import BlockPool
-from engine.kv_cache.hashing import HashFn, hash_request_blocks
-from engine.request import Request
+from engine.kv_cache.hashing import BlockHash, HashFn, hash_request_blocks
+
+
+class Request(Protocol):
+    """What the KV manager reads of a request (engine.request.Request has it): the cache is
+    below the request in the layering, so it names only these."""
+
+    request_id: str
+    num_computed_tokens: int
+    block_hashes: list[BlockHash]
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def extra_keys(self) -> tuple[object, ...] | None: ...
 
 
 def cdiv(a: int, b: int) -> int:

@@ -9,49 +9,55 @@ pointing at it reads and writes. Absent means off.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
+import msgspec
+from msgspec import Meta
+
+from engine.schema import SchemaError, check_fields, convert
+
 DEFAULT_CHUNK_SIZE = 256
-KEYS = ("cpu_size_gb", "disk_path", "disk_size_gb", "chunk_size", "remote_url")
 REMOTE_SCHEMES = ("redis", "rediss")
+_GB = Annotated[float, Meta(gt=0)]
 
 
-def _number(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"kv_offload.{key}={value!r}: must be a positive number (GB)")
-    return float(value)
+class _KVOffloadFields(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Offload settings. Sizes in GB (10**9 bytes, as LMCache counts them: GiB)."""
+
+    cpu_size_gb: _GB = 1.0  # LMCache's CPU-memory tier
+    disk_path: Annotated[str, Meta(min_length=1)] | None = None  # a folder; None: CPU-memory tier only
+    disk_size_gb: _GB | None = None  # the disk tier's size; required with disk_path
+    chunk_size: Annotated[int, Meta(ge=1)] = DEFAULT_CHUNK_SIZE  # tokens per LMCache chunk; a multiple of block_size
+    # redis://host:port[/db] (rediss:// for TLS): a Redis tier shared by every worker and server using it
+    remote_url: Annotated[str, Meta(pattern=r"^rediss?://")] | None = None
 
 
-@dataclass(slots=True, frozen=True)
-class KVOffloadConfig:
-    """Validated offload settings. Sizes in GB (10**9 bytes, as LMCache counts them: GiB)."""
+KEYS = tuple(f.name for f in msgspec.structs.fields(_KVOffloadFields))
 
-    cpu_size_gb: float = 1.0
-    disk_path: str | None = None  # None: CPU-memory tier only
-    disk_size_gb: float | None = None  # required with disk_path
-    chunk_size: int = DEFAULT_CHUNK_SIZE  # tokens per LMCache chunk; a multiple of block_size
-    remote_url: str | None = None  # redis://host:port[/db]: a Redis tier shared by every user
+
+class KVOffloadConfig(_KVOffloadFields, frozen=True):
+    """Validated offload settings: the declaration's bounds, then the rules between keys; the
+    disk folder made absolute."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "cpu_size_gb", _number("cpu_size_gb", self.cpu_size_gb))
+        try:
+            check_fields(self, _KVOffloadFields)
+        except SchemaError as exc:
+            raise SchemaError(f"kv_offload.{exc}", f"kv_offload.{exc.field}") from None
         if self.disk_path is not None:
-            if not isinstance(self.disk_path, str) or not self.disk_path.strip():
-                raise ValueError(f"kv_offload.disk_path={self.disk_path!r}: must be a folder path")
             path = Path(self.disk_path).expanduser()
             if path.exists() and not path.is_dir():
-                raise ValueError(f"kv_offload.disk_path={self.disk_path!r}: exists and is not a folder")
-            object.__setattr__(self, "disk_path", str(path.absolute()))
+                raise SchemaError(f"kv_offload.disk_path: {self.disk_path!r} exists and is not a folder",
+                                  "kv_offload.disk_path")
+            msgspec.structs.force_setattr(self, "disk_path", str(path.absolute()))
             if self.disk_size_gb is None:
-                raise ValueError("kv_offload.disk_size_gb is required with kv_offload.disk_path")
-            object.__setattr__(self, "disk_size_gb", _number("disk_size_gb", self.disk_size_gb))
+                raise SchemaError("kv_offload.disk_size_gb: is required with kv_offload.disk_path",
+                                  "kv_offload.disk_size_gb")
         elif self.disk_size_gb is not None:
-            raise ValueError("kv_offload.disk_size_gb is set but kv_offload.disk_path is not")
-        chunk = self.chunk_size
-        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-            raise ValueError(f"kv_offload.chunk_size={chunk!r}: must be a positive integer")
+            raise SchemaError("kv_offload.disk_size_gb: is set but kv_offload.disk_path is not",
+                              "kv_offload.disk_size_gb")
         if self.remote_url is not None:
             _check_remote_url(self.remote_url)
 
@@ -62,39 +68,38 @@ class KVOffloadConfig:
         if isinstance(options, KVOffloadConfig):
             config = options
         else:
-            if not isinstance(options, dict):
-                raise ValueError(f"kv_offload must be a mapping with keys {', '.join(KEYS)}; "  # noqa: TRY004
-                                 f"got {type(options).__name__}")
-            unknown = [k for k in options if k not in KEYS]
-            if unknown:
-                raise ValueError(f"kv_offload: unknown key {unknown[0]!r}; allowed keys: {', '.join(KEYS)}")
-            config = cls(**options)
+            try:
+                config = convert(options, cls)
+            except SchemaError as exc:
+                name = str(exc) if str(exc).startswith("kv_offload") else f"kv_offload: {exc}" \
+                    if exc.field is None else f"kv_offload.{exc}"
+                raise SchemaError(name, exc.field) from None
         if config.chunk_size % block_size:
-            raise ValueError(f"kv_offload.chunk_size={config.chunk_size}: must be a multiple of "
-                             f"block_size={block_size}")
+            raise SchemaError(f"kv_offload.chunk_size: must be a multiple of block_size={block_size}, "
+                              f"got {config.chunk_size}", "kv_offload.chunk_size")
         return config
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return msgspec.structs.asdict(self)
 
 
 def _check_remote_url(url: Any) -> None:
     """`redis://host:port[/db]` (or `rediss://` for TLS), with a host and a port."""
     form = "redis://host:port[/db]"
     if not isinstance(url, str):
-        raise ValueError(f"kv_offload.remote_url={url!r}: must be a URL such as {form}")
+        raise SchemaError(f"kv_offload.remote_url: {url!r} must be a URL such as {form}")
     try:
         parts = urlsplit(url)
         port = parts.port
     except ValueError:
-        raise ValueError(f"kv_offload.remote_url={url!r}: not a valid URL ({form})") from None
+        raise SchemaError(f"kv_offload.remote_url: {url!r} not a valid URL ({form})") from None
     if parts.scheme not in REMOTE_SCHEMES:
-        raise ValueError(f"kv_offload.remote_url={url!r}: the scheme must be one of "
+        raise SchemaError(f"kv_offload.remote_url: {url!r} the scheme must be one of "
                          f"{', '.join(REMOTE_SCHEMES)} ({form})")
     if not parts.hostname or port is None:
-        raise ValueError(f"kv_offload.remote_url={url!r}: needs a host and a port ({form})")
+        raise SchemaError(f"kv_offload.remote_url: {url!r} needs a host and a port ({form})")
     if parts.path not in ("", "/") and not parts.path[1:].isdigit():
-        raise ValueError(f"kv_offload.remote_url={url!r}: the path may only be a database number ({form})")
+        raise SchemaError(f"kv_offload.remote_url: {url!r} the path may only be a database number ({form})")
 
 
 def merge_kv_offload(defaults: dict[str, Any] | None, model: dict[str, Any] | None) -> dict[str, Any] | None:

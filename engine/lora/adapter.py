@@ -18,8 +18,11 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -63,6 +66,12 @@ class LoRAAdapter:
     rank: int
     scaling: float
     factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def lora_shapes(spec) -> LoRAShapes:
+    """The projection shapes of a LlamaSpec."""
+    return LoRAShapes(spec.num_layers, spec.hidden_size, spec.intermediate_size,
+                      spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim)
 
 
 def read_adapter_config(folder: str | Path) -> dict:

@@ -64,9 +64,3 @@ class LoRAUnsupported:
 
     def build_batch(self, adapters: list, num_rows: list[int], use_triton: bool | None = None) -> None:
         return None  # no request ever holds an adapter here
-
-
-def lora_shapes(spec) -> LoRAShapes:
-    """The projection shapes of a LlamaSpec."""
-    return LoRAShapes(spec.num_layers, spec.hidden_size, spec.intermediate_size,
-                      spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim)

@@ -38,11 +38,6 @@ from engine.model.archive_manifest import (
     validate_manifest,
 )
 from engine.model.model_config import ModelConfig, ModelConfigError, load_model_config
-from engine.model.registry import (
-    architecture_of,
-    check_tensor_parallel_support,
-    parse_config,
-)
 
 DEFAULT_MAX_TOTAL_BYTES = 64 << 30
 MAX_ENTRIES = 100_000
@@ -349,6 +344,8 @@ def _verify(top: Path, hashes: dict[str, str], allow_custom_handlers: bool) -> O
                            f"found {where}")
     model_prefix = f"{model_rel}/" if model_rel else ""
     hf_config = _read_json(root / model_prefix / "config.json", "config.json", "invalid")
+    from engine.model.registry import architecture_of  # the families import torch: only here
+
     try:
         architecture_of(hf_config)
     except ValueError as exc:
@@ -375,6 +372,7 @@ def _check_tensor_parallel(config: ModelConfig, hf_config: Any) -> None:
     size = config.engine_options().get("tensor_parallel_size", 1)
     if size == 1:
         return
+    from engine.model.registry import check_tensor_parallel_support, parse_config
     from engine.parallel.sharding import check_tensor_parallel
 
     try:

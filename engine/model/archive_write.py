@@ -34,7 +34,6 @@ from engine.model.archive_manifest import (
     is_pickle_weights,
 )
 from engine.model.quant_spec import QuantSpec, checkpoint_spec
-from engine.model.registry import architecture_of
 
 CHUNK_BYTES = 1 << 20
 ProgressFn = Callable[[int, int], None]
@@ -185,6 +184,8 @@ def _check_model(sources: dict[str, _Source]) -> tuple[str, QuantSpec | None]:
         raise ValueError("the model directory has no config.json")
     with open(sources["config.json"].path, "rb") as f:
         config = json.load(f)
+    from engine.model.registry import architecture_of  # the families import torch: only here
+
     architecture_of(config)  # ValueError names the architecture and what is supported
     quant = checkpoint_spec(config)  # ValueError on a malformed record
     weights = sorted(name for name in sources if name.endswith(".safetensors") and "/" not in name)

@@ -4,7 +4,7 @@
 
 - "none": eager, always.
 - "auto": compiled only where benchmarks/compile_bench.py measured a gain on this kind of
-  machine (`AUTO_POLICY`); elsewhere eager. See benchmarks/results/compile.md.
+  machine (`AUTO_POLICY`); elsewhere eager. See benchmarks/results/compile.xeon.md.
 - "always": compiled for every bucket (for benchmarks and parity tests).
 
 How: the attention of each layer is one opaque custom op (engine.attention.compiled_op), so the
@@ -21,7 +21,6 @@ always run eagerly.
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections.abc import Sequence
@@ -34,18 +33,12 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.attention.compiled_op import AttentionStep, paged_attention_op
 from engine.attention.metadata import AttentionMetadata
+from engine.config import CompileMode, EngineConfig
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
     from engine.model.causal_lm import CausalLM
 
 logger = logging.getLogger(__name__)
-
-
-class CompileMode(enum.Enum):
-    NONE = "none"
-    AUTO = "auto"
-    ALWAYS = "always"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +51,7 @@ class AutoPolicy:
         return self.max_tokens.get(dtype, 0) if device.type == "cpu" else 0
 
 
-# Measured in benchmarks/results/compile.md (2-core Xeon without bf16 dot products, SmolLM2-135M,
+# Measured in benchmarks/results/compile.xeon.md (2-core Xeon without bf16 dot products, SmolLM2-135M,
 # a busy machine): no case gained consistently, so "auto" stays eager everywhere. A measured gain
 # is an entry here, e.g. {torch.float32: 16} compiles float32 steps of up to 16 tokens.
 AUTO_POLICY = AutoPolicy({})

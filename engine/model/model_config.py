@@ -11,12 +11,9 @@ with its default.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
-import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -24,7 +21,7 @@ import msgspec
 import yaml
 from msgspec import Meta
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, EngineFields
 from engine.model import vllm_config
 from engine.schema import SchemaError, convert
 
@@ -95,29 +92,8 @@ _FRONTEND_KEYS = {f.encode_name: f.name for f in msgspec.structs.fields(ModelCon
 FRONTEND_KEYS = tuple(_FRONTEND_KEYS)
 
 
-def _yaml_type(hint: Any) -> Any:
-    """An EngineConfig annotation as a YAML file can hold it: enums and torch dtypes are named by
-    strings, dicts are mappings; bounds (`Annotated`) are kept."""
-    members = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
-        else (hint,)
-    kept: list[Any] = []
-    for member in members:
-        base = typing.get_args(member)[0] if typing.get_origin(member) is Annotated else member
-        if base in (int, float, str, bool, type(None)):
-            kind = member
-        elif base is dict or typing.get_origin(base) is dict:
-            kind = dict[str, Any]
-        else:
-            kind = str
-        if kind not in kept:
-            kept.append(kind)
-    return typing.Union[tuple(kept)] if len(kept) > 1 else kept[0]
-
-
 def _handler_keys() -> dict[str, Any]:
-    hints = typing.get_type_hints(EngineConfig, include_extras=True)
-    return {f.name: _yaml_type(hints[f.name]) for f in dataclasses.fields(EngineConfig)
-            if f.init and f.name not in _NOT_HANDLER_KEYS}
+    return {f.name: f.type for f in msgspec.structs.fields(EngineFields) if f.name not in _NOT_HANDLER_KEYS}
 
 
 # Engine options allowed under `handler:`, with the type each takes in the file.
@@ -130,9 +106,10 @@ HandlerSection = msgspec.defstruct(
 )
 
 
-@dataclass(slots=True)
-class ModelConfig:
-    """A parsed model-config.yaml; `handler` holds only the engine options the file sets."""
+class ModelConfig(msgspec.Struct, kw_only=True):
+    """A parsed model-config.yaml; `handler` holds only the engine options the file sets. Its
+    values are checked against `ModelConfigFile` (the declaration) when built; `__post_init__`
+    adds only the rules between keys."""
 
     min_workers: int = 1
     max_workers: int = 1
@@ -147,7 +124,7 @@ class ModelConfig:
     keep_alive: float | None = None  # seconds; None: the server's keep_alive
     routing: str = "least_loaded"  # least_loaded or prefix_affinity
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # a request without a token limit
-    handler: dict[str, Any] = field(default_factory=dict)
+    handler: dict[str, Any] = msgspec.field(default_factory=dict)
     source: str = "model-config.yaml"  # the file name used in error messages
 
     def __post_init__(self) -> None:
@@ -225,7 +202,7 @@ class ModelConfig:
         JSON-serialisable, keyed as in the YAML file."""
         out: dict[str, Any] = {key: _plain(getattr(self, name)) for key, name in _FRONTEND_KEYS.items()}
         engine = EngineConfig(model=_PLACEHOLDER_MODEL, **self.engine_options())
-        handler = {key: _plain(getattr(engine, key)) for key in HANDLER_KEYS}
+        handler = msgspec.to_builtins({key: getattr(engine, key) for key in HANDLER_KEYS})
         handler[HANDLER_OPTIONS_KEY] = self.handler_options
         out["handler"] = handler
         return out

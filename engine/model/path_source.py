@@ -23,14 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from engine.model.archive_manifest import MANIFEST_PATH, ArchiveFormat
-from engine.model.registry import (
-    SUPPORTED_GGUF_TYPES,
-    architecture_of,
-    family_of,
-    parse_config,
-    supported_architectures,
-    supported_gguf_architectures,
-)
 
 SOURCE_INFO = "pagedserve_source_info.json"  # what the archive was built from, for descriptions
 
@@ -59,21 +51,21 @@ def gguf_summary(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path.name} is not a readable GGUF file: {exc}") from None
     field = reader.fields.get("general.architecture")
     arch = field.contents() if field is not None else None
-    supported = supported_gguf_architectures()
+    supported = _registry().supported_gguf_architectures()
     if arch not in supported:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(supported)}")
     types = Counter(t.tensor_type.name for t in reader.tensors)
-    bad = sorted(set(types) - set(SUPPORTED_GGUF_TYPES))
+    bad = sorted(set(types) - set(_registry().SUPPORTED_GGUF_TYPES))
     if bad:
         raise ValueError(f"unsupported GGUF tensor type {', '.join(bad)} in {path.name}; supported: "
-                         f"{', '.join(SUPPORTED_GGUF_TYPES)}")
+                         f"{', '.join(_registry().SUPPORTED_GGUF_TYPES)}")
     return {"architecture": arch, "tensor_types": dict(sorted(types.items()))}
 
 
 def check_hf_folder(path: Path) -> dict[str, Any]:
     """The folder's config.json, checked: its architecture (and rope type) must be supported."""
     config = json.loads((path / "config.json").read_text())
-    parse_config(config)  # ValueError names the architecture / rope type and what is supported
+    _registry().parse_config(config)  # ValueError names the architecture / rope type and what is supported
     return config
 
 
@@ -179,12 +171,20 @@ def describe_model(model_dir: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         config = json.loads((model_dir / "config.json").read_text())
-        out = {"architecture": architecture_of(config), "family": family_of(config).name}
+        out = {"architecture": _registry().architecture_of(config), "family": _registry().family_of(config).name}
     except (OSError, ValueError):
         pass
     info = source_info(model_dir)
     out["weights"] = info["weights"] if info else "as stored in the archive"
     if info:
         out["source"] = info["kind"]
-    out["supportedArchitectures"] = list(supported_architectures())
+    out["supportedArchitectures"] = list(_registry().supported_architectures())
     return out
+
+
+def _registry():
+    """The family registry, imported on use: the families import torch, and the front end
+    reaches this module (archives by path) without needing them."""
+    from engine.model import registry
+
+    return registry

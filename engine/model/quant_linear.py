@@ -24,18 +24,14 @@ to the model dtype as the kernels use them): tests compare against `x @ referenc
 
 from __future__ import annotations
 
-import enum
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.quant_spec import INT4_GROUP_SIZES, QuantMethod
 from kernels.cpu_int4_dequant import int4pack_dequant_t, int4pack_linear, packed_block_n, scale_and_shift, unpack_codes
-from kernels.cpu_isa import cpu_has_bf16_dot, cpu_has_vnni
+from kernels.cpu_isa import cpu_has_bf16_dot
 
-__all__ = ["cpu_has_vnni"]  # re-exported for quant_spec's check of w8a8
-
-INT4_GROUP_SIZES = (32, 64, 128)
 INT8_WEIGHT_ONLY_MAX_ROWS = 16  # more rows: torch._int_mm on activations quantized per token
 # Mode int8 from this many rows on (prefill-sized calls) de-quantizes the weight for the call:
 # the copy's cost is spread over enough rows to stay within a few % of bf16, and prefill keeps
@@ -50,13 +46,6 @@ HEAD_WEIGHT_ONLY_MAX_ROWS = 1 << 62
 # (benchmarks/results/bench_int4_gemv*.md).
 INT4_GEMV_MAX_ROWS = 16
 _INT4_BLOCK_N = 64  # the packed layout's block under AVX-512 (32 under AVX2): archives load on both
-
-
-class QuantMethod(enum.Enum):
-    NONE = "none"
-    INT8 = "int8"
-    INT4 = "int4"
-    W8A8 = "w8a8"
 
 
 def int4_kernel_max_rows() -> int:

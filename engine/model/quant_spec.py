@@ -14,10 +14,22 @@ and, for int4, `<proj>.offsets` (float32 `[N, groups]`): `w = code * scale + off
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.model.quant_linear import INT4_GROUP_SIZES, QuantMethod, cpu_has_vnni
+from kernels.cpu_isa import cpu_has_vnni
+
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+class QuantMethod(enum.Enum):
+    """The quantized layers' layout (engine.model.quant_linear holds the layers)."""
+
+    NONE = "none"
+    INT8 = "int8"
+    INT4 = "int4"
+    W8A8 = "w8a8"
 
 CONFIG_KEY = "pagedserve_quantization"
 QUANT_LEAVES = ("qweight", "scales", "offsets")

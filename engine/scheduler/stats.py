@@ -30,9 +30,5 @@ class SchedulerStats:
     kv_offload: dict | None = None
 
     @property
-    def kv_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
-
-    @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

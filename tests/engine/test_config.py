@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig, PrefixCacheHash, SchedulingPolicy, parse_size
+from engine.config import EngineConfig, EngineFields, PrefixCacheHash, SchedulingPolicy, parse_size
 from engine.sampling_params import SamplingParams, SamplingType
+from engine.schema import SchemaError
 
 
 @pytest.mark.parametrize("text, expected", [("2GiB", 2 * 2**30), ("512MB", 512 * 10**6), ("1.5 GiB", int(1.5 * 2**30)), (4096, 4096)])
@@ -38,7 +39,7 @@ def test_defaults_and_coercion():
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"max_num_batched_tokens": -1}, "max_num_batched_tokens"),
         ({"num_kv_blocks": 1}, "num_kv_blocks"),
-        ({"kv_cache_memory": "many"}, "invalid size"),
+        ({"kv_cache_memory": "many"}, "kv_cache_memory: must be a size such as 2GiB"),
         ({"scheduling_policy": "lifo"}, "scheduling_policy"),
         ({"prefix_cache_hash": "md5"}, "prefix_cache_hash"),
         ({"device": "tpu"}, "device"),
@@ -48,6 +49,22 @@ def test_defaults_and_coercion():
 def test_engine_config_refuses(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="m", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field, message", [
+    ({"max_num_seqs": 0}, "max_num_seqs", "max_num_seqs: must be >= 1, got 0"),
+    ({"quant_group_size": 48}, "quant_group_size", "quant_group_size: must be one of 32, 64, 128, got 48"),
+    ({"kv_offload": {"chunk_size": "big"}}, "kv_offload.chunk_size", 'kv_offload.chunk_size: must be an integer, got "big"'),
+    ({"tensor_parallel_size": 65}, "tensor_parallel_size", "tensor_parallel_size: must be <= 64, got 65"),
+])
+def test_the_schema_refuses_a_bad_engine_config_naming_the_field(kwargs, field, message):
+    """The bounds are declared on EngineFields (msgspec Meta); the refusal comes from the schema,
+    the same one model-config.yaml's handler section and the docs' reference are derived from."""
+    with pytest.raises(SchemaError) as refused:
+        EngineConfig(model="m", **kwargs)
+    assert refused.value.field == field and str(refused.value) == message
+    declared = {f.name: f for f in __import__("msgspec").structs.fields(EngineFields)}
+    assert field.split(".")[0] in declared
 
 
 def test_max_model_len_cannot_exceed_the_model():

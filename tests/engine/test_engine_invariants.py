@@ -46,7 +46,7 @@ def test_random_workload_leaves_every_block_free(tiny_model_dir, caching, specul
     shared_prefix = [rng.randrange(64) for _ in range(12)]
     submitted, finished = 0, set()
     live: list[str] = []
-    for step in range(300):
+    for _step in range(300):
         if submitted < 80 and rng.random() < 0.5:
             prefix = shared_prefix[: rng.randrange(13)] if rng.random() < 0.6 else []
             prompt = prefix + [rng.randrange(64) for _ in range(rng.randrange(1, 30))]

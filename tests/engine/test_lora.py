@@ -13,8 +13,7 @@ import transformers
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
-from engine.lora.adapter import load_adapter
-from engine.lora.manager import lora_shapes
+from engine.lora.adapter import load_adapter, lora_shapes
 from engine.lora.request import LoRARequest
 from engine.lora.slots import LoRASlots
 from engine.model.llama_spec import LlamaSpec

@@ -83,7 +83,7 @@ def test_logprobs(client):
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for _token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert logprob <= 0 and len(top) == 3
         assert max(top.values()) == pytest.approx(logprob)  # greedy: the sampled token is the top one
     chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5, temperature=0,

@@ -102,7 +102,7 @@ def test_sigterm_under_load_ends_every_stream_and_exits_0(module_server_factory)
     assert observed, "no request was tried during the drain"
     answered = [when for when, o in observed if isinstance(o, tuple)]
     refused = [when for when, o in observed if not isinstance(o, tuple)]
-    for when, outcome in observed:
+    for _when, outcome in observed:
         if isinstance(outcome, tuple):
             status, retry_after, text = outcome
             assert status == 503 and retry_after, outcome

@@ -1,0 +1,110 @@
+"""The house rules, checked by their tools: the import contracts (`lint-imports`: the four layers,
+no HTTP below the handlers, no import circles inside any package), `ruff check`, `ruff format
+--check`, `mypy` on engine/ and server/, and a front end that imports no torch."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(*argv: str, cwd: Path = REPO, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(cwd)}
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+COMMANDS = {  # each tool run by this interpreter, so it sees the environment the tests see
+    "lint-imports": ("importlinter", ["-c", "import sys; from importlinter.cli import lint_imports_command; "
+                                            "sys.exit(lint_imports_command())"]),
+    "ruff": ("ruff", ["-m", "ruff"]),
+    "mypy": ("mypy", ["-m", "mypy"]),
+}
+
+
+def tool(name: str) -> list[str]:
+    module, argv = COMMANDS[name]
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{name} is not installed (pip install -e '.[test]')")
+    return [sys.executable, *argv]
+
+
+def test_import_contracts_are_kept():
+    out = run(*tool("lint-imports"))
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
+    assert "0 broken" in out.stdout
+
+
+def test_the_circle_contract_catches_a_type_only_circle(tmp_path):
+    """The acyclic contract as configured here refuses a circle made only of TYPE_CHECKING
+    imports, like the ones this codebase had (engine.request <-> engine.structured_output)."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg import b\n")
+    (pkg / "b.py").write_text(textwrap.dedent("""\
+        from typing import TYPE_CHECKING
+        if TYPE_CHECKING:
+            from pkg import a
+        """))
+    (tmp_path / ".importlinter").write_text(textwrap.dedent("""\
+        [importlinter]
+        root_package = pkg
+
+        [importlinter:contract:circles]
+        name = no circles
+        type = acyclic_siblings
+        ancestors = pkg
+        """))
+    out = run(*tool("lint-imports"), cwd=tmp_path)
+    assert out.returncode != 0 and "No cycles are allowed in pkg" in out.stdout, out.stdout
+
+
+def test_ruff_check_is_clean():
+    out = run(*tool("ruff"), "check", ".")
+    assert out.returncode == 0, out.stdout[-6000:]
+
+
+def test_ruff_format_is_clean():
+    out = run(*tool("ruff"), "format", "--check", ".")
+    assert out.returncode == 0, out.stdout[-6000:]
+
+
+@pytest.mark.slow
+def test_mypy_is_clean_on_engine_and_server(tmp_path):
+    """mypy over engine/ and server/ (pyproject's [tool.mypy]; modules on its baseline list are
+    not checked yet). Under the `pagedserve` namespace the folders are reached through a link
+    tree (`pagedserve/engine` -> engine/ ...), as mypy does not read the editable install's
+    package-dir mapping."""
+    if importlib.util.find_spec("pagedserve") is None:
+        targets = ["engine", "server"]
+        cwd, env_path = REPO, str(REPO)
+    else:
+        tree = tmp_path / "pagedserve"
+        tree.mkdir()
+        for root in ("server", "handlers", "engine", "kernels"):
+            (tree / root).symlink_to(REPO / root, target_is_directory=True)
+        targets = ["-p", "pagedserve.engine", "-p", "pagedserve.server"]
+        cwd, env_path = REPO, str(tmp_path)
+    out = subprocess.run([*tool("mypy"), "--config-file", str(REPO / "pyproject.toml"), *targets], cwd=cwd,
+                         env={**os.environ, "MYPYPATH": env_path}, capture_output=True, text=True,
+                         timeout=900, check=False)
+    assert out.returncode == 0, out.stdout[-6000:]
+
+
+def test_the_front_end_imports_no_torch():
+    """The front end's modules (the CLI, the app and every route) load without torch: the
+    engine's data types it uses are plain, and torch is imported where tensors are made."""
+    out = run(sys.executable, "-X", "importtime", "-c",
+              "import server.cli, server.serve, server.inference_app, server.management_app")
+    assert out.returncode == 0, out.stderr[-3000:]
+    loaded = [line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line]
+    assert "server.inference_app" in loaded  # the import really happened
+    assert not [name for name in loaded if name == "torch" or name.startswith("torch.")]
