@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks._common import RESULTS, cpu_description  # noqa: E402
+from benchmarks._common import RESULTS, cpu_description, result_path  # noqa: E402
 from engine.attention.kv_quant import KVCacheDtype, quantize_kv  # noqa: E402
 from kernels.cpu_native import available_isas, load_native  # noqa: E402
 
@@ -81,8 +81,8 @@ def main() -> None:
         summary[f"{label} {isa}"] = {"rounds": vals, "median": statistics.median(vals)}
         lines.append(f"| {label} | {isa} | {' '.join(f'{x:.2f}' for x in vals)} | {statistics.median(vals):.2f} |")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(summary, indent=1))
-    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    result_path(args.name, "json").write_text(json.dumps(summary, indent=1))
+    result_path(args.name, "md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks._common import RESULTS, cpu_description  # noqa: E402
+from benchmarks._common import RESULTS, cpu_description, result_path  # noqa: E402
 from engine.model.quant_linear import Int4Linear  # noqa: E402
 from kernels.cpu_int4_dequant import packed_block_n, scale_and_shift  # noqa: E402
 from kernels.cpu_native import load_native  # noqa: E402
@@ -91,8 +91,8 @@ def main() -> None:
         summary[label] = {"speedup": med, "rounds": ratios[label], "native_gbs": gbs}
         lines.append(f"| {label} | {' '.join(f'{x:.2f}' for x in ratios[label])} | {med:.2f} | {gbs:.1f} |")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(summary, indent=1))
-    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    result_path(args.name, "json").write_text(json.dumps(summary, indent=1))
+    result_path(args.name, "md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import RESULTS, cpu_description, peak_rss_mib, run_phase
+from benchmarks._common import RESULTS, cpu_description, result_path, peak_rss_mib, run_phase
 
 QWEN3_1B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=2048,
                 intermediate_size=6144, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
@@ -217,8 +217,8 @@ def run_all(args: argparse.Namespace) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"cpu": cpu_description(), "commit": commit, "load": loads, "decode": rows, "new_tokens": args.new}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))
-    (RESULTS / f"{args.out}.md").write_text(render(result))
+    result_path(args.out, "json").write_text(json.dumps(result, indent=2))
+    result_path(args.out, "md").write_text(render(result))
     print(render(result))
     return 0
 

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks._common import RESULTS, cpu_description, make_prompts  # noqa: E402
+from benchmarks._common import RESULTS, cpu_description, result_path, make_prompts  # noqa: E402
 
 
 def _prompts(n_decode: int, n_ttft: int) -> tuple[list[int], list[int], list[int]]:
@@ -231,8 +231,8 @@ def report(args, sides: list[str], results: dict, gguf_name: str) -> None:
                        f"({results['bf16'][0]['weight_bytes'] / 1e6:.0f} MB per token at a median {read:.1f} GB/s "
                        f"read); bf16 decode reaches {' '.join(f'{x:.2f}' for x in share)} of it per round, "
                        f"median {statistics.median(share):.2f}.")]
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(summary, indent=1))
-    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    result_path(args.name, "json").write_text(json.dumps(summary, indent=1))
+    result_path(args.name, "md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from _common import RESULTS, cpu_description, peak_rss_mib, run_phase
+from _common import RESULTS, cpu_description, result_path, peak_rss_mib, run_phase
 
 MIN_ROUNDS = 5
 SHARE_TOKENS = 4  # tokens per sequence of the engine's timed share run
@@ -233,8 +233,8 @@ def main() -> None:
                                        for b in BATCHES), flush=True)
     summary = summarize(args, runs, params)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(summary | {"runs": runs}, indent=2))
-    (RESULTS / f"{args.name}.md").write_text(markdown(summary))
+    result_path(args.name, "json").write_text(json.dumps(summary | {"runs": runs}, indent=2))
+    result_path(args.name, "md").write_text(markdown(summary))
     print(markdown(summary))
 
 
