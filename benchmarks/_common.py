@@ -24,8 +24,10 @@ def make_prompts(tokenizer, num: int, length: int, seed: int) -> list[list[int]]
     rng = random.Random(seed)
     # Sorted: get_vocab()'s order differs between processes, and paired phases run in separate ones.
     words = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3)[:5000]
-    return [tokenizer.encode(" ".join(rng.choice(words) for _ in range(length * 2)),
-                             add_special_tokens=False)[:length] for _ in range(num)]
+    return [
+        tokenizer.encode(" ".join(rng.choice(words) for _ in range(length * 2)), add_special_tokens=False)[:length]
+        for _ in range(num)
+    ]
 
 
 def peak_rss_mib(pid: int | None = None) -> float:
@@ -94,9 +96,17 @@ def start_server(workdir: Path, models: list[str], timeout: float) -> tuple[subp
     # One engine thread: on a shared 2-core machine a 2-thread worker's OpenMP threads stall
     # whenever one of them is descheduled.
     env = {**os.environ, "PYTHONPATH": str(repo), "PAGEDSERVE_WORKER_THREADS": "1"}
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model-store", str(workdir / "store"),
-           *(["--models", *models] if models else []), "--disable-token-auth",
-           *(arg for api, port in ports.items() for arg in (f"--{api}-address", f"127.0.0.1:{port}"))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "server.cli",
+        "serve",
+        "--model-store",
+        str(workdir / "store"),
+        *(["--models", *models] if models else []),
+        "--disable-token-auth",
+        *(arg for api, port in ports.items() for arg in (f"--{api}-address", f"127.0.0.1:{port}")),
+    ]
     with open(workdir / "server.log", "ab") as log:
         proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
     urls = {api: f"http://127.0.0.1:{port}" for api, port in ports.items()}
@@ -106,8 +116,10 @@ def start_server(workdir: Path, models: list[str], timeout: float) -> tuple[subp
         if proc.poll() is not None:
             raise RuntimeError(f"server exited: {(workdir / 'server.log').read_text()[-3000:]}")
         try:
-            with urllib.request.urlopen(urls["inference"] + "/ready", timeout=5) as ready, \
-                    urllib.request.urlopen(urls["inference"] + "/v1/models", timeout=5) as listed:
+            with (
+                urllib.request.urlopen(urls["inference"] + "/ready", timeout=5) as ready,
+                urllib.request.urlopen(urls["inference"] + "/v1/models", timeout=5) as listed,
+            ):
                 names = {m["id"] for m in json.loads(listed.read())["data"]}
                 if ready.status == 200 and wanted <= names:
                     return proc, urls

@@ -35,8 +35,14 @@ def phase(args, async_scheduling: bool) -> dict:
     # dict order, which differs between processes, and the two sides must run the same prompts.
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 30000) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
-    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, kv_cache_memory="512MiB",
-              max_num_seqs=len(prompts), async_scheduling=async_scheduling)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        kv_cache_memory="512MiB",
+        max_num_seqs=len(prompts),
+        async_scheduling=async_scheduling,
+    )
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     start = time.perf_counter()
@@ -45,7 +51,11 @@ def phase(args, async_scheduling: bool) -> dict:
     llm.shutdown()
     tokens = [o.outputs[0].token_ids for o in outs]
     n_out = sum(len(t) for t in tokens)
-    return {"elapsed_s": elapsed, "tok_per_s": n_out / elapsed, "tokens_digest": hashlib.sha256(str(tokens).encode()).hexdigest()[:16]}
+    return {
+        "elapsed_s": elapsed,
+        "tok_per_s": n_out / elapsed,
+        "tokens_digest": hashlib.sha256(str(tokens).encode()).hexdigest()[:16],
+    }
 
 
 def main() -> None:
@@ -70,8 +80,20 @@ def main() -> None:
         return
     if args.rounds < MIN_ROUNDS:
         parser.error(f"--rounds must be at least {MIN_ROUNDS}")
-    common = ["--model", args.model, "--num-prompts", str(args.num_prompts), "--prompt-len", str(args.prompt_len),
-              "--output-len", str(args.output_len), "--threads", str(args.threads), "--dtype", args.dtype]
+    common = [
+        "--model",
+        args.model,
+        "--num-prompts",
+        str(args.num_prompts),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--output-len",
+        str(args.output_len),
+        "--threads",
+        str(args.threads),
+        "--dtype",
+        args.dtype,
+    ]
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     loads = []
     for r in range(args.rounds):
@@ -80,29 +102,48 @@ def main() -> None:
             runs[side].append(run_phase(__file__, ["--phase", side, *common]))
         loads.append(os.getloadavg()[0])
         ratio = runs["on"][-1]["tok_per_s"] / runs["off"][-1]["tok_per_s"]
-        print(f"round {r + 1} ({', '.join(order)}): off {runs['off'][-1]['tok_per_s']:.1f} tok/s, "
-              f"on {runs['on'][-1]['tok_per_s']:.1f} tok/s, on / off {ratio:.3f} (load {loads[-1]:.1f})", flush=True)
+        print(
+            f"round {r + 1} ({', '.join(order)}): off {runs['off'][-1]['tok_per_s']:.1f} tok/s, "
+            f"on {runs['on'][-1]['tok_per_s']:.1f} tok/s, on / off {ratio:.3f} (load {loads[-1]:.1f})",
+            flush=True,
+        )
     if len({x["tokens_digest"] for v in runs.values() for x in v}) != 1:
         raise SystemExit("async scheduling changed the output tokens")
     ratios = [on["tok_per_s"] / off["tok_per_s"] for on, off in zip(runs["on"], runs["off"])]
     summary = {
-        "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "output_len": args.output_len,
-                     "dtype": args.dtype, "threads": args.threads},
-        "date": time.strftime("%Y-%m-%d %H:%M"), "platform": platform.platform(), "load_average_per_round": loads,
-        "ratio_median": median(ratios), "ratio_per_round": ratios, "runs": runs,
+        "workload": {
+            "num_prompts": args.num_prompts,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "dtype": args.dtype,
+            "threads": args.threads,
+        },
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "platform": platform.platform(),
+        "load_average_per_round": loads,
+        "ratio_median": median(ratios),
+        "ratio_per_round": ratios,
+        "runs": runs,
     }
     md = [
-        "# Async scheduling on / off (latest run)", "",
-        (f"{args.num_prompts} prompts x {args.prompt_len} tokens -> {args.output_len} tokens, {args.dtype}, "
-         f"{args.threads} torch threads, greedy, same tokens on both sides; {args.rounds} paired rounds (fresh "
-         "processes, order reversed every other round). Load average after each round: "
-         + ", ".join(f"{x:.1f}" for x in loads) + f" on {os.cpu_count()} cores."), "",
-        "| measure | value |", "| --- | --- |",
+        "# Async scheduling on / off (latest run)",
+        "",
+        (
+            f"{args.num_prompts} prompts x {args.prompt_len} tokens -> {args.output_len} tokens, {args.dtype}, "
+            f"{args.threads} torch threads, greedy, same tokens on both sides; {args.rounds} paired rounds (fresh "
+            "processes, order reversed every other round). Load average after each round: "
+            + ", ".join(f"{x:.1f}" for x in loads)
+            + f" on {os.cpu_count()} cores."
+        ),
+        "",
+        "| measure | value |",
+        "| --- | --- |",
         f"| off (median) | {median(x['tok_per_s'] for x in runs['off']):.1f} tok/s |",
         f"| on (median) | {median(x['tok_per_s'] for x in runs['on']):.1f} tok/s |",
         f"| **on / off, median of the per-round ratios** | **{median(ratios):.3f}** |",
         "| per-round ratios | " + ", ".join(f"{r:.3f}" for r in ratios) + " |",
-        "", f"Run on {summary['date']} ({summary['platform']}).",
+        "",
+        f"Run on {summary['date']} ({summary['platform']}).",
     ]
     RESULTS.mkdir(exist_ok=True)
     result_path(f"{args.name}", "json").write_text(json.dumps(summary, indent=2) + "\n")

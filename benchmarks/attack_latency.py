@@ -81,8 +81,7 @@ def attack_body(name: str, args) -> bytes:
         body = {**PLAIN, "structured_outputs": {"json": json.dumps(schema)}}  # text: past the body's depth bound
     elif name == "stops":
         stop = [" " + "x" * (i % 7) + f"{i:05d}" + "y" * (args.stop_len - 6 - i % 7) for i in range(args.stop_count)]
-        body = {"prompt": "Write a long story.", "max_tokens": 256, "ignore_eos": True, "stop": stop,
-                "stream": True}
+        body = {"prompt": "Write a long story.", "max_tokens": 256, "ignore_eos": True, "stop": stop, "stream": True}
     elif name == "long_stream":
         body = {"prompt": "Write a long story.", "max_tokens": 256, "ignore_eos": True, "stream": True}
     elif name == "bad_field":
@@ -112,13 +111,13 @@ async def plain_latencies(session, url: str, n: int) -> dict:
             failures.append(status)
     out = {"n": n, "failed": len(failures), "failed_statuses": sorted(set(failures))}
     if latencies:
-        out |= {"p50_s": percentile(latencies, 0.5), "p99_s": percentile(latencies, 0.99),
-                "max_s": max(latencies)}
+        out |= {"p50_s": percentile(latencies, 0.5), "p99_s": percentile(latencies, 0.99), "max_s": max(latencies)}
     return out
 
 
-async def attacker(session, url: str, body: bytes, attack: Attack, stop: asyncio.Event,
-                   statuses: dict[str, int]) -> None:
+async def attacker(
+    session, url: str, body: bytes, attack: Attack, stop: asyncio.Event, statuses: dict[str, int]
+) -> None:
     while not stop.is_set():
         t0 = time.monotonic()
         try:
@@ -152,8 +151,9 @@ async def phase(base: str, name: str | None, args) -> dict:
         attack = ATTACKS[name]
         body = attack_body(name, args)
         stop, statuses = asyncio.Event(), {}
-        tasks = [asyncio.create_task(attacker(session, url, body, attack, stop, statuses))
-                 for _ in range(attack.clients)]
+        tasks = [
+            asyncio.create_task(attacker(session, url, body, attack, stop, statuses)) for _ in range(attack.clients)
+        ]
         await asyncio.sleep(args.settle_s)  # the attacks are in flight before measuring
         result = await plain_latencies(session, url, args.requests)
         stop.set()
@@ -164,8 +164,6 @@ async def phase(base: str, name: str | None, args) -> dict:
         return result
 
 
-
-
 def write_store(store: Path) -> None:
     import yaml
 
@@ -173,12 +171,20 @@ def write_store(store: Path) -> None:
     from engine.model.default_model import default_model_dir
 
     config = store.parent / "model-config.yaml"
-    config.write_text(yaml.safe_dump({
-        "minWorkers": 1, "maxWorkers": 1, "responseTimeout": 20,
-        "startupTimeout": 900,  # a first start may build the CPU extensions on a busy machine
-        "handler": {"dtype": "bfloat16", "kv_cache_memory": "256MiB", "max_model_len": 2048}}))
-    written = write_archive(default_model_dir(), store.parent / "build", model_name=MODEL_NAME,
-                            version="1.0", config_file=config)
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "minWorkers": 1,
+                "maxWorkers": 1,
+                "responseTimeout": 20,
+                "startupTimeout": 900,  # a first start may build the CPU extensions on a busy machine
+                "handler": {"dtype": "bfloat16", "kv_cache_memory": "256MiB", "max_model_len": 2048},
+            }
+        )
+    )
+    written = write_archive(
+        default_model_dir(), store.parent / "build", model_name=MODEL_NAME, version="1.0", config_file=config
+    )
     store.mkdir(exist_ok=True)
     written.rename(store / f"{MODEL_NAME}.mar")
 
@@ -193,7 +199,6 @@ def worker_pid(management: str) -> int:
 def start_server(workdir: Path) -> tuple[subprocess.Popen, str, str]:
     proc, urls = common_start_server(workdir, [f"{MODEL_NAME}={MODEL_NAME}.mar"], timeout=900)
     return proc, urls["inference"], urls["management"]
-
 
 
 def cpu_seconds(pid: int) -> float:
@@ -232,7 +237,9 @@ def summarize(rounds: list[dict], attacks: list[str]) -> dict:
         summary[name] = {
             "p50_ratio_median": statistics.median(p50) if p50 else None,
             "p99_ratio_median": statistics.median(p99) if p99 else None,
-            "p50_ratios": p50, "p99_ratios": p99, "plain_failed_under_attack": failed,
+            "p50_ratios": p50,
+            "p99_ratios": p99,
+            "plain_failed_under_attack": failed,
             "p99_within_2x": bool(p99) and statistics.median(p99) <= 2.0 and failed == 0,
         }
     return summary
@@ -266,13 +273,16 @@ def main() -> None:
                     for which in order:
                         result[name]["none" if which is None else "attack"] = measured_phase(base, which, args, pids)
                     a, n = result[name]["attack"], result[name]["none"]
-                    print(f"round {i + 1} {name:12s} none p50 {n.get('p50_s', float('nan')) * 1000:7.1f} ms "
-                          f"p99 {n.get('p99_s', float('nan')) * 1000:7.1f} ms | attack p50 "
-                          f"{a.get('p50_s', float('nan')) * 1000:7.1f} ms p99 {a.get('p99_s', float('nan')) * 1000:7.1f} ms"
-                          f" | p99 ratio {a.get('p99_s', float('nan')) / n.get('p99_s', float('nan')):5.2f}"
-                          f" | plain failed {a['failed']} | attacks {a['attack_statuses']}"
-                          f" | front-end CPU {n['cpu_s']['front_end']:.1f}/{a['cpu_s']['front_end']:.1f} s"
-                          f" | load {n['loadavg_1m']:.1f}/{a['loadavg_1m']:.1f}", flush=True)
+                    print(
+                        f"round {i + 1} {name:12s} none p50 {n.get('p50_s', float('nan')) * 1000:7.1f} ms "
+                        f"p99 {n.get('p99_s', float('nan')) * 1000:7.1f} ms | attack p50 "
+                        f"{a.get('p50_s', float('nan')) * 1000:7.1f} ms p99 {a.get('p99_s', float('nan')) * 1000:7.1f} ms"
+                        f" | p99 ratio {a.get('p99_s', float('nan')) / n.get('p99_s', float('nan')):5.2f}"
+                        f" | plain failed {a['failed']} | attacks {a['attack_statuses']}"
+                        f" | front-end CPU {n['cpu_s']['front_end']:.1f}/{a['cpu_s']['front_end']:.1f} s"
+                        f" | load {n['loadavg_1m']:.1f}/{a['loadavg_1m']:.1f}",
+                        flush=True,
+                    )
                 rounds.append(result)
             rss = {"start_mib": rss_start, "end_mib": rss_mib(proc.pid), "peak_mib": peak_rss_mib(proc.pid)}
         finally:
@@ -288,32 +298,48 @@ def main() -> None:
 
 def write_results(args, attacks: list[str], rounds: list[dict], summary: dict, rss: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
-    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "loadavg_1m_end": os.getloadavg()[0],
-            "rounds": args.rounds, "requests_per_phase": args.requests,
-            "stop_strings": f"{args.stop_count} x {args.stop_len} chars",
-            "attacks": {name: vars(ATTACKS[name]) for name in attacks}}
-    result_path(f"{args.results}", "json").write_text(json.dumps(
-        {"meta": meta, "summary": summary, "front_end_rss": rss, "rounds": rounds}, indent=1))
-    lines = [f"# {args.results}", "",
-             f"Plain `/predictions` latency (4 tokens, one request at a time, {args.requests} per phase) with "
-             f"each attack running vs none; {args.rounds} paired rounds, order flipping each round; "
-             f"median of per-round ratios. Machine: {meta['machine']}, shared with other work "
-             f"(load {meta['loadavg_1m_end']:.1f} at the end). With {args.requests} requests a phase, p99 is the "
-             "slowest request, so one hiccup of the machine decides a round; the median over rounds "
-             "is the headline. Per-phase CPU seconds of the server's processes and the load are in "
-             "the .json. See benchmarks/attack_latency.py.", "",
-             "| attack | p50 ratio (median) | p99 ratio (median) | per-round p99 ratios | plain requests failed | p99 within 2x |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    meta = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "loadavg_1m_end": os.getloadavg()[0],
+        "rounds": args.rounds,
+        "requests_per_phase": args.requests,
+        "stop_strings": f"{args.stop_count} x {args.stop_len} chars",
+        "attacks": {name: vars(ATTACKS[name]) for name in attacks},
+    }
+    result_path(f"{args.results}", "json").write_text(
+        json.dumps({"meta": meta, "summary": summary, "front_end_rss": rss, "rounds": rounds}, indent=1)
+    )
+    lines = [
+        f"# {args.results}",
+        "",
+        f"Plain `/predictions` latency (4 tokens, one request at a time, {args.requests} per phase) with "
+        f"each attack running vs none; {args.rounds} paired rounds, order flipping each round; "
+        f"median of per-round ratios. Machine: {meta['machine']}, shared with other work "
+        f"(load {meta['loadavg_1m_end']:.1f} at the end). With {args.requests} requests a phase, p99 is the "
+        "slowest request, so one hiccup of the machine decides a round; the median over rounds "
+        "is the headline. Per-phase CPU seconds of the server's processes and the load are in "
+        "the .json. See benchmarks/attack_latency.py.",
+        "",
+        "| attack | p50 ratio (median) | p99 ratio (median) | per-round p99 ratios | plain requests failed | p99 within 2x |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for name in attacks:
         s = summary[name]
 
         def fmt(x):
             return "-" if x is None else f"{x:.2f}"
-        lines.append(f"| {name} | {fmt(s['p50_ratio_median'])} | {fmt(s['p99_ratio_median'])} | "
-                     f"{', '.join(f'{r:.2f}' for r in s['p99_ratios'])} | {s['plain_failed_under_attack']} | "
-                     f"{'yes' if s['p99_within_2x'] else 'no'} |")
-    lines += ["", f"Front end RSS: {rss['start_mib']:.0f} MiB after warm-up, {rss['end_mib']:.0f} MiB at the end, "
-              f"peak {rss['peak_mib']:.0f} MiB.", ""]
+
+        lines.append(
+            f"| {name} | {fmt(s['p50_ratio_median'])} | {fmt(s['p99_ratio_median'])} | "
+            f"{', '.join(f'{r:.2f}' for r in s['p99_ratios'])} | {s['plain_failed_under_attack']} | "
+            f"{'yes' if s['p99_within_2x'] else 'no'} |"
+        )
+    lines += [
+        "",
+        f"Front end RSS: {rss['start_mib']:.0f} MiB after warm-up, {rss['end_mib']:.0f} MiB at the end, "
+        f"peak {rss['peak_mib']:.0f} MiB.",
+        "",
+    ]
     result_path(f"{args.results}", "md").write_text("\n".join(lines))
 
 

@@ -55,8 +55,10 @@ def context_lengths(kind: str, batch: int, g: torch.Generator) -> list[int]:
     if kind == "uniform":
         return torch.randint(200, 401, (batch,), generator=g).tolist()
     long_rows = max(1, batch // 16)
-    return (torch.randint(1500, 2001, (long_rows,), generator=g).tolist()
-            + torch.randint(100, 151, (batch - long_rows,), generator=g).tolist())
+    return (
+        torch.randint(1500, 2001, (long_rows,), generator=g).tolist()
+        + torch.randint(100, 151, (batch - long_rows,), generator=g).tolist()
+    )
 
 
 def make_batch(batch: int, contexts: str, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype):
@@ -72,12 +74,17 @@ def make_batch(batch: int, contexts: str, heads: int, kv_heads: int, head_dim: i
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
     slots = [tables[i][(s - 1) // block_size] * block_size + (s - 1) % block_size for i, s in enumerate(seq_lens)]
     meta = AttentionMetadata(
-        num_seqs=batch, num_tokens=batch, query_lens=[1] * batch, seq_lens=seq_lens,
+        num_seqs=batch,
+        num_tokens=batch,
+        query_lens=[1] * batch,
+        seq_lens=seq_lens,
         query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
         seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=torch.tensor(tables, dtype=torch.int32),
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        max_query_len=1, max_seq_len=max(seq_lens), num_decodes=batch,
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        num_decodes=batch,
     )
     q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
     kv = torch.randn(batch, kv_heads, head_dim, generator=g).to(dtype)
@@ -141,11 +148,17 @@ def prefill_batch(length: int, heads: int, kv_heads: int, head_dim: int, block_s
     table = torch.randperm(num_blocks + 4, generator=g)[:num_blocks]
     pos = torch.arange(length)
     meta = AttentionMetadata(
-        num_seqs=1, num_tokens=length, query_lens=[length], seq_lens=[length],
+        num_seqs=1,
+        num_tokens=length,
+        query_lens=[length],
+        seq_lens=[length],
         query_start_loc=torch.tensor([0, length], dtype=torch.int32),
-        seq_lens_tensor=torch.tensor([length], dtype=torch.int32), block_tables=table[None].int(),
+        seq_lens_tensor=torch.tensor([length], dtype=torch.int32),
+        block_tables=table[None].int(),
         slot_mapping=table[pos // block_size] * block_size + pos % block_size,
-        max_query_len=length, max_seq_len=length, num_decodes=0,
+        max_query_len=length,
+        max_seq_len=length,
+        num_decodes=0,
     )
     cache = torch.zeros(2, num_blocks + 4, block_size, kv_heads, head_dim, dtype=dtype)
     q = torch.randn(length, heads, head_dim, generator=g).to(dtype)
@@ -165,6 +178,7 @@ def kv_variant(name: str, ext, cache, meta, q, kv, layers: int):
     def step() -> None:
         for c in caches:
             backend.forward(q, kv, kv, c, meta, scale)
+
     return step
 
 
@@ -172,7 +186,7 @@ def paired_rounds(steps: dict, rounds: int, reps: int) -> dict[str, list[float]]
     """ms per step of every variant, each round in alternating order (median of `reps` runs)."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(rounds):
-        for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+        for name in list(steps) if r % 2 == 0 else list(steps)[::-1]:
             runs = []
             for _ in range(reps):
                 start = time.perf_counter()
@@ -190,8 +204,10 @@ def kv_compare(args) -> None:
     workloads = [(f"decode B={b}", make_batch(b, args.contexts, 9, 3, 64, 16, dtype)) for b in args.batches]
     if args.prefill_len:
         workloads.append((f"prefill {args.prefill_len} tokens", prefill_batch(args.prefill_len, 9, 3, 64, 16, dtype)))
-    print(f"{args.dtype} queries, threads={args.threads}, layers={args.layers}, contexts {args.contexts}, "
-          f"{args.rounds} paired rounds; ratio = bf16 KV time / variant time (median of per-round ratios)")
+    print(
+        f"{args.dtype} queries, threads={args.threads}, layers={args.layers}, contexts {args.contexts}, "
+        f"{args.rounds} paired rounds; ratio = bf16 KV time / variant time (median of per-round ratios)"
+    )
     print("| workload | KV | median ms per step | ratio vs bf16 KV | per-round ratios |")
     print("| --- | --- | --- | --- | --- |")
     with torch.inference_mode():
@@ -202,8 +218,11 @@ def kv_compare(args) -> None:
             times = paired_rounds(steps, args.rounds, args.reps)
             for name, values in times.items():
                 ratios = [base / t for base, t in zip(times["auto"], values)]
-                print(f"| {label} | {name} | {statistics.median(values):.2f} | {statistics.median(ratios):.3f}x | "
-                      + ", ".join(f"{x:.2f}" for x in ratios) + " |")
+                print(
+                    f"| {label} | {name} | {statistics.median(values):.2f} | {statistics.median(ratios):.3f}x | "
+                    + ", ".join(f"{x:.2f}" for x in ratios)
+                    + " |"
+                )
             del steps
 
 
@@ -263,12 +282,16 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, fn in variants.items():
                 results[name].append(ms_per_layer(fn, caches, args.reps))
-    print(f"B={args.batch} {args.dtype} threads={args.threads} malloc_tuned={tuned} layers={args.layers} "
-          f"contexts {args.contexts} (mean {sum(meta.seq_lens) / len(meta.seq_lens):.0f}, max {max(meta.seq_lens)}), "
-          f"decode groups {len(_build_decode_plan(meta, 16, 3).groups)}")
+    print(
+        f"B={args.batch} {args.dtype} threads={args.threads} malloc_tuned={tuned} layers={args.layers} "
+        f"contexts {args.contexts} (mean {sum(meta.seq_lens) / len(meta.seq_lens):.0f}, max {max(meta.seq_lens)}), "
+        f"decode groups {len(_build_decode_plan(meta, 16, 3).groups)}"
+    )
     for name, values in results.items():
-        print(f"{name:9s} median {statistics.median(values):7.3f} ms/layer   rounds: "
-              + " ".join(f"{v:.2f}" for v in values))
+        print(
+            f"{name:9s} median {statistics.median(values):7.3f} ms/layer   rounds: "
+            + " ".join(f"{v:.2f}" for v in values)
+        )
 
 
 if __name__ == "__main__":

@@ -56,10 +56,12 @@ def main() -> None:
     if ext is None:
         sys.exit("the native extension cannot be built here")
     isas = available_isas(ext)
-    cases = {f"batch {b} {kv}": _case(int(b), args.context, kv) for b in args.batch.split(",") for kv in args.kv.split(",")}
+    cases = {
+        f"batch {b} {kv}": _case(int(b), args.context, kv) for b in args.batch.split(",") for kv in args.kv.split(",")
+    }
     ratios = {(c, i): [] for c in cases for i in isas}
     for r in range(args.rounds):
-        order = isas[r % len(isas):] + isas[:r % len(isas)]
+        order = isas[r % len(isas) :] + isas[: r % len(isas)]
         for label, (q, k, v, t, lens, kvq) in cases.items():
             ms = {}
             for isa in order:
@@ -73,9 +75,14 @@ def main() -> None:
             for isa in isas:
                 ratios[(label, isa)].append(ms["scalar"] / ms[isa])
         print(f"round {r}: " + " ".join(f"{v[-1]:.2f}" for v in ratios.values()), file=sys.stderr, flush=True)
-    lines = [f"# paged decode attention per path, context {args.context}, {args.threads} thread(s)", "",
-             f"CPU: {cpu_description()}; {args.rounds} paired rounds (order rotating); busy machine (other jobs running)",
-             "", "| case | path | speed-up over scalar per round | median |", "| --- | --- | --- | --- |"]
+    lines = [
+        f"# paged decode attention per path, context {args.context}, {args.threads} thread(s)",
+        "",
+        f"CPU: {cpu_description()}; {args.rounds} paired rounds (order rotating); busy machine (other jobs running)",
+        "",
+        "| case | path | speed-up over scalar per round | median |",
+        "| --- | --- | --- | --- |",
+    ]
     summary = {}
     for (label, isa), vals in ratios.items():
         summary[f"{label} {isa}"] = {"rounds": vals, "median": statistics.median(vals)}

@@ -69,6 +69,7 @@ def main() -> None:
     native_s: dict[str, list[float]] = {c[0]: [] for c in cases}
     for r in range(args.rounds):
         for label, layer, x, scale, shift in cases:
+
             def torch_side(x=x, layer=layer):
                 torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, 32, layer.scales_and_zeros)
 
@@ -80,10 +81,14 @@ def main() -> None:
             ratios[label].append(times["torch_side"] / times["native_side"])
             native_s[label].append(times["native_side"])
         print(f"round {r}: " + " ".join(f"{v[-1]:.2f}" for v in ratios.values()), file=sys.stderr, flush=True)
-    lines = [f"# native int4 GEMV vs torch's int4 kernel ({args.threads} threads, isa {ext.cpu_isa(args.isa)})", "",
-             f"CPU: {cpu_description()}; {args.rounds} paired rounds; busy machine (other jobs running)", "",
-             "| shape | torch / native time per round | median speed-up | native GB/s (packed weight) |",
-             "| --- | --- | --- | --- |"]
+    lines = [
+        f"# native int4 GEMV vs torch's int4 kernel ({args.threads} threads, isa {ext.cpu_isa(args.isa)})",
+        "",
+        f"CPU: {cpu_description()}; {args.rounds} paired rounds; busy machine (other jobs running)",
+        "",
+        "| shape | torch / native time per round | median speed-up | native GB/s (packed weight) |",
+        "| --- | --- | --- | --- |",
+    ]
     summary = {}
     for label, layer, *_ in cases:
         med = statistics.median(ratios[label])

@@ -32,8 +32,13 @@ MIN_ROUNDS = 5
 
 REPO = Path(__file__).resolve().parent.parent
 # (name, out_features, in_features) of SmolLM2-135M's projections and its LM head.
-SHAPES = [("qkv_proj", 960, 576), ("o_proj", 576, 576), ("gate_up_proj", 3072, 576),
-          ("down_proj", 576, 1536), ("lm_head", 49152, 576)]
+SHAPES = [
+    ("qkv_proj", 960, 576),
+    ("o_proj", 576, 576),
+    ("gate_up_proj", 3072, 576),
+    ("down_proj", 576, 1536),
+    ("lm_head", 49152, 576),
+]
 
 
 def time_call(fn, min_time: float = 0.3) -> float:
@@ -61,11 +66,20 @@ def bench_shapes(rounds: int) -> list[dict]:
             sides = {"plain": lambda x=x, w=w: F.linear(x, w), "packed": lambda x=x, packed=packed: packed(x)}
             us = paired(sides, rounds, time_call)
             ratios = [p / q for p, q in zip(us["plain"], us["packed"])]
-            rows.append({"rows": m, "layer": name, "plain_us": median(us["plain"]),
-                         "packed_us": median(us["packed"]), "speedup": median(ratios),
-                         "per_round": ratios})
-            print(f"  {m} x {name}: {rows[-1]['speedup']:.2f}x (per round "
-                  + ", ".join(f"{r:.2f}" for r in ratios) + ")", flush=True)
+            rows.append(
+                {
+                    "rows": m,
+                    "layer": name,
+                    "plain_us": median(us["plain"]),
+                    "packed_us": median(us["packed"]),
+                    "speedup": median(ratios),
+                    "per_round": ratios,
+                }
+            )
+            print(
+                f"  {m} x {name}: {rows[-1]['speedup']:.2f}x (per round " + ", ".join(f"{r:.2f}" for r in ratios) + ")",
+                flush=True,
+            )
     return rows
 
 
@@ -86,6 +100,7 @@ def bench_engine(rounds: int) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(200)] for _ in range(64)]
     params = SamplingParams(max_tokens=48, ignore_eos=True, temperature=0)
+
     def tok_per_s(llm) -> float:
         start = time.perf_counter()
         llm.generate(prompts, params)
@@ -94,8 +109,10 @@ def bench_engine(rounds: int) -> dict:
     runs = paired({"plain": plain, "packed": packed}, rounds, tok_per_s)
     ratios = [p / q for p, q in zip(runs["packed"], runs["plain"])]
     for r, ratio in enumerate(ratios):
-        print(f"  round {r + 1}: plain {runs['plain'][r]:.1f}, packed {runs['packed'][r]:.1f} tok/s, "
-              f"{ratio:.2f}x", flush=True)
+        print(
+            f"  round {r + 1}: plain {runs['plain'][r]:.1f}, packed {runs['packed'][r]:.1f} tok/s, {ratio:.2f}x",
+            flush=True,
+        )
     return {"runs_tok_per_s": runs, "speedup": median(ratios), "per_round": ratios}
 
 
@@ -103,7 +120,7 @@ def paired(sides: dict, rounds: int, measure) -> dict[str, list[float]]:
     """`measure(side)` for each side once per round, the order reversed every other round."""
     out: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(rounds):
-        for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+        for name in list(sides) if r % 2 == 0 else list(sides)[::-1]:
             out[name].append(measure(sides[name]))
     return out
 
@@ -121,22 +138,41 @@ def main() -> None:
     shapes = bench_shapes(args.rounds)
     engine = bench_engine(args.rounds)
     peak_mib = peak_rss_mib()
-    summary = {"shapes": shapes, "engine": engine, "peak_rss_mib": peak_mib,
-               "date": time.strftime("%Y-%m-%d %H:%M"), "platform": platform.platform()}
+    summary = {
+        "shapes": shapes,
+        "engine": engine,
+        "peak_rss_mib": peak_mib,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "platform": platform.platform(),
+    }
     RESULTS.mkdir(exist_ok=True)
     result_path("bench_packed_linear", "json").write_text(json.dumps(summary, indent=2) + "\n")
-    md = ["# bf16 linear on CPU: F.linear vs PackedLinear (latest run)", "",
-          (f"2 threads; median of {args.rounds} paired rounds (order reversed every other round); "
-          f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores."), "",
-          "| rows | layer | F.linear (us) | packed (us) | speedup |", "| --- | --- | --- | --- | --- |"]
-    md += [f"| {r['rows']} | {r['layer']} | {r['plain_us']:.0f} | {r['packed_us']:.0f} | {r['speedup']:.2f}x |"
-           for r in shapes]
+    md = [
+        "# bf16 linear on CPU: F.linear vs PackedLinear (latest run)",
+        "",
+        (
+            f"2 threads; median of {args.rounds} paired rounds (order reversed every other round); "
+            f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores."
+        ),
+        "",
+        "| rows | layer | F.linear (us) | packed (us) | speedup |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    md += [
+        f"| {r['rows']} | {r['layer']} | {r['plain_us']:.0f} | {r['packed_us']:.0f} | {r['speedup']:.2f}x |"
+        for r in shapes
+    ]
     runs = engine["runs_tok_per_s"]
-    md += ["", "Engine, 64 prompts x 200 tokens, 48 output tokens: plain "
-           f"{median(runs['plain']):.1f} tok/s, packed {median(runs['packed']):.1f} tok/s (medians); "
-           f"median of the per-round ratios **{engine['speedup']:.2f}x** (per round: "
-           + ", ".join(f"{r:.2f}x" for r in engine["per_round"]) + ").",
-           "", f"Peak RSS {peak_mib:.0f} MiB (both engines loaded). Run on {summary['date']} ({summary['platform']}; {cpu_description()})."]
+    md += [
+        "",
+        "Engine, 64 prompts x 200 tokens, 48 output tokens: plain "
+        f"{median(runs['plain']):.1f} tok/s, packed {median(runs['packed']):.1f} tok/s (medians); "
+        f"median of the per-round ratios **{engine['speedup']:.2f}x** (per round: "
+        + ", ".join(f"{r:.2f}x" for r in engine["per_round"])
+        + ").",
+        "",
+        f"Peak RSS {peak_mib:.0f} MiB (both engines loaded). Run on {summary['date']} ({summary['platform']}; {cpu_description()}).",
+    ]
     result_path("bench_packed_linear", "md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

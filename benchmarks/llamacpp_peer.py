@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks._common import RESULTS, cpu_description, result_path, make_prompts  # noqa: E402
+from benchmarks._common import RESULTS, cpu_description, make_prompts, result_path  # noqa: E402
 
 
 def _prompts(n_decode: int, n_ttft: int) -> tuple[list[int], list[int], list[int]]:
@@ -71,8 +71,16 @@ def pagedserve_phase(args) -> dict:
     from engine.model.default_model import default_model_dir
 
     quant = None if args.mode == "bf16" else args.mode
-    llm = LLM(default_model_dir(), dtype="bfloat16", num_threads=args.threads, quantization=quant,
-              kv_cache_memory="256MiB", max_num_batched_tokens=2048, max_model_len=2048, enable_prefix_caching=False)
+    llm = LLM(
+        default_model_dir(),
+        dtype="bfloat16",
+        num_threads=args.threads,
+        quantization=quant,
+        kv_cache_memory="256MiB",
+        max_num_batched_tokens=2048,
+        max_model_len=2048,
+        enable_prefix_caching=False,
+    )
     decode_prompt, warm, timed = _prompts(32, args.ttft_len)
     one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
     many = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True, temperature=0)
@@ -111,8 +119,14 @@ def llamacpp_phase(args) -> dict:
     from llama_cpp import Llama
 
     ids = json.loads(Path(args.prompts_file).read_text())
-    llm = Llama(model_path=args.gguf, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=2048,
-                n_batch=512, verbose=False)
+    llm = Llama(
+        model_path=args.gguf,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        n_ctx=2048,
+        n_batch=512,
+        verbose=False,
+    )
 
     def generate(prompt: list[int], n: int) -> None:
         llm.reset()
@@ -140,8 +154,14 @@ def llamacpp_phase(args) -> dict:
 
 
 def _child(python: str, args, extra: list[str], env: dict) -> dict:
-    cmd = [python, __file__, f"--threads={args.threads}", f"--decode-tokens={args.decode_tokens}",
-           f"--ttft-len={args.ttft_len}", *extra]
+    cmd = [
+        python,
+        __file__,
+        f"--threads={args.threads}",
+        f"--decode-tokens={args.decode_tokens}",
+        f"--ttft-len={args.ttft_len}",
+        *extra,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(extra)} failed:\n{out.stderr[-4000:]}")
@@ -155,8 +175,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--ttft-len", type=int, default=1000)
-    ap.add_argument("--llama-python", default="/work/llamacpp-venv/bin/python",
-                    help="an interpreter with llama-cpp-python installed")
+    ap.add_argument(
+        "--llama-python",
+        default="/work/llamacpp-venv/bin/python",
+        help="an interpreter with llama-cpp-python installed",
+    )
     ap.add_argument("--name", default="llamacpp_peer")
     ap.add_argument("--quiet-machine", action="store_true", help="say so in the results (default: busy)")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
@@ -186,16 +209,23 @@ def main() -> None:
     results: dict[str, list[dict]] = {s: [] for s in sides}
     try:
         for r in range(args.rounds):
-            for side in sides[r % len(sides):] + sides[:r % len(sides)]:
+            for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
                 if side == "llama.cpp":
-                    out = _child(args.llama_python, args, ["--phase=llamacpp", f"--gguf={gguf}",
-                                                           f"--prompts-file={prompts_file}"], llama_env)
+                    out = _child(
+                        args.llama_python,
+                        args,
+                        ["--phase=llamacpp", f"--gguf={gguf}", f"--prompts-file={prompts_file}"],
+                        llama_env,
+                    )
                 else:
                     out = _child(sys.executable, args, ["--phase=pagedserve", f"--mode={side}"], env)
                 results[side].append(out)
-                print(f"round {r} {side:9s} decode {out['decode']:.1f} tok/s ttft {out['ttft']:.3f} s"
-                      + (f" read {out['bandwidth_gbs']:.1f} GB/s" if "bandwidth_gbs" in out else ""),
-                      file=sys.stderr, flush=True)
+                print(
+                    f"round {r} {side:9s} decode {out['decode']:.1f} tok/s ttft {out['ttft']:.3f} s"
+                    + (f" read {out['bandwidth_gbs']:.1f} GB/s" if "bandwidth_gbs" in out else ""),
+                    file=sys.stderr,
+                    flush=True,
+                )
             report(args, sides, results, gguf.name)
     finally:
         prompts_file.unlink(missing_ok=True)
@@ -203,11 +233,17 @@ def main() -> None:
 
 def report(args, sides: list[str], results: dict, gguf_name: str) -> None:
     rounds = len(results["llama.cpp"])
-    lines = [f"# pagedserve vs llama.cpp ({gguf_name}), batch 1", "",
-             (f"CPU: {cpu_description()}; {args.threads} threads; {rounds} paired rounds (order rotating); "
-              f"commit {_commit()}; " + ("quiet machine" if args.quiet_machine else "busy machine (other jobs running)")),
-             "", "| side | decode tok/s (median) | ratio to llama.cpp per round | median | TTFT s (median) | ratio per round | median |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# pagedserve vs llama.cpp ({gguf_name}), batch 1",
+        "",
+        (
+            f"CPU: {cpu_description()}; {args.threads} threads; {rounds} paired rounds (order rotating); "
+            f"commit {_commit()}; " + ("quiet machine" if args.quiet_machine else "busy machine (other jobs running)")
+        ),
+        "",
+        "| side | decode tok/s (median) | ratio to llama.cpp per round | median | TTFT s (median) | ratio per round | median |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     summary: dict = {}
     llama = results["llama.cpp"]
     for side in sides:
@@ -216,21 +252,32 @@ def report(args, sides: list[str], results: dict, gguf_name: str) -> None:
         ttft = [o["ttft"] for o in rows]
         d_ratio = [o["decode"] / ll["decode"] for o, ll in zip(rows, llama)]
         t_ratio = [o["ttft"] / ll["ttft"] for o, ll in zip(rows, llama)]
-        summary[side] = {"decode": statistics.median(dec), "ttft": statistics.median(ttft),
-                         "decode_ratio": statistics.median(d_ratio), "ttft_ratio": statistics.median(t_ratio),
-                         "rounds": rows}
-        lines.append(f"| {side} | {statistics.median(dec):.1f} | {' '.join(f'{x:.2f}' for x in d_ratio)} | "
-                     f"{statistics.median(d_ratio):.2f} | {statistics.median(ttft):.3f} | "
-                     f"{' '.join(f'{x:.2f}' for x in t_ratio)} | {statistics.median(t_ratio):.2f} |")
+        summary[side] = {
+            "decode": statistics.median(dec),
+            "ttft": statistics.median(ttft),
+            "decode_ratio": statistics.median(d_ratio),
+            "ttft_ratio": statistics.median(t_ratio),
+            "rounds": rows,
+        }
+        lines.append(
+            f"| {side} | {statistics.median(dec):.1f} | {' '.join(f'{x:.2f}' for x in d_ratio)} | "
+            f"{statistics.median(d_ratio):.2f} | {statistics.median(ttft):.3f} | "
+            f"{' '.join(f'{x:.2f}' for x in t_ratio)} | {statistics.median(t_ratio):.2f} |"
+        )
     if "bf16" in results:
         floors = [o["bandwidth_gbs"] * 1e9 / o["weight_bytes"] for o in results["bf16"]]
         share = [o["decode"] / f for o, f in zip(results["bf16"], floors)]
         summary["bf16_floor"] = {"floor_tok_s": statistics.median(floors), "share": statistics.median(share)}
         read = statistics.median(o["bandwidth_gbs"] for o in results["bf16"])
-        lines += ["", (f"bf16 bandwidth floor: {statistics.median(floors):.1f} tok/s "
-                       f"({results['bf16'][0]['weight_bytes'] / 1e6:.0f} MB per token at a median {read:.1f} GB/s "
-                       f"read); bf16 decode reaches {' '.join(f'{x:.2f}' for x in share)} of it per round, "
-                       f"median {statistics.median(share):.2f}.")]
+        lines += [
+            "",
+            (
+                f"bf16 bandwidth floor: {statistics.median(floors):.1f} tok/s "
+                f"({results['bf16'][0]['weight_bytes'] / 1e6:.0f} MB per token at a median {read:.1f} GB/s "
+                f"read); bf16 decode reaches {' '.join(f'{x:.2f}' for x in share)} of it per round, "
+                f"median {statistics.median(share):.2f}."
+            ),
+        ]
     result_path(args.name, "json").write_text(json.dumps(summary, indent=1))
     result_path(args.name, "md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -238,8 +285,13 @@ def report(args, sides: list[str], results: dict, gguf_name: str) -> None:
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

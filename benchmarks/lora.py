@@ -55,8 +55,9 @@ def write_adapter(folder: Path, spec, rank: int, seed: int) -> Path:
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.02
     folder.mkdir(parents=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS, "bias": "none"}))
+    (folder / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS, "bias": "none"})
+    )
     return folder
 
 
@@ -72,8 +73,9 @@ def time_registration(model_dir: Path, spec, tmp: Path, rank: int) -> dict:
     write_archive(model_dir, store, model_name="base", version="1.0", archive_format="no-archive")
     adapter_dir = write_adapter(tmp / "reg-adapter", spec, rank, seed=99)
     t0 = time.perf_counter()
-    path = write_lora_archive(adapter_dir, store, model_name="reg", version="1.0", base_model="base",
-                              base_version=None, model_store=store)
+    path = write_lora_archive(
+        adapter_dir, store, model_name="reg", version="1.0", base_model="base", base_version=None, model_store=store
+    )
     t1 = time.perf_counter()
     archive = load_archive(path, allow_custom_handlers=False)
     t2 = time.perf_counter()
@@ -86,9 +88,15 @@ def time_registration(model_dir: Path, spec, tmp: Path, rank: int) -> dict:
     t4 = time.perf_counter()
     slots.activate([load_adapter("reg2", adapter_dir, lora_shapes(spec), rank)])  # a second one: a copy only
     t5 = time.perf_counter()
-    return {"archive_s": t1 - t0, "open_verify_s": t2 - t1, "load_check_s": t3 - t2,
-            "register_total_s": t3 - t1, "first_slot_load_s": t4 - t3, "next_slot_load_s": t5 - t4,
-            "adapter_mib": (adapter_dir / "adapter_model.safetensors").stat().st_size / 2**20}
+    return {
+        "archive_s": t1 - t0,
+        "open_verify_s": t2 - t1,
+        "load_check_s": t3 - t2,
+        "register_total_s": t3 - t1,
+        "first_slot_load_s": t4 - t3,
+        "next_slot_load_s": t5 - t4,
+        "adapter_mib": (adapter_dir / "adapter_model.safetensors").stat().st_size / 2**20,
+    }
 
 
 def main() -> None:
@@ -98,16 +106,25 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1: on a shared machine two threads wait on each other)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: on a shared machine two threads wait on each other)"
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     from engine import LLM, LoRARequest, SamplingParams
     from engine.model.default_model import default_model_dir
 
     tmp = Path(tempfile.mkdtemp(prefix="pagedserve-lora-bench-"))
-    llm = LLM(default_model_dir(), dtype="bfloat16", kv_cache_memory="512MiB", max_model_len=1024,
-              num_threads=args.threads, max_loras=4, max_lora_rank=args.rank, enable_prefix_caching=False)
+    llm = LLM(
+        default_model_dir(),
+        dtype="bfloat16",
+        kv_cache_memory="512MiB",
+        max_model_len=1024,
+        num_threads=args.threads,
+        max_loras=4,
+        max_lora_rank=args.rank,
+        enable_prefix_caching=False,
+    )
     spec = llm.engine.runner.model.spec
     adapters = [LoRARequest(f"a{i}", str(write_adapter(tmp / f"a{i}", spec, args.rank, seed=i))) for i in range(4)]
     prompts = make_prompts(llm.tokenizer, args.batch, args.prompt_len, seed=0)
@@ -126,8 +143,9 @@ def main() -> None:
     for r in range(args.rounds):
         order = ["plain", "mixed"] if r % 2 == 0 else ["mixed", "plain"]
         tps = {name: run(None if name == "plain" else mixed) for name in order}
-        rounds.append({"order": order, **{f"{k}_tok_per_s": v for k, v in tps.items()},
-                       "ratio": tps["mixed"] / tps["plain"]})
+        rounds.append(
+            {"order": order, **{f"{k}_tok_per_s": v for k, v in tps.items()}, "ratio": tps["mixed"] / tps["plain"]}
+        )
         print(f"round {r}: {rounds[-1]}", file=sys.stderr)
     registration = time_registration(default_model_dir(), spec, tmp, args.rank)
     import shutil
@@ -137,24 +155,40 @@ def main() -> None:
     result = {
         "what": "tok/s of a batch mixing 4 LoRA adapters vs the same batch with none (same engine, bf16)",
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}; shared and busy (other "
-                   "developers' jobs running): ratios matter, absolute tok/s do not",
-        "threads": args.threads, "batch": args.batch, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "rank": args.rank,
-        "rounds": rounds, "median_ratio": statistics.median(ratios), "min_ratio": min(ratios),
-        "target_ratio": 0.75, "peak_rss_mib": peak_rss_mib(), "registration": registration,
+        "developers' jobs running): ratios matter, absolute tok/s do not",
+        "threads": args.threads,
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "rank": args.rank,
+        "rounds": rounds,
+        "median_ratio": statistics.median(ratios),
+        "min_ratio": min(ratios),
+        "target_ratio": 0.75,
+        "peak_rss_mib": peak_rss_mib(),
+        "registration": registration,
     }
     RESULTS.mkdir(exist_ok=True)
     result_path("lora", "json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
-        "# LoRA: mixed-adapter batch vs no adapter", "",
+        "# LoRA: mixed-adapter batch vs no adapter",
+        "",
         f"Default model, bf16, {args.threads} torch thread(s), batch {args.batch} x {args.prompt_len} prompt tokens, {args.max_tokens} output "
         f"tokens each, 4 adapters of rank {args.rank} on all seven projections (a quarter of the rows each). "
         f"Load average when it ended: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
-        "(on a busy machine only the ratios mean something).", "",
-        "| round | order | plain tok/s | mixed tok/s | ratio |", "| --- | --- | --- | --- | --- |",
-        *[f"| {i} | {' then '.join(r['order'])} | {r['plain_tok_per_s']:.1f} | {r['mixed_tok_per_s']:.1f} | "
-          f"{r['ratio']:.3f} |" for i, r in enumerate(rounds)], "",
+        "(on a busy machine only the ratios mean something).",
+        "",
+        "| round | order | plain tok/s | mixed tok/s | ratio |",
+        "| --- | --- | --- | --- | --- |",
+        *[
+            f"| {i} | {' then '.join(r['order'])} | {r['plain_tok_per_s']:.1f} | {r['mixed_tok_per_s']:.1f} | "
+            f"{r['ratio']:.3f} |"
+            for i, r in enumerate(rounds)
+        ],
+        "",
         f"**Median ratio {result['median_ratio']:.3f}** (target >= 0.75; lowest round {result['min_ratio']:.3f}). "
-        f"Peak RSS {result['peak_rss_mib']:.0f} MiB.", "",
+        f"Peak RSS {result['peak_rss_mib']:.0f} MiB.",
+        "",
         "Registering one adapter ({adapter_mib:.1f} MiB of factors): archive {archive_s:.3f} s; open and verify "
         "{open_verify_s:.3f} s + read and check against the base {load_check_s:.3f} s = **{register_total_s:.3f} s** "
         "(what POST /models costs besides the HTTP round trip); first load into a worker's slots "

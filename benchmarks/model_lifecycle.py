@@ -57,10 +57,15 @@ class Bench:
         from server.config import ServerConfig
         from server.serve import Server
 
-        config = ServerConfig(model_store=str(store), enable_model_api=True, disable_token_auth=True,
-                              snapshot_path=None, worker_threads=threads,
-                              key_file=str(workdir / "key_file.json"),
-                              **{f"{a}_address": "127.0.0.1:0" for a in ("inference", "management", "metrics")})
+        config = ServerConfig(
+            model_store=str(store),
+            enable_model_api=True,
+            disable_token_auth=True,
+            snapshot_path=None,
+            worker_threads=threads,
+            key_file=str(workdir / "key_file.json"),
+            **{f"{a}_address": "127.0.0.1:0" for a in ("inference", "management", "metrics")},
+        )
         self.server = Server(config, out=lambda line: None)
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
@@ -70,15 +75,22 @@ class Bench:
 
     def http(self, method: str, api: str, path: str, body: dict | None = None) -> dict:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(f"http://127.0.0.1:{self.server.ports[api]}{path}", data=data,
-                                     method=method, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.server.ports[api]}{path}",
+            data=data,
+            method=method,
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=900) as resp:
             return json.loads(resp.read())
 
     def predict(self, keep_alive) -> dict:
-        return self.http("POST", "inference", f"/predictions/{MODEL}/1.0",
-                         {"prompt": "1, 2, 3, 4,", "max_tokens": 8, "temperature": 0,
-                          "keep_alive": keep_alive})
+        return self.http(
+            "POST",
+            "inference",
+            f"/predictions/{MODEL}/1.0",
+            {"prompt": "1, 2, 3, 4,", "max_tokens": 8, "temperature": 0, "keep_alive": keep_alive},
+        )
 
     def memory(self) -> dict:
         from engine.process_setup import resident_bytes
@@ -86,8 +98,10 @@ class Bench:
         registry = self.server.state.registry
         entry = registry.resolve(MODEL, "1.0")
         pids = [s.engine.pid for s in entry.pool.slots if s.engine is not None and s.engine.pid]
-        return {"workers_rss_mib": sum(resident_bytes(p) for p in pids) / 2**20,
-                "budget_used_mib": registry.lifecycle.used() / 2**20}
+        return {
+            "workers_rss_mib": sum(resident_bytes(p) for p in pids) / 2**20,
+            "budget_used_mib": registry.lifecycle.used() / 2**20,
+        }
 
     def wait_unloaded(self) -> None:
         entry = self.server.state.registry.resolve(MODEL, "1.0")
@@ -105,8 +119,9 @@ def main() -> None:
     parser.add_argument("--render", action="store_true", help="only rewrite the .md from the .json")
     args = parser.parse_args()
     if args.render:
-        result_path("model_lifecycle", "md").write_text(render(json.loads(
-            result_path("model_lifecycle", "json").read_text())))
+        result_path("model_lifecycle", "md").write_text(
+            render(json.loads(result_path("model_lifecycle", "json").read_text()))
+        )
         return
     from engine.model.archive import write_archive
     from engine.model.default_model import default_model_dir
@@ -115,8 +130,9 @@ def main() -> None:
     os.environ.setdefault("PAGEDSERVE_ARCHIVE_DIR", str(tmp / "archives"))
     (tmp / "store").mkdir()
     (tmp / "model-config.yaml").write_text(CONFIG)
-    built = write_archive(default_model_dir(), tmp / "build", model_name=MODEL, version="1.0",
-                          config_file=tmp / "model-config.yaml")
+    built = write_archive(
+        default_model_dir(), tmp / "build", model_name=MODEL, version="1.0", config_file=tmp / "model-config.yaml"
+    )
     built.rename(tmp / "store" / "smollm2.mar")
     bench = Bench(tmp / "store", tmp, args.threads)
     bench.http("POST", "management", "/models?url=smollm2.mar&initial_workers=0&synchronous=true")
@@ -139,19 +155,30 @@ def main() -> None:
                 assert out["choices"][0]["token_ids"] == reference, "greedy output changed"
                 ttfts.append(out["timings"]["ttft_s"])
                 totals.append(out["timings"]["total_s"])
-            cases[case] = {"ttft_median_s": statistics.median(ttfts), "ttft_s": ttfts,
-                           "total_median_s": statistics.median(totals)}
+            cases[case] = {
+                "ttft_median_s": statistics.median(ttfts),
+                "ttft_s": ttfts,
+                "total_median_s": statistics.median(totals),
+            }
             print(case, cases[case], flush=True)
         footprint = bench.server.state.registry.lifecycle.describe_worker(
             bench.server.state.registry.resolve(MODEL, "1.0"),
-            bench.server.state.registry.resolve(MODEL, "1.0").pool.slots[0])
+            bench.server.state.registry.resolve(MODEL, "1.0").pool.slots[0],
+        )
     finally:
         bench.stop()
         shutil.rmtree(tmp, ignore_errors=True)  # the archive and its extraction (~1 GiB)
-    result = {"cases": cases, "memory": memory, "footprint": footprint,
-              "rounds": args.rounds, "threads": args.threads, "cpus": os.cpu_count(),
-              "load_average": os.getloadavg(), "machine": platform.machine(),
-              "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    result = {
+        "cases": cases,
+        "memory": memory,
+        "footprint": footprint,
+        "rounds": args.rounds,
+        "threads": args.threads,
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "machine": platform.machine(),
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     RESULTS.mkdir(exist_ok=True)
     result_path("model_lifecycle", "json").write_text(json.dumps(result, indent=2) + "\n")
     result_path("model_lifecycle", "md").write_text(render(result))
@@ -174,9 +201,11 @@ def render(r: dict) -> str:
     ]
     for case in ("loaded", "sleeping", "unloaded"):
         mem = m.get(case, {})
-        lines.append(f"| {case} | {c[case]['ttft_median_s']:.3f} | "
-                     f"{', '.join(f'{t:.2f}' for t in c[case]['ttft_s'])} | "
-                     f"{mem.get('workers_rss_mib', 0):.0f} | {mem.get('budget_used_mib', 0):.0f} |")
+        lines.append(
+            f"| {case} | {c[case]['ttft_median_s']:.3f} | "
+            f"{', '.join(f'{t:.2f}' for t in c[case]['ttft_s'])} | "
+            f"{mem.get('workers_rss_mib', 0):.0f} | {mem.get('budget_used_mib', 0):.0f} |"
+        )
     fp = r["footprint"]
     wake = c["sleeping"]["ttft_median_s"] - c["loaded"]["ttft_median_s"]
     cold = c["unloaded"]["ttft_median_s"] - c["loaded"]["ttft_median_s"]

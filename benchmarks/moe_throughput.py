@@ -34,20 +34,39 @@ import time
 from pathlib import Path
 from statistics import median
 
-from _common import RESULTS, cpu_description, result_path, peak_rss_mib, run_phase
+from _common import RESULTS, cpu_description, peak_rss_mib, result_path, run_phase
 
 MIN_ROUNDS = 5
 SHARE_TOKENS = 4  # tokens per sequence of the engine's timed share run
 BATCHES = (1, 32)
 PROMPT_LEN = 16
-SIZES = {"hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 4,
-         "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 4096, "tie_word_embeddings": False}
+SIZES = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
 ARCHS = {
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 2816,
-                   "intermediate_size": 2816, "norm_topk_prob": True}),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 2816}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 2816,
+            "intermediate_size": 2816,
+            "norm_topk_prob": True,
+        },
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 2816},
+    ),
 }
 
 
@@ -149,8 +168,14 @@ class ShareTimer:
 def phase_engine(args) -> dict:
     from engine import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype="bfloat16", num_threads=args.threads, kv_cache_memory="256MiB",
-              max_num_seqs=max(BATCHES), max_num_batched_tokens=1024)
+    llm = LLM(
+        args.model,
+        dtype="bfloat16",
+        num_threads=args.threads,
+        kv_cache_memory="256MiB",
+        max_num_seqs=max(BATCHES),
+        max_num_batched_tokens=1024,
+    )
 
     def generate(ps, n):
         llm.generate(ps, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0))
@@ -179,26 +204,42 @@ def phase_hf(args) -> dict:
     def generate(ps, n):
         with torch.inference_mode():
             ids = torch.tensor(ps)
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
 
     return decode_rates(generate, args.tokens) | {
         "experts_implementation": str(getattr(model.config, "_experts_implementation", "eager")),
-        "peak_rss_mib": peak_rss_mib()}
+        "peak_rss_mib": peak_rss_mib(),
+    }
 
 
 def run_child(args, phase: str) -> dict:
-    result = run_phase(__file__, ["--phase", phase, "--model", str(args.model), "--tokens", str(args.tokens),
-                                  "--threads", str(args.threads)])
-    print(f"  {phase}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()})}",
-          flush=True)
+    result = run_phase(
+        __file__,
+        ["--phase", phase, "--model", str(args.model), "--tokens", str(args.tokens), "--threads", str(args.threads)],
+    )
+    print(
+        f"  {phase}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()})}",
+        flush=True,
+    )
     return result
 
 
 def commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -229,8 +270,11 @@ def main() -> None:
         for phase in order:
             runs[phase].append(run_child(args, phase))
         e, h = runs["engine"][-1], runs["hf"][-1]
-        print("  ratios: " + ", ".join(f"batch {b} {e[f'batch{b}_tok_per_s'] / h[f'batch{b}_tok_per_s']:.2f}x"
-                                       for b in BATCHES), flush=True)
+        print(
+            "  ratios: "
+            + ", ".join(f"batch {b} {e[f'batch{b}_tok_per_s'] / h[f'batch{b}_tok_per_s']:.2f}x" for b in BATCHES),
+            flush=True,
+        )
     summary = summarize(args, runs, params)
     RESULTS.mkdir(exist_ok=True)
     result_path(args.name, "json").write_text(json.dumps(summary | {"runs": runs}, indent=2))
@@ -239,12 +283,23 @@ def main() -> None:
 
 
 def summarize(args, runs, params: int) -> dict:
-    out = {"arch": args.arch, "total_params": params, "experts": 8, "top_k": 2, "dtype": "bfloat16",
-           "threads": args.threads,
-           "prompt_len": PROMPT_LEN, "tokens": args.tokens, "rounds": args.rounds, "commit": commit(),
-           "cpu": cpu_description(), "platform": platform.platform(), "load_average_at_end": os.getloadavg(),
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "hf_experts_implementation": runs["hf"][0]["experts_implementation"]}
+    out = {
+        "arch": args.arch,
+        "total_params": params,
+        "experts": 8,
+        "top_k": 2,
+        "dtype": "bfloat16",
+        "threads": args.threads,
+        "prompt_len": PROMPT_LEN,
+        "tokens": args.tokens,
+        "rounds": args.rounds,
+        "commit": commit(),
+        "cpu": cpu_description(),
+        "platform": platform.platform(),
+        "load_average_at_end": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "hf_experts_implementation": runs["hf"][0]["experts_implementation"],
+    }
     for b in BATCHES:
         key = f"batch{b}_tok_per_s"
         out[f"batch{b}"] = {
@@ -263,7 +318,8 @@ def markdown(s: dict) -> str:
         f"| {b} | {s[f'batch{b}']['engine_tok_per_s']:.1f} | {s[f'batch{b}']['hf_tok_per_s']:.1f} | "
         f"**{s[f'batch{b}']['median_ratio']:.2f}x** ({', '.join(f'{r:.2f}' for r in s[f'batch{b}']['ratios'])}) | "
         f"{100 * s[f'batch{b}']['expert_gemm_share']:.0f} % | {100 * s[f'batch{b}']['moe_block_share']:.0f} % |"
-        for b in BATCHES)
+        for b in BATCHES
+    )
     return f"""# MoE decode throughput: pagedserve vs transformers
 
 Random-weight {s['arch']} of {s['total_params'] / 1e9:.2f}B parameters, {s['experts']} experts

@@ -46,8 +46,15 @@ def phase_engine(args, prompts, caching: bool, profile: bool = False) -> dict:
     from engine import LLM, SamplingParams
 
     # KV budget: 64 x (200 + 128) tokens need ~1,350 blocks of 16 (368 KiB each in bf16).
-    llm = LLM(args.model, dtype=args.dtype, num_threads=2, kv_cache_memory="640MiB",
-              max_num_seqs=len(prompts), max_num_batched_tokens=2048, enable_prefix_caching=caching)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        num_threads=2,
+        kv_cache_memory="640MiB",
+        max_num_seqs=len(prompts),
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=caching,
+    )
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     if profile:
@@ -62,8 +69,13 @@ def phase_engine(args, prompts, caching: bool, profile: bool = False) -> dict:
     if profile:
         timers.detach()
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    result = {"elapsed_s": elapsed, "output_tokens": n_out, "tok_per_s": n_out / elapsed,
-              "hit_rate": llm.engine.kv_manager.prefix_cache_hit_rate, "peak_rss_mib": peak_rss_mib()}
+    result = {
+        "elapsed_s": elapsed,
+        "output_tokens": n_out,
+        "tok_per_s": n_out / elapsed,
+        "hit_rate": llm.engine.kv_manager.prefix_cache_hit_rate,
+        "peak_rss_mib": peak_rss_mib(),
+    }
     if profile:
         return result | {"steps": timers.steps, "breakdown_s": timers.breakdown(elapsed)}
     return result | {"scheduler_kv_s": bookkeeping[0]}
@@ -105,8 +117,14 @@ def phase_hf(args, prompts) -> dict:
     with torch.inference_mode():
         model.generate(ids[:1, :16], attention_mask=mask[:1, :16], max_new_tokens=2, do_sample=False, pad_token_id=pad)
         start = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=args.output_len,
-                             min_new_tokens=args.output_len, do_sample=False, pad_token_id=pad)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=args.output_len,
+            min_new_tokens=args.output_len,
+            do_sample=False,
+            pad_token_id=pad,
+        )
         elapsed = time.perf_counter() - start
     n_out = (out.shape[1] - max_len) * out.shape[0]
     return {"elapsed_s": elapsed, "output_tokens": n_out, "tok_per_s": n_out / elapsed, "peak_rss_mib": peak_rss_mib()}
@@ -131,16 +149,26 @@ def _latency(args, tokenizer, generate) -> dict:
         start = time.perf_counter()
         generate(prompt, 1)
         ttfts.append(time.perf_counter() - start)
-    return {"decode_tok_per_s": decode, "ttft_1000_s": median(ttfts), "ttft_trials_s": ttfts,
-            "peak_rss_mib": peak_rss_mib()}
+    return {
+        "decode_tok_per_s": decode,
+        "ttft_1000_s": median(ttfts),
+        "ttft_trials_s": ttfts,
+        "peak_rss_mib": peak_rss_mib(),
+    }
 
 
 def phase_latency_engine(args, tokenizer) -> dict:
     from engine import LLM, SamplingParams
 
     # Prefix caching off: every TTFT prompt is computed in full, as transformers does.
-    llm = LLM(args.model, dtype="bfloat16", num_threads=2, kv_cache_memory="256MiB",
-              max_num_batched_tokens=2048, enable_prefix_caching=False)
+    llm = LLM(
+        args.model,
+        dtype="bfloat16",
+        num_threads=2,
+        kv_cache_memory="256MiB",
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=False,
+    )
 
     def generate(prompt, n):
         llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True, temperature=0))
@@ -159,8 +187,14 @@ def phase_latency_hf(args, tokenizer) -> dict:
     def generate(prompt, n):
         with torch.inference_mode():
             ids = torch.tensor([prompt])
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
 
     return _latency(args, tokenizer, generate)
 
@@ -188,8 +222,11 @@ def phase_floor(args) -> dict:
         times.append(time.perf_counter() - start)
     bandwidth = big.numel() * 4 / median(times)
     weight_bytes = 2 * numel
-    return {"read_gb_per_s": bandwidth / 1e9, "bf16_weight_bytes": weight_bytes,
-            "batch1_floor_ms": 1000 * weight_bytes / bandwidth}
+    return {
+        "read_gb_per_s": bandwidth / 1e9,
+        "bf16_weight_bytes": weight_bytes,
+        "batch1_floor_ms": 1000 * weight_bytes / bandwidth,
+    }
 
 
 def phase_ttft(args, tokenizer) -> dict:
@@ -210,15 +247,35 @@ def phase_ttft(args, tokenizer) -> dict:
         warm = time.perf_counter() - start
         results.setdefault("cold_s", []).append(cold)
         results.setdefault("cached_900_s", []).append(warm)
-    return {"ttft_cold_s": median(results["cold_s"]), "ttft_cached_900_s": median(results["cached_900_s"]),
-            "speedup": median([c / w for c, w in zip(results["cold_s"], results["cached_900_s"])]),
-            "trials": results, "peak_rss_mib": peak_rss_mib()}
+    return {
+        "ttft_cold_s": median(results["cold_s"]),
+        "ttft_cached_900_s": median(results["cached_900_s"]),
+        "speedup": median([c / w for c, w in zip(results["cold_s"], results["cached_900_s"])]),
+        "trials": results,
+        "peak_rss_mib": peak_rss_mib(),
+    }
 
 
 def run_child(args, phase: str) -> dict:
-    result = run_phase(__file__, ["--phase", phase, "--model", args.model, "--num-prompts", str(args.num_prompts),
-                                  "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
-                                  "--decode-tokens", str(args.decode_tokens), "--dtype", args.dtype])
+    result = run_phase(
+        __file__,
+        [
+            "--phase",
+            phase,
+            "--model",
+            args.model,
+            "--num-prompts",
+            str(args.num_prompts),
+            "--prompt-len",
+            str(args.prompt_len),
+            "--output-len",
+            str(args.output_len),
+            "--decode-tokens",
+            str(args.decode_tokens),
+            "--dtype",
+            args.dtype,
+        ],
+    )
     print(f"  {phase}: {result}", flush=True)
     return result
 
@@ -234,27 +291,37 @@ def paired_rounds(args) -> dict[str, list[dict]]:
             runs[phase].append(run_child(args, phase))
         engine, hf, nocache = (runs[p][-1]["tok_per_s"] for p in phases[:3])
         lat_e, lat_h = runs["latency_engine"][-1], runs["latency_hf"][-1]
-        print(f"  round {r + 1}: engine / transformers {engine / hf:.2f}x, "
-              f"caching on / off {engine / nocache:.3f}, batch-1 decode "
-              f"{lat_e['decode_tok_per_s'] / lat_h['decode_tok_per_s']:.2f}x, TTFT "
-              f"{lat_e['ttft_1000_s'] / lat_h['ttft_1000_s']:.2f}x of transformers'", flush=True)
+        print(
+            f"  round {r + 1}: engine / transformers {engine / hf:.2f}x, "
+            f"caching on / off {engine / nocache:.3f}, batch-1 decode "
+            f"{lat_e['decode_tok_per_s'] / lat_h['decode_tok_per_s']:.2f}x, TTFT "
+            f"{lat_e['ttft_1000_s'] / lat_h['ttft_1000_s']:.2f}x of transformers'",
+            flush=True,
+        )
     return runs
 
 
 def summarize(args, runs: dict[str, list[dict]], ttft: dict) -> dict:
     tps = {k: [x["tok_per_s"] for x in v] for k, v in runs.items() if not k.startswith("latency")}
-    decode_ratios = [e["decode_tok_per_s"] / h["decode_tok_per_s"]
-                     for e, h in zip(runs["latency_engine"], runs["latency_hf"])]
+    decode_ratios = [
+        e["decode_tok_per_s"] / h["decode_tok_per_s"] for e, h in zip(runs["latency_engine"], runs["latency_hf"])
+    ]
     ttft_ratios = [e["ttft_1000_s"] / h["ttft_1000_s"] for e, h in zip(runs["latency_engine"], runs["latency_hf"])]
     ratios = [e / h for e, h in zip(tps["engine"], tps["hf"])]
     caching = [e / n for e, n in zip(tps["engine"], tps["engine_nocache"])]
-    bookkeeping = [(e["scheduler_kv_s"] - n["scheduler_kv_s"]) / e["elapsed_s"]
-                   for e, n in zip(runs["engine"], runs["engine_nocache"])]
+    bookkeeping = [
+        (e["scheduler_kv_s"] - n["scheduler_kv_s"]) / e["elapsed_s"]
+        for e, n in zip(runs["engine"], runs["engine_nocache"])
+    ]
     return {
-        "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
-                     "output_len": args.output_len, "dtype": "bfloat16", "threads": 2},
-        "machine": {"platform": platform.platform(), "cpu": cpu_description(),
-                    "load_average_at_end": os.getloadavg()},
+        "workload": {
+            "num_prompts": args.num_prompts,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "dtype": "bfloat16",
+            "threads": 2,
+        },
+        "machine": {"platform": platform.platform(), "cpu": cpu_description(), "load_average_at_end": os.getloadavg()},
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "rounds": args.rounds,
         "engine_tok_per_s_median": median(tps["engine"]),
@@ -262,8 +329,9 @@ def summarize(args, runs: dict[str, list[dict]], ttft: dict) -> dict:
         "engine_vs_hf": median(ratios),
         "engine_vs_hf_per_round": ratios,
         # Noisy: whole-run throughput with caching on vs off (different processes).
-        "batch1_decode_tok_per_s_median": {k: median(x["decode_tok_per_s"] for x in runs[f"latency_{k}"])
-                                           for k in ("engine", "hf")},
+        "batch1_decode_tok_per_s_median": {
+            k: median(x["decode_tok_per_s"] for x in runs[f"latency_{k}"]) for k in ("engine", "hf")
+        },
         "batch1_decode_vs_hf": median(decode_ratios),
         "batch1_decode_vs_hf_per_round": decode_ratios,
         "ttft_1000_s_median": {k: median(x["ttft_1000_s"] for x in runs[f"latency_{k}"]) for k in ("engine", "hf")},
@@ -274,7 +342,8 @@ def summarize(args, runs: dict[str, list[dict]], ttft: dict) -> dict:
         # Exact: extra scheduler + KV-manager time with caching on, as a share of the run.
         "prefix_caching_cost_bookkeeping": median(bookkeeping),
         "ttft": ttft,
-        "peak_rss_mib": {k: max(x["peak_rss_mib"] for x in v) for k, v in runs.items()} | {"ttft": ttft["peak_rss_mib"]},
+        "peak_rss_mib": {k: max(x["peak_rss_mib"] for x in v) for k, v in runs.items()}
+        | {"ttft": ttft["peak_rss_mib"]},
         "runs": runs,
     }
 
@@ -282,37 +351,49 @@ def summarize(args, runs: dict[str, list[dict]], ttft: dict) -> dict:
 def write_results(args, summary: dict) -> None:
     ttft = summary["ttft"]
     md = [
-        "# Offline throughput (latest run)", "",
-        (f"{args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens, bf16, "
-        f"2 threads; median of {args.rounds} paired rounds (engine, transformers and the engine without "
-        "prefix caching once each per round, fresh processes, the order reversed every other round). "
-        f"Load average at the end of the run: {summary['machine']['load_average_at_end'][0]:.1f} "
-        f"on {os.cpu_count()} cores."), "",
-        "| measure | value |", "| --- | --- |",
+        "# Offline throughput (latest run)",
+        "",
+        (
+            f"{args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens, bf16, "
+            f"2 threads; median of {args.rounds} paired rounds (engine, transformers and the engine without "
+            "prefix caching once each per round, fresh processes, the order reversed every other round). "
+            f"Load average at the end of the run: {summary['machine']['load_average_at_end'][0]:.1f} "
+            f"on {os.cpu_count()} cores."
+        ),
+        "",
+        "| measure | value |",
+        "| --- | --- |",
         f"| engine (median) | {summary['engine_tok_per_s_median']:.1f} tok/s |",
         f"| transformers generate (median) | {summary['hf_tok_per_s_median']:.1f} tok/s |",
         f"| **engine / transformers, median of the per-round ratios** | **{summary['engine_vs_hf']:.2f}x** |",
         "| per-round ratios | " + ", ".join(f"{r:.2f}" for r in summary["engine_vs_hf_per_round"]) + " |",
-        (f"| batch-1 decode, engine / transformers (median of per-round ratios; {args.decode_tokens} tokens) | "
-         f"**{summary['batch1_decode_vs_hf']:.2f}x** ({summary['batch1_decode_tok_per_s_median']['engine']:.1f} vs "
-         f"{summary['batch1_decode_tok_per_s_median']['hf']:.1f} tok/s) |"),
+        (
+            f"| batch-1 decode, engine / transformers (median of per-round ratios; {args.decode_tokens} tokens) | "
+            f"**{summary['batch1_decode_vs_hf']:.2f}x** ({summary['batch1_decode_tok_per_s_median']['engine']:.1f} vs "
+            f"{summary['batch1_decode_tok_per_s_median']['hf']:.1f} tok/s) |"
+        ),
         "| per-round ratios | " + ", ".join(f"{r:.2f}" for r in summary["batch1_decode_vs_hf_per_round"]) + " |",
-        (f"| batch-1 decode floor: bf16 weight bytes / memory read bandwidth | "
-         f"{summary['batch1_floor']['batch1_floor_ms']:.1f} ms per token "
-         f"({summary['batch1_floor']['bf16_weight_bytes'] / 2**20:.0f} MiB at "
-         f"{summary['batch1_floor']['read_gb_per_s']:.1f} GB/s; the engine's median: "
-         f"{1000 / summary['batch1_decode_tok_per_s_median']['engine']:.1f} ms, transformers' "
-         f"{1000 / summary['batch1_decode_tok_per_s_median']['hf']:.1f} ms) |"),
-        (f"| TTFT of a 1,000-token prompt, engine / transformers (median of per-round ratios; lower is better) | "
-         f"**{summary['ttft_1000_vs_hf']:.2f}x** ({1000 * summary['ttft_1000_s_median']['engine']:.0f} vs "
-         f"{1000 * summary['ttft_1000_s_median']['hf']:.0f} ms) |"),
+        (
+            f"| batch-1 decode floor: bf16 weight bytes / memory read bandwidth | "
+            f"{summary['batch1_floor']['batch1_floor_ms']:.1f} ms per token "
+            f"({summary['batch1_floor']['bf16_weight_bytes'] / 2**20:.0f} MiB at "
+            f"{summary['batch1_floor']['read_gb_per_s']:.1f} GB/s; the engine's median: "
+            f"{1000 / summary['batch1_decode_tok_per_s_median']['engine']:.1f} ms, transformers' "
+            f"{1000 / summary['batch1_decode_tok_per_s_median']['hf']:.1f} ms) |"
+        ),
+        (
+            f"| TTFT of a 1,000-token prompt, engine / transformers (median of per-round ratios; lower is better) | "
+            f"**{summary['ttft_1000_vs_hf']:.2f}x** ({1000 * summary['ttft_1000_s_median']['engine']:.0f} vs "
+            f"{1000 * summary['ttft_1000_s_median']['hf']:.0f} ms) |"
+        ),
         "| per-round ratios | " + ", ".join(f"{r:.2f}" for r in summary["ttft_1000_vs_hf_per_round"]) + " |",
         f"| prefix caching cost at 0 % hits: extra scheduler + KV-manager time | {100 * summary['prefix_caching_cost_bookkeeping']:.2f} % of the run |",
         f"| same, whole-run throughput on vs off (median of per-round ratios; noisy) | {100 * summary['prefix_caching_cost_end_to_end']:+.1f} % |",
         f"| TTFT 1,000-token prompt, cold (median of {TTFT_TRIALS}) | {1000 * ttft['ttft_cold_s']:.0f} ms |",
         f"| TTFT with a cached 900-token prefix (median) | {1000 * ttft['ttft_cached_900_s']:.0f} ms ({ttft['speedup']:.1f}x faster, median of paired trials) |",
         "| peak RSS (MiB) | " + ", ".join(f"{k} {v:.0f}" for k, v in summary["peak_rss_mib"].items()) + " |",
-        "", f"Run on {summary['date']} ({summary['machine']['platform']}; {summary['machine']['cpu']}).",
+        "",
+        f"Run on {summary['date']} ({summary['machine']['platform']}; {summary['machine']['cpu']}).",
     ]
     RESULTS.mkdir(exist_ok=True)
     result_path(f"{args.name}", "json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -324,13 +405,22 @@ def run_profile(args) -> None:
     from step_profile import format_breakdown
 
     result = run_child(args, "profile")
-    md = ["# Offline engine step breakdown (latest `--profile` run)", "",
-          (f"{args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens, {args.dtype}, "
-          f"2 threads, prefix caching on; one run: {result['tok_per_s']:.1f} tok/s with the timers on. "
-          f"Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores."), ""]
+    md = [
+        "# Offline engine step breakdown (latest `--profile` run)",
+        "",
+        (
+            f"{args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens, {args.dtype}, "
+            f"2 threads, prefix caching on; one run: {result['tok_per_s']:.1f} tok/s with the timers on. "
+            f"Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores."
+        ),
+        "",
+    ]
     md += format_breakdown(result["breakdown_s"], result["steps"], out=lambda _: None)
-    md += ["", f"Run on {time.strftime('%Y-%m-%d %H:%M')} ({platform.platform()}).",
-           "Parts: see benchmarks/step_profile.py."]
+    md += [
+        "",
+        f"Run on {time.strftime('%Y-%m-%d %H:%M')} ({platform.platform()}).",
+        "Parts: see benchmarks/step_profile.py.",
+    ]
     RESULTS.mkdir(exist_ok=True)
     result_path(f"{args.name}_profile", "md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
@@ -343,14 +433,23 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=200)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=64, help="batch-1 decode length")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                        help="the engine's dtype in the throughput and profile phases (transformers and TTFT stay bf16)")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="the engine's dtype in the throughput and profile phases (transformers and TTFT stay bf16)",
+    )
     parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--rounds", type=int, default=MIN_ROUNDS,
-                        help=f"paired rounds (at least {MIN_ROUNDS}); the result is their median")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=MIN_ROUNDS,
+        help=f"paired rounds (at least {MIN_ROUNDS}); the result is their median",
+    )
     parser.add_argument("--name", default="offline_throughput", help="results file name (no suffix)")
-    parser.add_argument("--profile", action="store_true",
-                        help="one engine run with the step breakdown instead of the comparison")
+    parser.add_argument(
+        "--profile", action="store_true", help="one engine run with the step breakdown instead of the comparison"
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     if args.model is None:

@@ -36,8 +36,14 @@ def run_dtype(dtype_name: str, tokens: int, rounds: int, threads: int) -> dict:
     from engine import LLM, SamplingParams
     from engine.model.default_model import default_model_dir
 
-    llm = LLM(default_model_dir(), dtype=dtype_name, num_threads=threads, enable_prefix_caching=False,
-              max_num_batched_tokens=max(2048, tokens), kv_cache_memory="256MiB")
+    llm = LLM(
+        default_model_dir(),
+        dtype=dtype_name,
+        num_threads=threads,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=max(2048, tokens),
+        kv_cache_memory="256MiB",
+    )
     model = llm.engine.runner.model
     backend = llm.engine.runner.backend
     vocab = model.spec.vocab_size
@@ -85,28 +91,43 @@ def run_dtype(dtype_name: str, tokens: int, rounds: int, threads: int) -> dict:
             f = floor()
             t, attn = ttft()
         rows.append({"ttft_s": t, "floor_s": f, "attention_s": attn, "ratio": t / f})
-        print(f"{dtype_name} round {r}: ttft {t * 1e3:.0f} ms, floor {f * 1e3:.0f} ms, attention {attn * 1e3:.0f} ms, "
-              f"ratio {t / f:.3f}", flush=True)
+        print(
+            f"{dtype_name} round {r}: ttft {t * 1e3:.0f} ms, floor {f * 1e3:.0f} ms, attention {attn * 1e3:.0f} ms, "
+            f"ratio {t / f:.3f}",
+            flush=True,
+        )
     med = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
-    return {"dtype": dtype_name, "tokens": tokens, "rounds": rows,
-            "median_ratio": round(med["ratio"], 3), "median_ttft_ms": round(med["ttft_s"] * 1e3, 1),
-            "median_floor_ms": round(med["floor_s"] * 1e3, 1), "median_attention_ms": round(med["attention_s"] * 1e3, 1)}
+    return {
+        "dtype": dtype_name,
+        "tokens": tokens,
+        "rounds": rows,
+        "median_ratio": round(med["ratio"], 3),
+        "median_ttft_ms": round(med["ttft_s"] * 1e3, 1),
+        "median_floor_ms": round(med["floor_s"] * 1e3, 1),
+        "median_attention_ms": round(med["attention_s"] * 1e3, 1),
+    }
 
 
 def write_markdown(results: dict, path: Path) -> None:
     lines = [
-        "# Prefill vs matmul floor (benchmarks/prefill_floor.py)", "",
-        (f"{results['tokens']}-token prompt, default model, {results['threads']} threads, {results['rounds']} paired "
-        f"rounds (order alternating), median of per-round ratios. Load average {results['load_before']:.1f} before, "
-        f"{results['load_after']:.1f} after"
-        f"{': a busy shared machine, figures are rough' if results['load_before'] > 1.0 else ''}."), "",
+        "# Prefill vs matmul floor (benchmarks/prefill_floor.py)",
+        "",
+        (
+            f"{results['tokens']}-token prompt, default model, {results['threads']} threads, {results['rounds']} paired "
+            f"rounds (order alternating), median of per-round ratios. Load average {results['load_before']:.1f} before, "
+            f"{results['load_after']:.1f} after"
+            f"{': a busy shared machine, figures are rough' if results['load_before'] > 1.0 else ''}."
+        ),
+        "",
         "| dtype | TTFT ms | matmul floor ms | attention ms | TTFT / floor (median) | per-round ratios |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for d in results["dtypes"]:
         ratios = ", ".join(f"{row['ratio']:.2f}" for row in d["rounds"])
-        lines.append(f"| {d['dtype']} | {d['median_ttft_ms']} | {d['median_floor_ms']} | {d['median_attention_ms']} | "
-                     f"**{d['median_ratio']}** | {ratios} |")
+        lines.append(
+            f"| {d['dtype']} | {d['median_ttft_ms']} | {d['median_floor_ms']} | {d['median_attention_ms']} | "
+            f"**{d['median_ratio']}** | {ratios} |"
+        )
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -122,18 +143,34 @@ def main() -> None:
     if args.child:
         print("RESULT " + json.dumps(run_dtype(args.child, args.tokens, args.rounds, args.threads)))
         return
-    results = {"load_before": os.getloadavg()[0], "threads": args.threads, "rounds": args.rounds,
-               "tokens": args.tokens, "dtypes": []}
+    results = {
+        "load_before": os.getloadavg()[0],
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "tokens": args.tokens,
+        "dtypes": [],
+    }
     for dtype in args.dtypes.split(","):
-        cmd = [sys.executable, __file__, "--child", dtype, "--rounds", str(args.rounds), "--tokens", str(args.tokens),
-               "--threads", str(args.threads)]
-        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                              text=True, check=False)
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            dtype,
+            "--rounds",
+            str(args.rounds),
+            "--tokens",
+            str(args.tokens),
+            "--threads",
+            str(args.threads),
+        ]
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, check=False
+        )
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode or not lines:
             sys.exit(f"{dtype} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         print("\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")))
-        results["dtypes"].append(json.loads(lines[-1][len("RESULT "):]))
+        results["dtypes"].append(json.loads(lines[-1][len("RESULT ") :]))
     results["load_after"] = os.getloadavg()[0]
     result_path(f"{args.name}", "json").write_text(json.dumps(results, indent=2) + "\n")
     write_markdown(results, result_path(args.name, "md"))

@@ -46,8 +46,6 @@ REPO = Path(__file__).resolve().parent.parent
 POLICIES = {"ll": "least_loaded", "pa": "prefix_affinity"}
 
 
-
-
 def write_store(store: Path, args) -> None:
     import yaml
 
@@ -57,12 +55,20 @@ def write_store(store: Path, args) -> None:
     store.mkdir(parents=True)
     for name, routing in POLICIES.items():
         config = store.parent / f"{name}-model-config.yaml"
-        config.write_text(yaml.safe_dump({
-            "minWorkers": 2, "maxWorkers": 2, "routing": routing, "startupTimeout": 900,
-            "handler": {"dtype": "bfloat16", "kv_cache_memory": args.kv_cache_memory,
-                        "max_model_len": 2048}}))
-        written = write_archive(default_model_dir(), store.parent / f"build-{name}", model_name=name,
-                                version="1.0", config_file=config)
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "minWorkers": 2,
+                    "maxWorkers": 2,
+                    "routing": routing,
+                    "startupTimeout": 900,
+                    "handler": {"dtype": "bfloat16", "kv_cache_memory": args.kv_cache_memory, "max_model_len": 2048},
+                }
+            )
+        )
+        written = write_archive(
+            default_model_dir(), store.parent / f"build-{name}", model_name=name, version="1.0", config_file=config
+        )
         written.rename(store / f"{name}.mar")
 
 
@@ -71,12 +77,36 @@ def start_server(workdir: Path) -> tuple[subprocess.Popen, str, str]:
     return proc, urls["inference"], urls["metrics"]
 
 
-
 def words(seed: int, n: int) -> str:
     rng = random.Random(seed)
-    vocab = ["river", "stone", "market", "engine", "cloud", "garden", "letter", "winter", "signal",
-             "harbor", "pencil", "forest", "copper", "ladder", "candle", "meadow", "rocket", "violin",
-             "tunnel", "basket", "mirror", "planet", "orchard", "lantern", "canvas", "thunder"]
+    vocab = [
+        "river",
+        "stone",
+        "market",
+        "engine",
+        "cloud",
+        "garden",
+        "letter",
+        "winter",
+        "signal",
+        "harbor",
+        "pencil",
+        "forest",
+        "copper",
+        "ladder",
+        "candle",
+        "meadow",
+        "rocket",
+        "violin",
+        "tunnel",
+        "basket",
+        "mirror",
+        "planet",
+        "orchard",
+        "lantern",
+        "canvas",
+        "thunder",
+    ]
     return " ".join(rng.choice(vocab) for _ in range(n))
 
 
@@ -87,20 +117,32 @@ async def conversation(session, base: str, model: str, seed: int, args) -> list[
     for turn in range(args.turns):
         if turn and args.think_s:  # a user reads the reply before the next question
             await asyncio.sleep(pause.uniform(0, args.think_s))
-        body = {"model": model, "messages": messages, "max_tokens": args.max_tokens, "temperature": 0,
-                "ignore_eos": True}
+        body = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         t0 = time.monotonic()
         async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
             data = await resp.json()
             if resp.status != 200:
                 raise RuntimeError(f"{resp.status}: {data}")
         reply = data["choices"][0]["message"]["content"]
-        turns.append({"turn": turn, "latency_s": time.monotonic() - t0,
-                      "prompt_tokens": data["usage"]["prompt_tokens"],
-                      "completion_tokens": data["usage"]["completion_tokens"],
-                      "cached_tokens": data["timings"]["cached_prompt_tokens"]})
-        messages += [{"role": "assistant", "content": reply},
-                     {"role": "user", "content": f"Question {turn}: {words(seed * 31 + turn, 12)}?"}]
+        turns.append(
+            {
+                "turn": turn,
+                "latency_s": time.monotonic() - t0,
+                "prompt_tokens": data["usage"]["prompt_tokens"],
+                "completion_tokens": data["usage"]["completion_tokens"],
+                "cached_tokens": data["timings"]["cached_prompt_tokens"],
+            }
+        )
+        messages += [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": f"Question {turn}: {words(seed * 31 + turn, 12)}?"},
+        ]
     return turns
 
 
@@ -109,47 +151,70 @@ async def phase(base: str, model: str, seed: int, args) -> dict:
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
         t0 = time.monotonic()
-        chats = await asyncio.gather(*(conversation(session, base, model, seed * 1000 + c, args)
-                                       for c in range(args.conversations)))
+        chats = await asyncio.gather(
+            *(conversation(session, base, model, seed * 1000 + c, args) for c in range(args.conversations))
+        )
         wall = time.monotonic() - t0
     turns = [t for chat in chats for t in chat]
     later = [t for t in turns if t["turn"] > 0]
     prompt = sum(t["prompt_tokens"] for t in turns)
     out = sum(t["completion_tokens"] for t in turns)
-    return {"model": model, "routing": POLICIES[model], "wall_s": wall, "requests": len(turns),
-            "prompt_tokens": prompt, "completion_tokens": out,
-            "hit_rate": sum(t["cached_tokens"] for t in turns) / prompt,
-            "hit_rate_followups": (sum(t["cached_tokens"] for t in later) / sum(t["prompt_tokens"] for t in later)
-                                   if later else 0.0),
-            "tok_per_s": (prompt + out) / wall, "req_per_s": len(turns) / wall,
-            "mean_latency_s": statistics.fmean(t["latency_s"] for t in turns)}
+    return {
+        "model": model,
+        "routing": POLICIES[model],
+        "wall_s": wall,
+        "requests": len(turns),
+        "prompt_tokens": prompt,
+        "completion_tokens": out,
+        "hit_rate": sum(t["cached_tokens"] for t in turns) / prompt,
+        "hit_rate_followups": (
+            sum(t["cached_tokens"] for t in later) / sum(t["prompt_tokens"] for t in later) if later else 0.0
+        ),
+        "tok_per_s": (prompt + out) / wall,
+        "req_per_s": len(turns) / wall,
+        "mean_latency_s": statistics.fmean(t["latency_s"] for t in turns),
+    }
 
 
 def route_hits(metrics_url: str) -> dict[str, float]:
     with urllib.request.urlopen(metrics_url + "/metrics", timeout=30) as r:
         text = r.read().decode()
-    return {line.split("{", 1)[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line.startswith("pagedserve_route_prefix_hits_total{")}
+    return {
+        line.split("{", 1)[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pagedserve_route_prefix_hits_total{")
+    }
 
 
 def write_results(result: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
     result_path("prefix_routing", "json").write_text(json.dumps(result, indent=2) + "\n")
     s = result["summary"]
-    lines = ["# Prefix-affinity routing vs least-loaded (2 workers, multi-turn chat)", "",
-             f"{result['settings']}", "",
-             "| round | policy | hit rate (all) | hit rate (follow-ups) | tokens/s | req/s | mean latency s |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "# Prefix-affinity routing vs least-loaded (2 workers, multi-turn chat)",
+        "",
+        f"{result['settings']}",
+        "",
+        "| round | policy | hit rate (all) | hit rate (follow-ups) | tokens/s | req/s | mean latency s |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for i, rnd in enumerate(result["rounds"]):
         for r in rnd:
-            lines.append(f"| {i} | {r['routing']} | {r['hit_rate']:.3f} | {r['hit_rate_followups']:.3f} | "
-                         f"{r['tok_per_s']:.1f} | {r['req_per_s']:.2f} | {r['mean_latency_s']:.2f} |")
-    lines += ["", f"Median of per-round paired ratios (prefix_affinity / least_loaded): throughput "
-              f"{s['tok_per_s_ratio_median']:.2f}x, mean latency {s['latency_ratio_median']:.2f}x; "
-              f"hit rate {s['hit_rate_ll_median']:.3f} -> {s['hit_rate_pa_median']:.3f} "
-              f"(follow-ups {s['followup_hit_rate_ll_median']:.3f} -> {s['followup_hit_rate_pa_median']:.3f}).",
-              "", f"Router prefix hits per worker at the end: `{json.dumps(result['route_prefix_hits'])}`",
-              "", f"Machine: {result['machine']} (shared, busy: figures are rough; ratios are paired per round)."]
+            lines.append(
+                f"| {i} | {r['routing']} | {r['hit_rate']:.3f} | {r['hit_rate_followups']:.3f} | "
+                f"{r['tok_per_s']:.1f} | {r['req_per_s']:.2f} | {r['mean_latency_s']:.2f} |"
+            )
+    lines += [
+        "",
+        f"Median of per-round paired ratios (prefix_affinity / least_loaded): throughput "
+        f"{s['tok_per_s_ratio_median']:.2f}x, mean latency {s['latency_ratio_median']:.2f}x; "
+        f"hit rate {s['hit_rate_ll_median']:.3f} -> {s['hit_rate_pa_median']:.3f} "
+        f"(follow-ups {s['followup_hit_rate_ll_median']:.3f} -> {s['followup_hit_rate_pa_median']:.3f}).",
+        "",
+        f"Router prefix hits per worker at the end: `{json.dumps(result['route_prefix_hits'])}`",
+        "",
+        f"Machine: {result['machine']} (shared, busy: figures are rough; ratios are paired per round).",
+    ]
     result_path("prefix_routing", "md").write_text("\n".join(lines) + "\n")
 
 
@@ -161,18 +226,22 @@ def main() -> None:
     ap.add_argument("--doc-words", type=int, default=300)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--kv-cache-memory", default="256MiB")
-    ap.add_argument("--think-s", type=float, default=0.0,
-                    help="each follow-up waits a random 0..think-s seconds (seeded) after the reply")
+    ap.add_argument(
+        "--think-s",
+        type=float,
+        default=0.0,
+        help="each follow-up waits a random 0..think-s seconds (seeded) after the reply",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="prefix-routing-") as tmp:
         workdir = Path(tmp)
         write_store(workdir / "store", args)
         proc, base, metrics = start_server(workdir)
         try:
-            asyncio.run(phase(base, "ll", 1, argparse.Namespace(**{**vars(args), "conversations": 2,
-                                                                    "turns": 1})))  # warm-up
-            asyncio.run(phase(base, "pa", 2, argparse.Namespace(**{**vars(args), "conversations": 2,
-                                                                    "turns": 1})))
+            asyncio.run(
+                phase(base, "ll", 1, argparse.Namespace(**{**vars(args), "conversations": 2, "turns": 1}))
+            )  # warm-up
+            asyncio.run(phase(base, "pa", 2, argparse.Namespace(**{**vars(args), "conversations": 2, "turns": 1})))
             rounds = []
             for i in range(args.rounds):
                 order = ["ll", "pa"] if i % 2 == 0 else ["pa", "ll"]
@@ -193,9 +262,13 @@ def main() -> None:
         "followup_hit_rate_ll_median": statistics.median(r["hit_rate_followups"] for r in ll),
         "followup_hit_rate_pa_median": statistics.median(r["hit_rate_followups"] for r in pa),
     }
-    result = {"settings": {k: v for k, v in vars(args).items()}, "rounds": rounds, "summary": summary,
-              "route_prefix_hits": hits,
-              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"}
+    result = {
+        "settings": {k: v for k, v in vars(args).items()},
+        "rounds": rounds,
+        "summary": summary,
+        "route_prefix_hits": hits,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}",
+    }
     write_results(result)
     print(json.dumps(summary, indent=2))
 

@@ -49,11 +49,18 @@ def window_nll(llm: LLM, ids: list[int], chunk: int = 0) -> tuple[float, int]:
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             meta = AttentionMetadata(
-                num_seqs=1, num_tokens=hi - lo, query_lens=[hi - lo], seq_lens=[hi],
+                num_seqs=1,
+                num_tokens=hi - lo,
+                query_lens=[hi - lo],
+                seq_lens=[hi],
                 query_start_loc=torch.tensor([0, hi - lo], dtype=torch.int32),
-                seq_lens_tensor=torch.tensor([hi], dtype=torch.int32), block_tables=blocks[None],
-                slot_mapping=torch.arange(lo, hi, dtype=torch.int64), max_query_len=hi - lo, max_seq_len=hi,
-                num_decodes=0)
+                seq_lens_tensor=torch.tensor([hi], dtype=torch.int32),
+                block_tables=blocks[None],
+                slot_mapping=torch.arange(lo, hi, dtype=torch.int64),
+                max_query_len=hi - lo,
+                max_seq_len=hi,
+                num_decodes=0,
+            )
             hidden = runner.model(torch.tensor(ids[lo:hi]), torch.arange(lo, hi), runner.kv_caches, meta)
             logits.append(runner.model.compute_logits(hidden).float())
         logits = torch.cat(logits)[:-1]
@@ -64,7 +71,7 @@ def window_nll(llm: LLM, ids: list[int], chunk: int = 0) -> tuple[float, int]:
 def perplexity(llm: LLM, tokens: list[int], window: int, chunk: int = 0) -> float:
     total, count = 0.0, 0
     for start in range(0, len(tokens) - 1, window):
-        piece = tokens[start:start + window]
+        piece = tokens[start : start + window]
         if len(piece) < 2:
             break
         nll, n = window_nll(llm, piece, chunk)
@@ -81,13 +88,23 @@ def write_results(rows: list[dict], kept: list[dict], labels: list[str], num_tok
     for r in rows:
         r["vs_bf16_pct"] = 100 * (r["ppl"] / base - 1)
     RESULTS.mkdir(exist_ok=True)
-    meta = {"tokens": num_tokens, "window": args.window, "threads": args.threads,
-            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "platform": platform.platform()}
+    meta = {
+        "tokens": num_tokens,
+        "window": args.window,
+        "threads": args.threads,
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "platform": platform.platform(),
+    }
     result_path("quant_perplexity", "json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    lines = ["# Perplexity by quantization mode (default model, SmolLM2-135M-Instruct)", "",
-             f"{meta['tokens']} tokens of *Coriolanus* (benchmarks/data/coriolanus_act1.txt), windows of "
-             f"{args.window} tokens, {meta['when']}.", "",
-             "| mode | perplexity | vs bf16 |", "| --- | --- | --- |"]
+    lines = [
+        "# Perplexity by quantization mode (default model, SmolLM2-135M-Instruct)",
+        "",
+        f"{meta['tokens']} tokens of *Coriolanus* (benchmarks/data/coriolanus_act1.txt), windows of "
+        f"{args.window} tokens, {meta['when']}.",
+        "",
+        "| mode | perplexity | vs bf16 |",
+        "| --- | --- | --- |",
+    ]
     lines += [f"| {r['mode']} | {r['ppl']:.3f} | {r['vs_bf16_pct']:+.2f} % |" for r in rows]
     result_path("quant_perplexity", "md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -97,8 +114,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", default="", help="'|'-separated mode labels (or label prefixes) to rerun; "
-                                               "the other rows, bf16 included, are kept from the last results file")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="'|'-separated mode labels (or label prefixes) to rerun; "
+        "the other rows, bf16 included, are kept from the last results file",
+    )
     args = ap.parse_args()
     only = [o.strip() for o in args.only.split("|") if o.strip()]
     old = result_path("quant_perplexity", "json")
@@ -116,10 +137,17 @@ def main() -> None:
             ("int4 g32", plain, dict(dtype="bfloat16", quantization="int4", quant_group_size=32)),
             ("int4 g64", plain, dict(dtype="bfloat16", quantization="int4", quant_group_size=64)),
             ("w8a8", plain, dict(dtype="bfloat16", quantization="w8a8")),
-            ("int8, prefill in 64-token chunks (batched-decode row count: `torch._int_mm`)", plain,
-             dict(dtype="bfloat16", quantization="int8", chunk=64)),
+            (
+                "int8, prefill in 64-token chunks (batched-decode row count: `torch._int_mm`)",
+                plain,
+                dict(dtype="bfloat16", quantization="int8", chunk=64),
+            ),
             ("Q4_1 GGUF served natively (int4 g32)", q41, dict(dtype="bfloat16")),
-            ("fp8 KV (`kv_cache_dtype: fp8_e4m3`, bf16 weights)", plain, dict(dtype="bfloat16", kv_cache_dtype="fp8_e4m3")),
+            (
+                "fp8 KV (`kv_cache_dtype: fp8_e4m3`, bf16 weights)",
+                plain,
+                dict(dtype="bfloat16", kv_cache_dtype="fp8_e4m3"),
+            ),
             ("int8 KV (`kv_cache_dtype: int8`, bf16 weights)", plain, dict(dtype="bfloat16", kv_cache_dtype="int8")),
         ]
         tokens = None

@@ -70,8 +70,15 @@ def phase(args) -> dict:
     from engine import SamplingParams
 
     # Prefix caching off: the TTFT prompt and the batch's prompts are computed in full.
-    llm = _llm(args, args.mode, kv_cache_memory="640MiB", max_num_seqs=max(args.batch_prompts, 1),
-               max_num_batched_tokens=2048, max_model_len=2048, enable_prefix_caching=False)
+    llm = _llm(
+        args,
+        args.mode,
+        kv_cache_memory="640MiB",
+        max_num_seqs=max(args.batch_prompts, 1),
+        max_num_batched_tokens=2048,
+        max_model_len=2048,
+        enable_prefix_caching=False,
+    )
     out = {"rss_after_load_mib": _rss_mib(), "model_bytes": 2 * _checkpoint_numel(llm.engine.model_dir)}
     phases = args.phases.split(",")
     if "decode" in phases:
@@ -120,17 +127,26 @@ def main() -> None:
         print(json.dumps(phase(args)))
         return
     modes = ["bf16", *[m for m in args.modes.split(",") if m]]
-    passthrough = [f"--threads={args.threads}", f"--decode-tokens={args.decode_tokens}",
-                   f"--ttft-len={args.ttft_len}", f"--batch-prompts={args.batch_prompts}",
-                   f"--batch-output={args.batch_output}"]
+    passthrough = [
+        f"--threads={args.threads}",
+        f"--decode-tokens={args.decode_tokens}",
+        f"--ttft-len={args.ttft_len}",
+        f"--batch-prompts={args.batch_prompts}",
+        f"--batch-output={args.batch_output}",
+    ]
     results: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(args.rounds):
-        order = modes[r % len(modes):] + modes[:r % len(modes)]
+        order = modes[r % len(modes) :] + modes[: r % len(modes)]
         for mode in order:
             out = run_phase(__file__, ["--phase=all", f"--mode={mode}", f"--phases={args.phases}", *passthrough])
             results[mode].append(out)
-            print(f"round {r} {mode:5s} " + " ".join(f"{k} {out[k]:.3f}" for k in args.phases.split(","))
-                  + f" rss {out['rss_after_load_mib']:.0f} peak {out['peak_rss_mib']:.0f} MiB", file=sys.stderr, flush=True)
+            print(
+                f"round {r} {mode:5s} "
+                + " ".join(f"{k} {out[k]:.3f}" for k in args.phases.split(","))
+                + f" rss {out['rss_after_load_mib']:.0f} peak {out['peak_rss_mib']:.0f} MiB",
+                file=sys.stderr,
+                flush=True,
+            )
         report(args, modes, results, rounds_done=r + 1)  # a stopped run still leaves its rounds
 
 
@@ -138,13 +154,17 @@ def report(args, modes: list[str], results: dict, rounds_done: int) -> None:
     higher_better = {"decode": True, "ttft": False, "batch": True}
     units = {"decode": "tok/s", "ttft": "s", "batch": "tok/s"}
     summary = {}
-    lines = ["# Quantized modes vs bf16 (default model, latest run)", "",
-             f"{args.threads} threads, {rounds_done} of {args.rounds} paired rounds (order rotated each round; each mode "
-             "in a fresh process per round), median of per-round ratios to bf16 (>1 = faster; TTFT: bf16 time / "
-             f"mode time). Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.",
-             f"CPU: {cpu_description()}.", "",
-             "| measure | mode | median | ratio vs bf16 | per-round ratios |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "# Quantized modes vs bf16 (default model, latest run)",
+        "",
+        f"{args.threads} threads, {rounds_done} of {args.rounds} paired rounds (order rotated each round; each mode "
+        "in a fresh process per round), median of per-round ratios to bf16 (>1 = faster; TTFT: bf16 time / "
+        f"mode time). Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.",
+        f"CPU: {cpu_description()}.",
+        "",
+        "| measure | mode | median | ratio vs bf16 | per-round ratios |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for name in args.phases.split(","):
         base = [o[name] for o in results["bf16"]]
         for mode in modes:
@@ -152,26 +172,42 @@ def report(args, modes: list[str], results: dict, rounds_done: int) -> None:
             ratios = [(v / b if higher_better[name] else b / v) for v, b in zip(vals, base)]
             entry = {"median": statistics.median(vals), "ratio": statistics.median(ratios), "ratios": ratios}
             summary.setdefault(name, {})[mode] = entry
-            lines.append(f"| {name} ({units[name]}) | {mode} | {entry['median']:.3f} | {entry['ratio']:.2f}x | "
-                         f"{', '.join(f'{x:.2f}' for x in ratios)} |")
+            lines.append(
+                f"| {name} ({units[name]}) | {mode} | {entry['median']:.3f} | {entry['ratio']:.2f}x | "
+                f"{', '.join(f'{x:.2f}' for x in ratios)} |"
+            )
     bf_rss = statistics.median(o["rss_after_load_mib"] for o in results["bf16"])
     weights_mib = results["bf16"][0]["model_bytes"] / 2**20
-    lines += ["", f"Worker memory (RSS once loaded, before any request; peak over the run, which includes the "
-                  f"640 MiB KV pool's use; the model's weights in bf16 are {weights_mib:.0f} MiB):", "",
-              "| mode | RSS after load MiB | saved vs bf16 MiB | saved / bf16 weight bytes | peak RSS MiB |",
-              "| --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        f"Worker memory (RSS once loaded, before any request; peak over the run, which includes the "
+        f"640 MiB KV pool's use; the model's weights in bf16 are {weights_mib:.0f} MiB):",
+        "",
+        "| mode | RSS after load MiB | saved vs bf16 MiB | saved / bf16 weight bytes | peak RSS MiB |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for mode in modes:
         rss = statistics.median(o["rss_after_load_mib"] for o in results[mode])
         peak = max(o["peak_rss_mib"] for o in results[mode])
-        summary.setdefault("memory", {})[mode] = {"rss_after_load_mib": rss, "peak_rss_mib": peak,
-                                                  "saved_fraction_of_bf16_weights": (bf_rss - rss) / weights_mib}
-        lines.append(f"| {mode} | {rss:.0f} | {bf_rss - rss:.0f} | {100 * (bf_rss - rss) / weights_mib:.0f} % | {peak:.0f} |")
+        summary.setdefault("memory", {})[mode] = {
+            "rss_after_load_mib": rss,
+            "peak_rss_mib": peak,
+            "saved_fraction_of_bf16_weights": (bf_rss - rss) / weights_mib,
+        }
+        lines.append(
+            f"| {mode} | {rss:.0f} | {bf_rss - rss:.0f} | {100 * (bf_rss - rss) / weights_mib:.0f} % | {peak:.0f} |"
+        )
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    lines += ["", f"Workloads: batch-1 decode of {args.decode_tokens} tokens after a 32-token prompt; TTFT of a "
-              f"{args.ttft_len}-token prompt; {args.batch_prompts} prompts x 200 tokens -> {args.batch_output} "
-              f"tokens. Run on {when} ({platform.platform()})."]
+    lines += [
+        "",
+        f"Workloads: batch-1 decode of {args.decode_tokens} tokens after a 32-token prompt; TTFT of a "
+        f"{args.ttft_len}-token prompt; {args.batch_prompts} prompts x 200 tokens -> {args.batch_output} "
+        f"tokens. Run on {when} ({platform.platform()}).",
+    ]
     RESULTS.mkdir(exist_ok=True)
-    result_path(f"{args.name}", "json").write_text(json.dumps({"args": vars(args), "summary": summary}, indent=2) + "\n")
+    result_path(f"{args.name}", "json").write_text(
+        json.dumps({"args": vars(args), "summary": summary}, indent=2) + "\n"
+    )
     result_path(f"{args.name}", "md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -69,13 +69,24 @@ def summarize(sent: float, token_times: dict[str, list[float]]) -> dict:
             tpot.append((times[-1] - times[0]) / (len(times) - 1))
     n_out = sum(len(t) for t in token_times.values())
     elapsed = max(t[-1] for t in token_times.values()) - sent
-    return {"elapsed_s": elapsed, "output_tokens": n_out, "tok_per_s": n_out / elapsed,
-            "ttft_s": percentiles(ttft), "itl_s": percentiles(itl), "tpot_s": percentiles(tpot)}
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": n_out,
+        "tok_per_s": n_out / elapsed,
+        "ttft_s": percentiles(ttft),
+        "itl_s": percentiles(itl),
+        "tpot_s": percentiles(tpot),
+    }
 
 
 def engine_options(args) -> dict:
-    return {"dtype": "bfloat16", "kv_cache_memory": "640MiB", "max_num_seqs": max(64, args.num_prompts),
-            "max_num_batched_tokens": 2048, "max_model_len": 2048}
+    return {
+        "dtype": "bfloat16",
+        "kv_cache_memory": "640MiB",
+        "max_num_seqs": max(64, args.num_prompts),
+        "max_num_batched_tokens": 2048,
+        "max_model_len": 2048,
+    }
 
 
 def cpu_seconds(pid: int) -> float:
@@ -85,6 +96,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 # -- offline phase (runs in a child process) -----------------------------------------------------
+
 
 def phase_offline(args, prompts) -> dict:
     from engine import LLM, SamplingParams
@@ -108,12 +120,15 @@ def phase_offline(args, prompts) -> dict:
     sent = time.perf_counter()
     outs = llm.generate(prompts, params)
     assert sum(len(o.outputs[0].token_ids) for o in outs) == len(prompts) * args.output_len
-    return summarize(sent, token_times) | {"peak_rss_mib": {"process": peak_rss_mib()},
-                                           "cpu_s": {"process": cpu_seconds(os.getpid()) - cpu},
-                                           "loadavg_1m_before": load}
+    return summarize(sent, token_times) | {
+        "peak_rss_mib": {"process": peak_rss_mib()},
+        "cpu_s": {"process": cpu_seconds(os.getpid()) - cpu},
+        "loadavg_1m_before": load,
+    }
 
 
 # -- http phase (server in a subprocess, clients here) ---------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -128,8 +143,9 @@ def write_store(args, store: Path) -> None:
 
     config = store.parent / "model-config.yaml"
     config.write_text(yaml.safe_dump({"minWorkers": 1, "maxWorkers": 1, "handler": engine_options(args)}))
-    written = write_archive(args.model, store.parent / "build", model_name=MODEL_NAME, version="1.0",
-                            config_file=config)
+    written = write_archive(
+        args.model, store.parent / "build", model_name=MODEL_NAME, version="1.0", config_file=config
+    )
     store.mkdir(exist_ok=True)
     written.rename(store / f"{MODEL_NAME}.mar")
 
@@ -139,11 +155,23 @@ def phase_http(args, prompts, workdir: Path) -> dict:
 
     ports = {api: free_port() for api in ("inference", "management", "metrics")}
     env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDSERVE_WORKER_THREADS": str(args.threads)}
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model-store", str(workdir / "store"),
-           "--models", f"{MODEL_NAME}={MODEL_NAME}.mar", "--disable-token-auth",
-           "--inference-address", f"127.0.0.1:{ports['inference']}",
-           "--management-address", f"127.0.0.1:{ports['management']}",
-           "--metrics-address", f"127.0.0.1:{ports['metrics']}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "server.cli",
+        "serve",
+        "--model-store",
+        str(workdir / "store"),
+        "--models",
+        f"{MODEL_NAME}={MODEL_NAME}.mar",
+        "--disable-token-auth",
+        "--inference-address",
+        f"127.0.0.1:{ports['inference']}",
+        "--management-address",
+        f"127.0.0.1:{ports['management']}",
+        "--metrics-address",
+        f"127.0.0.1:{ports['metrics']}",
+    ]
     with open(workdir / "server.log", "ab") as log:
         proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{ports['inference']}"
@@ -170,8 +198,11 @@ def phase_http(args, prompts, workdir: Path) -> dict:
         result = asyncio.run(_drive(base, prompts, args))
         result["cpu_s"] = {name: cpu_seconds(pid) - cpu[name] for name, pid in pids.items()}
         result["loadavg_1m_before"] = load
-        result["peak_rss_mib"] = {"front_end": peak_rss_mib(proc.pid), "worker": peak_rss_mib(worker_pid),
-                                  "client": peak_rss_mib()}
+        result["peak_rss_mib"] = {
+            "front_end": peak_rss_mib(proc.pid),
+            "worker": peak_rss_mib(worker_pid),
+            "client": peak_rss_mib(),
+        }
         return result
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -216,6 +247,7 @@ async def _drive(base: str, prompts: list[list[int]], args, warmup: bool = False
 
 # -- driver ----------------------------------------------------------------------------------------
 
+
 def run_child(args, phase: str, threads: int, attempts: int = 2) -> dict:
     """Run one phase in a fresh process; a failed attempt (e.g. a port taken by another program
     between choosing and binding it) is reported and retried once."""
@@ -230,11 +262,28 @@ def run_child(args, phase: str, threads: int, attempts: int = 2) -> dict:
 
 
 def _run_child_once(args, phase: str, threads: int) -> dict:
-    result = run_phase(__file__, ["--phase", phase, "--model", args.model, "--num-prompts", str(args.num_prompts),
-                                  "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
-                                  "--threads", str(threads)])
-    print(f"  {phase} ({threads} threads): {result['tok_per_s']:.1f} tok/s, "
-          f"TTFT p50 {1000 * result['ttft_s']['p50']:.0f} ms", flush=True)
+    result = run_phase(
+        __file__,
+        [
+            "--phase",
+            phase,
+            "--model",
+            args.model,
+            "--num-prompts",
+            str(args.num_prompts),
+            "--prompt-len",
+            str(args.prompt_len),
+            "--output-len",
+            str(args.output_len),
+            "--threads",
+            str(threads),
+        ],
+    )
+    print(
+        f"  {phase} ({threads} threads): {result['tok_per_s']:.1f} tok/s, "
+        f"TTFT p50 {1000 * result['ttft_s']['p50']:.0f} ms",
+        flush=True,
+    )
     return result
 
 
@@ -249,8 +298,9 @@ def compare(runs: dict[str, list[dict]]) -> dict:
         "ttft_p50_overhead": http["ttft_s"]["p50"] / off["ttft_s"]["p50"] - 1,
         "per_round_throughput_overhead": per_round,
         "median_throughput_overhead": statistics.median(per_round),
-        "median_ttft_p50_overhead": statistics.median(h["ttft_s"]["p50"] / o["ttft_s"]["p50"] - 1
-                                                      for o, h in zip(runs["offline"], runs["http"])),
+        "median_ttft_p50_overhead": statistics.median(
+            h["ttft_s"]["p50"] / o["ttft_s"]["p50"] - 1 for o, h in zip(runs["offline"], runs["http"])
+        ),
         "best": best,
         "runs": runs,
     }
@@ -270,8 +320,10 @@ def markdown_rows(threads: int, c: dict) -> list[str]:
 
     rounds = ", ".join(f"{100 * x:+.0f} %" for x in c["per_round_throughput_overhead"])
     return [
-        f"### {threads} engine thread{'s' if threads > 1 else ''}", "",
-        "| measure | offline `engine.LLM` | `pagedserve serve` over HTTP |", "| --- | --- | --- |",
+        f"### {threads} engine thread{'s' if threads > 1 else ''}",
+        "",
+        "| measure | offline `engine.LLM` | `pagedserve serve` over HTTP |",
+        "| --- | --- | --- |",
         f"| throughput | {off['tok_per_s']:.1f} tok/s | {http['tok_per_s']:.1f} tok/s |",
         f"| TTFT p50 / p90 / p99 (ms) | {ms(off['ttft_s'])} | {ms(http['ttft_s'])} |",
         f"| ITL p50 / p90 / p99 (ms) | {ms(off['itl_s'], 1)} | {ms(http['itl_s'], 1)} |",
@@ -280,10 +332,12 @@ def markdown_rows(threads: int, c: dict) -> list[str]:
         f"| CPU seconds during the run | {cpu(off['cpu_s'])} | {cpu(http['cpu_s'])} |",
         f"| 1-minute load average at the start | {off['loadavg_1m_before']:.1f} | {http['loadavg_1m_before']:.1f} |",
         "",
-        (f"**Server overhead (median of {len(c['per_round_throughput_overhead'])} paired rounds): throughput "
-         f"{100 * c['median_throughput_overhead']:+.1f} %, TTFT p50 {100 * c['median_ttft_p50_overhead']:+.1f} %** "
-         f"(target < 10 %; per round: {rounds}). Best round of each side: throughput "
-         f"{100 * c['throughput_overhead']:+.1f} %, TTFT p50 {100 * c['ttft_p50_overhead']:+.1f} % (the table's figures)."),
+        (
+            f"**Server overhead (median of {len(c['per_round_throughput_overhead'])} paired rounds): throughput "
+            f"{100 * c['median_throughput_overhead']:+.1f} %, TTFT p50 {100 * c['median_ttft_p50_overhead']:+.1f} %** "
+            f"(target < 10 %; per round: {rounds}). Best round of each side: throughput "
+            f"{100 * c['throughput_overhead']:+.1f} %, TTFT p50 {100 * c['ttft_p50_overhead']:+.1f} % (the table's figures)."
+        ),
         "",
     ]
 
@@ -294,9 +348,13 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=200)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--threads", default="2,1", help="torch threads of the engine / worker; a list compares several")
+    parser.add_argument(
+        "--threads", default="2,1", help="torch threads of the engine / worker; a list compares several"
+    )
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of each phase")
-    parser.add_argument("--out", default="serve_overhead", help="results file name under benchmarks/results/ (no suffix)")
+    parser.add_argument(
+        "--out", default="serve_overhead", help="results file name under benchmarks/results/ (no suffix)"
+    )
     parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
@@ -333,9 +391,15 @@ def main() -> None:
 def write_results(args, thread_counts: list[int], runs: dict, rounds_done: int) -> None:
     results = {str(t): compare(runs[t]) for t in thread_counts}
     summary = {
-        "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "output_len": args.output_len,
-                     "dtype": "bfloat16", "concurrency": args.num_prompts, "cpus": os.cpu_count(),
-                     "rounds": rounds_done},
+        "workload": {
+            "num_prompts": args.num_prompts,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "dtype": "bfloat16",
+            "concurrency": args.num_prompts,
+            "cpus": os.cpu_count(),
+            "rounds": rounds_done,
+        },
         "machine": {"platform": platform.platform(), "processor": cpu_description()},
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "by_threads": results,
@@ -343,11 +407,15 @@ def write_results(args, thread_counts: list[int], runs: dict, rounds_done: int) 
     RESULTS.mkdir(exist_ok=True)
     result_path(f"{args.out}", "json").write_text(json.dumps(summary, indent=2) + "\n")
     md = [
-        "# Serving overhead: HTTP server vs offline engine (latest run)", "",
-        (f"{args.num_prompts} concurrent requests x {args.prompt_len} prompt tokens, {args.output_len} output "
-         f"tokens (EOS ignored, greedy), bf16, {os.cpu_count()} CPUs; {rounds_done} rounds, the order of the two "
-         "sides flipping every round; the tables show the best round of each side. HTTP: `pagedserve serve` with one worker, every request a streaming "
-         "`/predictions` (NDJSON) from its own aiohttp connection; the clients run on the same machine."), "",
+        "# Serving overhead: HTTP server vs offline engine (latest run)",
+        "",
+        (
+            f"{args.num_prompts} concurrent requests x {args.prompt_len} prompt tokens, {args.output_len} output "
+            f"tokens (EOS ignored, greedy), bf16, {os.cpu_count()} CPUs; {rounds_done} rounds, the order of the two "
+            "sides flipping every round; the tables show the best round of each side. HTTP: `pagedserve serve` with one worker, every request a streaming "
+            "`/predictions` (NDJSON) from its own aiohttp connection; the clients run on the same machine."
+        ),
+        "",
     ]
     for t in thread_counts:
         md += markdown_rows(t, results[str(t)])
@@ -355,12 +423,20 @@ def write_results(args, thread_counts: list[int], runs: dict, rounds_done: int) 
     off_t = max(thread_counts, key=lambda t: results[str(t)]["offline_tok_per_s"])
     http_t = max(thread_counts, key=lambda t: results[str(t)]["http_tok_per_s"])
     off_best, http_best = results[str(off_t)]["offline_tok_per_s"], results[str(http_t)]["http_tok_per_s"]
-    summary["best_settings"] = {"offline_threads": off_t, "http_threads": http_t,
-                                "throughput_overhead": 1 - http_best / off_best}
+    summary["best_settings"] = {
+        "offline_threads": off_t,
+        "http_threads": http_t,
+        "throughput_overhead": 1 - http_best / off_best,
+    }
     result_path(f"{args.out}", "json").write_text(json.dumps(summary, indent=2) + "\n")
-    md += [(f"**Each side at its best thread setting** (offline engine {off_t} thread(s): {off_best:.1f} tok/s; "
-           f"server, worker with {http_t} thread(s): {http_best:.1f} tok/s): server overhead "
-           f"**{100 * (1 - http_best / off_best):+.1f} %** of throughput."), ""]
+    md += [
+        (
+            f"**Each side at its best thread setting** (offline engine {off_t} thread(s): {off_best:.1f} tok/s; "
+            f"server, worker with {http_t} thread(s): {http_best:.1f} tok/s): server overhead "
+            f"**{100 * (1 - http_best / off_best):+.1f} %** of throughput."
+        ),
+        "",
+    ]
     md.append(f"Run on {summary['date']} ({summary['machine']['platform']}; {summary['machine']['processor']}).")
     result_path(f"{args.out}", "md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

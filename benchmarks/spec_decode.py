@@ -30,16 +30,44 @@ from _common import RESULTS, cpu_description, result_path, run_phase
 
 REPO = Path(__file__).resolve().parent.parent
 METHODS = ("plain", "ngram", "suffix", "auto")
-PARAGRAPH = ("The library opens at nine in the morning and closes at six in the evening. Members may borrow "
-             "up to five books at a time for three weeks. Late returns cost ten cents per day. The reading "
-             "room on the second floor is quiet and has free wireless internet.")
-EDITS = [("nine", "eight"), ("six", "seven"), ("five", "four"), ("three", "two"),
-         ("ten", "twenty"), ("second", "third"), ("morning", "day"), ("books", "items")]
-TOPICS = ["the sky", "sleep", "prime numbers", "cats", "plants", "rain", "copper", "seasons",
-          "volcanoes", "bread", "the moon", "bees", "rivers", "chess", "music", "glass"]
+PARAGRAPH = (
+    "The library opens at nine in the morning and closes at six in the evening. Members may borrow "
+    "up to five books at a time for three weeks. Late returns cost ten cents per day. The reading "
+    "room on the second floor is quiet and has free wireless internet."
+)
+EDITS = [
+    ("nine", "eight"),
+    ("six", "seven"),
+    ("five", "four"),
+    ("three", "two"),
+    ("ten", "twenty"),
+    ("second", "third"),
+    ("morning", "day"),
+    ("books", "items"),
+]
+TOPICS = [
+    "the sky",
+    "sleep",
+    "prime numbers",
+    "cats",
+    "plants",
+    "rain",
+    "copper",
+    "seasons",
+    "volcanoes",
+    "bread",
+    "the moon",
+    "bees",
+    "rivers",
+    "chess",
+    "music",
+    "glass",
+]
 CHAT = [f"{q} {t}." for q in ("Tell me something about", "Write two sentences on") for t in TOPICS]
-AGENT_SYSTEM = ('You are an agent. To use the weather tool reply with only this JSON: {"tool": "get_weather", '
-                '"arguments": {"city": "<city>", "unit": "celsius", "days": 3}}')
+AGENT_SYSTEM = (
+    'You are an agent. To use the weather tool reply with only this JSON: {"tool": "get_weather", '
+    '"arguments": {"city": "<city>", "unit": "celsius", "days": 3}}'
+)
 CITIES = ["Paris", "Berlin", "Madrid", "Rome", "Vienna", "Oslo", "Lisbon", "Prague", "Dublin", "Warsaw"]
 CASES = [("chat", 1), ("chat", 8), ("chat", 32), ("edit", 1), ("edit", 8), ("agent", 1)]
 
@@ -50,8 +78,14 @@ def phase(args) -> dict:
     from engine.model.default_model import default_model_dir
 
     speculative = None if args.phase == "plain" else {"method": args.phase, "num_speculative_tokens": args.k}
-    llm = LLM(default_model_dir(), dtype="bfloat16", kv_cache_memory="768MiB", max_model_len=2048,
-              num_threads=args.threads, speculative=speculative)
+    llm = LLM(
+        default_model_dir(),
+        dtype="bfloat16",
+        kv_cache_memory="768MiB",
+        max_model_len=2048,
+        num_threads=args.threads,
+        speculative=speculative,
+    )
     llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=4))  # warm-up
     out = {}
     for case in args.cases.split(","):
@@ -63,11 +97,14 @@ def phase(args) -> dict:
         else:
             if workload == "chat":
                 prompts = CHAT[:batch]
-                params = [SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95, seed=i)
-                          for i in range(batch)]
+                params = [
+                    SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95, seed=i)
+                    for i in range(batch)
+                ]
             else:
-                prompts = [f"Repeat this text exactly, but replace '{a}' with '{b}':\n\n{PARAGRAPH}"
-                           for a, b in EDITS[:batch]]
+                prompts = [
+                    f"Repeat this text exactly, but replace '{a}' with '{b}':\n\n{PARAGRAPH}" for a, b in EDITS[:batch]
+                ]
                 params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
             outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
             tokens = [o.outputs[0].token_ids for o in outs]
@@ -76,7 +113,8 @@ def phase(args) -> dict:
         stats = llm.engine.make_stats()
         drafts = stats.spec_draft_tokens - before.spec_draft_tokens
         out[f"{workload}/{batch}"] = {
-            "tok_per_s": sum(map(len, tokens)) / elapsed, "tokens": tokens,
+            "tok_per_s": sum(map(len, tokens)) / elapsed,
+            "tokens": tokens,
             "tok_per_cpu_s": sum(map(len, tokens)) / cpu,
             "acceptance": (stats.spec_accepted_tokens - before.spec_accepted_tokens) / drafts if drafts else None,
             "drafted_steps": stats.spec_requests_drafted - before.spec_requests_drafted,
@@ -93,8 +131,11 @@ def agent_loop(llm, params) -> list[list[int]]:
     messages = [{"role": "system", "content": AGENT_SYSTEM}]
     tokens = []
     for turn, city in enumerate(CITIES):
-        ask = f"What is the weather in {city}?" if turn == 0 else (
-            f'Tool result: {{"ok": true, "turn": {turn}}}. Now the weather in {city}, same format.')
+        ask = (
+            f"What is the weather in {city}?"
+            if turn == 0
+            else (f'Tool result: {{"ok": true, "turn": {turn}}}. Now the weather in {city}, same format.')
+        )
         messages.append({"role": "user", "content": ask})
         out = llm.chat([messages], params)[0].outputs[0]
         messages.append({"role": "assistant", "content": out.text})
@@ -108,9 +149,12 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=6, help="num_speculative_tokens")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--methods", default=",".join(METHODS[1:]))
-    parser.add_argument("--plan", default=None,
-                        help="cases per method, e.g. 'auto:chat/1,edit/1;suffix:agent/1' (overrides --methods/--cases; "
-                             "plain runs every case named)")
+    parser.add_argument(
+        "--plan",
+        default=None,
+        help="cases per method, e.g. 'auto:chat/1,edit/1;suffix:agent/1' (overrides --methods/--cases; "
+        "plain runs every case named)",
+    )
     parser.add_argument("--agent-tokens", type=int, default=40)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 on a busy machine)")
     parser.add_argument("--cases", default=",".join(f"{w}/{b}" for w, b in CASES))
@@ -129,24 +173,50 @@ def main() -> None:
     runs = {m: [] for m in methods}
     for r in range(args.rounds):
         for method in methods[:: 1 if r % 2 == 0 else -1]:
-            result = run_phase(__file__, ["--phase", method, "--k", str(args.k), "--max-tokens", str(args.max_tokens),
-                                          "--threads", str(args.threads), "--cases", plan[method],
-                                          "--agent-tokens", str(args.agent_tokens)])
+            result = run_phase(
+                __file__,
+                [
+                    "--phase",
+                    method,
+                    "--k",
+                    str(args.k),
+                    "--max-tokens",
+                    str(args.max_tokens),
+                    "--threads",
+                    str(args.threads),
+                    "--cases",
+                    plan[method],
+                    "--agent-tokens",
+                    str(args.agent_tokens),
+                ],
+            )
             runs[method].append(result)
-            print(f"round {r + 1} {method}: " + ", ".join(
-                f"{case} {v['tok_per_s']:.1f}" + (f" (acc {v['acceptance']:.2f})" if v["acceptance"] is not None else "")
-                for case, v in result.items()), flush=True)
+            print(
+                f"round {r + 1} {method}: "
+                + ", ".join(
+                    f"{case} {v['tok_per_s']:.1f}"
+                    + (f" (acc {v['acceptance']:.2f})" if v["acceptance"] is not None else "")
+                    for case, v in result.items()
+                ),
+                flush=True,
+            )
         for method in methods[1:]:
-            print(f"round {r + 1} ratios {method} (CPU time / wall): " + ", ".join(
-                f"{case} {runs[method][r][case]['tok_per_cpu_s'] / runs['plain'][r][case]['tok_per_cpu_s']:.2f}"
-                f" / {runs[method][r][case]['tok_per_s'] / runs['plain'][r][case]['tok_per_s']:.2f}"
-                for case in runs[method][r]), flush=True)
+            print(
+                f"round {r + 1} ratios {method} (CPU time / wall): "
+                + ", ".join(
+                    f"{case} {runs[method][r][case]['tok_per_cpu_s'] / runs['plain'][r][case]['tok_per_cpu_s']:.2f}"
+                    f" / {runs[method][r][case]['tok_per_s'] / runs['plain'][r][case]['tok_per_s']:.2f}"
+                    for case in runs[method][r]
+                ),
+                flush=True,
+            )
         write_results(args, methods, runs)  # after every round: a cut-short run keeps its rounds
 
 
 def write_results(args, methods: list[str], runs: dict) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, check=False,
-                            text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, check=False, text=True
+    ).stdout.strip()
     summary, rows = {}, []
     for case in runs["plain"][0]:
         plain = [r[case] for r in runs["plain"]]
@@ -161,11 +231,14 @@ def write_results(args, methods: list[str], runs: dict) -> None:
             drafted = sum(s["drafted_steps"] for s in spec)
             skipped = sum(s["skipped_steps"] for s in spec)
             summary[f"{case}/{method}"] = {
-                "speedup_median": statistics.median(ratios), "speedup_per_round": ratios,
-                "cpu_speedup_median": statistics.median(cpu_ratios), "cpu_speedup_per_round": cpu_ratios,
+                "speedup_median": statistics.median(ratios),
+                "speedup_per_round": ratios,
+                "cpu_speedup_median": statistics.median(cpu_ratios),
+                "cpu_speedup_per_round": cpu_ratios,
                 "plain_tok_per_s": statistics.median(p["tok_per_s"] for p in plain),
                 "tok_per_s": statistics.median(s["tok_per_s"] for s in spec),
-                "acceptance": statistics.median(acc) if acc else None, "same_tokens": same,
+                "acceptance": statistics.median(acc) if acc else None,
+                "same_tokens": same,
                 "auto_drafted_share": drafted / (drafted + skipped) if drafted + skipped else None,
                 "suffix_global_tokens": max(s["suffix_global_tokens"] for s in spec),
                 "suffix_global_bytes": max(s["suffix_global_bytes"] for s in spec),
@@ -177,33 +250,57 @@ def write_results(args, methods: list[str], runs: dict) -> None:
                 f"| {case} | {method} | {v['plain_tok_per_s']:.1f} | {v['tok_per_s']:.1f} | "
                 f"**{v['cpu_speedup_median']:.2f}x** ({', '.join(f'{x:.2f}' for x in cpu_ratios)}) | "
                 f"{v['speedup_median']:.2f}x ({', '.join(f'{x:.2f}' for x in ratios)}) | {acc_text} | {share} | "
-                f"{'yes' if same else 'no'} |")
+                f"{'yes' if same else 'no'} |"
+            )
     agent = [summary[f"agent/1/{m}"] for m in methods[1:] if f"agent/1/{m}" in summary and m in ("suffix", "auto")]
-    memory = (f"Global suffix trie after the agent loop (largest over rounds): "
-              f"{agent[0]['suffix_global_tokens']} tokens, {agent[0]['suffix_global_bytes'] / 2**20:.2f} MiB "
-              f"(upper bound; bound set by suffix_global_tokens=16384)") if agent else ""
+    memory = (
+        (
+            f"Global suffix trie after the agent loop (largest over rounds): "
+            f"{agent[0]['suffix_global_tokens']} tokens, {agent[0]['suffix_global_bytes'] / 2**20:.2f} MiB "
+            f"(upper bound; bound set by suffix_global_tokens=16384)"
+        )
+        if agent
+        else ""
+    )
     RESULTS.mkdir(exist_ok=True)
-    meta = {"k": args.k, "max_tokens": args.max_tokens, "rounds": len(runs["plain"]), "commit": commit,
-            "cpu": cpu_description(), "date": time.strftime("%Y-%m-%d %H:%M"),
-            "note": "busy machine (other jobs running; 1-minute load average at the end: "
-                    f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)"}
+    meta = {
+        "k": args.k,
+        "max_tokens": args.max_tokens,
+        "rounds": len(runs["plain"]),
+        "commit": commit,
+        "cpu": cpu_description(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "note": "busy machine (other jobs running; 1-minute load average at the end: "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)",
+    }
     result_path(args.out, "json").write_text(json.dumps({**meta, "cases": summary}, indent=2) + "\n")
-    md = [f"# Speculative decoding: each method vs plain decoding ({len(runs['plain'])} paired rounds)", "",
-          (f"Default model (SmolLM2-135M), bf16, {args.threads} thread(s), num_speculative_tokens={args.k}, up to "
-          f"{args.max_tokens} output tokens (agent: {args.agent_tokens} per turn, 10 turns). chat: sampled (temperature 0.8, "
-          "top_p 0.95, seeded); edit and agent: greedy. Each round runs every method in a fresh process, the "
-          "order flipping every round; the speed-up is the median of the per-round ratios to plain decoding "
-          "in the same round (per-round ratios in brackets), measured both as output tokens per second of the "
-           "process's CPU time (the engine runs on 1 thread: on a machine shared with other jobs this is what "
-           "the method changes) and per second of wall time (which also swings with the other jobs' load). "
-           "auto share: decode steps of a request given "
-          "drafts / all its decode steps. same tokens: greedy output identical to plain in every round "
-          "(bf16: a different batch shape may round differently; sampled chat is not compared)."), "",
-          ("| workload / batch | method | plain tok/s | method tok/s | speed-up, CPU time (per round) | "
-           "speed-up, wall time (per round) | acceptance | auto share | same tokens |"),
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows, "",
-          memory, "",
-          f"CPU: {meta['cpu']}; commit {commit}; {meta['date']}; {meta['note']}."]
+    md = [
+        f"# Speculative decoding: each method vs plain decoding ({len(runs['plain'])} paired rounds)",
+        "",
+        (
+            f"Default model (SmolLM2-135M), bf16, {args.threads} thread(s), num_speculative_tokens={args.k}, up to "
+            f"{args.max_tokens} output tokens (agent: {args.agent_tokens} per turn, 10 turns). chat: sampled (temperature 0.8, "
+            "top_p 0.95, seeded); edit and agent: greedy. Each round runs every method in a fresh process, the "
+            "order flipping every round; the speed-up is the median of the per-round ratios to plain decoding "
+            "in the same round (per-round ratios in brackets), measured both as output tokens per second of the "
+            "process's CPU time (the engine runs on 1 thread: on a machine shared with other jobs this is what "
+            "the method changes) and per second of wall time (which also swings with the other jobs' load). "
+            "auto share: decode steps of a request given "
+            "drafts / all its decode steps. same tokens: greedy output identical to plain in every round "
+            "(bf16: a different batch shape may round differently; sampled chat is not compared)."
+        ),
+        "",
+        (
+            "| workload / batch | method | plain tok/s | method tok/s | speed-up, CPU time (per round) | "
+            "speed-up, wall time (per round) | acceptance | auto share | same tokens |"
+        ),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *rows,
+        "",
+        memory,
+        "",
+        f"CPU: {meta['cpu']}; commit {commit}; {meta['date']}; {meta['note']}.",
+    ]
     result_path(args.out, "md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

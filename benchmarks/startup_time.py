@@ -52,8 +52,9 @@ def pagedserve(checkout: Path) -> list[str]:
 
 def time_prepare(checkout: Path, env: dict[str, str]) -> dict:
     start = time.perf_counter()
-    out = subprocess.run([*pagedserve(checkout), "prepare"], cwd=checkout, env=env,
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [*pagedserve(checkout), "prepare"], cwd=checkout, env=env, capture_output=True, text=True, check=False
+    )
     elapsed = time.perf_counter() - start
     if out.returncode != 0:
         raise RuntimeError(f"pagedserve prepare failed:\n{out.stdout}\n{out.stderr[-4000:]}")
@@ -62,11 +63,20 @@ def time_prepare(checkout: Path, env: dict[str, str]) -> dict:
 
 def time_start(checkout: Path, env: dict[str, str], timeout: float) -> dict:
     """One start: every output line with its time, until the ready line; then SIGTERM."""
-    cmd = [*pagedserve(checkout), "serve", "--models", "default", "--inference-address",
-           "127.0.0.1:0", "--management-address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0"]
+    cmd = [
+        *pagedserve(checkout),
+        "serve",
+        "--models",
+        "default",
+        "--inference-address",
+        "127.0.0.1:0",
+        "--management-address",
+        "127.0.0.1:0",
+        "--metrics-address",
+        "127.0.0.1:0",
+    ]
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[tuple[float, str]] = []
     ready = None
     try:
@@ -87,8 +97,9 @@ def time_start(checkout: Path, env: dict[str, str], timeout: float) -> dict:
             proc.kill()
             proc.communicate()
     if ready is None or "(0 model" in lines[-1][1]:
-        raise RuntimeError("the server did not get ready with its model:\n"
-                           + "\n".join(f"{t:6.2f}s  {text}" for t, text in lines))
+        raise RuntimeError(
+            "the server did not get ready with its model:\n" + "\n".join(f"{t:6.2f}s  {text}" for t, text in lines)
+        )
     return {"ready_s": round(ready, 2), "lines": lines}
 
 
@@ -97,15 +108,18 @@ def compare(args, checkout: Path, env: dict[str, str]) -> dict:
     revs = args.compare
     times: dict[str, list[float]] = {rev: [] for rev in revs}
     for r in range(args.rounds):
-        for rev in (revs if r % 2 == 0 else revs[::-1]):
+        for rev in revs if r % 2 == 0 else revs[::-1]:
             subprocess.run(["git", "-C", str(checkout), "checkout", "-q", rev], check=True)
             print(f"round {r + 1}, {rev}:", flush=True)
             times[rev].append(time_start(checkout, env, args.timeout)["ready_s"])
-        print(f"  round {r + 1}: {revs[1]} / {revs[0]} = {times[revs[1]][-1] / times[revs[0]][-1]:.2f}",
-              flush=True)
+        print(f"  round {r + 1}: {revs[1]} / {revs[0]} = {times[revs[1]][-1] / times[revs[0]][-1]:.2f}", flush=True)
     ratios = [b / a for a, b in zip(times[revs[0]], times[revs[1]])]
-    return {"ready_s": times, "ratios": ratios, "median_ratio": median(ratios),
-            "median_ready_s": {rev: median(t) for rev, t in times.items()}}
+    return {
+        "ready_s": times,
+        "ratios": ratios,
+        "median_ratio": median(ratios),
+        "median_ready_s": {rev: median(t) for rev, t in times.items()},
+    }
 
 
 def main() -> int:
@@ -117,17 +131,25 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--name", default="startup_time", help="results file name (without suffix)")
     ap.add_argument("--cache", type=Path, help="PAGEDSERVE_CACHE_DIR to use (kept); default: the user's")
-    ap.add_argument("--compare", nargs=2, metavar=("REV_A", "REV_B"),
-                    help="paired starts of two revisions of --checkout (a clone: it is checked out)")
+    ap.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("REV_A", "REV_B"),
+        help="paired starts of two revisions of --checkout (a clone: it is checked out)",
+    )
     ap.add_argument("--rounds", type=int, default=5, help="paired rounds of --compare")
     args = ap.parse_args()
     checkout = args.checkout.resolve()
     with tempfile.TemporaryDirectory(prefix="pagedserve-startup-") as tmp:
         cache = Path(tmp) / "cache" if args.fresh_cache else args.cache
         env = environment(checkout, cache)
-        result: dict = {"checkout": str(checkout), "fresh_cache": args.fresh_cache,
-                        "machine": platform.processor() or platform.machine(),
-                        "load_before": os.getloadavg()[0], "starts": []}
+        result: dict = {
+            "checkout": str(checkout),
+            "fresh_cache": args.fresh_cache,
+            "machine": platform.processor() or platform.machine(),
+            "load_before": os.getloadavg()[0],
+            "starts": [],
+        }
         if args.compare:
             result["compare"] = compare(args, checkout, env)
             result["load_after"] = os.getloadavg()[0]
@@ -143,8 +165,14 @@ def main() -> int:
             print(f"start {i + 1}:", flush=True)
             result["starts"].append(time_start(checkout, env, args.timeout))
         result["load_after"] = os.getloadavg()[0]
-    print(json.dumps({"prepare_s": result.get("prepare", {}).get("elapsed_s"),
-                      "ready_s": [s["ready_s"] for s in result["starts"]]}))
+    print(
+        json.dumps(
+            {
+                "prepare_s": result.get("prepare", {}).get("elapsed_s"),
+                "ready_s": [s["ready_s"] for s in result["starts"]],
+            }
+        )
+    )
     RESULTS.mkdir(exist_ok=True)
     result_path(f"{args.name}", "json").write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -27,8 +27,18 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
-PARTS = ("schedule", "prepare inputs", "forward: matmul", "forward: attention", "forward: rest",
-         "logits", "sample", "output processing", "detokenize", "other")
+PARTS = (
+    "schedule",
+    "prepare inputs",
+    "forward: matmul",
+    "forward: attention",
+    "forward: rest",
+    "logits",
+    "sample",
+    "output processing",
+    "detokenize",
+    "other",
+)
 
 
 class StepProfile:
@@ -129,8 +139,7 @@ def format_breakdown(parts: dict[str, float], steps: int, out: Callable[[str], N
     lines = ["| part | s | ms / step | share |", "| --- | --- | --- | --- |"]
     for name in PARTS:
         value = parts[name]
-        lines.append(f"| {name} | {value:.2f} | {1000 * value / max(1, steps):.2f} | "
-                     f"{100 * value / total:.1f} % |")
+        lines.append(f"| {name} | {value:.2f} | {1000 * value / max(1, steps):.2f} | {100 * value / total:.1f} % |")
     lines.append(f"| total ({steps} steps) | {total:.2f} | {1000 * total / max(1, steps):.2f} | 100 % |")
     for line in lines:
         out(line)

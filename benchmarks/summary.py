@@ -20,24 +20,30 @@ RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
 PNG = ROOT / "docs" / "assets" / "benchmarks.png"
 START, END = "<!-- benchmarks-table:start -->", "<!-- benchmarks-table:end -->"
-HEADER = ("| CPU | throughput | vs transformers | batch-1 decode | vs transformers | TTFT 1,000 tokens |\n"
-          "| --- | --- | --- | --- | --- | --- |")
+HEADER = (
+    "| CPU | throughput | vs transformers | batch-1 decode | vs transformers | TTFT 1,000 tokens |\n"
+    "| --- | --- | --- | --- | --- | --- |"
+)
 
 
 def load_runs() -> list[dict]:
     """Every CPU kind's current offline-throughput record, sorted by CPU kind."""
-    return [dict(json.loads(path.read_text()), kind=path.name.split(".")[1])
-            for path in sorted(RESULTS.glob("offline_throughput.*.json"))]
+    return [
+        dict(json.loads(path.read_text()), kind=path.name.split(".")[1])
+        for path in sorted(RESULTS.glob("offline_throughput.*.json"))
+    ]
 
 
 def table(runs: list[dict]) -> str:
     rows = []
     for run in runs:
         ttft = run["ttft_1000_s_median"]["engine"] * 1000
-        rows.append(f"| {run['machine']['cpu']} | {run['engine_tok_per_s_median']:.1f} tok/s "
-                    f"| {run['engine_vs_hf']:.2f}x "
-                    f"| {run['batch1_decode_tok_per_s_median']['engine']:.1f} tok/s "
-                    f"| {run['batch1_decode_vs_hf']:.2f}x | {ttft:.0f} ms ({run['ttft_1000_vs_hf']:.2f}x) |")
+        rows.append(
+            f"| {run['machine']['cpu']} | {run['engine_tok_per_s_median']:.1f} tok/s "
+            f"| {run['engine_vs_hf']:.2f}x "
+            f"| {run['batch1_decode_tok_per_s_median']['engine']:.1f} tok/s "
+            f"| {run['batch1_decode_vs_hf']:.2f}x | {ttft:.0f} ms ({run['ttft_1000_vs_hf']:.2f}x) |"
+        )
     return "\n".join([HEADER, *rows])
 
 
@@ -58,10 +64,11 @@ def plot(runs: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
     labels = [run["kind"] for run in runs]
     for ax, key, title in ((axes[0], "batched", "64 x 200 -> 128 tokens"), (axes[1], "batch1", "batch-1 decode")):
-        engine = [r["engine_tok_per_s_median"] if key == "batched" else r["batch1_decode_tok_per_s_median"]["engine"]
-                  for r in runs]
-        hf = [r["hf_tok_per_s_median"] if key == "batched" else r["batch1_decode_tok_per_s_median"]["hf"]
-              for r in runs]
+        engine = [
+            r["engine_tok_per_s_median"] if key == "batched" else r["batch1_decode_tok_per_s_median"]["engine"]
+            for r in runs
+        ]
+        hf = [r["hf_tok_per_s_median"] if key == "batched" else r["batch1_decode_tok_per_s_median"]["hf"] for r in runs]
         xs = range(len(runs))
         ax.bar([x - 0.2 for x in xs], engine, width=0.4, label="pagedserve")
         ax.bar([x + 0.2 for x in xs], hf, width=0.4, label="transformers")

@@ -30,8 +30,14 @@ def phase(args: argparse.Namespace) -> dict:
     from engine.model.default_model import default_model_dir
 
     start = time.perf_counter()
-    llm = LLM(default_model_dir(), dtype=args.dtype, tensor_parallel_size=args.phase_tp, num_threads=args.threads,
-              kv_cache_memory="256MiB", max_model_len=1024)
+    llm = LLM(
+        default_model_dir(),
+        dtype=args.dtype,
+        tensor_parallel_size=args.phase_tp,
+        num_threads=args.threads,
+        kv_cache_memory="256MiB",
+        max_model_len=1024,
+    )
     load_s = time.perf_counter() - start
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     llm.generate([[11, 12, 13, 14]], SamplingParams(max_tokens=4, temperature=0))  # warm-up
@@ -41,9 +47,13 @@ def phase(args: argparse.Namespace) -> dict:
     elapsed = time.perf_counter() - start
     llm.shutdown()
     tokens = [o.outputs[0].token_ids for o in outputs]
-    return {"tp": args.phase_tp, "load_s": load_s, "elapsed_s": elapsed,
-            "output_tok_s": sum(map(len, tokens)) / elapsed,
-            "outputs_sha256": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()}
+    return {
+        "tp": args.phase_tp,
+        "load_s": load_s,
+        "elapsed_s": elapsed,
+        "output_tok_s": sum(map(len, tokens)) / elapsed,
+        "outputs_sha256": hashlib.sha256(json.dumps(tokens).encode()).hexdigest(),
+    }
 
 
 def main() -> None:
@@ -69,31 +79,66 @@ def main() -> None:
     # from one process to the next, so each phase reads the same prompts from a file.
     prompts_file = RESULTS / f".{args.out}-prompts.json"
     RESULTS.mkdir(exist_ok=True)
-    prompts_file.write_text(json.dumps(make_prompts(load_tokenizer(default_model_dir()), args.num_prompts,
-                                                    args.prompt_len, seed=0)))
-    common = ["--threads", str(args.threads), "--dtype", args.dtype, "--output-len", str(args.output_len),
-              "--prompts", str(prompts_file)]
+    prompts_file.write_text(
+        json.dumps(make_prompts(load_tokenizer(default_model_dir()), args.num_prompts, args.prompt_len, seed=0))
+    )
+    common = [
+        "--threads",
+        str(args.threads),
+        "--dtype",
+        args.dtype,
+        "--output-len",
+        str(args.output_len),
+        "--prompts",
+        str(prompts_file),
+    ]
     rounds = []
     for _ in range(args.rounds):
         one, many = (run_phase(__file__, ["--phase-tp", str(tp), *common]) for tp in (1, args.tp))
-        rounds.append({"tp1": one, f"tp{args.tp}": many, "ratio": many["output_tok_s"] / one["output_tok_s"],
-                       "identical": one["outputs_sha256"] == many["outputs_sha256"]})
+        rounds.append(
+            {
+                "tp1": one,
+                f"tp{args.tp}": many,
+                "ratio": many["output_tok_s"] / one["output_tok_s"],
+                "identical": one["outputs_sha256"] == many["outputs_sha256"],
+            }
+        )
         print(json.dumps(rounds[-1]), flush=True)
     prompts_file.unlink()
-    result = {"cpu": cpu_description(), "load_average": os.getloadavg(), "settings": vars(args) | {"phase_tp": None, "prompts": None},
-              "rounds": rounds, "median_ratio": statistics.median(r["ratio"] for r in rounds),
-              "all_identical": all(r["identical"] for r in rounds)}
+    result = {
+        "cpu": cpu_description(),
+        "load_average": os.getloadavg(),
+        "settings": vars(args) | {"phase_tp": None, "prompts": None},
+        "rounds": rounds,
+        "median_ratio": statistics.median(r["ratio"] for r in rounds),
+        "all_identical": all(r["identical"] for r in rounds),
+    }
     RESULTS.mkdir(exist_ok=True)
     result_path(f"{args.out}", "json").write_text(json.dumps(result, indent=2) + "\n")
-    lines = [f"# Tensor parallelism: TP = {args.tp} vs TP = 1 (offline, default model, {args.dtype})", "",
-             (f"{result['cpu']}; {args.threads} threads per worker (shared among its ranks); load average at the "
-              f"end {result['load_average'][0]:.1f}. {args.num_prompts} prompts x {args.prompt_len} tokens, "
-              f"{args.output_len} greedy output tokens each."), "",
-             f"| round | TP=1 tok/s | TP={args.tp} tok/s | ratio | identical output |", "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {i} | {r['tp1']['output_tok_s']:.1f} | {r[f'tp{args.tp}']['output_tok_s']:.1f} | {r['ratio']:.2f} | "
-              f"{r['identical']} |" for i, r in enumerate(rounds, 1)]
-    lines += ["", (f"Median ratio TP={args.tp} / TP=1: **{result['median_ratio']:.2f}x**; outputs identical in every "
-                   f"round: {result['all_identical']}.")]
+    lines = [
+        f"# Tensor parallelism: TP = {args.tp} vs TP = 1 (offline, default model, {args.dtype})",
+        "",
+        (
+            f"{result['cpu']}; {args.threads} threads per worker (shared among its ranks); load average at the "
+            f"end {result['load_average'][0]:.1f}. {args.num_prompts} prompts x {args.prompt_len} tokens, "
+            f"{args.output_len} greedy output tokens each."
+        ),
+        "",
+        f"| round | TP=1 tok/s | TP={args.tp} tok/s | ratio | identical output |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {i} | {r['tp1']['output_tok_s']:.1f} | {r[f'tp{args.tp}']['output_tok_s']:.1f} | {r['ratio']:.2f} | "
+        f"{r['identical']} |"
+        for i, r in enumerate(rounds, 1)
+    ]
+    lines += [
+        "",
+        (
+            f"Median ratio TP={args.tp} / TP=1: **{result['median_ratio']:.2f}x**; outputs identical in every "
+            f"round: {result['all_identical']}."
+        ),
+    ]
     result_path(f"{args.out}", "md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

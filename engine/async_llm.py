@@ -335,8 +335,13 @@ class AsyncLLM:
             return
         self.dead_reason = reason
         # Stopped on purpose (scale down, unregister, shutdown): not an error.
-        logger.log(logging.INFO if self._closing else logging.ERROR, "%s %s: %s", self.name,
-                   "stopped" if self._closing else "died", reason)
+        logger.log(
+            logging.INFO if self._closing else logging.ERROR,
+            "%s %s: %s",
+            self.name,
+            "stopped" if self._closing else "died",
+            reason,
+        )
         self._fail_all(EngineDeadError(f"{self.name} died: {reason}"))
         if self._sleep_answer is not None and not self._sleep_answer.done():
             self._sleep_answer.set_exception(EngineDeadError(f"{self.name} died: {reason}"))

@@ -40,8 +40,14 @@ class CompileMode(enum.Enum):
 
 
 # dtype names -> torch's attribute name (the canonical name EngineConfig keeps)
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16"}
+_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
 DTypeName = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
 
 MAX_TENSOR_PARALLEL = 64  # ranks of one worker
@@ -50,11 +56,19 @@ SIZE_PATTERN = r"^\s*(\d+(?:\.\d+)?)\s*([KMGTkmgt]i?[Bb]|[Bb])?\s*$"
 _SIZE_RE = re.compile(SIZE_PATTERN)
 _SIZE_UNITS = {
     "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
-Size = Annotated[int, Meta(ge=1)] | Annotated[
-    str, Meta(pattern=SIZE_PATTERN, extra={"expected": "a size such as 2GiB, 512MiB or a byte count"})]
+Size = (
+    Annotated[int, Meta(ge=1)]
+    | Annotated[str, Meta(pattern=SIZE_PATTERN, extra={"expected": "a size such as 2GiB, 512MiB or a byte count"})]
+)
 _Positive = Annotated[int, Meta(ge=1)]
 
 
@@ -176,8 +190,11 @@ class EngineConfig(EngineFields):
             raise SchemaError(f"block_size: must be a power of two, got {self.block_size}", "block_size")
         self._check_tensor_parallel()
         if self.kv_offload is not None and self.kv_offload.chunk_size % self.block_size:
-            raise SchemaError(f"kv_offload.chunk_size: must be a multiple of block_size={self.block_size}, "
-                              f"got {self.kv_offload.chunk_size}", "kv_offload.chunk_size")
+            raise SchemaError(
+                f"kv_offload.chunk_size: must be a multiple of block_size={self.block_size}, "
+                f"got {self.kv_offload.chunk_size}",
+                "kv_offload.chunk_size",
+            )
         if self.speculative is not None:
             from engine.spec_decode.config import SpeculativeConfig
 
@@ -203,22 +220,28 @@ class EngineConfig(EngineFields):
         size = self.tensor_parallel_size
         if size == 1:
             return
-        unsupported = [name for name, on in (
-            ("quantization", self.quantization not in (None, "none")),
-            ("kv_offload", self.kv_offload is not None),
-            ("speculative", self.speculative is not None),
-        ) if on]
+        unsupported = [
+            name
+            for name, on in (
+                ("quantization", self.quantization not in (None, "none")),
+                ("kv_offload", self.kv_offload is not None),
+                ("speculative", self.speculative is not None),
+            )
+            if on
+        ]
         if unsupported:
-            raise SchemaError(f"{unsupported[0]}: is not supported with tensor_parallel_size={size}; "
-                             f"turn it off or use tensor_parallel_size=1", unsupported[0])
+            raise SchemaError(
+                f"{unsupported[0]}: is not supported with tensor_parallel_size={size}; "
+                f"turn it off or use tensor_parallel_size=1",
+                unsupported[0],
+            )
 
     def resolve_max_model_len(self, model_max_positions: int) -> int:
         if self.max_model_len is None:
             return model_max_positions
         if self.max_model_len > model_max_positions:
             raise ValueError(
-                f"max_model_len={self.max_model_len} exceeds the model's "
-                f"max_position_embeddings={model_max_positions}"
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={model_max_positions}"
             )
         return self.max_model_len
 

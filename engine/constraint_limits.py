@@ -42,8 +42,9 @@ def check_constraint_size(params: Any) -> None:
     if params.json is not None:
         depth = _depth(params.json, _JSON_TOKENS, "[{")
         if depth > MAX_SCHEMA_DEPTH:
-            raise ConstraintTooLarge(f"the JSON schema is nested {depth} levels deep; at most "
-                                     f"{MAX_SCHEMA_DEPTH} are allowed")
+            raise ConstraintTooLarge(
+                f"the JSON schema is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed"
+            )
     elif params.regex is not None:
         _check_groups("regex", params.regex, _REGEX_TOKENS)
     elif params.grammar is not None:
@@ -51,15 +52,16 @@ def check_constraint_size(params: Any) -> None:
     elif params.choice is not None:
         total = sum(len(c) for c in params.choice)
         if total > MAX_CHOICE_CHARS:
-            raise ConstraintTooLarge(f"the structured output choices have {total} characters "
-                                     f"together; at most {MAX_CHOICE_CHARS} are allowed")
+            raise ConstraintTooLarge(
+                f"the structured output choices have {total} characters "
+                f"together; at most {MAX_CHOICE_CHARS} are allowed"
+            )
 
 
 def _check_groups(what: str, text: str, tokens: re.Pattern[str]) -> None:
     depth = _depth(text, tokens, "(")
     if depth > MAX_GROUP_DEPTH:
-        raise ConstraintTooLarge(f"the {what} nests groups {depth} deep; at most "
-                                 f"{MAX_GROUP_DEPTH} are allowed")
+        raise ConstraintTooLarge(f"the {what} nests groups {depth} deep; at most {MAX_GROUP_DEPTH} are allowed")
 
 
 def _depth(text: str, tokens: re.Pattern[str], openers: str) -> int:

@@ -108,8 +108,7 @@ class MPClient(EngineCoreClient):
     (ZeroMQ sockets must never be used by two threads at once).
     """
 
-    def __init__(self, config: EngineConfig, name: str = "engine-core",
-                 heartbeat_timeout: float | None = None) -> None:
+    def __init__(self, config: EngineConfig, name: str = "engine-core", heartbeat_timeout: float | None = None) -> None:
         self._ipc_dir = tempfile.mkdtemp(prefix="pagedserve-")
         input_address = f"ipc://{self._ipc_dir}/input"
         output_address = f"ipc://{self._ipc_dir}/output"
@@ -221,9 +220,11 @@ class MPClient(EngineCoreClient):
         if self.heartbeat_timeout is None or silent <= self.heartbeat_timeout:
             return
         self.process.kill()  # SIGKILL ends a stopped process too; its pid stays ours until joined
-        raise EngineStalledError(f"worker {self.pid} sent nothing for {silent:.1f} s "
-                                 f"(worker_heartbeat_timeout {self.heartbeat_timeout:g} s): "
-                                 "stalled, killed")
+        raise EngineStalledError(
+            f"worker {self.pid} sent nothing for {silent:.1f} s "
+            f"(worker_heartbeat_timeout {self.heartbeat_timeout:g} s): "
+            "stalled, killed"
+        )
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the worker to exit; SIGKILL it after `timeout`. Idempotent."""

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.pooling import PoolingParams
 from engine.lora.request import LoRARequest
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams, TokenId
 from engine.scheduler.output import EngineCoreOutput
 from engine.scheduler.stats import SchedulerStats

@@ -234,8 +234,9 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         start = time.perf_counter()
         logger.info("loading %s (%s threads)", config.model, config.num_threads or "default")
         core = EngineCore(config)
-        logger.info("ready: model loaded in %.1f s, %d KV blocks", time.perf_counter() - start,
-                    core.kv_manager.pool.num_blocks)
+        logger.info(
+            "ready: model loaded in %.1f s, %d KV blocks", time.perf_counter() - start, core.kv_manager.pool.num_blocks
+        )
         proc.outputs.put(
             EngineInfo(
                 pid=os.getpid(),

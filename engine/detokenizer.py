@@ -148,9 +148,7 @@ class IncrementalDetokenizer:
         prefix_text = self._decode_ids(seq[state.prefix_offset : state.read_offset])
         full_text = self._decode_ids(seq[state.prefix_offset :])
         # An incomplete UTF-8 sequence at the end decodes to U+FFFD: wait for more tokens.
-        if len(full_text) <= len(prefix_text) or (
-            full_text.endswith(_REPLACEMENT_CHAR) and not flush
-        ):
+        if len(full_text) <= len(prefix_text) or (full_text.endswith(_REPLACEMENT_CHAR) and not flush):
             return
         state.text += full_text[len(prefix_text) :]
         state.prefix_offset = state.read_offset

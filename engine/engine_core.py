@@ -59,9 +59,7 @@ class EngineCore:
         self.model_dir = model_dir
         self.hf_config = json.loads((model_dir / "config.json").read_text())
         self.vocab_size = int(self.hf_config["vocab_size"])
-        self.max_model_len = config.resolve_max_model_len(
-            int(self.hf_config.get("max_position_embeddings", 2048))
-        )
+        self.max_model_len = config.resolve_max_model_len(int(self.hf_config.get("max_position_embeddings", 2048)))
         self.eos_token_ids = read_eos_token_ids(model_dir, self.hf_config)
         self.sleeping = False
         self.runner = ModelRunner(config, str(model_dir), self.hf_config, self.eos_token_ids, self.max_model_len)
@@ -90,7 +88,9 @@ class EngineCore:
             from engine.kv_offload.manager import KVOffloadManager, model_fingerprint
 
             self.kv_offload = KVOffloadManager(
-                config.kv_offload_config, self.runner.kv_caches, config.block_size,
+                config.kv_offload_config,
+                self.runner.kv_caches,
+                config.block_size,
                 model_fingerprint(model_dir, config.torch_dtype, config.kv_cache_dtype),
             )
         self.structured_output = StructuredOutputManager(str(model_dir), self.vocab_size, self.eos_token_ids)
@@ -100,13 +100,16 @@ class EngineCore:
         # Async scheduling: drafts depend on the previous step's tokens, the offload tiers store
         # what a step computed, and tensor-parallel ranks are driven from the engine's thread:
         # with any of them the engine stays synchronous.
-        self.async_scheduling = (config.async_scheduling and self.drafter is None and self.kv_offload is None
-                                 and self.runner.tp is None)
+        self.async_scheduling = (
+            config.async_scheduling and self.drafter is None and self.kv_offload is None and self.runner.tp is None
+        )
         if config.async_scheduling and not self.async_scheduling:
-            logger.info("async_scheduling is off: speculative decoding, KV offload and tensor "
-                        "parallelism run synchronously")
-        self._forward_thread = (ThreadPoolExecutor(1, thread_name_prefix="engine-forward")
-                                if self.async_scheduling else None)
+            logger.info(
+                "async_scheduling is off: speculative decoding, KV offload and tensor parallelism run synchronously"
+            )
+        self._forward_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="engine-forward") if self.async_scheduling else None
+        )
         self._in_flight: tuple[SchedulerOutput, PreparedStep, Future[ModelRunnerOutput]] | None = None
         # Unfinished requests that make a step synchronous (grammar, LoRA adapter, pooling).
         self._sync_only: set[str] = set()
@@ -161,8 +164,9 @@ class EngineCore:
         and allocate a fresh KV pool; the prefix cache starts empty (its blocks are gone)."""
         if not self.sleeping:
             return
-        self.runner = ModelRunner(self.config, str(self.model_dir), self.hf_config,
-                                  self.eos_token_ids, self.max_model_len)
+        self.runner = ModelRunner(
+            self.config, str(self.model_dir), self.hf_config, self.eos_token_ids, self.max_model_len
+        )
         self.kv_manager = self._new_kv_manager()
         self.scheduler = self._new_scheduler()
         self.sleeping = False
@@ -182,8 +186,11 @@ class EngineCore:
             request.lora_id = self.runner.lora.load(request.lora).key
         request.eos_token_ids = self.eos_token_ids
         self.scheduler.add_request(request)
-        if (request.sampling_params.structured_outputs is not None or request.lora is not None
-                or request.pooling_params is not None):
+        if (
+            request.sampling_params.structured_outputs is not None
+            or request.lora is not None
+            or request.pooling_params is not None
+        ):
             self._sync_only.add(request.request_id)
         self.structured_output.add_request(request)
         if request.grammar is not None:
@@ -315,8 +322,9 @@ class EngineCore:
             elif request.grammar.error is not None:
                 del self._compiling[req_id]
                 self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
-                outputs.append(EngineCoreOutput(req_id, [], finish_reason=FinishReason.ABORT,
-                                                error=request.grammar.error))
+                outputs.append(
+                    EngineCoreOutput(req_id, [], finish_reason=FinishReason.ABORT, error=request.grammar.error)
+                )
         return outputs
 
     def _add_grammar_bitmask(self, so: SchedulerOutput) -> None:
@@ -325,8 +333,12 @@ class EngineCore:
         if not self.structured_output.in_use:
             return  # no constrained request yet: nothing to look at on this hot path
         requests, spec = self.scheduler.requests, so.scheduled_spec_tokens
-        sampling = [(requests[r], spec.get(r, [])) for r in so.num_scheduled_tokens if requests[r].grammar is not None
-                    and requests[r].num_computed_tokens == requests[r].num_tokens + len(spec.get(r, ()))]
+        sampling = [
+            (requests[r], spec.get(r, []))
+            for r in so.num_scheduled_tokens
+            if requests[r].grammar is not None
+            and requests[r].num_computed_tokens == requests[r].num_tokens + len(spec.get(r, ()))
+        ]
         made = self.structured_output.bitmask(sampling)
         if made is not None:
             so.grammar_bitmask, so.grammar_rows = made

@@ -179,9 +179,15 @@ class InputBatch:
         block_tables = self.block_table[rows, :max_blocks]
         block_tables[np.arange(max_blocks)[None, :] >= num_blocks[:, None]] = 0  # stale ids of old rows
         return StepInputs(
-            req_ids=list(req_ids), rows=rows, query_lens=num_scheduled, query_start_loc=query_start,
-            seq_lens=seq_lens_out, positions=positions, slot_mapping=slots,
-            block_tables=block_tables, input_ids=buf.input_ids[:total],
+            req_ids=list(req_ids),
+            rows=rows,
+            query_lens=num_scheduled,
+            query_start_loc=query_start,
+            seq_lens=seq_lens_out,
+            positions=positions,
+            slot_mapping=slots,
+            block_tables=block_tables,
+            input_ids=buf.input_ids[:total],
             token_index=token_index,
         )
 

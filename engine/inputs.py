@@ -80,10 +80,12 @@ def render_prompt(tokenizer: Any, spec: PromptSpec) -> tuple[str | None, list[in
         import jinja2  # transformers' chat templates are jinja2; imported with them
 
         if not getattr(tokenizer, "chat_template", None):
-            raise InvalidInput("the model has no chat template (a base model): send a plain prompt "
-                               "(completions), or register the model with a chat template "
-                               "(POST /models ... chat_template=..., or chat_template.jinja in its archive)",
-                               "messages")
+            raise InvalidInput(
+                "the model has no chat template (a base model): send a plain prompt "
+                "(completions), or register the model with a chat template "
+                "(POST /models ... chat_template=..., or chat_template.jinja in its archive)",
+                "messages",
+            )
         try:
             extra = {} if spec.tools is None else {"tools": spec.tools}
             text = tokenizer.apply_chat_template(
@@ -115,8 +117,9 @@ def validate_input(token_ids: list[int], params: SamplingParams, limits: InputLi
     if bad:
         raise InvalidInput(f"token ids out of range [0, {vocab_size}): {bad[:5]}", "prompt")
     if params.logit_bias and max(params.logit_bias) >= vocab_size:
-        raise InvalidInput(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary "
-                           f"[0, {vocab_size})", "logit_bias")
+        raise InvalidInput(
+            f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab_size})", "logit_bias"
+        )
     n, max_len = len(token_ids), limits.max_model_len
     if n >= max_len:
         raise InvalidInput(
@@ -131,8 +134,9 @@ def validate_input(token_ids: list[int], params: SamplingParams, limits: InputLi
         )
 
 
-def prepare_input(tokenizer: Any, spec: PromptSpec, params: SamplingParams, limits: InputLimits,
-                  pooling: PoolingParams | None = None) -> EngineInput:
+def prepare_input(
+    tokenizer: Any, spec: PromptSpec, params: SamplingParams, limits: InputLimits, pooling: PoolingParams | None = None
+) -> EngineInput:
     """Parse the structured-output constraint (if any), render and validate one request (with
     `pooling`: a pooling request, see engine.pooling). CPU-bound (a big JSON schema takes
     milliseconds): the server runs it in a thread."""

@@ -64,13 +64,18 @@ class LLM:
         """
         return self._prepare_and_run(_specs(prompts), sampling_params, priority, lora)
 
-    def embed(self, prompts: PromptType | Sequence[PromptType], pooling: PoolingParams | None = None,
-              ) -> list[list[float]]:
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling: PoolingParams | None = None,
+    ) -> list[list[float]]:
         """Each prompt's embedding (engine.pooling: the last token's final hidden state,
         L2-normalised by default), in prompt order."""
         pooling = pooling or PoolingParams()
-        inputs = [prepare_input(self.tokenizer, spec, pooling_sampling_params(), self.engine.input_limits, pooling)
-                  for spec in _specs(prompts)]
+        inputs = [
+            prepare_input(self.tokenizer, spec, pooling_sampling_params(), self.engine.input_limits, pooling)
+            for spec in _specs(prompts)
+        ]
         return [out.outputs[0].embedding for out in self.run(inputs)]
 
     def chat(
@@ -120,8 +125,13 @@ class LLM:
             raise
         return [finished[r] for r in order]
 
-    def _prepare_and_run(self, specs: list[PromptSpec], params, priority: Sequence[int] | None = None,
-                         lora: LoRAType | Sequence[LoRAType] = None) -> list[RequestOutput]:
+    def _prepare_and_run(
+        self,
+        specs: list[PromptSpec],
+        params,
+        priority: Sequence[int] | None = None,
+        lora: LoRAType | Sequence[LoRAType] = None,
+    ) -> list[RequestOutput]:
         # Prepare everything before submitting anything: a bad prompt or adapter leaves the engine untouched.
         inputs = [self.prepare(spec, p) for spec, p in zip(specs, _params_list(params, len(specs)))]
         for inp, ref in zip(inputs, _lora_list(lora, len(specs))):
@@ -146,8 +156,9 @@ def _lora_list(lora, n: int) -> list[LoRARequest | None]:
     lora = list(lora)
     if len(lora) != n:
         raise ValueError(f"got {len(lora)} LoRA adapters for {n} prompts")
-    return [ref if ref is None or isinstance(ref, LoRARequest) else LoRARequest(Path(ref).name, str(ref))
-            for ref in lora]
+    return [
+        ref if ref is None or isinstance(ref, LoRARequest) else LoRARequest(Path(ref).name, str(ref)) for ref in lora
+    ]
 
 
 def _params_list(params, n: int) -> list[SamplingParams]:

@@ -8,24 +8,18 @@ from __future__ import annotations
 import torch
 
 
-def apply_min_tokens(
-    logits: torch.Tensor, suppress: dict[int, list[int]] | None
-) -> torch.Tensor:
+def apply_min_tokens(logits: torch.Tensor, suppress: dict[int, list[int]] | None) -> torch.Tensor:
     """Set logits[row, token] = -inf for each row's suppressed tokens (EOS / stop ids)."""
     if not suppress:
         return logits
     rows = [row for row, ids in suppress.items() for _ in ids]
     cols = [tok for ids in suppress.values() for tok in ids]
     out = logits.clone()
-    out[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = (
-        float("-inf")
-    )
+    out[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
     return out
 
 
-def apply_logit_bias(
-    logits: torch.Tensor, bias: dict[int, dict[int, float]] | None
-) -> torch.Tensor:
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, dict[int, float]] | None) -> torch.Tensor:
     """Add each row's bias to its tokens' logits: {row: {token id: bias}} (OpenAI's logit_bias;
     ids are inside the vocabulary, checked where the request entered)."""
     if not bias:
@@ -67,8 +61,6 @@ def apply_penalties(
 
 def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[N, L] ids padded with vocab_size -> [N, vocab_size] float32 occurrence counts."""
-    counts = torch.zeros(
-        token_ids.shape[0], vocab_size + 1, dtype=torch.float32, device=token_ids.device
-    )
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.float32, device=token_ids.device)
     counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.float32))
     return counts[:, :vocab_size]

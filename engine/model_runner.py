@@ -96,8 +96,13 @@ class ModelRunner:
             self.model = self.tp = TensorParallelModel(config, model_dir, self.backend, max_model_len, quant)
         else:
             self.model = load_model(
-                model_dir, self.dtype, self.device, self.backend,
-                max_model_len=max_model_len, fused_ops=select_fused_ops(self.device, self.dtype), quant=quant,
+                model_dir,
+                self.dtype,
+                self.device,
+                self.backend,
+                max_model_len=max_model_len,
+                fused_ops=select_fused_ops(self.device, self.dtype),
+                quant=quant,
                 pack_linear=not buckets,
             )
         # The KV heads of this process (a tensor-parallel rank's share); the budget is the worker's.
@@ -105,12 +110,16 @@ class ModelRunner:
         # A draft model (speculative method "draft") has a pool of as many blocks of its own:
         # the budget pays for both.
         spec = config.speculative_config
-        self.draft_bytes_per_block = 0 if spec is None or spec.draft_model is None else \
-            draft_kv_bytes_per_block(spec.draft_model, self.block_size, self.dtype)
+        self.draft_bytes_per_block = (
+            0
+            if spec is None or spec.draft_model is None
+            else draft_kv_bytes_per_block(spec.draft_model, self.block_size, self.dtype)
+        )
         if self.draft_bytes_per_block:
             self.num_blocks = config.resolve_num_blocks(self.bytes_per_block + self.draft_bytes_per_block)
-        self.kv_caches = allocate_kv_caches(self.model.rank_spec, self.num_blocks, self.block_size, self.dtype,
-                                            self.device, self.kv_dtype)
+        self.kv_caches = allocate_kv_caches(
+            self.model.rank_spec, self.num_blocks, self.block_size, self.dtype, self.device, self.kv_dtype
+        )
         # torch.compile'd forward for the steps it covers (config.compile), compiled here, before ready.
         self.compiled = compiled_forward_for(config, self.model, self.backend, self.kv_caches, buckets)
         self.sampler = Sampler()
@@ -118,8 +127,9 @@ class ModelRunner:
         self.lora = self._lora_manager(config)
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}  # seeded requests, until they finish
-        self.input_batch = InputBatch(config.max_num_seqs, max_model_len, config.max_num_batched_tokens,
-                                      self.block_size)
+        self.input_batch = InputBatch(
+            config.max_num_seqs, max_model_len, config.max_num_batched_tokens, self.block_size
+        )
         # Requests whose token the step launched last is sampling (async scheduling: it runs
         # while the next step is prepared, so that token is not in the batch yet).
         self._pending: set[str] = set()
@@ -132,10 +142,12 @@ class ModelRunner:
 
             return LoRAUnsupported(lora_refusal(self.tp.size))
         if self.model.spec.moe is not None:
-            return LoRAUnsupported(f"lora: LoRA adapters are not supported for mixture-of-experts models "
-                                   f"({self.model.spec.architecture})")
-        return LoRAManager(lora_shapes(self.model.spec), config.max_loras, config.max_lora_rank,
-                           self.dtype, self.device)
+            return LoRAUnsupported(
+                f"lora: LoRA adapters are not supported for mixture-of-experts models ({self.model.spec.architecture})"
+            )
+        return LoRAManager(
+            lora_shapes(self.model.spec), config.max_loras, config.max_lora_rank, self.dtype, self.device
+        )
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks this runner started (none without). Idempotent."""
@@ -162,8 +174,12 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed)
                 self.generators[new.req_id] = generator
             self.requests[new.req_id] = CachedRequestState(
-                new.req_id, new.token_ids[: new.num_prompt_tokens], new.token_ids[new.num_prompt_tokens :],
-                params, generator, pooling_params=new.pooling_params,
+                new.req_id,
+                new.token_ids[: new.num_prompt_tokens],
+                new.token_ids[new.num_prompt_tokens :],
+                params,
+                generator,
+                pooling_params=new.pooling_params,
                 lora=None if new.lora is None else self.lora.load(new.lora),
             )
             batch.add_request(new.req_id, new.token_ids, new.num_computed_tokens, new.block_ids)
@@ -206,8 +222,9 @@ class ModelRunner:
         it on another thread while the next step is prepared)."""
         so, sample_rows, sample_ids, spec_ids = step.so, step.sample_rows, step.sample_ids, step.spec_ids
         compiled = self.compiled is not None and self.compiled.covers(len(step.input_ids), step.lora)
-        hidden = (self.compiled if compiled else self.model)(step.input_ids, step.positions, self.kv_caches,
-                                                             step.meta, step.lora)
+        hidden = (self.compiled if compiled else self.model)(
+            step.input_ids, step.positions, self.kv_caches, step.meta, step.lora
+        )
         result = ModelRunnerOutput({})
         if any(step.states[r].pooling_params is not None for r in sample_ids):
             sample_rows, sample_ids = self._pool(hidden, step, result)
@@ -216,7 +233,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_rows])
         if spec_ids:
             # Rows [len(sample_ids), ...): k + 1 rows per drafted request, in spec_ids order.
-            self._verify_drafts(logits[len(sample_ids):], step, result)
+            self._verify_drafts(logits[len(sample_ids) :], step, result)
             logits = logits[: len(sample_ids)]
         if not sample_ids:
             return result
@@ -258,8 +275,9 @@ class ModelRunner:
                 batch.append_tokens(row, tokens)
         self._pending.clear()
 
-    def _pool(self, hidden: torch.Tensor, step: PreparedStep,
-              result: ModelRunnerOutput) -> tuple[torch.Tensor, list[str]]:
+    def _pool(
+        self, hidden: torch.Tensor, step: PreparedStep, result: ModelRunnerOutput
+    ) -> tuple[torch.Tensor, list[str]]:
         """Pool the last prompt row of each pooling request among the step's sampling requests
         into `result`; returns the rows and ids left to sample (the spec rows after them unchanged)."""
         rows, req_ids = step.sample_rows, step.sample_ids
@@ -289,12 +307,18 @@ class ModelRunner:
                 rows = rows.clone()
                 apply_bitmask(rows, step.so.grammar_bitmask[first : first + k + 1], list(range(k + 1)))
             if params.sampling_type is SamplingType.GREEDY:
-                greedy = (rows.max(dim=-1).indices.tolist() if params.logit_bias or masked
-                          else argmax[row : row + k + 1])
+                greedy = rows.max(dim=-1).indices.tolist() if params.logit_bias or masked else argmax[row : row + k + 1]
                 tokens = verify_greedy(greedy, drafts[req_id])
             else:
-                meta = SamplingMetadata.build([params] * (k + 1), [()] * (k + 1), [()] * (k + 1),
-                                              [None] * (k + 1), self.eos_token_ids, self.vocab_size, self.device)
+                meta = SamplingMetadata.build(
+                    [params] * (k + 1),
+                    [()] * (k + 1),
+                    [()] * (k + 1),
+                    [None] * (k + 1),
+                    self.eos_token_ids,
+                    self.vocab_size,
+                    self.device,
+                )
                 tokens = rejection_sample(processed_probs(rows.float(), meta), drafts[req_id], state.generator)
             row += k + 1
             result.sampled_token_ids[req_id] = tokens
@@ -353,7 +377,13 @@ class ModelRunner:
         states = {r: self.requests[r] for r in req_ids}
         lora = self.lora.build_batch([states[r].lora for r in req_ids], query_lens)
         return PreparedStep(
-            so, inputs, meta, torch.from_numpy(inputs.positions).to(dev),
+            so,
+            inputs,
+            meta,
+            torch.from_numpy(inputs.positions).to(dev),
             torch.tensor(sample_rows + spec_rows, dtype=torch.int64, device=dev),
-            [r for r, s in zip(req_ids, samples.tolist()) if s], spec_ids, states, lora,
+            [r for r, s in zip(req_ids, samples.tolist()) if s],
+            spec_ids,
+            states,
+            lora,
         )

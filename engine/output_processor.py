@@ -44,8 +44,9 @@ class OutputProcessor:
         self._children: dict[str, tuple[str, _ChildState]] = {}
         self._parents: dict[str, _ParentState] = {}
 
-    def add_request(self, request_id: str, inp: EngineInput, *, priority: int = 0,
-                    arrival_time: float | None = None) -> list[EngineCoreRequest]:
+    def add_request(
+        self, request_id: str, inp: EngineInput, *, priority: int = 0, arrival_time: float | None = None
+    ) -> list[EngineCoreRequest]:
         """Register a request and fan it out: returns the engine requests to submit, one per
         child of an n-way request (one request, under `request_id` itself, when n == 1)."""
         if request_id in self._parents:
@@ -54,9 +55,12 @@ class OutputProcessor:
         out = RequestOutput(request_id, inp.prompt, list(inp.token_ids), [])
         requests = []
         for i in range(params.n):
-            completion = CompletionOutput(index=i, text="", token_ids=[], logprobs=[] if params.logprobs is not None else None)
+            completion = CompletionOutput(
+                index=i, text="", token_ids=[], logprobs=[] if params.logprobs is not None else None
+            )
             detok = IncrementalDetokenizer(
-                self.tokenizer, inp.token_ids,
+                self.tokenizer,
+                inp.token_ids,
                 skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
@@ -64,9 +68,18 @@ class OutputProcessor:
             out.outputs.append(completion)
             child_id = child_request_id(request_id, i) if params.n > 1 else request_id
             self._children[child_id] = (request_id, _ChildState(i, detok, completion))
-            requests.append(EngineCoreRequest(child_id, list(inp.token_ids), child_sampling_params(params, i),
-                                              priority, arrival_time, cache_salt=inp.cache_salt,
-                                              pooling_params=inp.pooling, lora=inp.lora))
+            requests.append(
+                EngineCoreRequest(
+                    child_id,
+                    list(inp.token_ids),
+                    child_sampling_params(params, i),
+                    priority,
+                    arrival_time,
+                    cache_salt=inp.cache_salt,
+                    pooling_params=inp.pooling,
+                    lora=inp.lora,
+                )
+            )
         self._parents[request_id] = _ParentState(out, params.n)
         return requests
 

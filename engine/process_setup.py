@@ -21,9 +21,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
 
-def tune_glibc_malloc(
-    mmap_threshold: int = 32 * 1024 * 1024, trim_threshold: int = 16 * 1024**3
-) -> bool:
+def tune_glibc_malloc(mmap_threshold: int = 32 * 1024 * 1024, trim_threshold: int = 16 * 1024**3) -> bool:
     """Keep large temporaries on the heap instead of mmap/munmap + page faults on every call.
 
     Same effect as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ in the environment; both must
@@ -38,9 +36,7 @@ def tune_glibc_malloc(
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, trim_threshold)
-    )
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
 
 
 def rank_threads(num_threads: int, size: int) -> int:

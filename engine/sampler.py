@@ -40,8 +40,13 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {meta.num_rows} rows")
         if not logits.is_floating_point():
             raise ValueError(f"logits must be floating point, got {logits.dtype}")
-        if (meta.all_greedy and meta.max_num_logprobs is None and not meta.min_tokens_suppress
-                and meta.logit_bias is None and meta.no_penalties):
+        if (
+            meta.all_greedy
+            and meta.max_num_logprobs is None
+            and not meta.min_tokens_suppress
+            and meta.logit_bias is None
+            and meta.no_penalties
+        ):
             return SamplerOutput(sampled_token_ids=logits.max(dim=-1).indices, logprobs=None)
         logits = logits.float()
         raw_logprobs = None
@@ -93,9 +98,7 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Keep each row's k best tokens (ties with the k-th kept), then its smallest nucleus of
     probability >= p (the most likely token always survives)."""
     if top_p is None:

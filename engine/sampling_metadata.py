@@ -94,9 +94,7 @@ class SamplingMetadata:
                 top_p = _f32([p.top_p if r else 1.0 for p, r in rand], device)
             if any(r and p.min_p > 0.0 for p, r in rand):
                 min_p = _f32([p.min_p if r else 0.0 for p, r in rand], device)
-            row_generators = {
-                i: gen for i, gen in enumerate(generators) if gen is not None and not greedy[i]
-            }
+            row_generators = {i: gen for i, gen in enumerate(generators) if gen is not None and not greedy[i]}
 
         presence = frequency = repetition = prompt_ids = output_ids = None
         penalized = [p.has_penalties for p in params]
@@ -104,10 +102,8 @@ class SamplingMetadata:
             presence = _f32([p.presence_penalty for p in params], device)
             frequency = _f32([p.frequency_penalty for p in params], device)
             repetition = _f32([p.repetition_penalty for p in params], device)
-            prompt_ids = _pad([t if k else () for t, k in zip(prompt_token_ids, penalized)],
-                              vocab_size, device)
-            output_ids = _pad([t if k else () for t, k in zip(output_token_ids, penalized)],
-                              vocab_size, device)
+            prompt_ids = _pad([t if k else () for t, k in zip(prompt_token_ids, penalized)], vocab_size, device)
+            output_ids = _pad([t if k else () for t, k in zip(output_token_ids, penalized)], vocab_size, device)
 
         suppress = None
         if any(p.min_tokens for p in params):
@@ -154,6 +150,6 @@ def _f32(values: list[float], device: torch.device | str) -> torch.Tensor:
 def _pad(rows: list[Sequence[int]], pad: int, device: torch.device | str) -> torch.Tensor:
     """[N, longest] int64, short rows filled with `pad` (an id past the vocabulary)."""
     width = max(len(r) for r in rows)
-    return torch.tensor(
-        [[*r, *([pad] * (width - len(r)))] for r in rows], dtype=torch.int64, device=device
-    ).reshape(len(rows), width)
+    return torch.tensor([[*r, *([pad] * (width - len(r)))] for r in rows], dtype=torch.int64, device=device).reshape(
+        len(rows), width
+    )

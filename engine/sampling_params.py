@@ -71,8 +71,10 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True):
     # vLLM's name and fields).
     structured_outputs: StructuredOutputsParams | None = None
     # Token id -> a bias added to its logit before sampling (OpenAI's logit_bias).
-    logit_bias: Annotated[dict[TokenId, Annotated[float, Meta(ge=-MAX_BIAS, le=MAX_BIAS)]],
-                          Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    logit_bias: (
+        Annotated[dict[TokenId, Annotated[float, Meta(ge=-MAX_BIAS, le=MAX_BIAS)]], Meta(max_length=MAX_LOGIT_BIAS)]
+        | None
+    ) = None
 
 
 class SamplingParams(_SamplingFields):
@@ -89,8 +91,9 @@ class SamplingParams(_SamplingFields):
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             raise SchemaError(f"seed: must be >= -2^63 and < 2^64, got {self.seed}", "seed")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise SchemaError(f"min_tokens: must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
-                              "min_tokens")
+            raise SchemaError(
+                f"min_tokens: must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}", "min_tokens"
+            )
         if self.structured_outputs is not None and self.min_tokens:
             # A complete grammar allows only the stop token, which min_tokens would forbid.
             raise SchemaError("min_tokens: cannot be combined with structured output", "min_tokens")
@@ -101,11 +104,7 @@ class SamplingParams(_SamplingFields):
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0
-            or self.frequency_penalty != 0
-            or self.repetition_penalty != 1
-        )
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 def child_seed(seed: int | None, index: int) -> int | None:

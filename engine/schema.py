@@ -29,8 +29,15 @@ _ENUM = re.compile(r"^Invalid enum value ")
 _REGEX = re.compile(r"^Expected `str` matching regex '(?P<regex>.*)'$", re.DOTALL)
 _NAMED = re.compile(r"^(?P<name>[A-Za-z_][\w.\[\]]*): (?P<rest>.*)$", re.DOTALL)
 _PATH_PART = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
-_KINDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
-          "array": "a list", "object": "an object", "null": "null"}
+_KINDS = {
+    "int": "an integer",
+    "float": "a number",
+    "str": "a string",
+    "bool": "true or false",
+    "array": "a list",
+    "object": "an object",
+    "null": "null",
+}
 _LENGTH_WORDS = {"str": "characters", "array": "items", "object": "keys"}
 _SIZE_WORDS = {">=": "at least", "<=": "at most"}
 MAX_SHOWN = 60  # characters of a refused value quoted back
@@ -108,7 +115,7 @@ def show(value: Any) -> str:
         text = json.dumps(value, ensure_ascii=True, default=repr)
     except (TypeError, ValueError):
         text = repr(value)
-    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."
+    return text if len(text) <= MAX_SHOWN else text[: MAX_SHOWN - 3] + "..."
 
 
 _MISSING_VALUE = object()
@@ -168,8 +175,15 @@ def _expected(schema: Any, path: str) -> str | None:
     return None
 
 
-def _unwrap(info: Any, want: tuple = (msgspec.inspect.StructType, msgspec.inspect.DataclassType,
-                                      msgspec.inspect.DictType, msgspec.inspect.ListType)) -> Any:
+def _unwrap(
+    info: Any,
+    want: tuple = (
+        msgspec.inspect.StructType,
+        msgspec.inspect.DataclassType,
+        msgspec.inspect.DictType,
+        msgspec.inspect.ListType,
+    ),
+) -> Any:
     """The member of a union (`X | None`) of the kind wanted."""
     if isinstance(info, msgspec.inspect.UnionType):
         return next((t for t in info.types if isinstance(t, want)), info)

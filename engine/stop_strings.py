@@ -61,7 +61,7 @@ class StopStrings:
         end = len(text)
         # The leftmost candidate that works gives the longest suffix.
         for match in self._starts.finditer(text, max(0, end - self.max_len + 1)):
-            if self._is_proper_prefix(text[match.start():]):
+            if self._is_proper_prefix(text[match.start() :]):
                 return end - match.start()
         return 0
 

@@ -35,6 +35,7 @@ class Request(Protocol):
     sampling_params: _Params
     grammar: GrammarState | None
 
+
 COMPILE_TIMEOUT_S = 30.0
 ANY_OBJECT_SCHEMA = '{"type": "object"}'
 
@@ -108,8 +109,9 @@ class StructuredOutputManager:
     """Compiles grammars on one background thread (tokenizer info built on first use) and
     fills the step's bitmask. Lives in the engine core; one per engine."""
 
-    def __init__(self, model_dir: str, vocab_size: int, stop_token_ids: frozenset[int],
-                 timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+    def __init__(
+        self, model_dir: str, vocab_size: int, stop_token_ids: frozenset[int], timeout_s: float = COMPILE_TIMEOUT_S
+    ) -> None:
         self.model_dir = model_dir
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
@@ -146,7 +148,8 @@ class StructuredOutputManager:
                 xgr = xgrammar_module()
                 tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
                 info = xgr.TokenizerInfo.from_huggingface(
-                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None)
+                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
+                )
                 # One thread: the engine's matmuls own the cores.
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             return self._compiler

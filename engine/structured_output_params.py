@@ -49,12 +49,15 @@ class StructuredOutputsParams(_ConstraintFields):
         if self.json_object:
             given.append("json_object")
         if len(given) != 1:
-            raise SchemaError("give exactly one of json, json_object, regex, choice or grammar; "
-                             f"got {', '.join(given) or 'none'}")
+            raise SchemaError(
+                f"give exactly one of json, json_object, regex, choice or grammar; got {', '.join(given) or 'none'}"
+            )
         if self.json is not None:
             if len(self.json) > MAX_CONSTRAINT_CHARS:
-                raise SchemaError(f"json: must be at most {MAX_CONSTRAINT_CHARS} characters long as JSON text, "
-                                  f"got {len(self.json)}", "json")
+                raise SchemaError(
+                    f"json: must be at most {MAX_CONSTRAINT_CHARS} characters long as JSON text, got {len(self.json)}",
+                    "json",
+                )
             try:
                 schema = json.loads(self.json)
             except json.JSONDecodeError as exc:

@@ -46,16 +46,20 @@ def load_custom_handler(path: Path, handler_spec: str) -> BaseHandler:
             f"handler {handler_spec!r} is not a handler class: the server runs classes derived "
             "from handlers.BaseHandler (usually handlers.LLMHandler), whose preprocess and "
             "postprocess wrap its engine workers; a function entry point such as TorchServe's "
-            "handle(data, context) is not supported")
+            "handle(data, context) is not supported"
+        )
     if inspect.isabstract(found):
         missing = ", ".join(sorted(found.__abstractmethods__))
-        raise CustomHandlerError(f"handler {handler_spec!r}: {found.__name__} leaves {missing} "
-                                 "abstract; subclass handlers.LLMHandler to inherit them")
+        raise CustomHandlerError(
+            f"handler {handler_spec!r}: {found.__name__} leaves {missing} "
+            "abstract; subclass handlers.LLMHandler to inherit them"
+        )
     try:
         return found()
     except Exception as exc:  # their code: refuse the archive and say why
-        raise CustomHandlerError(f"handler {handler_spec!r}: {found.__name__}() failed: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+        raise CustomHandlerError(
+            f"handler {handler_spec!r}: {found.__name__}() failed: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _import(path: Path):
@@ -72,24 +76,31 @@ def _import(path: Path):
         spec.loader.exec_module(module)
     except Exception as exc:  # their code: refuse the archive and say why
         sys.modules.pop(name, None)
-        raise CustomHandlerError(f"the handler file {path.name} failed to import: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+        raise CustomHandlerError(f"the handler file {path.name} failed to import: {type(exc).__name__}: {exc}") from exc
     finally:
         sys.path.remove(folder)
     return module
 
 
 def _only_handler_class(module, path: Path) -> type:
-    classes = [obj for obj in vars(module).values()
-               if inspect.isclass(obj) and issubclass(obj, BaseHandler)
-               and obj.__module__ == module.__name__ and not inspect.isabstract(obj)]
+    classes = [
+        obj
+        for obj in vars(module).values()
+        if inspect.isclass(obj)
+        and issubclass(obj, BaseHandler)
+        and obj.__module__ == module.__name__
+        and not inspect.isabstract(obj)
+    ]
     if len(classes) == 1:
         return classes[0]
     if not classes:
         raise CustomHandlerError(
             f"{path.name} defines no handler class (a subclass of handlers.LLMHandler or "
             "handlers.BaseHandler); a function entry point such as TorchServe's "
-            "handle(data, context) is not supported by the server")
+            "handle(data, context) is not supported by the server"
+        )
     names = ", ".join(sorted(c.__name__ for c in classes))
-    raise CustomHandlerError(f"{path.name} defines several handler classes ({names}); name one "
-                             f"in the manifest, e.g. {path.stem}:{classes[0].__name__}")
+    raise CustomHandlerError(
+        f"{path.name} defines several handler classes ({names}); name one "
+        f"in the manifest, e.g. {path.stem}:{classes[0].__name__}"
+    )

@@ -61,11 +61,11 @@ class DeltaTracker:
             end = max(end, sent.chars)
             new_logprobs = None
             if c.logprobs is not None:
-                new_logprobs = c.logprobs[sent.logprobs:]
+                new_logprobs = c.logprobs[sent.logprobs :]
             delta = ChoiceDelta(
                 index=c.index,
-                text=c.text[sent.chars:end],
-                token_ids=c.token_ids[sent.tokens:],
+                text=c.text[sent.chars : end],
+                token_ids=c.token_ids[sent.tokens :],
                 logprobs=new_logprobs,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,

@@ -108,16 +108,18 @@ def _surrogate(text: str, path: str) -> HandlerError | None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         char = ascii(text[exc.start])[1:-1]
-        return HandlerError(f"{path or 'body'}: contains a lone surrogate ({char}), which is not valid Unicode",
-                            param=path or None)
+        return HandlerError(
+            f"{path or 'body'}: contains a lone surrogate ({char}), which is not valid Unicode", param=path or None
+        )
     return None
 
 
 def _too_deep(path: str) -> HandlerError:
     field = path.split(".")[0].split("[")[0] or None  # the top-level field it is under
     where = f" (in {field})" if field else ""
-    return HandlerError(f"the request body nests objects and arrays more than {MAX_JSON_DEPTH} deep{where}",
-                        param=field)
+    return HandlerError(
+        f"the request body nests objects and arrays more than {MAX_JSON_DEPTH} deep{where}", param=field
+    )
 
 
 def _join(path: str, key: str) -> str:

@@ -57,8 +57,9 @@ def handle_batch(handler: BaseHandler, llm: LLM, requests: list[dict[str, Any]])
             if isinstance(parsed, HandlerError):
                 raise parsed
             if not isinstance(parsed, ParsedBody):
-                raise HandlerError(f"preprocess must return a ParsedBody per request, got {type(parsed).__name__}",
-                                   code=500)
+                raise HandlerError(
+                    f"preprocess must return a ParsedBody per request, got {type(parsed).__name__}", code=500
+                )
             if parsed.stream:
                 raise HandlerError("'stream' needs the server; the in-process handler answers whole", param="stream")
             results.append(llm.prepare(parsed.prompt, parsed.params))

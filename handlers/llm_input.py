@@ -97,8 +97,9 @@ def make_sampling_params(fields: dict[str, Any]) -> SamplingParams:
 def _token_id_key(key: Any) -> Any:
     if isinstance(key, str):
         if not key.isascii() or not key.isdigit():
-            raise HandlerError(f"logit_bias: keys must be token ids (non-negative integers), got {key!r}",
-                               param="logit_bias")
+            raise HandlerError(
+                f"logit_bias: keys must be token ids (non-negative integers), got {key!r}", param="logit_bias"
+            )
         return int(key)
     return key
 
@@ -128,13 +129,22 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if m.content is None and not (m.role == "assistant" and m.tool_calls):
             raise HandlerError(f"messages[{i}].content: required", param=f"messages[{i}].content")
         if m.tool_calls and m.role != "assistant":
-            raise HandlerError(f"messages[{i}].tool_calls: only assistant messages have tool calls",
-                               param=f"messages[{i}].tool_calls")
-        entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                                 "content": message_text(m.content, i)}
+            raise HandlerError(
+                f"messages[{i}].tool_calls: only assistant messages have tool calls", param=f"messages[{i}].tool_calls"
+            )
+        entry: dict[str, Any] = {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": message_text(m.content, i),
+        }
         if m.tool_calls:
-            entry["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _arguments(c.function.arguments, i)}} for c in m.tool_calls]
+            entry["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments, i)},
+                }
+                for c in m.tool_calls
+            ]
         if m.tool_call_id is not None:
             entry["tool_call_id"] = m.tool_call_id
         out.append(entry)
@@ -145,8 +155,10 @@ def _arguments(text: str, i: int) -> Any:
     try:
         return json.loads(text)
     except ValueError:
-        raise HandlerError(f"messages[{i}].tool_calls: arguments must be JSON text, got {text[:80]!r}",
-                           param=f"messages[{i}].tool_calls") from None
+        raise HandlerError(
+            f"messages[{i}].tool_calls: arguments must be JSON text, got {text[:80]!r}",
+            param=f"messages[{i}].tool_calls",
+        ) from None
 
 
 def message_text(content: str | list[dict[str, Any]] | None, i: int) -> str:
@@ -157,7 +169,9 @@ def message_text(content: str | list[dict[str, Any]] | None, i: int) -> str:
     texts = []
     for j, part in enumerate(content):
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise HandlerError(f"messages[{i}].content[{j}]: only text parts are supported, got "
-                               f"{part.get('type')!r}", param=f"messages[{i}].content")
+            raise HandlerError(
+                f"messages[{i}].content[{j}]: only text parts are supported, got {part.get('type')!r}",
+                param=f"messages[{i}].content",
+            )
         texts.append(part["text"])
     return "".join(texts)

@@ -35,14 +35,16 @@ def usage(out: RequestOutput) -> dict[str, int]:
     }
 
 
-def prediction_response(model: str, out: RequestOutput, request_id: str | None = None,
-                        total_s: float | None = None) -> dict[str, Any]:
+def prediction_response(
+    model: str, out: RequestOutput, request_id: str | None = None, total_s: float | None = None
+) -> dict[str, Any]:
     """The whole reply of POST /predictions/{model} for a finished request."""
     body: dict[str, Any] = {"model": model}
     if request_id is not None:
         body["id"] = request_id
-    body["choices"] = [_choice(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs, c.error)
-                       for c in out.outputs]
+    body["choices"] = [
+        _choice(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs, c.error) for c in out.outputs
+    ]
     body["usage"] = usage(out)
     body["timings"] = timings(out, total_s)
     return body
@@ -53,17 +55,30 @@ def prediction_chunk(model: str, request_id: str, deltas: list[ChoiceDelta]) -> 
     return {
         "id": request_id,
         "model": model,
-        "choices": [_choice(d.index, d.text, d.token_ids, d.finish_reason, d.stop_reason, d.logprobs, d.error)
-                    for d in deltas],
+        "choices": [
+            _choice(d.index, d.text, d.token_ids, d.finish_reason, d.stop_reason, d.logprobs, d.error) for d in deltas
+        ],
     }
 
 
-def _choice(index: int, text: str, token_ids: list[int], finish_reason: FinishReason | None,
-            stop_reason: int | str | None, logprobs: list[dict[int, TokenLogprob]] | None,
-            error: str | None) -> dict[str, Any]:
+def _choice(
+    index: int,
+    text: str,
+    token_ids: list[int],
+    finish_reason: FinishReason | None,
+    stop_reason: int | str | None,
+    logprobs: list[dict[int, TokenLogprob]] | None,
+    error: str | None,
+) -> dict[str, Any]:
     """One choice of a reply or a stream chunk; `error` only when the engine ended it early."""
-    choice = {"index": index, "text": text, "token_ids": token_ids, "finish_reason": finish_reason,
-              "stop_reason": stop_reason, "logprobs": logprobs_list(logprobs)}
+    choice = {
+        "index": index,
+        "text": text,
+        "token_ids": token_ids,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+        "logprobs": logprobs_list(logprobs),
+    }
     if error is not None:
         choice["error"] = error
     return choice

@@ -49,8 +49,7 @@ def parse_embeddings_request(body: dict[str, Any]) -> EmbeddingsRequest:
     """Check a /v1/embeddings body (HandlerError, 400 naming the field, on refusal)."""
     req = convert_body({k: v for k, v in body.items() if v is not None}, EmbeddingsBody)
     if req.dimensions is not None:
-        raise HandlerError("dimensions: not supported (the embedding has the model's hidden size)",
-                           param="dimensions")
+        raise HandlerError("dimensions: not supported (the embedding has the model's hidden size)", param="dimensions")
     return EmbeddingsRequest(req.model, _inputs(req.input), req.encoding_format)
 
 
@@ -70,18 +69,20 @@ def _inputs(given: str | list[Any]) -> list[PromptSpec]:
         elif isinstance(one, list) and one:
             specs.append(PromptSpec(token_ids=list(one)))
         else:
-            raise HandlerError(f"input[{i}]: must be a non-empty string or a non-empty list of token ids, "
-                               f"got {one!r}", param="input")
+            raise HandlerError(
+                f"input[{i}]: must be a non-empty string or a non-empty list of token ids, got {one!r}", param="input"
+            )
     return specs
 
 
 def embeddings_response(request: EmbeddingsRequest, model: str, out: RequestOutput) -> dict[str, Any]:
     """OpenAI's reply: one `embedding` object per input (input i's at `index` i), and `usage`."""
-    data = [{"object": "embedding", "index": c.index, "embedding": _encode(c.embedding, request.encoding_format)}
-            for c in sorted(out.outputs, key=lambda c: c.index)]
+    data = [
+        {"object": "embedding", "index": c.index, "embedding": _encode(c.embedding, request.encoding_format)}
+        for c in sorted(out.outputs, key=lambda c: c.index)
+    ]
     tokens = len(out.prompt_token_ids)
-    return {"object": "list", "data": data, "model": model,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 def _encode(vector: list[float] | None, encoding_format: EncodingFormat) -> list[float] | str:

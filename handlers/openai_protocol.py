@@ -37,7 +37,10 @@ from handlers.openai_tools import ToolChoice, ToolRequest, Tools, tool_request
 # SamplingParams fields a body sets under their own names; max_tokens, logprobs and structured
 # output have route-specific forms (below).
 SAMPLING_FIELDS = frozenset(f.name for f in msgspec.structs.fields(SamplingParams)) - {
-    "max_tokens", "logprobs", "structured_outputs"}
+    "max_tokens",
+    "logprobs",
+    "structured_outputs",
+}
 MAX_PROMPTS = 32  # prompts in one /v1/completions body
 _Logprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 _MaxTokens = Annotated[int, Meta(ge=1, le=MAX_TOKENS)]
@@ -155,16 +158,29 @@ def parse_completion_request(body: dict[str, Any]) -> OpenAIRequest:
     """Check a /v1/completions body."""
     req, sampling = _split(body, CompletionBody)
     _refuse_if(req.suffix not in (None, ""), "suffix", "not supported")
-    _refuse_if(bool(req.echo) and req.logprobs is not None, "echo",
-               "cannot be combined with logprobs (prompt logprobs are not computed)")
+    _refuse_if(
+        bool(req.echo) and req.logprobs is not None,
+        "echo",
+        "cannot be combined with logprobs (prompt logprobs are not computed)",
+    )
     specs = _completion_prompts(req.prompt)
-    params = _sampling_params(req, sampling, max_tokens=16 if req.max_tokens is None else req.max_tokens,
-                              logprobs=req.logprobs)
-    _refuse_if(req.best_of is not None and req.best_of != params.n, "best_of",
-               "other than n is not supported")
-    return OpenAIRequest(Endpoint.COMPLETIONS, req.model, specs, params, req.stream, _include_usage(req),
-                         logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, echo=bool(req.echo),
-                         priority=req.priority, cache_salt=req.cache_salt)
+    params = _sampling_params(
+        req, sampling, max_tokens=16 if req.max_tokens is None else req.max_tokens, logprobs=req.logprobs
+    )
+    _refuse_if(req.best_of is not None and req.best_of != params.n, "best_of", "other than n is not supported")
+    return OpenAIRequest(
+        Endpoint.COMPLETIONS,
+        req.model,
+        specs,
+        params,
+        req.stream,
+        _include_usage(req),
+        logprobs=req.logprobs is not None,
+        top_logprobs=req.logprobs or 0,
+        echo=bool(req.echo),
+        priority=req.priority,
+        cache_salt=req.cache_salt,
+    )
 
 
 def parse_chat_request(body: dict[str, Any]) -> OpenAIRequest:
@@ -174,22 +190,39 @@ def parse_chat_request(body: dict[str, Any]) -> OpenAIRequest:
     _refuse_if(req.function_call not in (None, "none"), "function_call", "not supported (use tools)")
     tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
     _refuse_if(req.reasoning_effort is not None, "reasoning_effort", "not supported")
-    _refuse_if(req.modalities is not None and req.modalities != ["text"], "modalities",
-               "only [\"text\"] is supported")
+    _refuse_if(req.modalities is not None and req.modalities != ["text"], "modalities", "only [\"text\"] is supported")
     spec = PromptSpec(messages=chat_messages(req.messages), add_generation_prompt=req.add_generation_prompt)
-    _refuse_if(req.top_logprobs is not None and not req.logprobs, "top_logprobs",
-               "needs \"logprobs\": true")
-    if req.max_tokens is not None and req.max_completion_tokens is not None \
-            and req.max_tokens != req.max_completion_tokens:
-        raise HandlerError(f"max_tokens: {req.max_tokens} and max_completion_tokens: {req.max_completion_tokens} "
-                           "disagree; give one", param="max_tokens")
+    _refuse_if(req.top_logprobs is not None and not req.logprobs, "top_logprobs", "needs \"logprobs\": true")
+    if (
+        req.max_tokens is not None
+        and req.max_completion_tokens is not None
+        and req.max_tokens != req.max_completion_tokens
+    ):
+        raise HandlerError(
+            f"max_tokens: {req.max_tokens} and max_completion_tokens: {req.max_completion_tokens} disagree; give one",
+            param="max_tokens",
+        )
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = _sampling_params(req, sampling, max_tokens=max_tokens,
-                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                              tool_schema=None if tools is None else tools.constraint())
-    return OpenAIRequest(Endpoint.CHAT, req.model, [spec], params, req.stream, _include_usage(req),
-                         logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, tools=tools,
-                         priority=req.priority, cache_salt=req.cache_salt)
+    params = _sampling_params(
+        req,
+        sampling,
+        max_tokens=max_tokens,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        tool_schema=None if tools is None else tools.constraint(),
+    )
+    return OpenAIRequest(
+        Endpoint.CHAT,
+        req.model,
+        [spec],
+        params,
+        req.stream,
+        _include_usage(req),
+        logprobs=req.logprobs,
+        top_logprobs=req.top_logprobs or 0,
+        tools=tools,
+        priority=req.priority,
+        cache_salt=req.cache_salt,
+    )
 
 
 def split_model(name: str, field: str = "model") -> tuple[str, str | None]:
@@ -197,12 +230,15 @@ def split_model(name: str, field: str = "model") -> tuple[str, str | None]:
     side of its `@` (`model@`, `@1.0`) or a second `@` is refused (HandlerError naming `field`)."""
     model, sep, version = name.partition("@")
     if sep and (not model or not version or "@" in version):
-        raise HandlerError(f"{field}: {name[:80]!r} is not a model name: write model or "
-                           "model@version (both parts non-empty)", param=field)
+        raise HandlerError(
+            f"{field}: {name[:80]!r} is not a model name: write model or model@version (both parts non-empty)",
+            param=field,
+        )
     return model, (version if sep else None)
 
 
 # -- helpers -------------------------------------------------------------------------------------
+
 
 def _split(body: dict[str, Any], schema: type[_OpenAIBody]) -> tuple[Any, dict[str, Any]]:
     """The body without nulls -> (the route's Struct, the sampling fields for SamplingParams)."""
@@ -238,20 +274,30 @@ def _completion_prompts(prompt: str | list[Any]) -> list[PromptSpec]:
         elif isinstance(one, list) and one:
             specs.append(PromptSpec(token_ids=list(one)))
         else:
-            raise HandlerError(f"prompt[{i}]: must be a string or a non-empty list of token ids, got {one!r}",
-                               param="prompt")
+            raise HandlerError(
+                f"prompt[{i}]: must be a string or a non-empty list of token ids, got {one!r}", param="prompt"
+            )
     return specs
 
 
-def _sampling_params(req: _OpenAIBody, sampling: dict[str, Any], *, max_tokens: int | None,
-                     logprobs: int | None, tool_schema: dict[str, Any] | None = None) -> SamplingParams:
+def _sampling_params(
+    req: _OpenAIBody,
+    sampling: dict[str, Any],
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    tool_schema: dict[str, Any] | None = None,
+) -> SamplingParams:
     """SamplingParams of a body; `tool_schema` (tool_choice required or a named function) is
     the structured-output constraint, which the body may then not ask for itself."""
     fields = {**sampling, "max_tokens": max_tokens, "logprobs": logprobs}
     structured = _structured_outputs(req)
     if tool_schema is not None:
-        _refuse_if(structured is not None, "tool_choice",
-                   "\"required\" or a named function cannot be combined with structured output")
+        _refuse_if(
+            structured is not None,
+            "tool_choice",
+            "\"required\" or a named function cannot be combined with structured output",
+        )
         structured = convert_body({"json": tool_schema}, StructuredOutputsParams)
     if structured is not None:
         fields["structured_outputs"] = structured
@@ -260,8 +306,11 @@ def _sampling_params(req: _OpenAIBody, sampling: dict[str, Any], *, max_tokens: 
 
 def _structured_outputs(req: _OpenAIBody) -> StructuredOutputsParams | dict[str, Any] | None:
     """The one structured-output constraint the body asks for."""
-    given = sorted(name for name in ("structured_outputs", "response_format", *_GUIDED)
-                   if getattr(req, name) is not None and not isinstance(getattr(req, name), TextFormat))
+    given = sorted(
+        name
+        for name in ("structured_outputs", "response_format", *_GUIDED)
+        if getattr(req, name) is not None and not isinstance(getattr(req, name), TextFormat)
+    )
     if len(given) > 1:
         raise HandlerError(f"{given[1]}: give one structured-output field, not {', '.join(given)}", param=given[1])
     if not given:

@@ -55,11 +55,23 @@ class OpenAIFormatter:
             logprobs = self._logprobs(c.logprobs, 0) if self.request.logprobs else None
             if self.is_chat:
                 message, finish_reason = self._message(c.text, c.finish_reason)
-                choices.append({"index": c.index, "message": {"role": "assistant", **message},
-                                "logprobs": logprobs, "finish_reason": finish_reason})
+                choices.append(
+                    {
+                        "index": c.index,
+                        "message": {"role": "assistant", **message},
+                        "logprobs": logprobs,
+                        "finish_reason": finish_reason,
+                    }
+                )
             else:
-                choices.append({"index": c.index, "text": self._echo(c.index) + c.text, "logprobs": logprobs,
-                                "finish_reason": c.finish_reason})
+                choices.append(
+                    {
+                        "index": c.index,
+                        "text": self._echo(c.index) + c.text,
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
         return {
             "id": self.response_id,
             "object": "chat.completion" if self.is_chat else "text_completion",
@@ -75,8 +87,12 @@ class OpenAIFormatter:
         """Chat streams open with the assistant role for every choice (as OpenAI does)."""
         if not self.is_chat:
             return None
-        return self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None} for i in range(n)])
+        return self.chunk(
+            [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(n)
+            ]
+        )
 
     def delta_chunks(self, deltas: list[ChoiceDelta]) -> list[dict[str, Any]]:
         """The chunks of what the choices gained: one chunk for every choice's new text (none
@@ -91,13 +107,15 @@ class OpenAIFormatter:
                     tool_chunks += self._tool_chunks(d.index, text, d.finish_reason)
             elif self.is_chat:
                 delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-                choices.append({"index": d.index, "delta": delta, "logprobs": logprobs,
-                                "finish_reason": d.finish_reason})
+                choices.append(
+                    {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}
+                )
             else:
                 echo = "" if d.index in self._echoed else self._echo(d.index)
                 self._echoed.add(d.index)
-                choices.append({"index": d.index, "text": echo + d.text, "logprobs": logprobs,
-                                "finish_reason": d.finish_reason})
+                choices.append(
+                    {"index": d.index, "text": echo + d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
+                )
         return ([self.chunk(choices)] if choices else []) + tool_chunks
 
     def _tool_chunks(self, index: int, text: str, finish_reason: FinishReason) -> list[dict[str, Any]]:
@@ -106,13 +124,25 @@ class OpenAIFormatter:
         deltas: list[dict[str, Any]] = [{"content": message["content"]}] if message["content"] else []
         for i, call in enumerate(message.get("tool_calls", ())):
             function = call["function"]
-            deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
-                                           "function": {"name": function["name"], "arguments": ""}}]})
-            deltas += [{"tool_calls": [{"index": i, "function": {"arguments": piece}}]}
-                       for piece in _ARGUMENT_PIECES.findall(function["arguments"])]
-        return [self.chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
-                for delta in deltas] + [self.chunk([{"index": index, "delta": {}, "logprobs": None,
-                                                       "finish_reason": finish}])]
+            deltas.append(
+                {
+                    "tool_calls": [
+                        {
+                            "index": i,
+                            "id": call["id"],
+                            "type": "function",
+                            "function": {"name": function["name"], "arguments": ""},
+                        }
+                    ]
+                }
+            )
+            deltas += [
+                {"tool_calls": [{"index": i, "function": {"arguments": piece}}]}
+                for piece in _ARGUMENT_PIECES.findall(function["arguments"])
+            ]
+        return [
+            self.chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]) for delta in deltas
+        ] + [self.chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}])]
 
     def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
         """The closing chunk of `stream_options.include_usage`: no choices, the usage."""

@@ -96,17 +96,31 @@ class ResponsesRequest:
 def parse_responses_request(body: dict[str, Any]) -> ResponsesRequest:
     """Check a /v1/responses body and map it onto a chat request."""
     req = convert_body({k: v for k, v in body.items() if v is not None}, ResponsesBody)
-    for name, bad in (("previous_response_id", req.previous_response_id is not None),
-                      ("store", req.store is True), ("background", req.background is True),
-                      ("reasoning", req.reasoning is not None), ("conversation", req.conversation is not None),
-                      ("prompt", req.prompt is not None)):
+    for name, bad in (
+        ("previous_response_id", req.previous_response_id is not None),
+        ("store", req.store is True),
+        ("background", req.background is True),
+        ("reasoning", req.reasoning is not None),
+        ("conversation", req.conversation is not None),
+        ("prompt", req.prompt is not None),
+    ):
         if bad:
-            raise HandlerError(f"{name}: not supported (this server is stateless: nothing is stored)"
-                               if name in ("previous_response_id", "store", "conversation") else
-                               f"{name}: not supported", param=name)
-    chat: dict[str, Any] = {"model": req.model, "messages": _messages(req), "stream": req.stream,
-                            "max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                            "priority": req.priority, "cache_salt": req.cache_salt}
+            raise HandlerError(
+                f"{name}: not supported (this server is stateless: nothing is stored)"
+                if name in ("previous_response_id", "store", "conversation")
+                else f"{name}: not supported",
+                param=name,
+            )
+    chat: dict[str, Any] = {
+        "model": req.model,
+        "messages": _messages(req),
+        "stream": req.stream,
+        "max_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "priority": req.priority,
+        "cache_salt": req.cache_salt,
+    }
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type == "json_object":
         chat["response_format"] = {"type": "json_object"}
@@ -115,8 +129,10 @@ def parse_responses_request(body: dict[str, Any]) -> ResponsesRequest:
             raise HandlerError("text.format.schema: required for json_schema", param="text.format.schema")
         chat["response_format"] = {"type": "json_schema", "json_schema": {"name": fmt.name, "schema": fmt.schema}}
     if req.tools:
-        chat["tools"] = [{"type": "function", "function": {k: v for k, v in msgspec.to_builtins(t).items() if k != "type"}}
-                         for t in req.tools]
+        chat["tools"] = [
+            {"type": "function", "function": {k: v for k, v in msgspec.to_builtins(t).items() if k != "type"}}
+            for t in req.tools
+        ]
         chat["tool_choice"] = _tool_choice(req.tool_choice)
         chat["parallel_tool_calls"] = req.parallel_tool_calls
     elif req.tool_choice not in (None, "none", "auto"):
@@ -142,17 +158,33 @@ def _messages(req: ResponsesBody) -> list[dict[str, Any]]:
         if kind == "message":
             content = item.get("content")
             if isinstance(content, list):
-                content = [{"type": "text", "text": part.get("text")}
-                           if part.get("type") in ("input_text", "output_text", "text") else part for part in content]
+                content = [
+                    {"type": "text", "text": part.get("text")}
+                    if part.get("type") in ("input_text", "output_text", "text")
+                    else part
+                    for part in content
+                ]
             messages.append({"role": item.get("role"), "content": content})
         elif kind == "function_call":
-            messages.append({"role": "assistant", "tool_calls": [{"id": item.get("call_id"), "type": "function", "function": {
-                "name": item.get("name"), "arguments": item.get("arguments")}}]})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "id": item.get("call_id"),
+                            "type": "function",
+                            "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+                        }
+                    ],
+                }
+            )
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output")})
         else:
-            raise HandlerError(f"input[{i}].type: {kind!r} is not supported (message, function_call, "
-                               "function_call_output)", param=f"input[{i}].type")
+            raise HandlerError(
+                f"input[{i}].type: {kind!r} is not supported (message, function_call, function_call_output)",
+                param=f"input[{i}].type",
+            )
     return messages
 
 
@@ -179,12 +211,21 @@ class ResponsesShaper:
 
     # -- stream ------------------------------------------------------------------------------
     def opening(self, n: int) -> list[dict[str, Any]]:
-        events = [self._event("response.created", response=self._response([], None, status="in_progress")),
-                  self._event("response.in_progress", response=self._response([], None, status="in_progress"))]
+        events = [
+            self._event("response.created", response=self._response([], None, status="in_progress")),
+            self._event("response.in_progress", response=self._response([], None, status="in_progress")),
+        ]
         if not self._holds():
-            events += [self._event("response.output_item.added", output_index=0, item=self._message("", "in_progress")),
-                       self._event("response.content_part.added", output_index=0, item_id=self._message_id,
-                                   content_index=0, part=_part(""))]
+            events += [
+                self._event("response.output_item.added", output_index=0, item=self._message("", "in_progress")),
+                self._event(
+                    "response.content_part.added",
+                    output_index=0,
+                    item_id=self._message_id,
+                    content_index=0,
+                    part=_part(""),
+                ),
+            ]
         return events
 
     def chunk(self, deltas: list[ChoiceDelta]) -> list[dict[str, Any]]:
@@ -192,8 +233,16 @@ class ResponsesShaper:
         self._text += text
         if self._holds() or not text:
             return []
-        return [self._event("response.output_text.delta", output_index=0, item_id=self._message_id,
-                            content_index=0, delta=text, logprobs=[])]
+        return [
+            self._event(
+                "response.output_text.delta",
+                output_index=0,
+                item_id=self._message_id,
+                content_index=0,
+                delta=text,
+                logprobs=[],
+            )
+        ]
 
     def closing(self, deltas: list[ChoiceDelta], out: RequestOutput, total_s: float) -> list[dict[str, Any]]:
         events = self.chunk(deltas)
@@ -201,13 +250,24 @@ class ResponsesShaper:
         output = self._output(self._text)
         if self._holds():
             for i, item in enumerate(output):
-                events.append(self._event("response.output_item.added", output_index=i,
-                                          item={**item, "status": "in_progress"}))
+                events.append(
+                    self._event("response.output_item.added", output_index=i, item={**item, "status": "in_progress"})
+                )
                 if item["type"] == "function_call":
-                    events += [self._event("response.function_call_arguments.delta", output_index=i,
-                                           item_id=item["id"], delta=item["arguments"]),
-                               self._event("response.function_call_arguments.done", output_index=i,
-                                           item_id=item["id"], arguments=item["arguments"])]
+                    events += [
+                        self._event(
+                            "response.function_call_arguments.delta",
+                            output_index=i,
+                            item_id=item["id"],
+                            delta=item["arguments"],
+                        ),
+                        self._event(
+                            "response.function_call_arguments.done",
+                            output_index=i,
+                            item_id=item["id"],
+                            arguments=item["arguments"],
+                        ),
+                    ]
                 else:
                     events += self._text_done(i, item["content"][0]["text"], with_delta=True)
                 events.append(self._event("response.output_item.done", output_index=i, item=item))
@@ -232,8 +292,10 @@ class ResponsesShaper:
         events = [self._event("response.content_part.added", **ids, part=_part(""))] if with_delta else []
         if with_delta and text:
             events.append(self._event("response.output_text.delta", **ids, delta=text, logprobs=[]))
-        return events + [self._event("response.output_text.done", **ids, text=text, logprobs=[]),
-                         self._event("response.content_part.done", **ids, part=_part(text))]
+        return events + [
+            self._event("response.output_text.done", **ids, text=text, logprobs=[]),
+            self._event("response.content_part.done", **ids, part=_part(text)),
+        ]
 
     def _output(self, text: str) -> list[dict[str, Any]]:
         tools = self.request.chat.tools
@@ -241,32 +303,62 @@ class ResponsesShaper:
             return [self._message(text, "completed")]
         parsed = parse_output(text, tools, self.tool_parser)
         items = [self._message(parsed.content, "completed")] if parsed.content else []
-        return items + [{"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
-                         "name": call.name, "arguments": call.arguments, "status": "completed"}
-                        for call in parsed.calls]
+        return items + [
+            {
+                "type": "function_call",
+                "id": "fc_" + call.id.removeprefix("call_"),
+                "call_id": call.id,
+                "name": call.name,
+                "arguments": call.arguments,
+                "status": "completed",
+            }
+            for call in parsed.calls
+        ]
 
     def _message(self, text: str, status: str) -> dict[str, Any]:
-        return {"type": "message", "id": self._message_id, "status": status, "role": "assistant",
-                "content": [_part(text)] if status == "completed" else []}
+        return {
+            "type": "message",
+            "id": self._message_id,
+            "status": status,
+            "role": "assistant",
+            "content": [_part(text)] if status == "completed" else [],
+        }
 
-    def _response(self, output: list[dict[str, Any]], finish_reason: FinishReason | None, *,
-                  status: str | None = None, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _response(
+        self,
+        output: list[dict[str, Any]],
+        finish_reason: FinishReason | None,
+        *,
+        status: str | None = None,
+        usage: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         body = self.request.body
         if status is None:
             status = "incomplete" if finish_reason == FinishReason.LENGTH else "completed"
         return {
-            "id": self.response_id, "object": "response", "created_at": self.created, "status": status,
-            "model": self.model, "output": output, "error": None,
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.model,
+            "output": output,
+            "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "temperature": self.request.chat.params.temperature, "top_p": self.request.chat.params.top_p,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "temperature": self.request.chat.params.temperature,
+            "top_p": self.request.chat.params.top_p,
             "tools": [msgspec.to_builtins(t) for t in body.tools or ()],
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "text": {"format": msgspec.to_builtins(body.text.format) if body.text and body.text.format
-                     else {"type": "text"}},
-            "metadata": body.metadata or {}, "store": False, "previous_response_id": None,
-            "truncation": "disabled", "usage": usage,
+            "text": {
+                "format": msgspec.to_builtins(body.text.format) if body.text and body.text.format else {"type": "text"}
+            },
+            "metadata": body.metadata or {},
+            "store": False,
+            "previous_response_id": None,
+            "truncation": "disabled",
+            "usage": usage,
         }
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -280,6 +372,10 @@ def _part(text: str) -> dict[str, Any]:
 
 def _usage(out: RequestOutput) -> dict[str, Any]:
     prompt, completion = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt + completion}
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }

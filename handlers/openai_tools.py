@@ -94,9 +94,15 @@ class ToolRequest:
             return _parameters(next(t.function for t in self.tools if t.function.name == self.name))
         if self.choice != "required":
             return None
-        calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                                    "arguments": _parameters(t.function)},
-                  "required": ["name", "arguments"], "additionalProperties": False} for t in self.tools]
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.function.name}, "arguments": _parameters(t.function)},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for t in self.tools
+        ]
         most = min(len(self.tools), MAX_PARALLEL_CALLS) if self.parallel else 1
         return {"type": "array", "minItems": 1, "maxItems": most, "items": {"anyOf": calls}}
 
@@ -138,7 +144,8 @@ _PREAMBLE = (
     "Don't make assumptions about what values to plug into functions. Here are the available tools: "
     "<tools>\n{tools}\n</tools>\nFor each function call return a json object with function name and "
     "arguments within <tool_call></tool_call> XML tags as follows:\n<tool_call>\n"
-    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
 
 
 def template_has_tools(chat_template: str | None) -> bool:
@@ -154,8 +161,9 @@ def tool_prompt(spec: PromptSpec, tools: ToolRequest | None, chat_template: str 
     return PromptSpec(messages=messages, add_generation_prompt=spec.add_generation_prompt, tools=for_template)
 
 
-def render_tool_messages(messages: list[dict[str, Any]], tools: ToolRequest | None,
-                         chat_template: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+def render_tool_messages(
+    messages: list[dict[str, Any]], tools: ToolRequest | None, chat_template: str | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """Messages with tool turns (and the offered tools) -> what to hand the chat template:
     (messages, tools for the template's `tools=`, or None)."""
     if template_has_tools(chat_template):
@@ -165,8 +173,11 @@ def render_tool_messages(messages: list[dict[str, Any]], tools: ToolRequest | No
         if m["role"] == "tool":
             out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
         elif m.get("tool_calls"):
-            calls = "".join(f"<tool_call>\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']})}"
-                            "\n</tool_call>" for c in m["tool_calls"])
+            calls = "".join(
+                f"<tool_call>\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']})}"
+                "\n</tool_call>"
+                for c in m["tool_calls"]
+            )
             out.append({"role": "assistant", "content": (m["content"] or "") + calls})
         else:
             out.append({"role": m["role"], "content": m["content"]})
@@ -180,6 +191,7 @@ def render_tool_messages(messages: list[dict[str, Any]], tools: ToolRequest | No
 
 
 # -- reading calls out of the output --------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class ToolCall:
@@ -269,12 +281,17 @@ def parse_pythonic(text: str) -> ParsedOutput:
     if not (body.startswith("[") and body.endswith("]")):
         return ParsedOutput(text, [])
     tree = ast.parse(body, mode="eval").body
-    if not isinstance(tree, ast.List) or not all(isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
-                                                 and not c.args for c in tree.elts):
+    if not isinstance(tree, ast.List) or not all(
+        isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and not c.args for c in tree.elts
+    ):
         return ParsedOutput(text, [])
-    return ParsedOutput(None, [_call(c.func.id, {k.arg: ast.literal_eval(k.value) for k in c.keywords})
-                               for c in tree.elts])
+    return ParsedOutput(
+        None, [_call(c.func.id, {k.arg: ast.literal_eval(k.value) for k in c.keywords}) for c in tree.elts]
+    )
 
 
-_PARSERS = {ToolParser.HERMES: parse_hermes, ToolParser.LLAMA3_JSON: parse_llama3_json,
-            ToolParser.PYTHONIC: parse_pythonic}
+_PARSERS = {
+    ToolParser.HERMES: parse_hermes,
+    ToolParser.LLAMA3_JSON: parse_llama3_json,
+    ToolParser.PYTHONIC: parse_pythonic,
+}

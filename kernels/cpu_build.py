@@ -88,12 +88,17 @@ class CpuExtension:
             try:
                 return _import_built(self.module_name, self.library)
             except ImportError as exc:  # a damaged build: make it again
-                logger.warning("CPU extension %s: the build in %s does not load (%s); rebuilding",
-                               self.name, self.folder, exc)
+                logger.warning(
+                    "CPU extension %s: the build in %s does not load (%s); rebuilding", self.name, self.folder, exc
+                )
                 (self.folder / BUILT_MARK).unlink(missing_ok=True)
         if not self.library.is_file():  # else a build without its mark: ninja checks it
-            logger.warning("building the CPU extension %s into %s (once per machine and checkout, "
-                           "~1-2 min; `pagedserve prepare` does this at install)", self.name, self.folder)
+            logger.warning(
+                "building the CPU extension %s into %s (once per machine and checkout, "
+                "~1-2 min; `pagedserve prepare` does this at install)",
+                self.name,
+                self.folder,
+            )
         return self.build()
 
     def build(self):
@@ -115,8 +120,7 @@ class CpuExtension:
                 return self.load()
             stale = folder / "lock"
             if stale.exists():
-                logger.warning("CPU extension %s: removing %s left by a build that did not finish",
-                               self.name, stale)
+                logger.warning("CPU extension %s: removing %s left by a build that did not finish", self.name, stale)
                 stale.unlink(missing_ok=True)
             try:
                 module = load(
@@ -142,4 +146,3 @@ def _import_built(module_name: str, path: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-

@@ -55,7 +55,9 @@ class CpuFusedOps:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """`silu(gate) * up` for `gate_up = [gate | up]` on the last dim; returns `[..., n]`."""
         if gate_up.device.type != "cpu" or gate_up.dtype not in _DTYPES or gate_up.shape[-1] % 2:
-            raise ValueError(f"expected a CPU float32/bfloat16 [..., 2n] tensor, got {gate_up.dtype} {tuple(gate_up.shape)}")
+            raise ValueError(
+                f"expected a CPU float32/bfloat16 [..., 2n] tensor, got {gate_up.dtype} {tuple(gate_up.shape)}"
+            )
         out = self._ext.silu_and_mul(gate_up.reshape(-1, gate_up.shape[-1]).contiguous(), self._silu_vec_bytes)
         return out.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 

@@ -47,14 +47,22 @@ def scale_and_shift(scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch
     return scale, (sz[..., 1] - 8 * scale).contiguous()
 
 
-def int4pack_dequant_t(ext, packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
-                       group_size: int) -> torch.Tensor:
+def int4pack_dequant_t(
+    ext, packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, group_size: int
+) -> torch.Tensor:
     """float32 `W^T [K, N]` from `packed` uint8 `[N, K / 2]` and `scale_and_shift`'s tensors."""
     return ext.int4pack_dequant_t(packed, scale, shift, int(group_size), packed_block_n())
 
 
-def int4pack_linear(ext, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
-                    group_size: int, chunk: int = 512) -> torch.Tensor:
+def int4pack_linear(
+    ext,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    group_size: int,
+    chunk: int = 512,
+) -> torch.Tensor:
     """float32 `x [M, K] @ W^T`, de-quantizing `chunk` output columns at a time into one reused
     buffer (it stays in cache) and multiplying each into its columns of the output."""
     n, k = packed.shape[0], packed.shape[1] * 2
@@ -70,8 +78,9 @@ def int4pack_linear(ext, x: torch.Tensor, packed: torch.Tensor, scale: torch.Ten
     return out
 
 
-def reference_int4pack_dequant_t(packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
-                                 group_size: int) -> torch.Tensor:
+def reference_int4pack_dequant_t(
+    packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, group_size: int
+) -> torch.Tensor:
     """Plain torch: unpack the nibbles, then q * scale + shift per group."""
     codes_t = unpack_codes(packed, packed_block_n()).t().float()  # [K, N]
     groups = torch.arange(codes_t.shape[0]) // group_size

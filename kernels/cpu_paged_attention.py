@@ -55,17 +55,26 @@ def paged_decode_attention(
         raise ValueError(f"unsupported dtypes {query.dtype} / {k_cache.dtype} (kv_quant {kv_quant!r})")
     width = query.shape[2] + (KV_SCALE_BYTES if kv_quant else 0)
     if k_cache.shape[3] != width:
-        raise ValueError(f"cache rows of {k_cache.shape[3]} do not fit head_dim {query.shape[2]} (kv_quant {kv_quant!r})")
+        raise ValueError(
+            f"cache rows of {k_cache.shape[3]} do not fit head_dim {query.shape[2]} (kv_quant {kv_quant!r})"
+        )
     if query.shape[1] % k_cache.shape[2]:
         raise ValueError("num_heads must be a multiple of num_kv_heads")
     return ext.paged_decode_attention(
-        query.contiguous(), k_cache, v_cache,
-        block_tables.to(torch.int32), seq_lens.to(torch.int32), float(scale), kv_quant or "", isa=isa,
+        query.contiguous(),
+        k_cache,
+        v_cache,
+        block_tables.to(torch.int32),
+        seq_lens.to(torch.int32),
+        float(scale),
+        kv_quant or "",
+        isa=isa,
     )
 
 
-def gather_dequantize(ext, cache: torch.Tensor, blocks: torch.Tensor, length: int, kv_quant: str,
-                      dtype: torch.dtype) -> torch.Tensor:
+def gather_dequantize(
+    ext, cache: torch.Tensor, blocks: torch.Tensor, length: int, kv_quant: str, dtype: torch.dtype
+) -> torch.Tensor:
     """Tokens [0, length) of one sequence, de-quantized: cache uint8 [num_blocks, block_size, KVH,
     D + 2], blocks [>= ceil(length / block_size)] -> [length, KVH, D] in `dtype` (float32 or
     bfloat16), every value `code * scale` in float32 rounded once (as `kv_quant.dequantize_kv`)."""

@@ -34,8 +34,9 @@ def load_gemv():
     return load_native()
 
 
-def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
+def upcast_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunk_rows: int = CHUNK_ROWS
+) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for 2-D `x`, computed in float32 chunk by chunk of `weight`'s
     rows, returned in `x`'s dtype."""
     xf = x.float()
@@ -57,8 +58,9 @@ class UpcastLinear(nn.Module):
     the loaded `bf16_gemv` extension (`load_gemv()`) for calls of fewer than `min_rows` rows, or
     None for `F.linear` there."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int = UPCAST_MIN_ROWS,
-                 gemv=None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int = UPCAST_MIN_ROWS, gemv=None
+    ) -> None:
         super().__init__()
         if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
             raise ValueError("UpcastLinear takes a 2-D bfloat16 CPU weight")

@@ -25,11 +25,20 @@ import triton.language as tl
 
 @triton.jit
 def _bgmv_kernel(
-    out_ptr, x_ptr, w_ptr, idx_ptr,
-    N, K,
-    stride_x_t, stride_o_t,
-    stride_w_s, stride_w_n, stride_w_k,
-    ACCUMULATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    out_ptr,
+    x_ptr,
+    w_ptr,
+    idx_ptr,
+    N,
+    K,
+    stride_x_t,
+    stride_o_t,
+    stride_w_s,
+    stride_w_n,
+    stride_w_k,
+    ACCUMULATE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0)
     nb = tl.program_id(1)
@@ -43,8 +52,11 @@ def _bgmv_kernel(
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
             x = tl.load(x_ptr + t * stride_x_t + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            w = tl.load(w_base + offs_n[:, None] * stride_w_n + offs_k[None, :] * stride_w_k,
-                        mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+            w = tl.load(
+                w_base + offs_n[:, None] * stride_w_n + offs_k[None, :] * stride_w_k,
+                mask=mask_n[:, None] & mask_k[None, :],
+                other=0.0,
+            ).to(tl.float32)
             acc += tl.sum(w * x[None, :], axis=1)
     out_ptrs = out_ptr + t * stride_o_t + offs_n
     if ACCUMULATE:
@@ -75,8 +87,20 @@ def _launch(out, x, w, idx, n, k, strides, accumulate: bool) -> torch.Tensor:
     block_n = min(64, triton.next_power_of_2(n))
     block_k = min(64, triton.next_power_of_2(k))
     grid = (x.shape[0], triton.cdiv(n, block_n))
-    _bgmv_kernel[grid](out, x, w, idx, n, k, x.stride(0), out.stride(0), *strides,
-                       ACCUMULATE=accumulate, BLOCK_N=block_n, BLOCK_K=block_k)
+    _bgmv_kernel[grid](
+        out,
+        x,
+        w,
+        idx,
+        n,
+        k,
+        x.stride(0),
+        out.stride(0),
+        *strides,
+        ACCUMULATE=accumulate,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
     return out
 
 
@@ -96,8 +120,9 @@ def bgmv_expand(y: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, out: torch.
     return _launch(out, y, b, idx, out.shape[1], rank, (rank, b.stride(0), 1), accumulate=True)
 
 
-def bgmv_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, rank: int,
-                   out: torch.Tensor) -> torch.Tensor:
+def bgmv_reference(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, rank: int, out: torch.Tensor
+) -> torch.Tensor:
     """Plain torch, one row at a time, in float32: `out[t] + (x[t] @ A_s.T) @ B_s.T` with
     `A_s = a[s*rank:(s+1)*rank]`, `B_s = b[:, s*rank:(s+1)*rank]`, s = idx[t]; a new tensor."""
     result = out.float().clone()

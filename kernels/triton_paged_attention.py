@@ -71,17 +71,34 @@ def _dequant_kv(codes, row_offsets, cache_ptr, row_ok, HEAD_DIM: tl.constexpr, K
 
 @triton.jit
 def _paged_attention_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
     scale,
-    stride_q_tok, stride_q_head,
-    stride_o_tok, stride_o_head,
-    stride_k_block, stride_k_off, stride_k_head,
-    stride_v_block, stride_v_off, stride_v_head,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_k_block,
+    stride_k_off,
+    stride_k_head,
+    stride_v_block,
+    stride_v_off,
+    stride_v_head,
     stride_bt_seq,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_Q: tl.constexpr,
-    UPCAST: tl.constexpr, KV_QUANT: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    UPCAST: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -171,8 +188,10 @@ def paged_attention(
     quant = KV_QUANT_CODES[kv_quant]
     want = (torch.uint8, head_dim + KV_SCALE_BYTES) if quant else (query.dtype, head_dim)
     if (key_cache.dtype, width) != want or (value_cache.dtype, value_cache.shape[-1]) != want:
-        raise ValueError(f"caches must be {want[0]} rows of {want[1]} (kv_quant {kv_quant!r}), got "
-                         f"{key_cache.dtype} / {value_cache.dtype} rows of {width} / {value_cache.shape[-1]}")
+        raise ValueError(
+            f"caches must be {want[0]} rows of {want[1]} (kv_quant {kv_quant!r}), got "
+            f"{key_cache.dtype} / {value_cache.dtype} rows of {width} / {value_cache.shape[-1]}"
+        )
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if query.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
@@ -189,17 +208,34 @@ def paged_attention(
     tile = max(MIN_DOT, block_size)
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
     _paged_attention_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
         scale,
-        query.stride(0), query.stride(1),
-        out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         block_tables.stride(0),
-        GROUP=group, GROUP_PAD=group_pad,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(MIN_DOT, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, TILE=tile, BLOCK_Q=block_q,
-        UPCAST=interpreting() and query.dtype != torch.float32, KV_QUANT=quant,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(MIN_DOT, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size,
+        TILE=tile,
+        BLOCK_Q=block_q,
+        UPCAST=interpreting() and query.dtype != torch.float32,
+        KV_QUANT=quant,
     )
     return out
 

@@ -65,11 +65,19 @@ class RegisteredAdapter:
 
     def describe(self) -> dict[str, Any]:
         record = self.archive.manifest["model"]["lora"]
-        return {"modelName": self.name, "modelVersion": self.version, "modelUrl": self.url,
-                "adapter": True, "parent": self.base.name, "parentVersion": self.base.version,
-                "rank": self.rank, "targetModules": record.get("targetModules"),
-                "baseWeightsSha256": record["baseWeightsSha256"],
-                "registeredAt": self.registered_at.isoformat(), "inFlight": self.in_flight}
+        return {
+            "modelName": self.name,
+            "modelVersion": self.version,
+            "modelUrl": self.url,
+            "adapter": True,
+            "parent": self.base.name,
+            "parentVersion": self.base.version,
+            "rank": self.rank,
+            "targetModules": record.get("targetModules"),
+            "baseWeightsSha256": record["baseWeightsSha256"],
+            "registeredAt": self.registered_at.isoformat(),
+            "inFlight": self.in_flight,
+        }
 
 
 class AdapterRegistry:
@@ -84,8 +92,9 @@ class AdapterRegistry:
     def sorted(self) -> list[RegisteredAdapter]:
         return [self.adapters[n] for n in sorted(self.adapters)]
 
-    async def register(self, registry: ModelRegistry, archive: LoadedArchive, url: str,
-                       name: str | None = None) -> RegisteredAdapter:
+    async def register(
+        self, registry: ModelRegistry, archive: LoadedArchive, url: str, name: str | None = None
+    ) -> RegisteredAdapter:
         record = archive.manifest["model"]["lora"]
         name = check_model_name(name or archive.name)
         if name in self.adapters or name in registry.models:
@@ -95,8 +104,9 @@ class AdapterRegistry:
         rank = await loop.run_in_executor(None, _check_against_base, archive, base, name)
         if name in self.adapters or name in registry.models:  # registered meanwhile
             raise ConflictError(f"Model {name} is already registered.")
-        adapter = RegisteredAdapter(name, archive.version, url, archive, base,
-                                    LoRARequest(name, str(archive.model_dir)), rank)
+        adapter = RegisteredAdapter(
+            name, archive.version, url, archive, base, LoRARequest(name, str(archive.model_dir)), rank
+        )
         self.adapters[name] = adapter
         return adapter
 
@@ -115,10 +125,13 @@ def _check_against_base(archive: LoadedArchive, base: ModelVersion, name: str) -
     record = archive.manifest["model"]["lora"]
     digest = model_dir_digest(base.model_dir, base.archive.manifest)
     if digest != record["baseWeightsSha256"]:
-        raise ValueError(f"adapter {name!r} was made for other weights than model {base.name!r} version "
-                         f"{base.version} (base weights sha256 {digest[:16]}..., the adapter's manifest pins "
-                         f"{record['baseWeightsSha256'][:16]}...): refused")
+        raise ValueError(
+            f"adapter {name!r} was made for other weights than model {base.name!r} version "
+            f"{base.version} (base weights sha256 {digest[:16]}..., the adapter's manifest pins "
+            f"{record['baseWeightsSha256'][:16]}...): refused"
+        )
     from engine.model.registry import parse_config  # the model families import torch: only here
+
     spec = parse_config(json.loads((base.model_dir / "config.json").read_text()))
     max_rank = int(base.model_config.handler.get("max_lora_rank", DEFAULT_MAX_LORA_RANK))
     return load_adapter(name, archive.model_dir, lora_shapes(spec), max_rank).rank

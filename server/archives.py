@@ -56,11 +56,15 @@ def resolve_url(url: str, model_store: Path, allowed_urls: list[str]) -> Path:
     scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", url)
     if scheme and scheme.group(1).lower() != "file":
         if allowed_urls and any(re.fullmatch(p, url) for p in allowed_urls):
-            raise ValueError(f"url {url!r}: pagedserve does not download archives; copy the "
-                             "archive into the model store and register it by name")
-        raise UrlNotAllowedError(f"url {url!r} is not allowed: only archives inside the model "
-                                 "store (or matching allowed_urls) can be registered")
-    raw = url[len("file://"):] if scheme else url
+            raise ValueError(
+                f"url {url!r}: pagedserve does not download archives; copy the "
+                "archive into the model store and register it by name"
+            )
+        raise UrlNotAllowedError(
+            f"url {url!r} is not allowed: only archives inside the model "
+            "store (or matching allowed_urls) can be registered"
+        )
+    raw = url[len("file://") :] if scheme else url
     path = Path(raw).expanduser()
     if not path.is_absolute():
         path = model_store / path
@@ -71,13 +75,16 @@ def resolve_url(url: str, model_store: Path, allowed_urls: list[str]) -> Path:
         if not any(re.fullmatch(p, c) for p in allowed_urls for c in candidates):
             raise UrlNotAllowedError(f"url {url!r} does not match allowed_urls")
     elif not resolved.is_relative_to(model_store.resolve()) or resolved == model_store.resolve():
-        raise UrlNotAllowedError(f"url {url!r} is outside the model store {model_store}; "
-                                 "only archives inside it can be registered")
+        raise UrlNotAllowedError(
+            f"url {url!r} is outside the model store {model_store}; only archives inside it can be registered"
+        )
     if not resolved.exists():
         raise ArchiveNotFoundError(f"Model not found in model store: {url}")
     if not is_archive(resolved) and not is_model_path(resolved):
-        raise ValueError(f"url {url!r} is not a model archive (.mar, .tar.gz, or a folder with "
-                         f"{MANIFEST_PATH}), a .gguf file or a model folder with config.json")
+        raise ValueError(
+            f"url {url!r} is not a model archive (.mar, .tar.gz, or a folder with "
+            f"{MANIFEST_PATH}), a .gguf file or a model folder with config.json"
+        )
     return resolved
 
 

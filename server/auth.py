@@ -90,8 +90,9 @@ def read_key_file(path: str | Path) -> ApiKeys:
     return ApiKeys(inference=keys[Api.INFERENCE], management=keys[Api.MANAGEMENT])
 
 
-def choose_keys(key_file: str | Path, *, inference: str | None = None, management: str | None = None,
-                keep_key_file: bool = False) -> tuple[ApiKeys, bool]:
+def choose_keys(
+    key_file: str | Path, *, inference: str | None = None, management: str | None = None, keep_key_file: bool = False
+) -> tuple[ApiKeys, bool]:
     """The keys to run with and whether the key file must be (re)written: a given key wins,
     then, with `keep_key_file`, the existing file's key; the rest are generated."""
     kept = read_key_file(key_file) if keep_key_file and Path(key_file).expanduser().exists() else None
@@ -159,8 +160,10 @@ def auth_middleware(key: Callable[[], str | None], public_paths: frozenset[str] 
             return await handler(request)
         token = bearer_token(request) or request.headers.get("x-api-key")  # Anthropic's clients
         if token is None:
-            raise Unauthorized("Token authorization failed: no 'Authorization: Bearer <key>' "
-                               "(or 'x-api-key: <key>') header (keys are in the server's key file)")
+            raise Unauthorized(
+                "Token authorization failed: no 'Authorization: Bearer <key>' "
+                "(or 'x-api-key: <key>') header (keys are in the server's key file)"
+            )
         if not token_matches(token, expected):
             raise Unauthorized("Token authorization failed: the token is not valid for this API")
         return await handler(request)

@@ -62,7 +62,7 @@ def _brotli(data: bytes, limit: int) -> bytes:
     d = brotli.Decompressor()
     out = bytearray()
     for start in range(0, max(len(data), 1), _CHUNK):
-        out += d.process(data[start:start + _CHUNK], output_buffer_limit=limit + 1 - len(out))
+        out += d.process(data[start : start + _CHUNK], output_buffer_limit=limit + 1 - len(out))
         while len(out) <= limit and not d.can_accept_more_data():
             out += d.process(b"", output_buffer_limit=limit + 1 - len(out))
         if len(out) > limit:
@@ -83,14 +83,19 @@ def decode(data: bytes, encodings: list[str], limit: int) -> bytes:
             elif encoding == "br" and brotli is not None:
                 data = _brotli(data, limit)
             elif encoding != "identity":
-                raise ErrorReply(415, f"Content-Encoding {encoding!r} is not supported "
-                                      f"(use one of {', '.join(SUPPORTED)})")
+                raise ErrorReply(
+                    415, f"Content-Encoding {encoding!r} is not supported (use one of {', '.join(SUPPORTED)})"
+                )
         except BodyTooLarge:
-            raise ErrorReply(413, f"the request body exceeds max_request_size ({limit} bytes) "
-                                  f"once decoded (Content-Encoding: {encoding})") from None
+            raise ErrorReply(
+                413,
+                f"the request body exceeds max_request_size ({limit} bytes) "
+                f"once decoded (Content-Encoding: {encoding})",
+            ) from None
         except (zlib.error, *((brotli.error,) if brotli else ())) as exc:
-            raise ErrorReply(400, f"the request body cannot be read: not valid {encoding} data "
-                                  f"(Content-Encoding: {encoding}): {exc}") from None
+            raise ErrorReply(
+                400, f"the request body cannot be read: not valid {encoding} data (Content-Encoding: {encoding}): {exc}"
+            ) from None
     return data
 
 

@@ -29,7 +29,9 @@ def _generate(args: argparse.Namespace) -> int:
     for prompt, out in zip(args.prompts, outputs):
         completion = out.outputs[0]
         num_tokens += len(completion.token_ids)
-        print(f"> {prompt}\n{completion.text}\n[{len(completion.token_ids)} tokens, finish: {completion.finish_reason}]\n")
+        print(
+            f"> {prompt}\n{completion.text}\n[{len(completion.token_ids)} tokens, finish: {completion.finish_reason}]\n"
+        )
     print(f"{num_tokens} tokens in {elapsed:.2f}s ({num_tokens / elapsed:.1f} tok/s)")
     return 0
 
@@ -37,9 +39,12 @@ def _generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from engine.model.registry import describe_support
 
-    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__,
-                                     epilog=f"supported model architectures:\n{describe_support()}",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="pagedserve",
+        description=__doc__,
+        epilog=f"supported model architectures:\n{describe_support()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"pagedserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="offline generation with the engine (default model if no --model)")

@@ -36,7 +36,7 @@ class ServerConfigError(ValueError):
 
 
 def parse_address(value: str) -> tuple[str, int]:
-    """"HOST:PORT" (or "http://HOST:PORT", TorchServe's form) -> (host, port)."""
+    """ "HOST:PORT" (or "http://HOST:PORT", TorchServe's form) -> (host, port)."""
     text = str(value).strip().removeprefix("http://")
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
@@ -125,8 +125,9 @@ class ServerConfig(_ServerFields, kw_only=True):
 FIELDS = {f.name: f for f in msgspec.structs.fields(ServerConfig)}
 
 
-def load_server_config(path: str | Path | None = None, env: Mapping[str, str] | None = None,
-                       overrides: Mapping[str, Any] | None = None) -> ServerConfig:
+def load_server_config(
+    path: str | Path | None = None, env: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> ServerConfig:
     """Defaults, then the YAML file at `path`, then `env` (os.environ by default), then
     `overrides` (the CLI flags that were given). Raises `ServerConfigError` naming the key."""
     values: dict[str, Any] = {}
@@ -166,8 +167,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ServerConfigError(f"{path}: the top level must be a mapping of keys")
     for key in data:
         if key not in FIELDS:
-            raise ServerConfigError(f"{path}: unknown key {key!r}; allowed keys: "
-                                    f"{', '.join(FIELDS)}")
+            raise ServerConfigError(f"{path}: unknown key {key!r}; allowed keys: {', '.join(FIELDS)}")
     try:
         _convert(data)
     except ServerConfigError as exc:
@@ -209,5 +209,11 @@ def _parse_env(declared: Any, text: str) -> Any:
 def _kinds(info: msgspec.inspect.Type) -> set[str]:
     if isinstance(info, msgspec.inspect.UnionType):
         return set().union(*(_kinds(t) for t in info.types))
-    return {{msgspec.inspect.NoneType: "null", msgspec.inspect.ListType: "list", msgspec.inspect.BoolType: "bool",
-             msgspec.inspect.DictType: "dict"}.get(type(info), "other")}
+    return {
+        {
+            msgspec.inspect.NoneType: "null",
+            msgspec.inspect.ListType: "list",
+            msgspec.inspect.BoolType: "bool",
+            msgspec.inspect.DictType: "dict",
+        }.get(type(info), "other")
+    }

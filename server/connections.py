@@ -42,16 +42,21 @@ PathShape = Callable[[str, int, str], dict]
 
 
 def _refusal(status: str, body: bytes) -> bytes:
-    return (b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (status.encode(), len(body), body))
+    return (
+        b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (status.encode(), len(body), body)
+    )
 
 
-REFUSED = _refusal("503 Service Unavailable",
-                   b'{"code": 503, "type": "ServiceUnavailableException", "message": "too many connections"}')
+REFUSED = _refusal(
+    "503 Service Unavailable",
+    b'{"code": 503, "type": "ServiceUnavailableException", "message": "too many connections"}',
+)
 REFUSED_CLIENT = _refusal(
     "429 Too Many Requests",
     b'{"code": 429, "type": "TooManyRequestsException", "message": "too many connections from '
-    b'this client address (max_connections_per_client); close some or retry later"}')
+    b'this client address (max_connections_per_client); close some or retry later"}',
+)
 
 
 class BodyReadTimeout(Exception):
@@ -139,8 +144,7 @@ class GuardedRequestHandler(RequestHandler):
         _, payload = self._current or (None, None)
         if payload is not None and not payload.is_eof():
             self._cancel(self._body_timer)
-            self._body_timer = self._loop.call_later(self._limits.body_timeout,
-                                                     self._body_overdue, payload)
+            self._body_timer = self._loop.call_later(self._limits.body_timeout, self._body_overdue, payload)
 
     async def finish_response(self, request, resp, start_time):  # type: ignore[override]
         self._cancel(self._body_timer)
@@ -163,16 +167,16 @@ class GuardedRequestHandler(RequestHandler):
             self._request_count -= 1
         if payload.exception() is None:
             encoding = getattr(message, "compression", None)
-            reason = (f"not valid {encoding} data (Content-Encoding: {encoding})" if encoding
-                      else errors[0][0].message)
+            reason = f"not valid {encoding} data (Content-Encoding: {encoding})" if encoding else errors[0][0].message
             payload.set_exception(RequestPayloadError(reason))
         self._cancel(self._body_timer)
         self._body_timer = None
         self.close()  # the parser's state is lost: no further request on this connection
         return True
 
-    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
         """aiohttp's own error replies (parser errors, a handler that raised past the error
         middleware) as JSON in the shape of the API the request named."""
         response = super().handle_error(request, status, exc, message)  # logs; text/plain
@@ -185,8 +189,7 @@ class GuardedRequestHandler(RequestHandler):
 
     def _arm_header_timer(self) -> None:
         self._cancel(self._header_timer)
-        self._header_timer = self._loop.call_later(self._limits.header_timeout,
-                                                   self._headers_overdue)
+        self._header_timer = self._loop.call_later(self._limits.header_timeout, self._headers_overdue)
 
     def _headers_overdue(self) -> None:
         self._header_timer = None
@@ -198,9 +201,11 @@ class GuardedRequestHandler(RequestHandler):
     def _body_overdue(self, payload) -> None:
         self._body_timer = None
         if not payload.is_eof():
-            payload.set_exception(BodyReadTimeout(
-                f"the request body did not arrive within body_read_timeout "
-                f"({self._limits.body_timeout:g} s)"))
+            payload.set_exception(
+                BodyReadTimeout(
+                    f"the request body did not arrive within body_read_timeout ({self._limits.body_timeout:g} s)"
+                )
+            )
 
     def _cancel_timers(self) -> None:
         self._cancel(self._header_timer)
@@ -217,8 +222,7 @@ class GuardedServer(web.Server):
     """aiohttp's low-level server, making `GuardedRequestHandler`s."""
 
     def __init__(self, base: web.Server, limits: ConnectionLimits, **handler_kwargs: Any) -> None:
-        super().__init__(base.request_handler, request_factory=base.request_factory,
-                         **handler_kwargs)
+        super().__init__(base.request_handler, request_factory=base.request_factory, **handler_kwargs)
         self.limits = limits
 
     def __call__(self) -> RequestHandler:

@@ -37,9 +37,14 @@ from server.config import ServerConfig, parse_address
 from server.state import STATE_KEY, ServerState
 
 STATIC_DIR = Path(__file__).parent / "console_static"
-CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
-                 ".css": "text/css; charset=utf-8", ".png": "image/png",
-                 ".svg": "image/svg+xml", ".txt": "text/plain; charset=utf-8"}
+CONTENT_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".png": "image/png",
+    ".svg": "image/svg+xml",
+    ".txt": "text/plain; charset=utf-8",
+}
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 UNSPECIFIED = frozenset({"", "0.0.0.0", "::", "[::]"})
 API_CSP = "default-src 'none'; frame-ancestors 'none'"
@@ -97,9 +102,11 @@ def console_origin_allowed(config: ServerConfig, ports: dict[str, int], origin: 
 
 
 def page_csp(config: ServerConfig, ports: dict[str, int], page_host: str) -> str:
-    return ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-            f"connect-src 'self' {inference_origin(config, ports, page_host)}; base-uri 'none'; "
-            "form-action 'none'; frame-ancestors 'none'")
+    return (
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        f"connect-src 'self' {inference_origin(config, ports, page_host)}; base-uri 'none'; "
+        "form-action 'none'; frame-ancestors 'none'"
+    )
 
 
 # -- routes -------------------------------------------------------------------------------
@@ -110,9 +117,15 @@ INDEX_KEY = web.AppKey("pagedserve_console_index", bytes)
 async def index(request: web.Request) -> web.Response:
     """The console's page (no token needed: it holds no data; sign-in happens in the page)."""
     state = request.app[STATE_KEY]
-    return web.Response(body=request.app[INDEX_KEY], content_type="text/html", charset="utf-8", headers={
-        "Content-Security-Policy": page_csp(state.config, state.ports, _page_host(request)),
-        "Cache-Control": "no-cache"})
+    return web.Response(
+        body=request.app[INDEX_KEY],
+        content_type="text/html",
+        charset="utf-8",
+        headers={
+            "Content-Security-Policy": page_csp(state.config, state.ports, _page_host(request)),
+            "Cache-Control": "no-cache",
+        },
+    )
 
 
 async def static(request: web.Request) -> web.Response:
@@ -120,8 +133,7 @@ async def static(request: web.Request) -> web.Response:
     found = request.app[STATIC_KEY].get(request.path)
     if found is None:
         raise web.HTTPNotFound(text="no such console file")
-    return web.Response(body=found.body, headers={"Content-Type": found.content_type,
-                                                  "Cache-Control": "no-cache"})
+    return web.Response(body=found.body, headers={"Content-Type": found.content_type, "Cache-Control": "no-cache"})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -134,12 +146,14 @@ async def info(request: web.Request) -> web.Response:
     """Where the playground sends requests and what the register form can name."""
     state = request.app[STATE_KEY]
     archives = [p.name for p in store_archives(state.config.model_store_path)]
-    return web.json_response({
-        "inferenceUrl": inference_origin(state.config, state.ports, _page_host(request)),
-        "modelApi": state.config.enable_model_api,
-        "storeArchives": archives,
-        "allowedUrls": list(state.config.allowed_urls),
-    })
+    return web.json_response(
+        {
+            "inferenceUrl": inference_origin(state.config, state.ports, _page_host(request)),
+            "modelApi": state.config.enable_model_api,
+            "storeArchives": archives,
+            "allowedUrls": list(state.config.allowed_urls),
+        }
+    )
 
 
 def _page_host(request: web.Request) -> str:
@@ -152,9 +166,13 @@ def _page_host(request: web.Request) -> str:
 
 
 def routes() -> list[web.RouteDef]:
-    return [web.get("/console", index), web.get("/console/", index),
-            web.get("/console/static/{path:.+}", static),
-            web.get("/console/api/metrics", metrics), web.get("/console/api/info", info)]
+    return [
+        web.get("/console", index),
+        web.get("/console/", index),
+        web.get("/console/static/{path:.+}", static),
+        web.get("/console/api/metrics", metrics),
+        web.get("/console/api/info", info),
+    ]
 
 
 def setup(app: web.Application) -> frozenset[str]:
@@ -188,12 +206,20 @@ def allow_console(app: web.Application, state: ServerState) -> None:
     @web.middleware
     async def preflight(request: web.Request, handler: Handler) -> web.StreamResponse:
         origin = request.headers.get("Origin")
-        if (request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers
-                and origin is not None and console_origin_allowed(state.config, state.ports, origin)):
-            return web.Response(status=204, headers={
-                "Access-Control-Allow-Methods": "GET, POST",
-                "Access-Control-Allow-Headers": "Authorization, Content-Type",
-                "Access-Control-Max-Age": "600"})
+        if (
+            request.method == "OPTIONS"
+            and "Access-Control-Request-Method" in request.headers
+            and origin is not None
+            and console_origin_allowed(state.config, state.ports, origin)
+        ):
+            return web.Response(
+                status=204,
+                headers={
+                    "Access-Control-Allow-Methods": "GET, POST",
+                    "Access-Control-Allow-Headers": "Authorization, Content-Type",
+                    "Access-Control-Max-Age": "600",
+                },
+            )
         return await handler(request)
 
     async def allow_origin(request: web.Request, response: web.StreamResponse) -> None:
@@ -218,7 +244,11 @@ def sign_in_line(state: ServerState, with_keys: bool) -> str:
     if state.keys is None:
         return f"pagedserve: console: {management_url}/console"
     if not with_keys:
-        return (f"pagedserve: console: {management_url}/console (sign in with the management key "
-                f"from {state.keys.path}; console_link_keys: true prints a link that carries it)")
-    return (f"pagedserve: console (sign-in link): {management_url}/console#token="
-            f"{state.management_key}&inference_token={state.inference_key}")
+        return (
+            f"pagedserve: console: {management_url}/console (sign in with the management key "
+            f"from {state.keys.path}; console_link_keys: true prints a link that carries it)"
+        )
+    return (
+        f"pagedserve: console (sign-in link): {management_url}/console#token="
+        f"{state.management_key}&inference_token={state.inference_key}"
+    )

@@ -25,10 +25,15 @@ from server.state import STATE_KEY
 WINDOW_S = 15 * 60
 SAMPLE_S = 2.0
 # What the charts read (server/console_static/js/charts.js): families by name.
-CHART_FAMILIES = ("pagedserve_generation_tokens", "pagedserve_requests",
-                  "pagedserve_num_requests_waiting", "pagedserve_num_requests_running",
-                  "pagedserve_preemptions", "pagedserve_time_to_first_token_seconds",
-                  "pagedserve_inter_token_latency_seconds")
+CHART_FAMILIES = (
+    "pagedserve_generation_tokens",
+    "pagedserve_requests",
+    "pagedserve_num_requests_waiting",
+    "pagedserve_num_requests_running",
+    "pagedserve_preemptions",
+    "pagedserve_time_to_first_token_seconds",
+    "pagedserve_inter_token_latency_seconds",
+)
 
 
 @dataclass(slots=True, eq=False)
@@ -44,8 +49,7 @@ class MetricsHistory:
             self.samples.popleft()
 
     def since(self, t: float) -> list[dict]:
-        return [{"t": round(ts, 3), "metrics": zlib.decompress(z).decode()}
-                for ts, z in self.samples if ts > t]
+        return [{"t": round(ts, 3), "metrics": zlib.decompress(z).decode()} for ts, z in self.samples if ts > t]
 
     def nbytes(self) -> int:
         return sum(len(z) for _, z in self.samples)
@@ -78,8 +82,7 @@ async def history(request: web.Request) -> web.Response:
         since = float(request.query.get("since", "0"))
     except ValueError:
         raise SchemaError("since: a Unix time in seconds", "since") from None
-    return web.json_response({"sampleSeconds": SAMPLE_S,
-                              "samples": request.app[HISTORY_KEY].since(since)})
+    return web.json_response({"sampleSeconds": SAMPLE_S, "samples": request.app[HISTORY_KEY].since(since)})
 
 
 def setup(app: web.Application) -> None:

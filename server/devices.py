@@ -37,8 +37,9 @@ def device_pool(visible: int, device_ids: Sequence[int] | None) -> list[int]:
     return ids
 
 
-def assign_devices(worker_index: int, visible: int, device_ids: Sequence[int] | None = None,
-                   group_size: int = 1) -> tuple[int, ...]:
+def assign_devices(
+    worker_index: int, visible: int, device_ids: Sequence[int] | None = None, group_size: int = 1
+) -> tuple[int, ...]:
     """The GPUs (as the server sees them) of worker `worker_index` of a version."""
     if worker_index < 0:
         raise ValueError(f"worker_index must be >= 0, got {worker_index}")
@@ -47,9 +48,10 @@ def assign_devices(worker_index: int, visible: int, device_ids: Sequence[int] | 
     if groups == 0:
         raise DeviceAssignmentError(
             f"parallelLevel {group_size} needs {group_size} GPUs per worker; only {len(pool)} "
-            f"{'are listed in deviceIds' if device_ids is not None else 'are visible'}")
+            f"{'are listed in deviceIds' if device_ids is not None else 'are visible'}"
+        )
     start = (worker_index % groups) * group_size
-    return tuple(pool[start:start + group_size])
+    return tuple(pool[start : start + group_size])
 
 
 def visible_gpus() -> int:

@@ -23,5 +23,4 @@ ERROR_TYPES = {
 
 
 def error_body(code: int, message: str, type: str | None = None) -> dict:
-    return {"code": code, "type": type or ERROR_TYPES.get(code, "InternalServerException"),
-            "message": message}
+    return {"code": code, "type": type or ERROR_TYPES.get(code, "InternalServerException"), "message": message}

@@ -31,11 +31,13 @@ class FanOut:
         sampling params are every prompt's)."""
         return Prepared(self, self.jobs[0].input)  # type: ignore[arg-type]
 
-    async def generate(self, request_id: str, inp: EngineInput, *, arrival_time: float | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        streams = [job.worker.generate(f"{request_id}-{i}", job.input, arrival_time=arrival_time,
-                                       priority=job.input.priority)
-                   for i, job in enumerate(self.jobs)]
+    async def generate(
+        self, request_id: str, inp: EngineInput, *, arrival_time: float | None = None, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        streams = [
+            job.worker.generate(f"{request_id}-{i}", job.input, arrival_time=arrival_time, priority=job.input.priority)
+            for i, job in enumerate(self.jobs)
+        ]
         latest: list[RequestOutput | None] = [None] * len(streams)
         pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
         try:

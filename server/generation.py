@@ -71,8 +71,9 @@ MODEL_KEY = web.RequestKey("pagedserve_model", str)
 class ErrorReply(Exception):
     """A request that ends with an error reply of `code` (any layer may raise it)."""
 
-    def __init__(self, code: int, message: str, headers: dict[str, str] | None = None,
-                 param: str | None = None) -> None:
+    def __init__(
+        self, code: int, message: str, headers: dict[str, str] | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.headers = headers or {}
@@ -96,8 +97,9 @@ class Watchdog:
     Interrupting makes the request's iterator raise, and leaving it aborts the request.
     """
 
-    def __init__(self, request: web.Request, worker: AsyncLLM, request_id: str, timeout_s: float,
-                 *, per_chunk: bool) -> None:
+    def __init__(
+        self, request: web.Request, worker: AsyncLLM, request_id: str, timeout_s: float, *, per_chunk: bool
+    ) -> None:
         self._loop = asyncio.get_running_loop()
         self._request = request
         self._worker = worker
@@ -122,8 +124,11 @@ class Watchdog:
             self._deadline = self._loop.call_at(due, self._check_deadline)
             return
         what = "the next chunk took" if self._per_chunk else "the reply made no progress for"
-        self._fire(RequestTimeout(f"{what} longer than the model's responseTimeout "
-                                  f"({self._timeout_s:g} s); the request was aborted"))
+        self._fire(
+            RequestTimeout(
+                f"{what} longer than the model's responseTimeout ({self._timeout_s:g} s); the request was aborted"
+            )
+        )
 
     def _check_client(self) -> None:
         transport = self._request.transport
@@ -160,10 +165,18 @@ class Prepared:
     input: EngineInput
 
 
-async def prepare(state: ServerState, version: ModelVersion, spec: PromptSpec,
-                  params: SamplingParams, *, client: str = "", pooling: PoolingParams | None = None,
-                  lora: LoRARequest | None = None, priority: int = 0,
-                  cache_salt: str | None = None) -> Prepared:
+async def prepare(
+    state: ServerState,
+    version: ModelVersion,
+    spec: PromptSpec,
+    params: SamplingParams,
+    *,
+    client: str = "",
+    pooling: PoolingParams | None = None,
+    lora: LoRARequest | None = None,
+    priority: int = 0,
+    cache_salt: str | None = None,
+) -> Prepared:
     """The engine's prepare step (engine.inputs) with the front end's bounds: the
     structured-output constraint is checked on its own bounded pool (a per-`client` share, a
     time limit), then, in the thread pool, a prompt that cannot fit is refused before it is
@@ -182,9 +195,17 @@ async def prepare(state: ServerState, version: ModelVersion, spec: PromptSpec,
     limits = (await state.registry.ready_worker(version)).limits
     loop = asyncio.get_running_loop()
     try:
-        inp = await loop.run_in_executor(state.executor, _bounded_prepare, state.limits.prompts,
-                                         version.tokenizer, spec, params, limits, pooling,
-                                         version.model_config.default_max_tokens)
+        inp = await loop.run_in_executor(
+            state.executor,
+            _bounded_prepare,
+            state.limits.prompts,
+            version.tokenizer,
+            spec,
+            params,
+            limits,
+            pooling,
+            version.model_config.default_max_tokens,
+        )
     except InvalidInput as exc:
         raise ErrorReply(400, str(exc), param=exc.field) from None
     except HandlerError as exc:
@@ -193,27 +214,42 @@ async def prepare(state: ServerState, version: ModelVersion, spec: PromptSpec,
     return Prepared(version.pick_worker(inp.token_ids), inp)
 
 
-def _bounded_prepare(bounds: PromptBounds, tokenizer, spec: PromptSpec, params: SamplingParams,
-                     limits: InputLimits, pooling: PoolingParams | None, default_max_tokens: int) -> EngineInput:
+def _bounded_prepare(
+    bounds: PromptBounds,
+    tokenizer,
+    spec: PromptSpec,
+    params: SamplingParams,
+    limits: InputLimits,
+    pooling: PoolingParams | None,
+    default_max_tokens: int,
+) -> EngineInput:
     """`engine.inputs.prepare_input` minus the constraint check (done on its own pool), with
     the prompt's character bound before tokenizing. A request that names no token limit gets
     the model's `default_max_tokens`, capped by the context its prompt leaves."""
     text, token_ids = bounds.tokenize(tokenizer, spec, limits.max_model_len)
     if params.max_tokens is None and limits.max_model_len > len(token_ids):
         params = msgspec.structs.replace(
-            params, max_tokens=min(default_max_tokens, limits.max_model_len - len(token_ids)))
+            params, max_tokens=min(default_max_tokens, limits.max_model_len - len(token_ids))
+        )
     validate_input(token_ids, params, limits)
     return EngineInput(text, token_ids, params, pooling)
 
 
-async def respond(request: web.Request, state: ServerState, version: ModelVersion, job: Prepared,
-                  shaper: WholeShaper, *, stream: bool, started: float) -> web.StreamResponse:
+async def respond(
+    request: web.Request,
+    state: ServerState,
+    version: ModelVersion,
+    job: Prepared,
+    shaper: WholeShaper,
+    *,
+    stream: bool,
+    started: float,
+) -> web.StreamResponse:
     """Run the prepared job and answer it: whole, or streamed (`stream`: the shaper is then a
     `Shaper`, one that shapes chunks too)."""
     request_id = request[REQUEST_ID_KEY]
     outputs = job.worker.generate(request_id, job.input, arrival_time=started, priority=job.input.priority)
-    watchdog = Watchdog(request, job.worker, request_id, version.model_config.response_timeout,
-                        per_chunk=stream)
+    watchdog = Watchdog(request, job.worker, request_id, version.model_config.response_timeout, per_chunk=stream)
     try:
         async with contextlib.aclosing(outputs):
             try:
@@ -225,8 +261,9 @@ async def respond(request: web.Request, state: ServerState, version: ModelVersio
             if first.refusal is not None:  # a grammar that failed to compile, a refused prompt
                 raise ErrorReply(400, first.refusal)
             if stream:
-                return await _stream(request, state, version, outputs, first, cast(Shaper, shaper), job.input.params,
-                                     started, watchdog)
+                return await _stream(
+                    request, state, version, outputs, first, cast(Shaper, shaper), job.input.params, started, watchdog
+                )
             return await _collect(request, state, version, outputs, first, shaper, started, watchdog)
     except ConnectionError:  # the client went away; leaving the `async with` aborted the request
         request[STATUS_KEY] = CLIENT_CLOSED  # (a stream returns its own response, see _stream)
@@ -242,8 +279,16 @@ async def _next(outputs) -> RequestOutput:
         raise EngineDeadError("the request ended without an output") from None
 
 
-async def _collect(request: web.Request, state: ServerState, version: ModelVersion, outputs,
-                   out: RequestOutput, shaper: WholeShaper, started: float, watchdog: Watchdog) -> web.Response:
+async def _collect(
+    request: web.Request,
+    state: ServerState,
+    version: ModelVersion,
+    outputs,
+    out: RequestOutput,
+    shaper: WholeShaper,
+    started: float,
+    watchdog: Watchdog,
+) -> web.Response:
     try:
         while not out.finished:
             out = await _next(outputs)
@@ -256,10 +301,10 @@ async def _collect(request: web.Request, state: ServerState, version: ModelVersi
     # Shaped and encoded in the thread pool: a custom handler's postprocess is their code, and
     # a large reply takes a while to encode.
     loop = asyncio.get_running_loop()
-    body = await loop.run_in_executor(state.executor, _encode_whole, shaper, out,
-                                      time.monotonic() - started, state.config.max_response_size)
-    return web.Response(body=body, content_type="application/json",
-                        headers={"x-request-id": request[REQUEST_ID_KEY]})
+    body = await loop.run_in_executor(
+        state.executor, _encode_whole, shaper, out, time.monotonic() - started, state.config.max_response_size
+    )
+    return web.Response(body=body, content_type="application/json", headers={"x-request-id": request[REQUEST_ID_KEY]})
 
 
 def _encode_whole(shaper: Shaper, out: RequestOutput, total_s: float, limit: int) -> bytes:
@@ -271,11 +316,20 @@ def _encode_whole(shaper: Shaper, out: RequestOutput, total_s: float, limit: int
         raise ErrorReply(500, f"the reply cannot be encoded as JSON: {exc}") from None
 
 
-async def _stream(request: web.Request, state: ServerState, version: ModelVersion, outputs,
-                  out: RequestOutput, shaper: Shaper, params: SamplingParams,
-                  started: float, watchdog: Watchdog) -> web.StreamResponse:
-    stream = ChunkStream(request, shaper.stream_format, state.config.max_response_size,
-                         {"x-request-id": request[REQUEST_ID_KEY]})
+async def _stream(
+    request: web.Request,
+    state: ServerState,
+    version: ModelVersion,
+    outputs,
+    out: RequestOutput,
+    shaper: Shaper,
+    params: SamplingParams,
+    started: float,
+    watchdog: Watchdog,
+) -> web.StreamResponse:
+    stream = ChunkStream(
+        request, shaper.stream_format, state.config.max_response_size, {"x-request-id": request[REQUEST_ID_KEY]}
+    )
     await stream.open()
     tracker = DeltaTracker(params.stop)
     try:
@@ -324,4 +378,3 @@ async def _end_with_error(stream: ChunkStream, event: dict[str, Any]) -> None:
     with contextlib.suppress(ConnectionError):
         await stream.send_error(event)
         await stream.close(done_marker=False)
-

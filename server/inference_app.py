@@ -65,8 +65,8 @@ from server.adapters import RegisteredAdapter
 from server.anthropic import routes as anthropic
 from server.anthropic.shaping import error_body as anthropic_error
 from server.auth import auth_middleware
-from server.console import allow_console
 from server.body_encoding import decode_body_middleware
+from server.console import allow_console
 from server.errors import error_body
 from server.fanout import FanOut
 from server.generation import (
@@ -108,15 +108,32 @@ from server.state import STATE_KEY, ServerState
 from server.streaming import StreamFormat
 from server.vllm import routes as vllm
 
-OPENAI_ENDPOINTS = frozenset({"completions", "chat_completions", "responses", "embeddings", "models", "model",
-                              "tokenize", "detokenize", "vllm_version", "health"})
+OPENAI_ENDPOINTS = frozenset(
+    {
+        "completions",
+        "chat_completions",
+        "responses",
+        "embeddings",
+        "models",
+        "model",
+        "tokenize",
+        "detokenize",
+        "vllm_version",
+        "health",
+    }
+)
 OPENAI_PATH = re.compile(r"(/predictions/[^/]+/[^/]+)?/v1(/.*)?")  # /v1/... of a version too
 KSERVE_PATH = re.compile(r"/v2(/.*)?")
 # Health probes: never drained away, and public unless health_needs_token.
 HEALTH_PATHS = frozenset({"/ping", "/live", "/ready", "/health", "/v2/health/live", "/v2/health/ready"})
 EXCEPTION_CODES = (((QueueFullError, NoWorkerError), 503),)
-PREDICTIONS_CONTENT_TYPES = ("application/json", "text/plain", "multipart/form-data",
-                             "application/x-www-form-urlencoded", "application/octet-stream")
+PREDICTIONS_CONTENT_TYPES = (
+    "application/json",
+    "text/plain",
+    "multipart/form-data",
+    "application/x-www-form-urlencoded",
+    "application/octet-stream",
+)
 routes = web.RouteTableDef()
 logger = logging.getLogger(__name__)
 
@@ -125,12 +142,15 @@ def build_inference_app(state: ServerState, contexts: Iterable[Callable] = ()) -
     """The inference app over `state`; `contexts` are `cleanup_ctx` generators (the server's
     lifecycle: registry, workers, thread pool) run when the app starts and stops."""
     public = frozenset() if state.config.health_needs_token else HEALTH_PATHS
-    app = web.Application(client_max_size=state.config.max_request_size, middlewares=[
-        error_middleware(_shape, EXCEPTION_CODES, _observe),
-        drain_middleware(state.drain, exempt=HEALTH_PATHS),
-        auth_middleware(lambda: state.inference_key, public),
-        decode_body_middleware,
-    ])
+    app = web.Application(
+        client_max_size=state.config.max_request_size,
+        middlewares=[
+            error_middleware(_shape, EXCEPTION_CODES, _observe),
+            drain_middleware(state.drain, exempt=HEALTH_PATHS),
+            auth_middleware(lambda: state.inference_key, public),
+            decode_body_middleware,
+        ],
+    )
     app[STATE_KEY] = state
     allow_console(app, state)  # the console's playground (another origin) may call in
     app.add_routes(routes)
@@ -144,6 +164,7 @@ def build_inference_app(state: ServerState, contexts: Iterable[Callable] = ()) -
 
 
 # -- errors and metrics -----------------------------------------------------------------------
+
 
 def _endpoint(request: web.Request) -> str | None:
     name = request.match_info.route.name
@@ -222,18 +243,19 @@ def _shape(request: web.Request, code: int, message: str, param: str | None) -> 
 
 
 def _observe(request: web.Request, status: int, seconds: float) -> None:
-    request.app[STATE_KEY].metrics.observe_request(request.get(MODEL_KEY),
-                                                   _endpoint(request) or "unknown", status, seconds)
+    request.app[STATE_KEY].metrics.observe_request(
+        request.get(MODEL_KEY), _endpoint(request) or "unknown", status, seconds
+    )
 
 
 # -- health ----------------------------------------------------------------------------------
+
 
 @routes.get("/ping", name="ping")
 async def ping(request: web.Request) -> web.Response:
     """TorchServe's health check: Healthy when every version that should serve can serve."""
     healthy = request.app[STATE_KEY].serving()
-    return web.json_response({"status": "Healthy" if healthy else "Unhealthy"},
-                             status=200 if healthy else 500)
+    return web.json_response({"status": "Healthy" if healthy else "Unhealthy"}, status=200 if healthy else 500)
 
 
 @routes.get("/live", name="live")
@@ -254,12 +276,12 @@ async def ready(request: web.Request) -> web.Response:
     if state.draining:
         return web.json_response({"status": "Draining"}, status=503)
     if not state.serving():
-        return web.json_response({"status": "NotReady", "notReady": state.not_serving()},
-                                 status=503)
+        return web.json_response({"status": "NotReady", "notReady": state.not_serving()}, status=503)
     return web.json_response({"status": "Ready"})
 
 
 # -- /predictions ----------------------------------------------------------------------------
+
 
 @routes.post("/predictions/{model}", name="predictions")
 @routes.put("/predictions/{model}", name="predictions_put")
@@ -286,19 +308,18 @@ async def predictions(request: web.Request) -> web.StreamResponse:
             parsed = handler_call(parse_predictions_body, body)
         else:
             parsed = await _custom_preprocess(request, state, handler, raw)
-        job = await prepare(state, version, parsed.prompt, parsed.params, client=request.remote or "",
-                            lora=lora(request))
+        job = await prepare(
+            state, version, parsed.prompt, parsed.params, client=request.remote or "", lora=lora(request)
+        )
         return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
 
 
-async def _custom_preprocess(request: web.Request, state: ServerState, handler: BaseHandler,
-                             raw: bytes) -> ParsedBody:
+async def _custom_preprocess(request: web.Request, state: ServerState, handler: BaseHandler, raw: bytes) -> ParsedBody:
     """The custom handler's preprocess of one TorchServe-style request, in the thread pool."""
     headers = {k: v for k, v in request.headers.items() if k.lower() != "authorization"}
     loop = asyncio.get_running_loop()
     try:
-        results = await loop.run_in_executor(state.executor, handler.preprocess,
-                                             [{"body": raw, "headers": headers}])
+        results = await loop.run_in_executor(state.executor, handler.preprocess, [{"body": raw, "headers": headers}])
     except HandlerError as exc:
         raise ErrorReply.from_handler_error(exc) from None
     except Exception as exc:  # their code: answer 500 and say where
@@ -308,12 +329,16 @@ async def _custom_preprocess(request: web.Request, state: ServerState, handler: 
     if isinstance(parsed, HandlerError):
         raise ErrorReply.from_handler_error(parsed)
     if not isinstance(parsed, ParsedBody):
-        raise ErrorReply(500, "the custom handler's preprocess must return a list with one "
-                         f"ParsedBody or HandlerError per request, got {type(parsed).__name__}")
+        raise ErrorReply(
+            500,
+            "the custom handler's preprocess must return a list with one "
+            f"ParsedBody or HandlerError per request, got {type(parsed).__name__}",
+        )
     return parsed
 
 
 # -- OpenAI ----------------------------------------------------------------------------------
+
 
 @routes.post("/v1/completions", name="completions")
 @routes.post("/predictions/{model}/{version}/v1/completions", name="completions_version")
@@ -336,19 +361,31 @@ async def responses(request: web.Request) -> web.StreamResponse:
     return await _openai(request, parse_responses_request)
 
 
-async def _openai(request: web.Request, parse: Callable[[dict[str, Any]], OpenAIRequest | ResponsesRequest]
-                  ) -> web.StreamResponse:
+async def _openai(
+    request: web.Request, parse: Callable[[dict[str, Any]], OpenAIRequest | ResponsesRequest]
+) -> web.StreamResponse:
     started, state, body, version, asked = await _openai_begin(request)
     with _admitted(request, version, body):
         parsed = handler_call(parse, body)
         responses_request = parsed if isinstance(parsed, ResponsesRequest) else None
         parsed = parsed.chat if responses_request is not None else parsed
         template = getattr(version.tokenizer, "chat_template", None)
-        specs = [tool_prompt(spec, parsed.tools, template) if spec.messages is not None else spec
-                 for spec in parsed.prompts]
-        jobs = [await prepare(state, version, spec, parsed.params, client=request.remote or "", lora=lora(request),
-                              priority=parsed.priority, cache_salt=parsed.cache_salt)
-                for spec in specs]
+        specs = [
+            tool_prompt(spec, parsed.tools, template) if spec.messages is not None else spec for spec in parsed.prompts
+        ]
+        jobs = [
+            await prepare(
+                state,
+                version,
+                spec,
+                parsed.params,
+                client=request.remote or "",
+                lora=lora(request),
+                priority=parsed.priority,
+                cache_salt=parsed.cache_salt,
+            )
+            for spec in specs
+        ]
         job = jobs[0] if len(jobs) == 1 else FanOut(jobs, parsed.params.n).prepared()
         shaper = _openai_shaper(request, version, asked, responses_request or parsed, jobs)
         return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
@@ -363,14 +400,25 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
         parsed = handler_call(parse_embeddings_request, body)
         params = pooling_sampling_params()
         try:
-            jobs = [await prepare(state, version, spec, params, client=request.remote or "", pooling=PoolingParams(),
-                                  lora=lora(request)) for spec in parsed.prompts]
+            jobs = [
+                await prepare(
+                    state,
+                    version,
+                    spec,
+                    params,
+                    client=request.remote or "",
+                    pooling=PoolingParams(),
+                    lora=lora(request),
+                )
+                for spec in parsed.prompts
+            ]
         except ErrorReply as exc:  # the engine names the prompt; this body calls it `input`
             exc.param = "input" if exc.param == "prompt" else exc.param
             raise
         job = jobs[0] if len(jobs) == 1 else FanOut(jobs, 1).prepared()
-        return await respond(request, state, version, job, EmbeddingsShaper(parsed, asked), stream=False,
-                             started=started)
+        return await respond(
+            request, state, version, job, EmbeddingsShaper(parsed, asked), stream=False, started=started
+        )
 
 
 async def _openai_begin(request: web.Request) -> tuple[float, ServerState, dict[str, Any], ModelVersion, str]:
@@ -396,24 +444,35 @@ def _openai_model(request: web.Request, state: ServerState, body: dict[str, Any]
         return version, body.get("model") if isinstance(body.get("model"), str) else version.name
     asked = body.get("model")
     if not isinstance(asked, str) or not asked:
-        raise ErrorReply(400, "'model' is required: the name of a registered model "
-                         "(model or model@version)", param="model")
+        raise ErrorReply(
+            400, "'model' is required: the name of a registered model (model or model@version)", param="model"
+        )
     return resolve(request, state, *handler_call(split_model, asked)), asked
 
 
-def _openai_shaper(request: web.Request, version: ModelVersion, asked: str,
-                   parsed: OpenAIRequest | ResponsesRequest, jobs: list[Prepared]) -> Shaper:
+def _openai_shaper(
+    request: web.Request,
+    version: ModelVersion,
+    asked: str,
+    parsed: OpenAIRequest | ResponsesRequest,
+    jobs: list[Prepared],
+) -> Shaper:
     """The reply's shape: a Responses API response, or a (chat) completion with the prompts'
     texts when it echoes them."""
     parser = ToolParser(version.model_config.tool_parser)
     if isinstance(parsed, ResponsesRequest):
-        return ResponsesShaper(parsed, "resp_" + request[REQUEST_ID_KEY], asked, int(time.time()), parser,
-                               StreamFormat.SSE)
+        return ResponsesShaper(
+            parsed, "resp_" + request[REQUEST_ID_KEY], asked, int(time.time()), parser, StreamFormat.SSE
+        )
     prefix = "chatcmpl-" if request.match_info.route.name.startswith("chat") else "cmpl-"
-    echoed = [j.input.prompt if j.input.prompt is not None else version.tokenizer.decode(j.input.token_ids)
-              for j in jobs] if parsed.echo else []
-    return OpenAIShaper(OpenAIFormatter(parsed, prefix + request[REQUEST_ID_KEY], asked, int(time.time()),
-                                        echoed, parser))
+    echoed = (
+        [j.input.prompt if j.input.prompt is not None else version.tokenizer.decode(j.input.token_ids) for j in jobs]
+        if parsed.echo
+        else []
+    )
+    return OpenAIShaper(
+        OpenAIFormatter(parsed, prefix + request[REQUEST_ID_KEY], asked, int(time.time()), echoed, parser)
+    )
 
 
 @routes.get("/v1/models", name="models")
@@ -448,16 +507,27 @@ async def model(request: web.Request) -> web.Response:
 
 
 def _model_entry(name: str, version: ModelVersion) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": int(version.registered_at.timestamp()),
-            "owned_by": "pagedserve", "root": version.name, "version": version.version,
-            "max_model_len": _max_model_len(version)}
+    return {
+        "id": name,
+        "object": "model",
+        "created": int(version.registered_at.timestamp()),
+        "owned_by": "pagedserve",
+        "root": version.name,
+        "version": version.version,
+        "max_model_len": _max_model_len(version),
+    }
 
 
 def _adapter_entry(adapter: RegisteredAdapter) -> dict[str, Any]:
     """A LoRA adapter as /v1/models lists it: its base model version is its `parent`."""
-    return {**_model_entry(adapter.name, adapter.base), "root": adapter.name, "version": adapter.version,
-            "created": int(adapter.registered_at.timestamp()), "parent": adapter.base.name,
-            "parent_version": adapter.base.version}
+    return {
+        **_model_entry(adapter.name, adapter.base),
+        "root": adapter.name,
+        "version": adapter.version,
+        "created": int(adapter.registered_at.timestamp()),
+        "parent": adapter.base.name,
+        "parent_version": adapter.base.version,
+    }
 
 
 def _max_model_len(version: ModelVersion) -> int | None:
@@ -467,9 +537,15 @@ def _max_model_len(version: ModelVersion) -> int | None:
 
 # -- helpers ---------------------------------------------------------------------------------
 
+
 def _bodies() -> dict[Callable, openapi.Body]:
     """What each POST route takes, for the OpenAPI description."""
     json_only = openapi.Body(("application/json",))
-    return {predictions: openapi.Body(PREDICTIONS_CONTENT_TYPES), completions: json_only,
-            chat_completions: json_only, responses: json_only, kserve.v1_predict: json_only,
-            kserve.v2_infer: json_only}
+    return {
+        predictions: openapi.Body(PREDICTIONS_CONTENT_TYPES),
+        completions: json_only,
+        chat_completions: json_only,
+        responses: json_only,
+        kserve.v1_predict: json_only,
+        kserve.v2_infer: json_only,
+    }

@@ -27,8 +27,9 @@ class KeepAliveError(ValueError):
 def parse_keep_alive(value: Any) -> float:
     """Seconds (negative: forever) from a request's keep_alive value; KeepAliveError otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise KeepAliveError(f"{FIELD}: must be a duration (seconds, or a string such as "
-                             f"\"5m\"), got {type(value).__name__}")
+        raise KeepAliveError(
+            f"{FIELD}: must be a duration (seconds, or a string such as \"5m\"), got {type(value).__name__}"
+        )
     if isinstance(value, str):
         seconds = _parse_text(value.strip())
     else:
@@ -38,8 +39,9 @@ def parse_keep_alive(value: Any) -> float:
     if seconds < 0:
         return -1.0
     if seconds > MAX_KEEP_ALIVE_S:
-        raise KeepAliveError(f"{FIELD}: must be at most {MAX_KEEP_ALIVE_S:g} seconds (or negative: "
-                             f"forever), got {value!r}")
+        raise KeepAliveError(
+            f"{FIELD}: must be at most {MAX_KEEP_ALIVE_S:g} seconds (or negative: forever), got {value!r}"
+        )
     return seconds
 
 
@@ -52,8 +54,10 @@ def _parse_text(text: str) -> float:
         pass
     if not body or _PART.sub("", body):
         shown = text if len(text) <= 40 else text[:37] + "..."
-        raise KeepAliveError(f"{FIELD}: {shown!r} is not a duration; use seconds or units ms, s, "
-                             "m, h (e.g. \"30s\", \"5m\", \"1h30m\", \"-1\" for forever)")
+        raise KeepAliveError(
+            f"{FIELD}: {shown!r} is not a duration; use seconds or units ms, s, "
+            "m, h (e.g. \"30s\", \"5m\", \"1h30m\", \"-1\" for forever)"
+        )
     return sign * sum(float(n) * _UNITS[unit] for n, unit in _PART.findall(body))
 
 

@@ -55,6 +55,7 @@ def error_body(message: str) -> dict[str, Any]:
 
 # -- health and metadata ---------------------------------------------------------------------
 
+
 @routes.get("/v2", name="kserve_server_metadata")
 async def server_metadata(request: web.Request) -> web.Response:
     """Open inference protocol v2: the server's name, version and extensions."""
@@ -81,10 +82,15 @@ async def model_metadata(request: web.Request) -> web.Response:
     """v2 model metadata: versions, and the text input and output tensors."""
     version = _resolve(request)
     model = request.app[STATE_KEY].registry.models[version.name]
-    return web.json_response({
-        "name": version.name, "versions": sorted(model.versions), "platform": "pagedserve",
-        "inputs": [{"name": "text_input", **TEXT_TENSOR}],
-        "outputs": [{"name": "text_output", **TEXT_TENSOR}]})
+    return web.json_response(
+        {
+            "name": version.name,
+            "versions": sorted(model.versions),
+            "platform": "pagedserve",
+            "inputs": [{"name": "text_input", **TEXT_TENSOR}],
+            "outputs": [{"name": "text_output", **TEXT_TENSOR}],
+        }
+    )
 
 
 @routes.get("/v2/models/{model}/ready", name="kserve_model_ready")
@@ -98,14 +104,16 @@ async def model_ready(request: web.Request) -> web.Response:
 
 # -- inference -------------------------------------------------------------------------------
 
+
 @routes.post("/v1/models/{model}:predict", name="kserve_v1_predict")
 async def v1_predict(request: web.Request) -> web.StreamResponse:
     """KServe v1 predict: `instances` (prompts) -> `predictions` (texts)."""
     body = await _read_json(request)
     unknown = sorted(set(body) - {"instances", "parameters"})
     if unknown:
-        raise ErrorReply(400, f"unknown field {unknown[0]!r}; a v1 request has 'instances' and "
-                         "'parameters'", param=unknown[0])
+        raise ErrorReply(
+            400, f"unknown field {unknown[0]!r}; a v1 request has 'instances' and 'parameters'", param=unknown[0]
+        )
     instances = body.get("instances")
     if not isinstance(instances, list):
         raise ErrorReply(400, "instances: required, a list of prompts", param="instances")
@@ -120,15 +128,19 @@ async def v2_infer(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     unknown = sorted(set(body) - {"id", "inputs", "outputs", "parameters"})
     if unknown:
-        raise ErrorReply(400, f"unknown field {unknown[0]!r}; a v2 request has 'id', 'inputs', "
-                         "'outputs' and 'parameters'", param=unknown[0])
+        raise ErrorReply(
+            400,
+            f"unknown field {unknown[0]!r}; a v2 request has 'id', 'inputs', 'outputs' and 'parameters'",
+            param=unknown[0],
+        )
     request_id = body.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise ErrorReply(400, "id: must be a string", param="id")
     inputs = body.get("inputs")
     if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
-        raise ErrorReply(400, "inputs: must be a list of exactly one tensor (the prompts, "
-                         "datatype BYTES)", param="inputs")
+        raise ErrorReply(
+            400, "inputs: must be a list of exactly one tensor (the prompts, datatype BYTES)", param="inputs"
+        )
     prompts = _tensor_prompts(inputs[0])
     shaper = V2Shaper(request_id=request_id, output_name=_output_name(body.get("outputs")))
     return await _generate(request, prompts, body.get("parameters"), shaper)
@@ -142,14 +154,16 @@ async def _generate(request: web.Request, prompts: list[str], parameters: Any, s
     if adapter is not None:  # answered under the adapter's name
         shaper.model, shaper.version = adapter.name, adapter.version
     if not prompts or len(prompts) > MAX_PROMPTS:
-        raise ErrorReply(400, f"a request holds 1 to {MAX_PROMPTS} prompts, got {len(prompts)}",
-                         param="inputs" if isinstance(shaper, V2Shaper) else "instances")
+        raise ErrorReply(
+            400,
+            f"a request holds 1 to {MAX_PROMPTS} prompts, got {len(prompts)}",
+            param="inputs" if isinstance(shaper, V2Shaper) else "instances",
+        )
     params = _sampling_params(parameters)
     lora = adapter.lora if adapter is not None else None
-    with version.admit(), (adapter.track() if adapter is not None else contextlib.nullcontext()):
+    with version.admit(), adapter.track() if adapter is not None else contextlib.nullcontext():
         client = request.remote or ""
-        jobs = [await prepare(state, version, PromptSpec(text=p), params, client=client, lora=lora)
-                for p in prompts]
+        jobs = [await prepare(state, version, PromptSpec(text=p), params, client=client, lora=lora) for p in prompts]
         job = jobs[0] if len(jobs) == 1 else FanOut(jobs, 1).prepared()
         return await respond(request, state, version, job, shaper, stream=False, started=started)
 
@@ -161,9 +175,12 @@ def _sampling_params(parameters: Any):
         raise ErrorReply(400, "parameters: must be an object of sampling settings", param="parameters")
     for key in REFUSED_PARAMETERS:
         if key in parameters:
-            raise ErrorReply(400, f"parameters.{key}: not supported on the KServe routes (one text "
-                             "per prompt, whole replies); use /predictions or the OpenAI routes",
-                             param=f"parameters.{key}")
+            raise ErrorReply(
+                400,
+                f"parameters.{key}: not supported on the KServe routes (one text "
+                "per prompt, whole replies); use /predictions or the OpenAI routes",
+                param=f"parameters.{key}",
+            )
     try:
         return make_sampling_params(max_new_tokens(parameters))
     except HandlerError as exc:
@@ -174,11 +191,15 @@ def _instance_prompt(item: Any, i: int) -> str:
     if isinstance(item, str):
         return item
     if isinstance(item, dict) and len(item) == 1:
-        (key, value), = item.items()
+        ((key, value),) = item.items()
         if key in INSTANCE_KEYS and isinstance(value, str):
             return value
-    raise ErrorReply(400, f"instances[{i}]: must be a prompt string or an object with one of "
-                     f"{', '.join(repr(k) for k in INSTANCE_KEYS)} (a string)", param=f"instances[{i}]")
+    raise ErrorReply(
+        400,
+        f"instances[{i}]: must be a prompt string or an object with one of "
+        f"{', '.join(repr(k) for k in INSTANCE_KEYS)} (a string)",
+        param=f"instances[{i}]",
+    )
 
 
 def _tensor_prompts(tensor: dict[str, Any]) -> list[str]:
@@ -188,18 +209,24 @@ def _tensor_prompts(tensor: dict[str, Any]) -> list[str]:
     if not isinstance(tensor.get("name"), str):
         raise ErrorReply(400, "inputs[0].name: required, a string", param="inputs[0].name")
     if tensor.get("datatype") != "BYTES":
-        raise ErrorReply(400, f"inputs[0].datatype: must be \"BYTES\" (text prompts), got "
-                         f"{tensor.get('datatype')!r}", param="inputs[0].datatype")
+        raise ErrorReply(
+            400,
+            f"inputs[0].datatype: must be \"BYTES\" (text prompts), got {tensor.get('datatype')!r}",
+            param="inputs[0].datatype",
+        )
     shape, data = tensor.get("shape"), tensor.get("data")
     if not isinstance(data, list):
         raise ErrorReply(400, "inputs[0].data: required, a list of prompt strings", param="inputs[0].data")
     flat = [x for row in data for x in row] if data and all(isinstance(r, list) for r in data) else data
     if not all(isinstance(x, str) for x in flat):
         raise ErrorReply(400, "inputs[0].data: every element must be a prompt string", param="inputs[0].data")
-    if (not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape)
-            or _product(shape) != len(flat)):
-        raise ErrorReply(400, f"inputs[0].shape: must list non-negative sizes whose product is the "
-                         f"number of prompts ({len(flat)}), got {shape!r}", param="inputs[0].shape")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape) or _product(shape) != len(flat):
+        raise ErrorReply(
+            400,
+            f"inputs[0].shape: must list non-negative sizes whose product is the "
+            f"number of prompts ({len(flat)}), got {shape!r}",
+            param="inputs[0].shape",
+        )
     return flat
 
 
@@ -213,14 +240,18 @@ def _product(shape: list[int]) -> int:
 def _output_name(outputs: Any) -> str:
     if outputs is None:
         return "text_output"
-    if (not isinstance(outputs, list) or len(outputs) != 1 or not isinstance(outputs[0], dict)
-            or not isinstance(outputs[0].get("name"), str)):
-        raise ErrorReply(400, "outputs: must be a list of one {\"name\": ...} (the text output)",
-                         param="outputs")
+    if (
+        not isinstance(outputs, list)
+        or len(outputs) != 1
+        or not isinstance(outputs[0], dict)
+        or not isinstance(outputs[0].get("name"), str)
+    ):
+        raise ErrorReply(400, "outputs: must be a list of one {\"name\": ...} (the text output)", param="outputs")
     return outputs[0]["name"]
 
 
 # -- replies ---------------------------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class V1Shaper:
@@ -257,8 +288,7 @@ class V2Shaper(V1Shaper):
         body: dict[str, Any] = {"model_name": self.model, "model_version": self.version}
         if self.request_id is not None:
             body["id"] = self.request_id
-        body["outputs"] = [{"name": self.output_name, "datatype": "BYTES", "shape": [len(texts)],
-                            "data": texts}]
+        body["outputs"] = [{"name": self.output_name, "datatype": "BYTES", "shape": [len(texts)], "data": texts}]
         body["timings"] = timings(out, total_s)
         return body
 
@@ -268,6 +298,7 @@ def _texts(out: RequestOutput) -> list[str]:
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
 
 def _resolve(request: web.Request) -> ModelVersion:
     return _resolve_with_adapter(request)[0]

@@ -49,8 +49,13 @@ class LifecycleConflict(RuntimeError):
 class ModelLifecycle:
     """The budget's book and every change that adds or frees a worker's memory."""
 
-    def __init__(self, registry: ModelRegistry, budget: MemoryBudget, default_keep_alive: float,
-                 sizes_of: Callable[[ModelVersion], tuple[int, int]] | None = None) -> None:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        budget: MemoryBudget,
+        default_keep_alive: float,
+        sizes_of: Callable[[ModelVersion], tuple[int, int]] | None = None,
+    ) -> None:
         self.registry = registry
         self.budget = budget
         self.default_keep_alive = default_keep_alive
@@ -92,8 +97,12 @@ class ModelLifecycle:
         return max(self.footprint(entry, slot).total, rss)
 
     def used(self) -> int:
-        return sum(self.charge(v, s) for v in self.registry.all_versions() for s in v.pool.slots
-                   if s.status is not WorkerStatus.STOPPED)
+        return sum(
+            self.charge(v, s)
+            for v in self.registry.all_versions()
+            for s in v.pool.slots
+            if s.status is not WorkerStatus.STOPPED
+        )
 
     def on_worker_ready(self, entry: ModelVersion, slot: WorkerSlot) -> None:
         """Measure a worker that just became ready: its overhead, the estimate for the next.
@@ -103,9 +112,11 @@ class ModelLifecycle:
         slot.sleep_rss = None
         if self.progress is not None and not self.registry.startup_done:
             seconds = (datetime.now(timezone.utc) - slot.start_time).total_seconds()
-            self.progress(f"pagedserve: worker {slot.id} of {entry.name} {entry.version} ready "
-                          f"in {seconds:.1f} s ({fmt(self.footprint(entry, slot).total)}; budget "
-                          f"{fmt(self.used())} of {fmt(self.budget.total)} used)")
+            self.progress(
+                f"pagedserve: worker {slot.id} of {entry.name} {entry.version} ready "
+                f"in {seconds:.1f} s ({fmt(self.footprint(entry, slot).total)}; budget "
+                f"{fmt(self.used())} of {fmt(self.budget.total)} used)"
+            )
 
     async def restore(self, entry: ModelVersion, state: str, pinned: bool) -> None:
         """Bring a version restored from the snapshot back to its saved state (within the
@@ -117,8 +128,7 @@ class ModelLifecycle:
             if state == "sleeping":
                 await self.sleep(entry)
         except (RuntimeError, ModelTooLargeError) as exc:
-            logger.error("snapshot: %s %s stays %s: %s", entry.name, entry.version,
-                         state_of(entry), exc)
+            logger.error("snapshot: %s %s stays %s: %s", entry.name, entry.version, state_of(entry), exc)
 
     # -- starting workers ------------------------------------------------------------------
     def check_fits(self, entry: ModelVersion) -> None:
@@ -129,10 +139,10 @@ class ModelLifecycle:
                 f"model {entry.name!r} version {entry.version!r} needs {fmt(one.total)} per worker "
                 f"(weights {fmt(one.weights)} + KV pool {fmt(one.kv_pool)} + overhead "
                 f"{fmt(one.overhead)}), more than the whole memory budget of "
-                f"{fmt(self.budget.total)}")
+                f"{fmt(self.budget.total)}"
+            )
 
-    async def start_workers(self, entry: ModelVersion, n: int, *, wait: bool,
-                            for_request: bool = False) -> None:
+    async def start_workers(self, entry: ModelVersion, n: int, *, wait: bool, for_request: bool = False) -> None:
         """Reach `n` workers for `entry`, making room first (LRU eviction) for the new ones.
         Scaling down is the pool's job alone (it frees memory)."""
         self.check_fits(entry)
@@ -152,18 +162,27 @@ class ModelLifecycle:
         while (used := self.used()) + need > self.budget.total:
             victim = self._lru_victim(exclude=entry)
             if victim is None:
-                message = (f"model {entry.name!r} version {entry.version!r} needs {fmt(need)} "
-                           f"but only {fmt(max(0, self.budget.total - used))} of the "
-                           f"{fmt(self.budget.total)} memory budget is free, and no idle, "
-                           "unpinned version with minWorkers 0 can be unloaded to make room")
+                message = (
+                    f"model {entry.name!r} version {entry.version!r} needs {fmt(need)} "
+                    f"but only {fmt(max(0, self.budget.total - used))} of the "
+                    f"{fmt(self.budget.total)} memory budget is free, and no idle, "
+                    "unpinned version with minWorkers 0 can be unloaded to make room"
+                )
                 raise NoWorkerError(message) if for_request else ModelTooLargeError(message)
             await self.unload(victim, f"LRU: room for {entry.name} {entry.version}")
 
     def _lru_victim(self, exclude: ModelVersion) -> ModelVersion | None:
-        candidates = [v for v in self.registry.all_versions()
-                      if v is not exclude and v.min_workers == 0 and not v.pinned
-                      and v.in_flight == 0 and v.pool.slots and id(v) not in self._bringing_up
-                      and not any(s.status is WorkerStatus.STARTING for s in v.pool.slots)]
+        candidates = [
+            v
+            for v in self.registry.all_versions()
+            if v is not exclude
+            and v.min_workers == 0
+            and not v.pinned
+            and v.in_flight == 0
+            and v.pool.slots
+            and id(v) not in self._bringing_up
+            and not any(s.status is WorkerStatus.STARTING for s in v.pool.slots)
+        ]
         return min(candidates, key=lambda v: v.last_used, default=None)
 
     async def unload(self, entry: ModelVersion, why: str) -> None:
@@ -189,13 +208,13 @@ class ModelLifecycle:
         try:
             await asyncio.wait_for(asyncio.shield(task), timeout)
         except asyncio.TimeoutError:
-            raise NoWorkerError(f"model {entry.name!r} version {entry.version!r} is still "
-                                f"loading after {timeout:g} s (responseTimeout)") from None
+            raise NoWorkerError(
+                f"model {entry.name!r} version {entry.version!r} is still loading after {timeout:g} s (responseTimeout)"
+            ) from None
         except (WorkerStartFailed, RuntimeError) as exc:
             if isinstance(exc, NoWorkerError):
                 raise
-            raise NoWorkerError(f"model {entry.name!r} version {entry.version!r} could not be "
-                                f"loaded: {exc}") from None
+            raise NoWorkerError(f"model {entry.name!r} version {entry.version!r} could not be loaded: {exc}") from None
         return self._any_ready(entry)
 
     @staticmethod
@@ -204,8 +223,9 @@ class ModelLifecycle:
         serves the request later, once the prompt is tokenized (server.routing)."""
         ready = entry.pool.ready_engines()
         if not ready:
-            raise NoWorkerError(f"model {entry.name!r} version {entry.version!r} has no ready "
-                                "worker right now; retry shortly")
+            raise NoWorkerError(
+                f"model {entry.name!r} version {entry.version!r} has no ready worker right now; retry shortly"
+            )
         return ready[0]
 
     async def _bring_up(self, entry: ModelVersion) -> None:
@@ -221,8 +241,10 @@ class ModelLifecycle:
             if all(s.start_failed for s in slots):  # no start is expected to succeed: a
                 # broken model in a start-failure loop; answer now (503). A restart after a
                 # crash is waited for like a load.
-                raise NoWorkerError(f"model {entry.name!r} version {entry.version!r} has no "
-                                    f"ready worker (last error: {slots[0].last_error}); retry shortly")
+                raise NoWorkerError(
+                    f"model {entry.name!r} version {entry.version!r} has no "
+                    f"ready worker (last error: {slots[0].last_error}); retry shortly"
+                )
             await asyncio.sleep(0.05)
 
     def on_idle(self, entry: ModelVersion, keep_alive: float | None) -> None:
@@ -246,8 +268,14 @@ class ModelLifecycle:
         while True:
             now = time.monotonic()
             for v in self.registry.all_versions():
-                if (v.expires_at is not None and now >= v.expires_at and v.in_flight == 0
-                        and not v.pinned and v.min_workers == 0 and id(v) not in self._bringing_up):
+                if (
+                    v.expires_at is not None
+                    and now >= v.expires_at
+                    and v.in_flight == 0
+                    and not v.pinned
+                    and v.min_workers == 0
+                    and id(v) not in self._bringing_up
+                ):
                     if v.pool.slots:
                         async with self._lock:
                             if v.in_flight == 0 and v.expires_at is not None:
@@ -260,16 +288,18 @@ class ModelLifecycle:
         """Free the weights and KV pools of the version's workers, keeping the processes."""
         async with self._lock:
             if entry.in_flight:
-                raise LifecycleConflict(f"model {entry.name!r} version {entry.version!r} has "
-                                        f"{entry.in_flight} requests in flight; retry when idle")
+                raise LifecycleConflict(
+                    f"model {entry.name!r} version {entry.version!r} has "
+                    f"{entry.in_flight} requests in flight; retry when idle"
+                )
             slots = [s for s in entry.pool.slots if s.is_ready]
             if not slots:
                 if entry.pool.sleeping_slots():
                     return
-                raise LifecycleConflict(f"model {entry.name!r} version {entry.version!r} has no "
-                                        "loaded worker to put to sleep")
-            answers = await asyncio.gather(*(s.engine.sleep(SLEEP_TIMEOUT_S) for s in slots),
-                                           return_exceptions=True)
+                raise LifecycleConflict(
+                    f"model {entry.name!r} version {entry.version!r} has no loaded worker to put to sleep"
+                )
+            answers = await asyncio.gather(*(s.engine.sleep(SLEEP_TIMEOUT_S) for s in slots), return_exceptions=True)
             failed = []
             for slot, answer in zip(slots, answers):
                 if isinstance(answer, BaseException):  # busy after all, or KV offload on
@@ -280,9 +310,11 @@ class ModelLifecycle:
             entry.expires_at = None
         self.registry.save_state()
         if failed:
-            raise LifecycleConflict(f"model {entry.name!r} version {entry.version!r}: "
-                                    f"{len(failed)} of {len(slots)} workers did not sleep ("
-                                    f"{'; '.join(failed)})")
+            raise LifecycleConflict(
+                f"model {entry.name!r} version {entry.version!r}: "
+                f"{len(failed)} of {len(slots)} workers did not sleep ("
+                f"{'; '.join(failed)})"
+            )
 
     async def wake(self, entry: ModelVersion, *, for_request: bool = False) -> None:
         """Load the sleeping workers' weights and KV pools again (room made first)."""
@@ -298,8 +330,9 @@ class ModelLifecycle:
         answers = await asyncio.gather(*(s.engine.wake() for s in slots), return_exceptions=True)
         for slot, answer in zip(slots, answers):
             if isinstance(answer, BaseException):
-                logger.error("worker %s of %s %s did not wake: %s; restarting it", slot.id,
-                             entry.name, entry.version, answer)
+                logger.error(
+                    "worker %s of %s %s did not wake: %s; restarting it", slot.id, entry.name, entry.version, answer
+                )
                 entry.pool.restart(slot)
             else:
                 slot.status = WorkerStatus.READY
@@ -312,8 +345,12 @@ class ModelLifecycle:
         if entry.expires_at is not None:
             wall = datetime.now(timezone.utc) + timedelta(seconds=entry.expires_at - time.monotonic())
             expires = wall.isoformat(timespec="milliseconds").replace("+00:00", "Z")
-        return {"state": state_of(entry), "pinned": entry.pinned,
-                "keepAlive": self.keep_alive_of(entry), "expiresAt": expires}
+        return {
+            "state": state_of(entry),
+            "pinned": entry.pinned,
+            "keepAlive": self.keep_alive_of(entry),
+            "expiresAt": expires,
+        }
 
     def describe_worker(self, entry: ModelVersion, slot: WorkerSlot) -> dict[str, Any]:
         return self.footprint(entry, slot).as_json()
@@ -354,12 +391,14 @@ class BudgetCollector:
         total = self._lifecycle.budget.total
         used = self._lifecycle.used()
         for name, doc, value in (
-                ("pagedserve_memory_budget_bytes", "The memory budget of all workers", total),
-                ("pagedserve_memory_budget_used_bytes",
-                 "Memory the workers count against the budget (footprints, at least their RSS)",
-                 used),
-                ("pagedserve_memory_budget_free_bytes", "Budget left for more workers",
-                 max(0, total - used))):
+            ("pagedserve_memory_budget_bytes", "The memory budget of all workers", total),
+            (
+                "pagedserve_memory_budget_used_bytes",
+                "Memory the workers count against the budget (footprints, at least their RSS)",
+                used,
+            ),
+            ("pagedserve_memory_budget_free_bytes", "Budget left for more workers", max(0, total - used)),
+        ):
             family = GaugeMetricFamily(name, doc)
             family.add_metric([], value)
             yield family

@@ -23,9 +23,12 @@ from server.state import STATE_KEY
 
 def _check_model_api(request: web.Request) -> None:
     if not request.app[STATE_KEY].config.enable_model_api:
-        raise ErrorReply(405, "Requested method is not allowed: the model lifecycle API is "
-                              "disabled; start the server with --enable-model-api (or "
-                              "enable_model_api: true) to allow it")
+        raise ErrorReply(
+            405,
+            "Requested method is not allowed: the model lifecycle API is "
+            "disabled; start the server with --enable-model-api (or "
+            "enable_model_api: true) to allow it",
+        )
 
 
 def _route(act: Callable[[web.Request, ModelVersion], Awaitable[str]]):
@@ -34,6 +37,7 @@ def _route(act: Callable[[web.Request, ModelVersion], Awaitable[str]]):
         state = request.app[STATE_KEY]
         entry = state.registry.resolve(request.match_info["model"], request.match_info["version"])
         return web.json_response({"status": await act(request, entry)})
+
     handle.__doc__ = act.__doc__  # the route's description (server.openapi)
     return handle
 

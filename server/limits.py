@@ -60,10 +60,16 @@ class GrammarChecks:
     """Structured-output pre-checks on a small thread pool of their own, with a time limit, a
     share per client and a bounded queue (see the module docstring). Used from one event loop."""
 
-    def __init__(self, threads: int = GRAMMAR_THREADS, *, per_client: int = PER_CLIENT_THREADS,
-                 per_client_admitted: int = PER_CLIENT_ADMITTED, max_admitted: int = MAX_ADMITTED,
-                 timeout_s: float = GRAMMAR_CHECK_TIMEOUT_S,
-                 check: Callable[[StructuredOutputsParams], None] = check_grammar) -> None:
+    def __init__(
+        self,
+        threads: int = GRAMMAR_THREADS,
+        *,
+        per_client: int = PER_CLIENT_THREADS,
+        per_client_admitted: int = PER_CLIENT_ADMITTED,
+        max_admitted: int = MAX_ADMITTED,
+        timeout_s: float = GRAMMAR_CHECK_TIMEOUT_S,
+        check: Callable[[StructuredOutputsParams], None] = check_grammar,
+    ) -> None:
         self.threads = threads
         self.per_client = per_client
         self.per_client_admitted = per_client_admitted
@@ -86,11 +92,17 @@ class GrammarChecks:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         if self.admitted >= self.max_admitted:
-            raise LimitRefused(503, f"{self.admitted} structured-output checks are already waiting "
-                               "or running; try again shortly", {"Retry-After": "1"})
+            raise LimitRefused(
+                503,
+                f"{self.admitted} structured-output checks are already waiting or running; try again shortly",
+                {"Retry-After": "1"},
+            )
         if self._admitted_by_client.get(client, 0) >= self.per_client_admitted:
-            raise LimitRefused(429, f"this client already has {self.per_client_admitted} "
-                               "structured-output checks waiting or running", {"Retry-After": "1"})
+            raise LimitRefused(
+                429,
+                f"this client already has {self.per_client_admitted} structured-output checks waiting or running",
+                {"Retry-After": "1"},
+            )
         _add(self._admitted_by_client, client, 1)
         started = False
         try:
@@ -103,8 +115,9 @@ class GrammarChecks:
             try:
                 await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), deadline - loop.time())
             except asyncio.TimeoutError:
-                raise LimitRefused(400, f"the structured output constraint took longer than "
-                                   f"{self.timeout_s:g} s to check; simplify it") from None
+                raise LimitRefused(
+                    400, f"the structured output constraint took longer than {self.timeout_s:g} s to check; simplify it"
+                ) from None
         finally:
             if not started:  # left the queue (refused or cancelled): the client's place is free
                 _add(self._admitted_by_client, client, -1)
@@ -117,8 +130,9 @@ class GrammarChecks:
             try:
                 await asyncio.wait_for(waiter, deadline - loop.time())
             except asyncio.TimeoutError:
-                raise LimitRefused(503, "the structured-output checks are busy; try again shortly",
-                                   {"Retry-After": "1"}) from None
+                raise LimitRefused(
+                    503, "the structured-output checks are busy; try again shortly", {"Retry-After": "1"}
+                ) from None
             finally:
                 with contextlib.suppress(ValueError):
                     self._waiters.remove(waiter)
@@ -178,10 +192,13 @@ class PromptBounds:
             field, chars = "prompt", len(spec.text)
         limit = (max_model_len - 1) * per_token
         if chars > limit:
-            raise HandlerError(f"'{field}' has {chars} characters, more than {max_model_len - 1} "
-                               f"tokens can hold (max_model_len is {max_model_len}; one token of "
-                               f"this model stands for at most {per_token} characters, so at most "
-                               f"{limit} fit)", param=field)
+            raise HandlerError(
+                f"'{field}' has {chars} characters, more than {max_model_len - 1} "
+                f"tokens can hold (max_model_len is {max_model_len}; one token of "
+                f"this model stands for at most {per_token} characters, so at most "
+                f"{limit} fit)",
+                param=field,
+            )
 
     def tokenize(self, tokenizer: Any, spec: PromptSpec, max_model_len: int | None) -> tuple[str | None, list[int]]:
         """check_prompt_chars, then render_prompt; after a large text, malloc_trim."""

@@ -93,21 +93,23 @@ def describe(entry: ModelVersion, is_default: bool, lifecycle: ModelLifecycle) -
     for slot in entry.pool.slots:
         engine = slot.engine
         pid = engine.pid if engine is not None else None
-        workers.append({
-            "id": slot.id,
-            "startTime": slot.start_time.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-            "status": slot.status.value,
-            "memoryUsage": _memory_usage(pid),
-            "pid": pid if pid is not None else -1,
-            "gpu": bool(engine is not None and str(engine.config.device).startswith("cuda")),
-            "gpuUsage": "N/A",
-            "deviceIds": list(slot.devices),  # its GPUs (server/devices.py); [] on the CPU
-            "restarts": slot.restarts,
-            "threads": (engine.stats.num_threads or engine.num_threads) if engine is not None else None,
-            "lastError": slot.last_error,
-            "requestsInFlight": engine.num_unfinished if engine is not None and engine.is_ready else 0,
-            "footprint": lifecycle.describe_worker(entry, slot),
-        })
+        workers.append(
+            {
+                "id": slot.id,
+                "startTime": slot.start_time.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+                "status": slot.status.value,
+                "memoryUsage": _memory_usage(pid),
+                "pid": pid if pid is not None else -1,
+                "gpu": bool(engine is not None and str(engine.config.device).startswith("cuda")),
+                "gpuUsage": "N/A",
+                "deviceIds": list(slot.devices),  # its GPUs (server/devices.py); [] on the CPU
+                "restarts": slot.restarts,
+                "threads": (engine.stats.num_threads or engine.num_threads) if engine is not None else None,
+                "lastError": slot.last_error,
+                "requestsInFlight": engine.num_unfinished if engine is not None and engine.is_ready else 0,
+                "footprint": lifecycle.describe_worker(entry, slot),
+            }
+        )
     running = sum(e.stats.num_running for e in entry.pool.ready_engines())
     info = next((e.info for e in entry.pool.ready_engines() if e.info is not None), None)
     return {
@@ -145,9 +147,12 @@ def _status(message: str, code: int = 200) -> web.Response:
 
 def _check_model_api(state: ServerState) -> None:
     if not state.config.enable_model_api:
-        raise ErrorReply(405, "Requested method is not allowed: registering and unregistering "
-                              "models through the API is disabled; start the server with "
-                              "--enable-model-api (or enable_model_api: true) to allow it")
+        raise ErrorReply(
+            405,
+            "Requested method is not allowed: registering and unregistering "
+            "models through the API is disabled; start the server with "
+            "--enable-model-api (or enable_model_api: true) to allow it",
+        )
 
 
 # -- routes -------------------------------------------------------------------------------
@@ -157,12 +162,14 @@ async def list_models(request: web.Request) -> web.Response:
     params = read_params(request.query, ListParams)
     start, limit = params.next_page_token, min(params.limit, MAX_PAGE)
     models = state.registry.sorted_models()
-    page = models[start:start + limit]
-    body: dict[str, Any] = {"models": [
-        {"modelName": m.name, "modelUrl": m.versions[m.default_version].url} for m in page]}
+    page = models[start : start + limit]
+    body: dict[str, Any] = {
+        "models": [{"modelName": m.name, "modelUrl": m.versions[m.default_version].url} for m in page]
+    }
     if start + limit >= len(models):  # LoRA adapters after the models, on the last page
-        body["models"] += [{"modelName": a.name, "modelUrl": a.url, "parent": a.base.name}
-                           for a in state.adapters.sorted()]
+        body["models"] += [
+            {"modelName": a.name, "modelUrl": a.url, "parent": a.base.name} for a in state.adapters.sorted()
+        ]
     if start + limit < len(models):
         body["nextPageToken"] = str(start + limit)
     return web.json_response(body)
@@ -179,21 +186,29 @@ async def register_model(request: web.Request) -> web.Response:
         raise SchemaError("url: is required", "url")
     path = resolve_url(url, state.config.model_store_path, state.config.allowed_urls)
     if params.chat_template is not None and not is_model_path(path):
-        raise SchemaError("chat_template: only for a .gguf file or a model folder; an archive ships "
-                          "its own chat_template.jinja", "chat_template")
+        raise SchemaError(
+            "chat_template: only for a .gguf file or a model folder; an archive ships its own chat_template.jinja",
+            "chat_template",
+        )
     archive = await state.registry.open(path, chat_template=params.chat_template)
     if is_adapter(archive):  # a LoRA adapter: attached to its base version's workers
-        adapter = await state.adapters.register(state.registry, archive,
-                                                _display_url(url, path, state.config.model_store_path),
-                                                params.model_name)
+        adapter = await state.adapters.register(
+            state.registry, archive, _display_url(url, path, state.config.model_store_path), params.model_name
+        )
         state.registry.save_change(lambda: state.adapters.adapters.pop(adapter.name, None))
-        return _status(f'Adapter "{adapter.name}" Version: {adapter.version} registered on model '
-                       f'"{adapter.base.name}" version {adapter.base.version}')
+        return _status(
+            f'Adapter "{adapter.name}" Version: {adapter.version} registered on model '
+            f'"{adapter.base.name}" version {adapter.base.version}'
+        )
     archive = _with_register_params(archive, params)
     entry = await state.registry.register(
-        archive, url=_display_url(url, path, state.config.model_store_path), name=params.model_name,
-        initial_workers=params.initial_workers, synchronous=synchronous,
-        response_timeout=params.response_timeout)
+        archive,
+        url=_display_url(url, path, state.config.model_store_path),
+        name=params.model_name,
+        initial_workers=params.initial_workers,
+        synchronous=synchronous,
+        response_timeout=params.response_timeout,
+    )
     n = entry.min_workers
     message = f'Model "{entry.name}" Version: {entry.version} registered with {n} initial workers'
     if n == 0:
@@ -209,8 +224,11 @@ def _with_register_params(archive: LoadedArchive, params: RegisterParams) -> Loa
         own = archive.manifest["model"]["handler"]
         allowed = {own} | (set(BUILTIN_HANDLERS) if archive.custom_handler is None else set())
         if params.handler not in allowed:
-            raise SchemaError(f"handler: the archive's handler ({own!r}) serves it; another cannot "
-                              f"be named at registration, got {params.handler!r}", "handler")
+            raise SchemaError(
+                f"handler: the archive's handler ({own!r}) serves it; another cannot "
+                f"be named at registration, got {params.handler!r}",
+                "handler",
+            )
     if params.startup_timeout is None:
         return archive
     config = msgspec.structs.replace(archive.model_config, startup_timeout=params.startup_timeout)
@@ -241,8 +259,7 @@ async def describe_model(request: web.Request) -> web.Response:
     else:
         entries = [registry.resolve(name, version)]
     default = registry.models[name].default_version
-    return web.json_response([describe(e, e.version == default, registry.lifecycle)
-                              for e in entries])
+    return web.json_response([describe(e, e.version == default, registry.lifecycle) for e in entries])
 
 
 async def scale_model(request: web.Request) -> web.Response:
@@ -253,13 +270,13 @@ async def scale_model(request: web.Request) -> web.Response:
     # An omitted bound keeps the version's own; the registry checks min <= max for every caller.
     min_w = entry.min_workers if params.min_worker is None else params.min_worker
     synchronous = params.synchronous
-    done = await state.registry.scale(entry, min_w, params.max_worker, synchronous=synchronous,
-                                      timeout=params.timeout)
+    done = await state.registry.scale(entry, min_w, params.max_worker, synchronous=synchronous, timeout=params.timeout)
     if not synchronous:
         return _status("Processing worker updates...", 202)
     if not done:
-        return _status(f"Workers are still being scaled to {min_w} after {params.timeout}s; "
-                       "processing worker updates...", 202)
+        return _status(
+            f"Workers are still being scaled to {min_w} after {params.timeout}s; processing worker updates...", 202
+        )
     return _status(f"Workers scaled to {min_w} for model: {entry.name}, version: {entry.version}")
 
 
@@ -267,8 +284,7 @@ async def set_default(request: web.Request) -> web.Response:
     """Make a version the one unversioned requests go to."""
     state = request.app[STATE_KEY]
     entry = state.registry.set_default(request.match_info["model"], request.match_info["version"])
-    return _status(f'Default version successfully updated for model "{entry.name}" to '
-                   f'"{entry.version}"')
+    return _status(f'Default version successfully updated for model "{entry.name}" to "{entry.version}"')
 
 
 async def unregister_model(request: web.Request) -> web.Response:
@@ -283,10 +299,11 @@ async def unregister_model(request: web.Request) -> web.Response:
         return _status(f'Adapter "{adapter.name}" version: {adapter.version} unregistered')
     attached = state.adapters.attached_to(state.registry.resolve(name, request.match_info.get("version")))
     if attached:
-        raise ForbiddenError(f"Can't remove model {name}: LoRA adapters run on it "
-                             f"({', '.join(a.name for a in attached)}); unregister them first")
-    entry = await state.registry.unregister(request.match_info["model"],
-                                            request.match_info.get("version"))
+        raise ForbiddenError(
+            f"Can't remove model {name}: LoRA adapters run on it "
+            f"({', '.join(a.name for a in attached)}); unregister them first"
+        )
+    entry = await state.registry.unregister(request.match_info["model"], request.match_info.get("version"))
     return _status(f'Model "{entry.name}" version: {entry.version} unregistered')
 
 
@@ -296,13 +313,13 @@ async def rotate_token(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     api = Api(read_params(request.query, TokenParams).type)
     if state.keys is None:
-        raise ErrorReply(400, "token authorization is off (--disable-token-auth): there is no key "
-                              "to rotate")
+        raise ErrorReply(400, "token authorization is off (--disable-token-auth): there is no key to rotate")
     try:
         key = state.keys.rotate(api)
     except OSError as exc:
-        raise ErrorReply(500, f"the key file {state.keys.path} cannot be written ({exc.strerror}); "
-                              "the key was not changed") from None
+        raise ErrorReply(
+            500, f"the key file {state.keys.path} cannot be written ({exc.strerror}); the key was not changed"
+        ) from None
     return web.json_response({api.value: {"key": key}})
 
 
@@ -330,8 +347,13 @@ ROUTES = [
     web.get("/token", rotate_token),
     *LIFECYCLE_ROUTES,
 ]
-QUERY_PARAMS = {list_models: ListParams, register_model: RegisterParams, scale_model: ScaleParams,
-                unregister_model: UnregisterParams, rotate_token: TokenParams}
+QUERY_PARAMS = {
+    list_models: ListParams,
+    register_model: RegisterParams,
+    scale_model: ScaleParams,
+    unregister_model: UnregisterParams,
+    rotate_token: TokenParams,
+}
 
 
 def _shape(request: web.Request, code: int, message: str, param: str | None) -> dict[str, Any]:
@@ -345,8 +367,7 @@ def _observe(request: web.Request, status: int, seconds: float) -> None:
     path only when it is registered: unknown names must not grow the label set."""
     state = request.app[STATE_KEY]
     name = request.match_info.get("model")
-    state.metrics.observe_request(name if name in state.registry.models else None, "management",
-                                  status, seconds)
+    state.metrics.observe_request(name if name in state.registry.models else None, "management", status, seconds)
 
 
 def build_management_app(state: ServerState, contexts: Iterable[Callable] = ()) -> web.Application:
@@ -354,15 +375,23 @@ def build_management_app(state: ServerState, contexts: Iterable[Callable] = ()) 
     app = web.Application(client_max_size=state.config.max_request_size)
     app[STATE_KEY] = state
     public = console.setup(app)  # the console's page and files: no data, no token needed
-    app.middlewares.extend([
-        error_middleware(_shape, EXCEPTION_CODES, _observe),
-        drain_middleware(state.drain),
-        auth_middleware(lambda: state.management_key, public),
-        decode_body_middleware,
-    ])
+    app.middlewares.extend(
+        [
+            error_middleware(_shape, EXCEPTION_CODES, _observe),
+            drain_middleware(state.drain),
+            auth_middleware(lambda: state.management_key, public),
+            decode_body_middleware,
+        ]
+    )
     app.add_routes(ROUTES)
-    app.add_routes(openapi.routes("pagedserve management API", {
-        handler: openapi.Body(("application/json",) if handler is register_model else (), query=query)
-        for handler, query in QUERY_PARAMS.items()}))
+    app.add_routes(
+        openapi.routes(
+            "pagedserve management API",
+            {
+                handler: openapi.Body(("application/json",) if handler is register_model else (), query=query)
+                for handler, query in QUERY_PARAMS.items()
+            },
+        )
+    )
     app.cleanup_ctx.extend(contexts)
     return app

@@ -42,11 +42,15 @@ class RegisterParams(msgspec.Struct, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if self.batch_size != 1:
-            raise SchemaError("batch_size: pagedserve batches continuously inside the engine; only "
-                              f"batch_size=1 is accepted, got {self.batch_size}", "batch_size")
+            raise SchemaError(
+                "batch_size: pagedserve batches continuously inside the engine; only "
+                f"batch_size=1 is accepted, got {self.batch_size}",
+                "batch_size",
+            )
         if self.runtime is not None and self.runtime not in RUNTIMES:
-            raise SchemaError(f"runtime: pagedserve runs Python archives only ('python'), got "
-                              f"{self.runtime!r}", "runtime")
+            raise SchemaError(
+                f"runtime: pagedserve runs Python archives only ('python'), got {self.runtime!r}", "runtime"
+            )
 
 
 class TokenParams(msgspec.Struct, forbid_unknown_fields=True):

@@ -23,8 +23,20 @@ from engine.process_setup import resident_bytes
 
 DEFAULT_FRACTION = 0.75  # of the machine's memory (of the device's on a GPU), when none is set
 INITIAL_OVERHEAD = 640 << 20  # a worker's overhead before any worker has been measured (torch CPU)
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-                "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 _FLOATS = {"F64", "F32", "F16", "BF16"}
 
 
@@ -114,8 +126,13 @@ class Footprint:
         return self.weights + self.kv_pool + self.overhead
 
     def as_json(self) -> dict[str, int | bool]:
-        return {"weights": self.weights, "kvPool": self.kv_pool, "overhead": self.overhead,
-                "total": self.total, "overheadMeasured": self.measured}
+        return {
+            "weights": self.weights,
+            "kvPool": self.kv_pool,
+            "overhead": self.overhead,
+            "total": self.total,
+            "overheadMeasured": self.measured,
+        }
 
 
 def version_sizes(config: EngineConfig) -> tuple[int, int]:

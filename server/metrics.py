@@ -31,36 +31,54 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1
 
 
 class ServerMetrics:
-    def __init__(self, versions: Callable[[], list[ModelVersion]] | None = None,
-                 vllm: bool = False) -> None:
+    def __init__(self, versions: Callable[[], list[ModelVersion]] | None = None, vllm: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("pagedserve_requests", "HTTP requests answered",
-                                ["model", "endpoint", "status"], registry=r)
-        self.request_latency = Histogram("pagedserve_request_latency_seconds",
-                                         "Time to answer a request (whole response)",
-                                         ["model", "endpoint"], buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("pagedserve_queue_time_seconds",
-                                    "Time from arrival to first scheduling in the engine",
-                                    ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "Time to first token",
-                              ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("pagedserve_inter_token_latency_seconds",
-                             "Gap between consecutive output tokens", ["model"],
-                             buckets=TOKEN_BUCKETS, registry=r)
-        self.tpot = Histogram("pagedserve_time_per_output_token_seconds",
-                              "Decode time divided by output tokens after the first", ["model"],
-                              buckets=TOKEN_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens processed",
-                                     ["model"], registry=r)
-        self.generation_tokens = Counter("pagedserve_generation_tokens", "Tokens generated",
-                                         ["model"], registry=r)
+        self.requests = Counter(
+            "pagedserve_requests", "HTTP requests answered", ["model", "endpoint", "status"], registry=r
+        )
+        self.request_latency = Histogram(
+            "pagedserve_request_latency_seconds",
+            "Time to answer a request (whole response)",
+            ["model", "endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "pagedserve_queue_time_seconds",
+            "Time from arrival to first scheduling in the engine",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pagedserve_time_to_first_token_seconds",
+            "Time to first token",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pagedserve_inter_token_latency_seconds",
+            "Gap between consecutive output tokens",
+            ["model"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "pagedserve_time_per_output_token_seconds",
+            "Decode time divided by output tokens after the first",
+            ["model"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
+        self.generation_tokens = Counter("pagedserve_generation_tokens", "Tokens generated", ["model"], registry=r)
         if versions is not None:
             r.register(EngineCollector(versions))
         self.vllm = VllmMetrics(r, versions) if vllm else None
 
-    def observe_request(self, model: str | None, endpoint: str, status: int,
-                        latency_s: float) -> None:
+    def observe_request(self, model: str | None, endpoint: str, status: int, latency_s: float) -> None:
         label = model or ""
         self.requests.labels(label, endpoint, str(status)).inc()
         self.request_latency.labels(label, endpoint).observe(max(0.0, latency_s))
@@ -101,8 +119,7 @@ class _Only:
 
     def collect(self) -> Iterator:
         for family in self._registry.collect():
-            if family.name in self._names or any(
-                    f"{family.name}_{suffix}" in self._names for suffix in self.SUFFIXES):
+            if family.name in self._names or any(f"{family.name}_{suffix}" in self._names for suffix in self.SUFFIXES):
                 yield family
 
 
@@ -132,52 +149,74 @@ class EngineCollector:
         labels = ["model", "version"]
         fams = {
             "workers": GaugeMetricFamily("pagedserve_workers_ready", "Ready workers", labels=labels),
-            "running": GaugeMetricFamily("pagedserve_num_requests_running",
-                                         "Requests running in the engines", labels=labels),
-            "waiting": GaugeMetricFamily("pagedserve_num_requests_waiting",
-                                         "Requests waiting in the engines", labels=labels),
-            "in_flight": GaugeMetricFamily("pagedserve_requests_in_flight",
-                                           "Requests admitted and not yet answered", labels=labels),
-            "used": GaugeMetricFamily("pagedserve_kv_blocks_used", "KV blocks in use",
-                                      labels=labels),
-            "free": GaugeMetricFamily("pagedserve_kv_blocks_free",
-                                      "KV blocks free (cached-but-unreferenced included)",
-                                      labels=labels),
-            "hit_rate": GaugeMetricFamily("pagedserve_prefix_cache_hit_rate",
-                                          "Prompt tokens served from the prefix cache / queried "
-                                          "(since start)", labels=labels),
-            "preemptions": CounterMetricFamily("pagedserve_preemptions",
-                                               "Requests preempted (since the workers started)",
-                                               labels=labels),
-            "spec_draft": CounterMetricFamily("pagedserve_spec_decode_draft_tokens",
-                                              "Speculative draft tokens verified", labels=labels),
-            "spec_accepted": CounterMetricFamily("pagedserve_spec_decode_accepted_tokens",
-                                                 "Speculative draft tokens kept", labels=labels),
-            "spec_drafted": CounterMetricFamily("pagedserve_spec_decode_requests_drafted",
-                                                "Decode steps of a request given drafts (method auto)",
-                                                labels=labels),
-            "spec_skipped": CounterMetricFamily("pagedserve_spec_decode_requests_skipped",
-                                                "Decode steps of a request given no drafts (method auto)",
-                                                labels=labels),
-            "spec_rate": GaugeMetricFamily("pagedserve_spec_decode_acceptance_rate",
-                                           "Per-token draft acceptance rate, recent (method auto)", labels=labels),
-            "spec_suffix_bytes": GaugeMetricFamily("pagedserve_spec_decode_suffix_global_bytes",
-                                                   "Memory of the global suffix tries (upper bound)", labels=labels),
+            "running": GaugeMetricFamily(
+                "pagedserve_num_requests_running", "Requests running in the engines", labels=labels
+            ),
+            "waiting": GaugeMetricFamily(
+                "pagedserve_num_requests_waiting", "Requests waiting in the engines", labels=labels
+            ),
+            "in_flight": GaugeMetricFamily(
+                "pagedserve_requests_in_flight", "Requests admitted and not yet answered", labels=labels
+            ),
+            "used": GaugeMetricFamily("pagedserve_kv_blocks_used", "KV blocks in use", labels=labels),
+            "free": GaugeMetricFamily(
+                "pagedserve_kv_blocks_free", "KV blocks free (cached-but-unreferenced included)", labels=labels
+            ),
+            "hit_rate": GaugeMetricFamily(
+                "pagedserve_prefix_cache_hit_rate",
+                "Prompt tokens served from the prefix cache / queried (since start)",
+                labels=labels,
+            ),
+            "preemptions": CounterMetricFamily(
+                "pagedserve_preemptions", "Requests preempted (since the workers started)", labels=labels
+            ),
+            "spec_draft": CounterMetricFamily(
+                "pagedserve_spec_decode_draft_tokens", "Speculative draft tokens verified", labels=labels
+            ),
+            "spec_accepted": CounterMetricFamily(
+                "pagedserve_spec_decode_accepted_tokens", "Speculative draft tokens kept", labels=labels
+            ),
+            "spec_drafted": CounterMetricFamily(
+                "pagedserve_spec_decode_requests_drafted",
+                "Decode steps of a request given drafts (method auto)",
+                labels=labels,
+            ),
+            "spec_skipped": CounterMetricFamily(
+                "pagedserve_spec_decode_requests_skipped",
+                "Decode steps of a request given no drafts (method auto)",
+                labels=labels,
+            ),
+            "spec_rate": GaugeMetricFamily(
+                "pagedserve_spec_decode_acceptance_rate",
+                "Per-token draft acceptance rate, recent (method auto)",
+                labels=labels,
+            ),
+            "spec_suffix_bytes": GaugeMetricFamily(
+                "pagedserve_spec_decode_suffix_global_bytes",
+                "Memory of the global suffix tries (upper bound)",
+                labels=labels,
+            ),
         }
         worker_labels = [*labels, "worker"]
         routing = {
-            "routed": CounterMetricFamily("pagedserve_routed_requests",
-                                          "Requests the front end sent to each worker",
-                                          labels=worker_labels),
-            "hits": CounterMetricFamily("pagedserve_route_prefix_hits",
-                                        "Requests sent to a worker because it held their prefix "
-                                        "(routing: prefix_affinity)", labels=worker_labels),
-            "hit_blocks": CounterMetricFamily("pagedserve_route_prefix_hit_blocks",
-                                              "Prompt blocks the chosen worker was known to hold",
-                                              labels=worker_labels),
-            "cached": CounterMetricFamily("pagedserve_worker_prefix_cache_hit_tokens",
-                                          "Prompt tokens each worker served from its prefix "
-                                          "cache (since it started)", labels=worker_labels),
+            "routed": CounterMetricFamily(
+                "pagedserve_routed_requests", "Requests the front end sent to each worker", labels=worker_labels
+            ),
+            "hits": CounterMetricFamily(
+                "pagedserve_route_prefix_hits",
+                "Requests sent to a worker because it held their prefix (routing: prefix_affinity)",
+                labels=worker_labels,
+            ),
+            "hit_blocks": CounterMetricFamily(
+                "pagedserve_route_prefix_hit_blocks",
+                "Prompt blocks the chosen worker was known to hold",
+                labels=worker_labels,
+            ),
+            "cached": CounterMetricFamily(
+                "pagedserve_worker_prefix_cache_hit_tokens",
+                "Prompt tokens each worker served from its prefix cache (since it started)",
+                labels=worker_labels,
+            ),
         }
         offload = {
             key: CounterMetricFamily(f"pagedserve_kv_offload_{name}", doc, labels=labels + extra)

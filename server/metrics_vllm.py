@@ -28,12 +28,74 @@ if TYPE_CHECKING:
 
 LABEL = "model_name"
 # Seconds; wide enough for a CPU-only machine's long requests.
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+TOKEN_GAP_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 def buckets_1_2_5(limit: int) -> tuple[int, ...]:
@@ -54,47 +116,43 @@ class VllmMetrics:
     """The request-level `vllm:` families, registered in `registry`; with `versions`, also the
     engine-level ones (scheduler state, KV cache, prefix cache, preemptions, speculation)."""
 
-    def __init__(self, registry: CollectorRegistry,
-                 versions: Callable[[], list[ModelVersion]] | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry, versions: Callable[[], list[ModelVersion]] | None = None) -> None:
         def hist(name: str, doc: str, buckets) -> Histogram:
             return Histogram(f"vllm:{name}", doc, [LABEL], buckets=buckets, registry=registry)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(f"vllm:{name}", doc, [LABEL, *extra], registry=registry)
 
-        self.e2e = hist("e2e_request_latency_seconds",
-                        "End to end request latency in seconds (arrival to last token)",
-                        REQUEST_BUCKETS)
-        self.ttft = hist("time_to_first_token_seconds", "Time to first token in seconds",
-                         TTFT_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Inter-token latency in seconds",
-                        TOKEN_GAP_BUCKETS)
-        self.tpot_alias = hist("time_per_output_token_seconds",
-                               "Inter-token latency in seconds (vLLM's older name)",
-                               TOKEN_GAP_BUCKETS)
-        self.request_tpot = hist("request_time_per_output_token_seconds",
-                                 "Decode time per output token after the first, per request",
-                                 TOKEN_GAP_BUCKETS)
-        self.queue = hist("request_queue_time_seconds",
-                          "Time spent waiting before first scheduled", REQUEST_BUCKETS)
-        self.prefill = hist("request_prefill_time_seconds",
-                            "Time from first scheduled to first token", REQUEST_BUCKETS)
-        self.decode = hist("request_decode_time_seconds",
-                           "Time from first token to last token", REQUEST_BUCKETS)
-        self.inference = hist("request_inference_time_seconds",
-                              "Time from first scheduled to last token", REQUEST_BUCKETS)
-        self.prompt_len = hist("request_prompt_tokens", "Prompt tokens per request",
-                               TOKEN_COUNT_BUCKETS)
-        self.generation_len = hist("request_generation_tokens",
-                                   "Generated tokens per request (all choices)",
-                                   TOKEN_COUNT_BUCKETS)
-        self.max_generation_len = hist("request_max_num_generation_tokens",
-                                       "Generated tokens of a request's longest choice",
-                                       TOKEN_COUNT_BUCKETS)
-        self.params_n = hist("request_params_n", "The n (choices) of each request",
-                             (1, 2, 5, 10, 20))
-        self.success = counter("request_success", "Finished requests (choices) by finish reason",
-                               ("finished_reason",))
+        self.e2e = hist(
+            "e2e_request_latency_seconds",
+            "End to end request latency in seconds (arrival to last token)",
+            REQUEST_BUCKETS,
+        )
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token in seconds", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Inter-token latency in seconds", TOKEN_GAP_BUCKETS)
+        self.tpot_alias = hist(
+            "time_per_output_token_seconds", "Inter-token latency in seconds (vLLM's older name)", TOKEN_GAP_BUCKETS
+        )
+        self.request_tpot = hist(
+            "request_time_per_output_token_seconds",
+            "Decode time per output token after the first, per request",
+            TOKEN_GAP_BUCKETS,
+        )
+        self.queue = hist("request_queue_time_seconds", "Time spent waiting before first scheduled", REQUEST_BUCKETS)
+        self.prefill = hist("request_prefill_time_seconds", "Time from first scheduled to first token", REQUEST_BUCKETS)
+        self.decode = hist("request_decode_time_seconds", "Time from first token to last token", REQUEST_BUCKETS)
+        self.inference = hist(
+            "request_inference_time_seconds", "Time from first scheduled to last token", REQUEST_BUCKETS
+        )
+        self.prompt_len = hist("request_prompt_tokens", "Prompt tokens per request", TOKEN_COUNT_BUCKETS)
+        self.generation_len = hist(
+            "request_generation_tokens", "Generated tokens per request (all choices)", TOKEN_COUNT_BUCKETS
+        )
+        self.max_generation_len = hist(
+            "request_max_num_generation_tokens", "Generated tokens of a request's longest choice", TOKEN_COUNT_BUCKETS
+        )
+        self.params_n = hist("request_params_n", "The n (choices) of each request", (1, 2, 5, 10, 20))
+        self.success = counter("request_success", "Finished requests (choices) by finish reason", ("finished_reason",))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         if versions is not None:
@@ -143,28 +201,31 @@ class VllmEngineCollector:
     def collect(self) -> Iterator:
         labels = [LABEL]
         gauges = {
-            "running": GaugeMetricFamily("vllm:num_requests_running",
-                                         "Requests in model execution batches", labels=labels),
-            "waiting": GaugeMetricFamily("vllm:num_requests_waiting",
-                                         "Requests waiting to be scheduled", labels=labels),
-            "kv": GaugeMetricFamily("vllm:kv_cache_usage_perc",
-                                    "KV-cache usage: 1 means 100 percent", labels=labels),
-            "kv_alias": GaugeMetricFamily("vllm:gpu_cache_usage_perc",
-                                          "KV-cache usage: 1 means 100 percent (vLLM's older "
-                                          "name)", labels=labels),
+            "running": GaugeMetricFamily(
+                "vllm:num_requests_running", "Requests in model execution batches", labels=labels
+            ),
+            "waiting": GaugeMetricFamily(
+                "vllm:num_requests_waiting", "Requests waiting to be scheduled", labels=labels
+            ),
+            "kv": GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent", labels=labels),
+            "kv_alias": GaugeMetricFamily(
+                "vllm:gpu_cache_usage_perc", "KV-cache usage: 1 means 100 percent (vLLM's older name)", labels=labels
+            ),
         }
         counters = {
-            "queries": CounterMetricFamily("vllm:prefix_cache_queries",
-                                           "Prompt tokens looked up in the prefix cache",
-                                           labels=labels),
-            "hits": CounterMetricFamily("vllm:prefix_cache_hits",
-                                        "Prompt tokens found in the prefix cache", labels=labels),
-            "preemptions": CounterMetricFamily("vllm:num_preemptions",
-                                               "Requests preempted", labels=labels),
-            "drafts": CounterMetricFamily("vllm:spec_decode_num_draft_tokens",
-                                          "Speculative draft tokens verified", labels=labels),
-            "accepted": CounterMetricFamily("vllm:spec_decode_num_accepted_tokens",
-                                            "Speculative draft tokens kept", labels=labels),
+            "queries": CounterMetricFamily(
+                "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels=labels
+            ),
+            "hits": CounterMetricFamily(
+                "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels=labels
+            ),
+            "preemptions": CounterMetricFamily("vllm:num_preemptions", "Requests preempted", labels=labels),
+            "drafts": CounterMetricFamily(
+                "vllm:spec_decode_num_draft_tokens", "Speculative draft tokens verified", labels=labels
+            ),
+            "accepted": CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens", "Speculative draft tokens kept", labels=labels
+            ),
         }
         by_model: dict[str, list] = {}
         for v in self._versions():

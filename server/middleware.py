@@ -60,8 +60,7 @@ def as_reply(request: web.Request, exc: BaseException, codes: ExceptionCodes) ->
         return ErrorReply(400, f"the request body cannot be read: {reason}")
     if isinstance(exc, web.HTTPException):
         template = HTTP_MESSAGES.get(exc.status)
-        message = (template.format(method=request.method, path=request.path, text=exc.text)
-                   if template else exc.reason)
+        message = template.format(method=request.method, path=request.path, text=exc.text) if template else exc.reason
         headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
         return ErrorReply(exc.status, message, headers)
     for types, code, *template in codes:
@@ -87,10 +86,8 @@ def error_middleware(shape: Shape, codes: ExceptionCodes, observe: Observe):
             except Exception as exc:
                 reply = as_reply(request, exc, codes)
                 if reply is None:
-                    logger.exception("request %s (%s %s) failed", request_id, request.method,
-                                     request.path)
-                    reply = ErrorReply(500, f"internal error (request {request_id}); see the "
-                                            "server log")
+                    logger.exception("request %s (%s %s) failed", request_id, request.method, request.path)
+                    reply = ErrorReply(500, f"internal error (request {request_id}); see the server log")
                 try:
                     response = await _answer(request, reply, shape)
                 finally:
@@ -151,7 +148,8 @@ def drain_middleware(drain: Drain, exempt: frozenset[str] = frozenset()):
                     raise
                 if hasattr(task, "uncancel"):  # Python 3.11+: the cancellation is spent
                     task.uncancel()  # the server cut it and the client is still there: answer
-                raise ErrorReply(503, "the server shut down before this request finished "
-                                      "(drain_grace); retry", {"Retry-After": "5"}) from None
+                raise ErrorReply(
+                    503, "the server shut down before this request finished (drain_grace); retry", {"Retry-After": "5"}
+                ) from None
 
     return middleware

@@ -65,11 +65,14 @@ def describe(app: web.Application, title: str, bodies: Mapping[Any, Body]) -> di
         operation: dict[str, Any] = {
             "operationId": name or f"{method.lower()} {path}",
             "summary": summary(handler) or "",
-            "responses": {"200": {"description": "OK"},
-                          "default": {"description": "an error, shaped as this route's errors are"}},
+            "responses": {
+                "200": {"description": "OK"},
+                "default": {"description": "an error, shaped as this route's errors are"},
+            },
         }
-        parameters = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
-                      for p in PATH_PARAM.findall(path)]
+        parameters = [
+            {"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in PATH_PARAM.findall(path)
+        ]
         body = bodies.get(handler, Body())
         if body.query is not None:
             parameters += _query_parameters(body.query)
@@ -78,8 +81,7 @@ def describe(app: web.Application, title: str, bodies: Mapping[Any, Body]) -> di
         if body.content_types:
             operation["requestBody"] = {"content": {t: {"schema": _body_schema(t)} for t in body.content_types}}
         paths.setdefault(path, {})[method.lower()] = operation
-    return {"openapi": OPENAPI_VERSION, "info": {"title": title, "version": server_version()},
-            "paths": paths}
+    return {"openapi": OPENAPI_VERSION, "info": {"title": title, "version": server_version()}, "paths": paths}
 
 
 def routes(title: str, bodies: Mapping[Any, Body] | None = None) -> list[web.RouteDef]:
@@ -90,16 +92,20 @@ def routes(title: str, bodies: Mapping[Any, Body] | None = None) -> list[web.Rou
         """This port's OpenAPI description (also `OPTIONS /`)."""
         return web.json_response(describe(request.app, title, bodies))
 
-    return [web.options("/", api_description, name="api_description_options"),
-            web.get("/api-description", api_description, name="api_description")]
+    return [
+        web.options("/", api_description, name="api_description_options"),
+        web.get("/api-description", api_description, name="api_description"),
+    ]
 
 
 def _query_parameters(struct: type) -> list[dict[str, Any]]:
     (ref,), components = msgspec.json.schema_components([struct], ref_template="{name}")
     schema = components[ref["$ref"]]
     required = set(schema.get("required", ()))
-    return [{"name": name, "in": "query", "required": name in required, "schema": prop}
-            for name, prop in schema.get("properties", {}).items()]
+    return [
+        {"name": name, "in": "query", "required": name in required, "schema": prop}
+        for name, prop in schema.get("properties", {}).items()
+    ]
 
 
 def _body_schema(content_type: str) -> dict[str, Any]:

@@ -40,12 +40,16 @@ def build_missing_kernels(out: Out, *, why: str = "") -> list[str]:
         if ext.library.is_file():  # built before builds were marked: cpp_extension checks it
             out(f"pagedserve: checking the earlier build of the CPU kernel {ext.name} in {ext.folder}")
         else:
-            out(f"pagedserve: building the CPU kernel {ext.name} into {ext.folder} "
-                f"(once per machine and checkout, ~1-2 min{why})")
+            out(
+                f"pagedserve: building the CPU kernel {ext.name} into {ext.folder} "
+                f"(once per machine and checkout, ~1-2 min{why})"
+            )
         start = time.perf_counter()
         if ext.build() is None:
-            out(f"pagedserve: the CPU kernel {ext.name} could not be built (see the warning "
-                "above); the engine uses its plain-torch path")
+            out(
+                f"pagedserve: the CPU kernel {ext.name} could not be built (see the warning "
+                "above); the engine uses its plain-torch path"
+            )
         else:
             out(f"pagedserve: {ext.name} ready in {time.perf_counter() - start:.0f} s")
     return [ext.name for ext in missing]
@@ -57,8 +61,10 @@ def prepare(store: Path, out: Out = print) -> None:
 
     if not build_missing_kernels(out):
         names = ", ".join(ext.name for ext in cpu_extensions())
-        out(f"pagedserve: CPU kernels: {names or 'off (PAGEDSERVE_DISABLE_CPU_KERNELS=1)'}"
-            f"{' already built' if names else ''}")
+        out(
+            f"pagedserve: CPU kernels: {names or 'off (PAGEDSERVE_DISABLE_CPU_KERNELS=1)'}"
+            f"{' already built' if names else ''}"
+        )
     if is_converted():
         out(f"pagedserve: bundled model: already converted ({default_model_dir()})")
     else:
@@ -79,12 +85,15 @@ def prepare(store: Path, out: Out = print) -> None:
 
 def add_prepare_parser(sub) -> None:
     p = sub.add_parser(
-        "prepare", help="build the CPU kernels and convert and archive the bundled model (install time)",
+        "prepare",
+        help="build the CPU kernels and convert and archive the bundled model (install time)",
         description="Build at install time what a first `serve` would otherwise build: the CPU "
-                    "kernels, the bundled model's conversion, its archive in the model store and "
-                    "its extraction. .ci/install runs it; running it again does nothing.")
-    p.add_argument("--model-store", metavar="DIR", default="model_store",
-                   help="where to write smollm2.mar (default: model_store)")
+        "kernels, the bundled model's conversion, its archive in the model store and "
+        "its extraction. .ci/install runs it; running it again does nothing.",
+    )
+    p.add_argument(
+        "--model-store", metavar="DIR", default="model_store", help="where to write smollm2.mar (default: model_store)"
+    )
     p.set_defaults(func=_run)
 
 

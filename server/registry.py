@@ -95,11 +95,12 @@ def check_version(version: object, what: str = "model version") -> str:
 
 
 def _check_name(value: object, what: str, pattern: str, start: str) -> str:
-    if (not isinstance(value, str) or len(value) > MAX_NAME_LENGTH
-            or not re.match(pattern, value)):
+    if not isinstance(value, str) or len(value) > MAX_NAME_LENGTH or not re.match(pattern, value):
         shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-        raise ValueError(f"{what} {shown} is not allowed: it must {start}, hold only letters, "
-                         f"digits, '_', '-' and '.', and be at most {MAX_NAME_LENGTH} characters")
+        raise ValueError(
+            f"{what} {shown} is not allowed: it must {start}, hold only letters, "
+            f"digits, '_', '-' and '.', and be at most {MAX_NAME_LENGTH} characters"
+        )
     return value
 
 
@@ -110,8 +111,7 @@ def check_worker_counts(min_workers: int, max_workers: int, limit_name: str = "m
     if min_workers > max_workers:
         raise ValueError(f"min_worker: {min_workers} must not exceed {limit_name}: {max_workers}")
     if max_workers > MAX_WORKERS:
-        raise ValueError(f"max_worker: must be <= {MAX_WORKERS} (workers per version), "
-                         f"got {max_workers}")
+        raise ValueError(f"max_worker: must be <= {MAX_WORKERS} (workers per version), got {max_workers}")
 
 
 def check_timeout(what: str, seconds: float | None) -> None:
@@ -167,8 +167,9 @@ class ModelVersion:
     def _ready(self) -> list[AsyncLLM]:
         ready = self.pool.ready_engines()
         if not ready:
-            raise NoWorkerError(f"model {self.name!r} version {self.version!r} has no ready "
-                                "worker right now; retry shortly")
+            raise NoWorkerError(
+                f"model {self.name!r} version {self.version!r} has no ready worker right now; retry shortly"
+            )
         return ready
 
     @contextlib.contextmanager
@@ -177,9 +178,11 @@ class ModelVersion:
         When the last one in flight ends, the keep-alive (the request's `keep_alive` seconds,
         else the version's) starts counting."""
         if self.in_flight >= self.job_queue_size:
-            raise QueueFullError(f"model {self.name!r} version {self.version!r} has "
-                                 f"{self.in_flight} requests in flight (jobQueueSize="
-                                 f"{self.job_queue_size}); retry later")
+            raise QueueFullError(
+                f"model {self.name!r} version {self.version!r} has "
+                f"{self.in_flight} requests in flight (jobQueueSize="
+                f"{self.job_queue_size}); retry later"
+            )
         self.in_flight += 1
         self.last_used = time.monotonic()
         self.expires_at = None
@@ -206,11 +209,19 @@ EngineBuilder = Callable[[ModelVersion, str, Callable[["AsyncLLM"], None]], "Asy
 class ModelRegistry:
     """Every registered model. All methods run on the event loop."""
 
-    def __init__(self, executor: Executor, make_engine: EngineBuilder, *,
-                 allow_custom_handlers: bool = False, default_workers: int | None = None,
-                 job_queue_size: int = 100, on_change: Callable[[], None] | None = None,
-                 persist: Callable[[], None] | None = None,
-                 memory_budget: int | str | None = None, keep_alive: float = 300.0) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        make_engine: EngineBuilder,
+        *,
+        allow_custom_handlers: bool = False,
+        default_workers: int | None = None,
+        job_queue_size: int = 100,
+        on_change: Callable[[], None] | None = None,
+        persist: Callable[[], None] | None = None,
+        memory_budget: int | str | None = None,
+        keep_alive: float = 300.0,
+    ) -> None:
         self._executor = executor
         self._make_engine = make_engine
         self.allow_custom_handlers = allow_custom_handlers
@@ -274,14 +285,21 @@ class ModelRegistry:
         """Verify and extract the archive off the event loop (a .gguf file or a model folder:
         archived first, with `chat_template` when given)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, load_archive, path,
-                                          self.allow_custom_handlers, chat_template)
+        return await loop.run_in_executor(self._executor, load_archive, path, self.allow_custom_handlers, chat_template)
 
-    async def register(self, archive: LoadedArchive, *, url: str, name: str | None = None,
-                       initial_workers: int | None = None, max_workers: int | None = None,
-                       synchronous: bool = True, loaded_at_startup: bool = False,
-                       make_default: bool = False, response_timeout: int | None = None,
-                       ) -> ModelVersion:
+    async def register(
+        self,
+        archive: LoadedArchive,
+        *,
+        url: str,
+        name: str | None = None,
+        initial_workers: int | None = None,
+        max_workers: int | None = None,
+        synchronous: bool = True,
+        loaded_at_startup: bool = False,
+        make_default: bool = False,
+        response_timeout: int | None = None,
+    ) -> ModelVersion:
         """Add a version and start its workers. With `synchronous`, return once they are ready
         (WorkerStartFailed: the version is removed again); otherwise they start in the
         background. ConflictError if that version is registered already; ValueError for a bad
@@ -289,8 +307,7 @@ class ModelRegistry:
         name = check_model_name(name or archive.name)
         version = check_version(archive.version)
         config = archive.model_config
-        min_workers = (initial_workers if initial_workers is not None
-                       else self._default_workers(archive))
+        min_workers = initial_workers if initial_workers is not None else self._default_workers(archive)
         if max_workers is not None:
             check_worker_counts(min_workers, max_workers)
             max_w = max_workers
@@ -307,31 +324,46 @@ class ModelRegistry:
         async with self._lock:
             model = self.models.get(name)
             if model is not None and version in model.versions:
-                raise ConflictError(f"Model version {version} is already registered for model "
-                                    f"{name}")
+                raise ConflictError(f"Model version {version} is already registered for model {name}")
             loop = asyncio.get_running_loop()
             tokenizer = await loop.run_in_executor(self._executor, _load_tokenizer, archive.model_dir)
-            queue = (config.job_queue_size if "jobQueueSize" in archive.config_keys
-                     else self.job_queue_size)
-            context = Context(model_name=name, model_dir=archive.model_dir,
-                              manifest=archive.manifest, model_config=config,
-                              system_properties={"device": config.device_type.value
-                                                 if config.device_type else "cpu",
-                                                 "engine": ENGINE_WORKERS})
+            queue = config.job_queue_size if "jobQueueSize" in archive.config_keys else self.job_queue_size
+            context = Context(
+                model_name=name,
+                model_dir=archive.model_dir,
+                manifest=archive.manifest,
+                model_config=config,
+                system_properties={
+                    "device": config.device_type.value if config.device_type else "cpu",
+                    "engine": ENGINE_WORKERS,
+                },
+            )
             if archive.handler is not None:
                 await loop.run_in_executor(self._executor, _initialize_handler, archive.handler, context)
             entry = ModelVersion(
-                name=name, version=version, model_dir=archive.model_dir, context=context,
-                tokenizer=tokenizer, archive=archive, url=url, pool=None,  # type: ignore[arg-type]
-                min_workers=min_workers, max_workers=max_w, job_queue_size=queue,
-                loaded_at_startup=loaded_at_startup, handler=archive.handler,
-                router=Router(config.routing, block_size=config.engine_options().get("block_size", 16)))
+                name=name,
+                version=version,
+                model_dir=archive.model_dir,
+                context=context,
+                tokenizer=tokenizer,
+                archive=archive,
+                url=url,
+                pool=None,  # type: ignore[arg-type]
+                min_workers=min_workers,
+                max_workers=max_w,
+                job_queue_size=queue,
+                loaded_at_startup=loaded_at_startup,
+                handler=archive.handler,
+                router=Router(config.routing, block_size=config.engine_options().get("block_size", 16)),
+            )
             entry.pool = WorkerPool(
                 f"{name}/{version}",
                 lambda worker_name, on_dead: self._make_engine(entry, worker_name, on_dead),
-                lambda: str(next(self._worker_ids)), startup_timeout=float(config.startup_timeout),
+                lambda: str(next(self._worker_ids)),
+                startup_timeout=float(config.startup_timeout),
                 on_change=lambda: self.on_change(),
-                on_ready=lambda slot: self.lifecycle.on_worker_ready(entry, slot))
+                on_ready=lambda slot: self.lifecycle.on_worker_ready(entry, slot),
+            )
             entry.keep_alive = config.keep_alive
             entry.on_idle = self.lifecycle.on_idle
             entry.last_used = time.monotonic()
@@ -357,8 +389,7 @@ class ModelRegistry:
             raise
         return entry
 
-    async def unregister(self, name: str, version: str | None = None, *,
-                         force: bool = False) -> ModelVersion:
+    async def unregister(self, name: str, version: str | None = None, *, force: bool = False) -> ModelVersion:
         """Remove one version (the default one when `version` is None) and stop its workers.
         The default version cannot go while others remain (ForbiddenError), as in TorchServe.
         `force` (a registration taking itself back) skips that rule and removes the version
@@ -366,10 +397,10 @@ class ModelRegistry:
         async with self._lock:
             entry = self.resolve(name, version)
             model = self.models[name]
-            if (not force and entry.version == model.default_version
-                    and len(model.versions) > 1):
-                raise ForbiddenError(f"Can't remove default version: {entry.version} of model "
-                                     f"{name}; set another default version first")
+            if not force and entry.version == model.default_version and len(model.versions) > 1:
+                raise ForbiddenError(
+                    f"Can't remove default version: {entry.version} of model {name}; set another default version first"
+                )
             old_default = model.default_version
             del model.versions[entry.version]
             if not model.versions:
@@ -386,15 +417,21 @@ class ModelRegistry:
         await entry.pool.shutdown()
         return entry
 
-    async def scale(self, entry: ModelVersion, min_workers: int, max_workers: int | None = None,
-                    *, synchronous: bool, timeout: float | None = None) -> bool:
+    async def scale(
+        self,
+        entry: ModelVersion,
+        min_workers: int,
+        max_workers: int | None = None,
+        *,
+        synchronous: bool,
+        timeout: float | None = None,
+    ) -> bool:
         """Set the version's worker range and reach `min_workers`. `max_workers` None keeps the
         version's maxWorkers, which `min_workers` must not exceed (ValueError naming both).
         With `synchronous`, wait up to `timeout` seconds (None or < 0: no limit) for the workers;
         False when that ran out (the scaling goes on)."""
         max_w = entry.max_workers if max_workers is None else max_workers
-        check_worker_counts(min_workers, max_w,
-                            "max_worker" if max_workers is not None else "maxWorkers")
+        check_worker_counts(min_workers, max_w, "max_worker" if max_workers is not None else "maxWorkers")
         check_timeout("timeout", timeout)
         old = (entry.min_workers, entry.max_workers)
         entry.min_workers, entry.max_workers = min_workers, max_w
@@ -419,8 +456,7 @@ class ModelRegistry:
             await work  # new workers are starting, removed ones unloading
             return True
         try:
-            await asyncio.wait_for(asyncio.shield(work),
-                                   None if timeout is None or timeout < 0 else timeout)
+            await asyncio.wait_for(asyncio.shield(work), None if timeout is None or timeout < 0 else timeout)
         except asyncio.TimeoutError:
             return False
         return True
@@ -453,8 +489,10 @@ class ModelRegistry:
                 self.persist()
             except OSError as exc:
                 if undo is None:
-                    logger.error("%s; the live registry has moved on and the saved one is "
-                                 "behind until the next save", exc.strerror or exc)
+                    logger.error(
+                        "%s; the live registry has moved on and the saved one is behind until the next save",
+                        exc.strerror or exc,
+                    )
                 else:
                     undo()
                     raise SaveFailedError(exc) from exc
@@ -475,8 +513,7 @@ def _initialize_handler(handler: BaseHandler, context: Context) -> None:
     try:
         handler.initialize(context)
     except Exception as exc:  # their code: refuse the registration and say why
-        raise CustomHandlerError(f"the custom handler's initialize failed: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+        raise CustomHandlerError(f"the custom handler's initialize failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _load_tokenizer(model_dir: Path):

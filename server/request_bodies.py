@@ -41,8 +41,9 @@ def max_new_tokens(body: dict[str, Any]) -> dict[str, Any]:
     if "max_new_tokens" not in body:
         return body
     if "max_tokens" in body:
-        raise ErrorReply(400, "give one of 'max_tokens' or 'max_new_tokens' (the same setting), "
-                         "not both", param="max_new_tokens")
+        raise ErrorReply(
+            400, "give one of 'max_tokens' or 'max_new_tokens' (the same setting), not both", param="max_new_tokens"
+        )
     body = dict(body)
     body["max_tokens"] = body.pop("max_new_tokens")
     return body
@@ -56,8 +57,7 @@ async def read_predictions_body(request, executor, max_bytes: int) -> dict[str, 
     kind = request.content_type
     if kind == "multipart/form-data":
         loop = asyncio.get_running_loop()  # a large form takes a while to split
-        form = await loop.run_in_executor(executor, multipart_fields, raw,
-                                          request.headers.get("Content-Type", ""))
+        form = await loop.run_in_executor(executor, multipart_fields, raw, request.headers.get("Content-Type", ""))
         return max_new_tokens(form_body(form, max_bytes))
     if kind == "application/json" or (kind != "text/plain" and raw.lstrip()[:1] == b"{"):
         return max_new_tokens(_json(raw, max_bytes))
@@ -84,19 +84,18 @@ def multipart_fields(raw: bytes, content_type: str) -> dict[str, bytes]:
         raise ErrorReply(400, "the multipart boundary must be 1 to 70 ASCII characters")
     delimiter = b"--" + boundary.encode("ascii")
     first = raw.find(delimiter)
-    if first < 0 or (first > 0 and raw[first - 2:first] != b"\r\n"):
+    if first < 0 or (first > 0 and raw[first - 2 : first] != b"\r\n"):
         raise ErrorReply(400, "the multipart/form-data body holds no parts (is the boundary right?)")
     fields: dict[str, bytes] = {}
     pos = first + len(delimiter)
-    while raw[pos:pos + 2] != b"--":  # the close delimiter ends the body
+    while raw[pos : pos + 2] != b"--":  # the close delimiter ends the body
         if len(fields) >= MAX_FORM_FIELDS:
             raise ErrorReply(400, f"the multipart/form-data body has more than {MAX_FORM_FIELDS} parts")
         line_end = raw.find(b"\r\n", pos)
         end = raw.find(b"\r\n" + delimiter, line_end)
         if line_end < 0 or end < 0:
-            raise ErrorReply(400, "the multipart/form-data body is cut short: a part does not end "
-                                  "with the boundary")
-        name, value = _part(raw[line_end + 2:end], len(fields))
+            raise ErrorReply(400, "the multipart/form-data body is cut short: a part does not end with the boundary")
+        name, value = _part(raw[line_end + 2 : end], len(fields))
         fields[name] = value
         pos = end + 2 + len(delimiter)
     if not fields:
@@ -108,12 +107,12 @@ def _part(part: bytes, i: int) -> tuple[str, bytes]:
     """A part's form name and content."""
     head_end = 0 if part.startswith(b"\r\n") else part.find(b"\r\n\r\n")
     if head_end < 0 or head_end > MAX_PART_HEADER_BYTES:
-        raise ErrorReply(400, f"multipart part {i} has no header block (Content-Disposition) ending "
-                              "in an empty line")
+        raise ErrorReply(400, f"multipart part {i} has no header block (Content-Disposition) ending in an empty line")
     headers = part[:head_end].decode("latin-1").split("\r\n")
-    content = part[head_end + (2 if head_end == 0 else 4):]
-    disposition = next((h.partition(":")[2] for h in headers
-                        if h.partition(":")[0].strip().lower() == "content-disposition"), "")
+    content = part[head_end + (2 if head_end == 0 else 4) :]
+    disposition = next(
+        (h.partition(":")[2] for h in headers if h.partition(":")[0].strip().lower() == "content-disposition"), ""
+    )
     name = _param(disposition, "content-disposition", "name")
     if not name:
         raise ErrorReply(400, f"multipart part {i} has no name (Content-Disposition: form-data; name=...)")
@@ -132,8 +131,13 @@ def urlencoded_fields(raw: bytes) -> dict[str, bytes] | None:
     """The fields of a url-encoded form that names an input (`data`, `body`, `prompt` or
     `messages`), else None: `curl -d "Once upon a time"` sends its text with this type too."""
     try:
-        pairs = parse_qsl(raw.decode("ascii"), keep_blank_values=True, strict_parsing=True,
-                          max_num_fields=MAX_FORM_FIELDS, encoding="latin-1")  # bytes as they are
+        pairs = parse_qsl(
+            raw.decode("ascii"),
+            keep_blank_values=True,
+            strict_parsing=True,
+            max_num_fields=MAX_FORM_FIELDS,
+            encoding="latin-1",
+        )  # bytes as they are
     except (UnicodeDecodeError, ValueError):
         return None
     fields = {name: value.encode("latin-1") for name, value in pairs}
@@ -146,17 +150,26 @@ def form_body(fields: dict[str, bytes], max_bytes: int) -> dict[str, Any]:
         if name in fields:
             others = sorted(set(fields) - {name})
             if others:
-                raise ErrorReply(400, f"form field {name!r} is the whole input; other fields "
-                                 f"({', '.join(others)}) belong inside it", param=others[0])
+                raise ErrorReply(
+                    400,
+                    f"form field {name!r} is the whole input; other fields ({', '.join(others)}) belong inside it",
+                    param=others[0],
+                )
             value = fields[name]
             if value.lstrip()[:1] == b"{":
                 return _json(value, max_bytes)
             return {"prompt": _text(value, f"form field {name!r}")}
     if "prompt" not in fields and "messages" not in fields:
-        raise ErrorReply(400, "the form has no input: send a 'data' (or 'body') field with the "
-                         "prompt or a JSON object, or a 'prompt' field", param="data")
-    return {name: _text(value, f"form field {name!r}") if name in TEXT_FIELDS else _form_value(name, value)
-            for name, value in fields.items()}
+        raise ErrorReply(
+            400,
+            "the form has no input: send a 'data' (or 'body') field with the "
+            "prompt or a JSON object, or a 'prompt' field",
+            param="data",
+        )
+    return {
+        name: _text(value, f"form field {name!r}") if name in TEXT_FIELDS else _form_value(name, value)
+        for name, value in fields.items()
+    }
 
 
 def _form_value(name: str, value: bytes) -> Any:

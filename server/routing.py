@@ -51,7 +51,7 @@ def prefix_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int = M
     out: list[int] = []
     parent = 0
     for i in range(n):
-        parent = hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+        parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
         out.append(parent)
     return out
 
@@ -85,7 +85,7 @@ class Router:
     def least_loaded(self, ready: list[AsyncLLM]) -> AsyncLLM:
         """The least loaded worker; equal loads take turns (the scan start rotates)."""
         self._turn = (self._turn + 1) % len(ready)
-        rotated = ready[self._turn:] + ready[:self._turn]
+        rotated = ready[self._turn :] + ready[: self._turn]
         return min(rotated, key=load_key)
 
     def route(self, ready: list[AsyncLLM], token_ids: Sequence[int]) -> Route:

@@ -34,7 +34,7 @@ def write_atomically(path: str | Path, data: bytes) -> Path:
             os.fchmod(fd, MODE)  # O_CREAT's mode is masked by the umask; make it exact
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)

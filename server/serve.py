@@ -119,8 +119,9 @@ def ensure_default_archive(store: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="pagedserve-default-") as tmp:
         config = Path(tmp) / "model-config.yaml"
         config.write_text(DEFAULT_MODEL_CONFIG)
-        return write_archive(default_model_dir(), store, model_name=DEFAULT_ARCHIVE_NAME,
-                             version="1.0", config_file=config)
+        return write_archive(
+            default_model_dir(), store, model_name=DEFAULT_ARCHIVE_NAME, version="1.0", config_file=config
+        )
 
 
 def check_secure(config: ServerConfig) -> None:
@@ -128,13 +129,17 @@ def check_secure(config: ServerConfig) -> None:
     unless `allow_insecure`: anyone who reaches it could run and manage models."""
     if not config.disable_token_auth or config.allow_insecure:
         return
-    exposed = [f"{key}={getattr(config, key)}" for key in ("inference_address", "management_address")
-               if not _is_loopback(parse_address(getattr(config, key))[0])]
+    exposed = [
+        f"{key}={getattr(config, key)}"
+        for key in ("inference_address", "management_address")
+        if not _is_loopback(parse_address(getattr(config, key))[0])
+    ]
     if exposed:
         raise ServerConfigError(
             f"token authorization is off (--disable-token-auth) and {', '.join(exposed)} is not a "
             "loopback address: anyone who can reach it could run and manage models. Turn "
-            "authorization on, listen on 127.0.0.1, or pass --allow-insecure (allow_insecure: true)")
+            "authorization on, listen on 127.0.0.1, or pass --allow-insecure (allow_insecure: true)"
+        )
 
 
 def _is_loopback(host: str) -> bool:
@@ -149,22 +154,34 @@ def _is_loopback(host: str) -> bool:
 def build_state(config: ServerConfig, make_engine: EngineBuilder, keys: KeyStore | None) -> ServerState:
     """The state the three apps share: registry (no worker yet), metrics, thread pool, keys."""
     executor = ThreadPoolExecutor(config.frontend_threads, thread_name_prefix="pagedserve-fe")
-    registry = ModelRegistry(executor, make_engine,
-                             allow_custom_handlers=config.allow_custom_handlers,
-                             default_workers=config.default_workers_per_model,
-                             job_queue_size=config.job_queue_size,
-                             memory_budget=config.memory_budget, keep_alive=config.keep_alive)
+    registry = ModelRegistry(
+        executor,
+        make_engine,
+        allow_custom_handlers=config.allow_custom_handlers,
+        default_workers=config.default_workers_per_model,
+        job_queue_size=config.job_queue_size,
+        memory_budget=config.memory_budget,
+        keep_alive=config.keep_alive,
+    )
     metrics = ServerMetrics(versions=registry.all_versions, vllm=config.vllm_metrics)
     metrics.registry.register(BudgetCollector(registry.lifecycle))
-    return ServerState(config=config, registry=registry, metrics=metrics, keys=keys,
-                       executor=executor, drain=Drain(max_per_client=config.max_in_flight_per_client))
+    return ServerState(
+        config=config,
+        registry=registry,
+        metrics=metrics,
+        keys=keys,
+        executor=executor,
+        drain=Drain(max_per_client=config.max_in_flight_per_client),
+    )
 
 
 def connection_limits(config: ServerConfig, shape: PathShape | None = None) -> ConnectionLimits:
-    limits = ConnectionLimits(header_timeout=config.header_read_timeout,
-                              body_timeout=config.body_read_timeout,
-                              max_connections=config.max_connections,
-                              per_client_connections=config.max_connections_per_client)
+    limits = ConnectionLimits(
+        header_timeout=config.header_read_timeout,
+        body_timeout=config.body_read_timeout,
+        max_connections=config.max_connections,
+        per_client_connections=config.max_connections_per_client,
+    )
     if shape is not None:
         limits.shape = shape
     return limits
@@ -199,9 +216,12 @@ class Server:
         keys, write_keys = None, False
         if not config.disable_token_auth:
             try:
-                chosen, write_keys = choose_keys(config.key_file, inference=config.inference_key,
-                                                 management=config.management_key,
-                                                 keep_key_file=config.keep_key_file)
+                chosen, write_keys = choose_keys(
+                    config.key_file,
+                    inference=config.inference_key,
+                    management=config.management_key,
+                    keep_key_file=config.keep_key_file,
+                )
             except ValueError as exc:
                 raise ServerConfigError(str(exc)) from None
             keys = KeyStore(chosen, Path(config.key_file).expanduser().absolute())
@@ -218,13 +238,16 @@ class Server:
             state.executor.shutdown(wait=False, cancel_futures=True)
             state.limits.shutdown()
 
-        apps = {"inference": build_inference_app(state, contexts=[lifecycle]),
-                "management": build_management_app(state),
-                "metrics": build_metrics_app(state.metrics)}
+        apps = {
+            "inference": build_inference_app(state, contexts=[lifecycle]),
+            "management": build_management_app(state),
+            "metrics": build_metrics_app(state.metrics),
+        }
         for name, app in apps.items():
             host, port = parse_address(getattr(config, f"{name}_address"))
-            runner = GuardedAppRunner(app, connection_limits(config, _path_shape(name)),
-                                      access_log=None, shutdown_timeout=2.0)
+            runner = GuardedAppRunner(
+                app, connection_limits(config, _path_shape(name)), access_log=None, shutdown_timeout=2.0
+            )
             await runner.setup()
             self.runners.append(runner)
             await web.TCPSite(runner, host, port).start()
@@ -234,8 +257,10 @@ class Server:
         if keys is not None:
             if write_keys:  # only now that every port is ours
                 write_key_file(keys.path, keys.keys)
-            self.out(f"pagedserve: token authorization on; keys in {keys.path} "
-                     f"({'written' if write_keys else 'kept'}; send 'Authorization: Bearer <key>')")
+            self.out(
+                f"pagedserve: token authorization on; keys in {keys.path} "
+                f"({'written' if write_keys else 'kept'}; send 'Authorization: Bearer <key>')"
+            )
         else:
             self.out("pagedserve: token authorization is OFF (--disable-token-auth)")
         # The keys ride in the fragment, which the browser keeps to itself; printed with them
@@ -251,8 +276,9 @@ class Server:
         try:
             await self._restore(restored)
             models = [(m, a) for m, a in opened if not is_adapter(a)]
-            await asyncio.gather(*(self._register_startup(archive, model.url, model.name)
-                                   for model, archive in models))  # in parallel, in the budget
+            await asyncio.gather(
+                *(self._register_startup(archive, model.url, model.name) for model, archive in models)
+            )  # in parallel, in the budget
             # LoRA adapters once their base versions are there: the snapshot's, then --models'
             if self.snapshot is not None:
                 for e in self.snapshot.adapter_entries:
@@ -280,22 +306,42 @@ class Server:
             archive = await registry.open(path)
             try:
                 entry = await registry.register(
-                    archive, url=e.url, name=e.name, initial_workers=e.min_workers,
-                    max_workers=e.max_workers, synchronous=True, make_default=e.default)
+                    archive,
+                    url=e.url,
+                    name=e.name,
+                    initial_workers=e.min_workers,
+                    max_workers=e.max_workers,
+                    synchronous=True,
+                    make_default=e.default,
+                )
             except WorkerStartFailed as exc:
                 # Registered all the same: its workers keep retrying with back-off
                 # (describe shows lastError) rather than the registration being lost.
-                logger.error("snapshot: workers of %s %s failed to start (%s); retrying in "
-                             "the background", e.name, e.version, exc)
+                logger.error(
+                    "snapshot: workers of %s %s failed to start (%s); retrying in the background",
+                    e.name,
+                    e.version,
+                    exc,
+                )
                 entry = await registry.register(
-                    archive, url=e.url, name=e.name, initial_workers=e.min_workers,
-                    max_workers=e.max_workers, synchronous=False, make_default=e.default)
+                    archive,
+                    url=e.url,
+                    name=e.name,
+                    initial_workers=e.min_workers,
+                    max_workers=e.max_workers,
+                    synchronous=False,
+                    make_default=e.default,
+                )
             entry.loaded_at_startup = True
             await registry.lifecycle.restore(entry, e.state, e.pinned)
             self.out(f"pagedserve: restored {e.name} {e.version} from the snapshot")
         except (OSError, ValueError, RuntimeError) as exc:
-            logger.error("snapshot: could not restore %s %s: %s; it stays in the snapshot "
-                         "for the next start", e.name, e.version, exc)
+            logger.error(
+                "snapshot: could not restore %s %s: %s; it stays in the snapshot for the next start",
+                e.name,
+                e.version,
+                exc,
+            )
             self.snapshot.carry(e)
 
     async def _restore_adapter(self, e) -> None:
@@ -306,12 +352,12 @@ class Server:
                 raise ValueError(f"{e.url} is not a LoRA adapter archive")
             await self._register_adapter(archive, e.url, e.name, quiet=False)
         except (OSError, LookupError, ValueError, RuntimeError) as exc:
-            logger.error("snapshot: could not restore adapter %s: %s; it stays in the snapshot "
-                         "for the next start", e.name, exc)
+            logger.error(
+                "snapshot: could not restore adapter %s: %s; it stays in the snapshot for the next start", e.name, exc
+            )
             self.snapshot.carry_adapter(e)
 
-    async def _register_adapter(self, archive: LoadedArchive, url: str, name: str | None,
-                                quiet: bool = True) -> None:
+    async def _register_adapter(self, archive: LoadedArchive, url: str, name: str | None, quiet: bool = True) -> None:
         """A LoRA adapter onto its base version (given with --models, or from the snapshot)."""
         try:
             adapter = await self.state.adapters.register(self.state.registry, archive, url, name)
@@ -323,22 +369,22 @@ class Server:
                 raise
             logger.error("adapter %s: %s", name or archive.name, exc)
             return
-        self.out(f"pagedserve: registered adapter {adapter.name} on {adapter.base.name} "
-                 f"{adapter.base.version} from {url}")
+        self.out(
+            f"pagedserve: registered adapter {adapter.name} on {adapter.base.name} {adapter.base.version} from {url}"
+        )
 
     async def _register_startup(self, archive: LoadedArchive, url: str, name: str | None) -> None:
         try:
-            entry = await self.state.registry.register(archive, url=url, name=name,
-                                                       synchronous=True, loaded_at_startup=True)
+            entry = await self.state.registry.register(
+                archive, url=url, name=name, synchronous=True, loaded_at_startup=True
+            )
         except ConflictError:
-            logger.info("%s %s is already registered (snapshot)", name or archive.name,
-                        archive.version)
+            logger.info("%s %s is already registered (snapshot)", name or archive.name, archive.version)
             return
         except WorkerStartFailed as exc:
             logger.error("model %s: workers failed to start: %s", name or archive.name, exc)
             return
-        self.out(f"pagedserve: registered {entry.name} {entry.version} "
-                 f"({entry.min_workers} worker(s)) from {url}")
+        self.out(f"pagedserve: registered {entry.name} {entry.version} ({entry.min_workers} worker(s)) from {url}")
 
     def _make_engine(self, entry: ModelVersion, worker_name: str, on_dead) -> AsyncLLM:
         from engine.async_llm import AsyncLLM
@@ -356,14 +402,19 @@ class Server:
             options["device"] = "cuda"
             slot = next((s for s in entry.pool.slots if worker_name.endswith(f"#{s.id}")), None)
             if slot is not None:  # its own GPUs: round-robin, a TP group on consecutive ones
-                slot.devices = assign_devices(slot.index, visible_gpus(),
-                                              entry.model_config.device_ids,
-                                              options.get("tensor_parallel_size", 1))
+                slot.devices = assign_devices(
+                    slot.index, visible_gpus(), entry.model_config.device_ids, options.get("tensor_parallel_size", 1)
+                )
                 options["visible_devices"] = cuda_visible_devices(slot.devices)
         # The registry opened and verified the archive (custom handler rules included).
         config = EngineConfig(model=str(entry.model_dir), model_verified=True, **options)
-        return AsyncLLM(config, entry.tokenizer, name=worker_name, on_dead=on_dead,
-                        heartbeat_timeout=self.config.worker_heartbeat_timeout)
+        return AsyncLLM(
+            config,
+            entry.tokenizer,
+            name=worker_name,
+            on_dead=on_dead,
+            heartbeat_timeout=self.config.worker_heartbeat_timeout,
+        )
 
     def _worker_threads(self, entry: ModelVersion) -> int:
         """Torch threads for a worker of `entry`: its model-config's num_threads, else the
@@ -405,8 +456,10 @@ class Server:
         if self._stop.is_set():
             self._force.set()
             return
-        self.out(f"pagedserve: {signal.Signals(sig).name}: draining (up to "
-                 f"{self.config.drain_grace:g}s for requests in flight)")
+        self.out(
+            f"pagedserve: {signal.Signals(sig).name}: draining (up to "
+            f"{self.config.drain_grace:g}s for requests in flight)"
+        )
         self._stop.set()
 
     async def wait(self) -> None:

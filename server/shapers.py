@@ -22,15 +22,25 @@ from server.streaming import StreamFormat
 
 logger = logging.getLogger(__name__)
 OPENAI_ERROR_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-    413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
 }
 
 
 def openai_error(code: int, message: str, param: str | None = None) -> dict[str, Any]:
     """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
-    return {"error": {"message": message, "type": OPENAI_ERROR_TYPES.get(code, "server_error"),
-                      "param": param, "code": "model_not_found" if code == 404 else code}}
+    return {
+        "error": {
+            "message": message,
+            "type": OPENAI_ERROR_TYPES.get(code, "server_error"),
+            "param": param,
+            "code": "model_not_found" if code == 404 else code,
+        }
+    }
 
 
 @dataclass(slots=True)
@@ -74,8 +84,11 @@ class HandlerShaper(PredictionShaper):
             logger.exception("the custom handler's postprocess failed")
             raise ErrorReply(500, f"the custom handler's postprocess failed: {type(exc).__name__}: {exc}") from None
         if not isinstance(bodies, list) or len(bodies) != 1:
-            raise ErrorReply(500, "the custom handler's postprocess must return a list with one reply "
-                             f"per output, got {type(bodies).__name__}")
+            raise ErrorReply(
+                500,
+                "the custom handler's postprocess must return a list with one reply "
+                f"per output, got {type(bodies).__name__}",
+            )
         body = bodies[0]
         if isinstance(body, dict):
             body.setdefault("timings", timings(out, total_s))

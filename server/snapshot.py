@@ -58,8 +58,18 @@ def entries_of(registry: ModelRegistry) -> list[SnapshotEntry]:
     for model in registry.sorted_models():
         for version in sorted(model.versions):
             v = model.versions[version]
-            out.append(SnapshotEntry(v.name, v.version, v.url, v.min_workers, v.max_workers,
-                                     version == model.default_version, _saved_state(v), v.pinned))
+            out.append(
+                SnapshotEntry(
+                    v.name,
+                    v.version,
+                    v.url,
+                    v.min_workers,
+                    v.max_workers,
+                    version == model.default_version,
+                    _saved_state(v),
+                    v.pinned,
+                )
+            )
     return out
 
 
@@ -103,20 +113,18 @@ class Snapshotter:
         entries: list[Any] = msgspec.to_builtins(entries_of(registry))
         registered = {_key(e) for e in entries}
         entries += [e for e in self.carried if _key(e) is None or _key(e) not in registered]
-        adapters: list[Any] = [{"name": a.name, "url": a.url}
-                               for a in (self.adapters.sorted() if self.adapters else [])]
+        adapters: list[Any] = [
+            {"name": a.name, "url": a.url} for a in (self.adapters.sorted() if self.adapters else [])
+        ]
         names = {a["name"] for a in adapters}
-        adapters += [a for a in self.carried_adapters
-                     if not isinstance(a, dict) or a.get("name") not in names]
-        text = json.dumps({"format": FORMAT, "models": entries, "adapters": adapters},
-                          indent=2) + "\n"
+        adapters += [a for a in self.carried_adapters if not isinstance(a, dict) or a.get("name") not in names]
+        text = json.dumps({"format": FORMAT, "models": entries, "adapters": adapters}, indent=2) + "\n"
         if text == self._last:
             return
         try:
             write_atomically(self.path, text.encode())
         except OSError as exc:
-            raise OSError(exc.errno, f"could not save the snapshot {self.path}: "
-                                     f"{exc.strerror or exc}") from exc
+            raise OSError(exc.errno, f"could not save the snapshot {self.path}: {exc.strerror or exc}") from exc
         self._last = text
 
     def load(self) -> list[SnapshotEntry]:
@@ -134,8 +142,7 @@ class Snapshotter:
             if not isinstance(models, list):
                 raise ValueError("no 'models' list")
         except (OSError, ValueError, RecursionError) as exc:
-            raise ValueError(f"snapshot {self.path} is malformed ({exc}); move it away to "
-                             "start without it") from None
+            raise ValueError(f"snapshot {self.path} is malformed ({exc}); move it away to start without it") from None
         self._load_adapters(data.get("adapters", []))
         entries = []
         for i, item in enumerate(models):
@@ -144,8 +151,14 @@ class Snapshotter:
             except msgspec.ValidationError as exc:
                 shown = json.dumps(item)
                 shown = shown if len(shown) <= 200 else shown[:197] + "..."
-                logger.error("snapshot %s: entry %d is malformed (%s): %s; skipped, and kept "
-                             "in the snapshot: correct or remove it", self.path, i, exc, shown)
+                logger.error(
+                    "snapshot %s: entry %d is malformed (%s): %s; skipped, and kept "
+                    "in the snapshot: correct or remove it",
+                    self.path,
+                    i,
+                    exc,
+                    shown,
+                )
                 self.carried.append(item)
         return entries
 
@@ -156,8 +169,12 @@ class Snapshotter:
             try:
                 self.adapter_entries.append(msgspec.convert(item, AdapterEntry))
             except msgspec.ValidationError as exc:
-                logger.error("snapshot %s: adapter entry %s is malformed (%s); kept in the "
-                             "snapshot: correct or remove it", self.path, json.dumps(item)[:200], exc)
+                logger.error(
+                    "snapshot %s: adapter entry %s is malformed (%s); kept in the snapshot: correct or remove it",
+                    self.path,
+                    json.dumps(item)[:200],
+                    exc,
+                )
                 self.carried_adapters.append(item)
 
     def carry_adapter(self, entry: AdapterEntry) -> None:

@@ -45,8 +45,10 @@ class Drain:
         """Why a new request from `client` is refused (its share is taken), or None."""
         held = self.by_client.get(client, 0)
         if self.max_per_client is not None and held >= self.max_per_client:
-            return (f"this client address has {held} requests being answered "
-                    f"(max_in_flight_per_client); retry when one has finished")
+            return (
+                f"this client address has {held} requests being answered "
+                f"(max_in_flight_per_client); retry when one has finished"
+            )
         return None
 
     @contextlib.contextmanager
@@ -117,8 +119,11 @@ class ServerState:
     def not_serving(self) -> list[str]:
         """The versions that should serve (minWorkers > 0) with no ready or sleeping worker,
         as "name version" (a crash-looping model is one)."""
-        return [f"{v.name} {v.version}" for v in self.registry.all_versions()
-                if v.min_workers > 0 and not (v.pool.ready_engines() or v.pool.sleeping_slots())]
+        return [
+            f"{v.name} {v.version}"
+            for v in self.registry.all_versions()
+            if v.min_workers > 0 and not (v.pool.ready_engines() or v.pool.sleeping_slots())
+        ]
 
 
 STATE_KEY = web.AppKey("pagedserve_state", ServerState)

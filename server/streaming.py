@@ -34,8 +34,7 @@ class ResponseTooLarge(Exception):
     """The response would exceed max_response_size."""
 
     def __init__(self, limit: int) -> None:
-        super().__init__(f"the response exceeds max_response_size ({limit} bytes); "
-                         "ask for fewer tokens or choices")
+        super().__init__(f"the response exceeds max_response_size ({limit} bytes); ask for fewer tokens or choices")
         self.limit = limit
 
 
@@ -65,12 +64,15 @@ class ChunkStream:
         return self.response is not None
 
     async def open(self) -> None:
-        response = web.StreamResponse(status=200, headers={
-            "Content-Type": self.format.content_type + "; charset=utf-8",
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",  # proxies must not sit on the tokens
-            **self.headers,
-        })
+        response = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": self.format.content_type + "; charset=utf-8",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",  # proxies must not sit on the tokens
+                **self.headers,
+            },
+        )
         response.enable_chunked_encoding()
         await response.prepare(self.request)
         self.response = response

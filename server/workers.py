@@ -87,9 +87,15 @@ def backoff_delay(failures: int) -> float:
 class WorkerPool:
     """The workers of one model version."""
 
-    def __init__(self, label: str, make_engine: EngineFactory, next_id: Callable[[], str],
-                 startup_timeout: float, on_change: Callable[[], None] | None = None,
-                 on_ready: Callable[[WorkerSlot], None] | None = None) -> None:
+    def __init__(
+        self,
+        label: str,
+        make_engine: EngineFactory,
+        next_id: Callable[[], str],
+        startup_timeout: float,
+        on_change: Callable[[], None] | None = None,
+        on_ready: Callable[[WorkerSlot], None] | None = None,
+    ) -> None:
         self.label = label  # "model/version", for logs and worker names
         self._make_engine = make_engine
         self._next_id = next_id
@@ -215,8 +221,7 @@ class WorkerPool:
         slot.status = WorkerStatus.RESTARTING
         slot.ready_since = None
         delay = backoff_delay(slot.failures)
-        logger.warning("worker %s of %s (pid %s) died; restarting in %.1fs",
-                       slot.id, self.label, engine.pid, delay)
+        logger.warning("worker %s of %s (pid %s) died; restarting in %.1fs", slot.id, self.label, engine.pid, delay)
 
         async def restart() -> None:
             await _quiet_shutdown(engine)

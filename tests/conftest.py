@@ -76,4 +76,5 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
     terminalreporter.write_line(
         f"temp folder {root}: {own / 2**20:.1f} MiB left by this session ({verdict} the "
         f"{TEMP_BUDGET_BYTES / 2**20:.0f} MiB budget); {linked / 2**20:.1f} MiB more are hard "
-        "links to files kept in the test cache (no extra disk)")
+        "links to files kept in the test cache (no extra disk)"
+    )

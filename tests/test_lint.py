@@ -22,8 +22,10 @@ def run(*argv: str, cwd: Path = REPO, timeout: float = 600) -> subprocess.Comple
 
 
 COMMANDS = {  # each tool run by this interpreter, so it sees the environment the tests see
-    "lint-imports": ("importlinter", ["-c", "import sys; from importlinter.cli import lint_imports_command; "
-                                            "sys.exit(lint_imports_command())"]),
+    "lint-imports": (
+        "importlinter",
+        ["-c", "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"],
+    ),
     "ruff": ("ruff", ["-m", "ruff"]),
     "mypy": ("mypy", ["-m", "mypy"]),
 }
@@ -49,12 +51,15 @@ def test_the_circle_contract_catches_a_type_only_circle(tmp_path):
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from pkg import b\n")
-    (pkg / "b.py").write_text(textwrap.dedent("""\
+    (pkg / "b.py").write_text(
+        textwrap.dedent("""\
         from typing import TYPE_CHECKING
         if TYPE_CHECKING:
             from pkg import a
-        """))
-    (tmp_path / ".importlinter").write_text(textwrap.dedent("""\
+        """)
+    )
+    (tmp_path / ".importlinter").write_text(
+        textwrap.dedent("""\
         [importlinter]
         root_package = pkg
 
@@ -62,7 +67,8 @@ def test_the_circle_contract_catches_a_type_only_circle(tmp_path):
         name = no circles
         type = acyclic_siblings
         ancestors = pkg
-        """))
+        """)
+    )
     out = run(*tool("lint-imports"), cwd=tmp_path)
     assert out.returncode != 0 and "No cycles are allowed in pkg" in out.stdout, out.stdout
 
@@ -93,17 +99,28 @@ def test_mypy_is_clean_on_engine_and_server(tmp_path):
             (tree / root).symlink_to(REPO / root, target_is_directory=True)
         targets = ["-p", "pagedserve.engine", "-p", "pagedserve.server"]
         cwd, env_path = REPO, str(tmp_path)
-    out = subprocess.run([*tool("mypy"), "--config-file", str(REPO / "pyproject.toml"), *targets], cwd=cwd,
-                         env={**os.environ, "MYPYPATH": env_path}, capture_output=True, text=True,
-                         timeout=900, check=False)
+    out = subprocess.run(
+        [*tool("mypy"), "--config-file", str(REPO / "pyproject.toml"), *targets],
+        cwd=cwd,
+        env={**os.environ, "MYPYPATH": env_path},
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout[-6000:]
 
 
 def test_the_front_end_imports_no_torch():
     """The front end's modules (the CLI, the app and every route) load without torch: the
     engine's data types it uses are plain, and torch is imported where tensors are made."""
-    out = run(sys.executable, "-X", "importtime", "-c",
-              "import server.cli, server.serve, server.inference_app, server.management_app")
+    out = run(
+        sys.executable,
+        "-X",
+        "importtime",
+        "-c",
+        "import server.cli, server.serve, server.inference_app, server.management_app",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     loaded = [line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line]
     assert "server.inference_app" in loaded  # the import really happened

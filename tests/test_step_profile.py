@@ -26,9 +26,15 @@ def tiny_llm(tmp_path_factory, default_model_dir):
     from engine import LLM
 
     model = tmp_path_factory.mktemp("tiny-profile") / "model"
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=2,
-                                      vocab_size=49152, max_position_embeddings=256)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=49152,
+        max_position_embeddings=256,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(model, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_model_dir / name, model / name)
@@ -53,8 +59,16 @@ def test_the_breakdown_adds_up_and_detach_restores_the_engine(tiny_llm):
     assert list(parts) == list(step_profile.PARTS)
     assert sum(parts.values()) == pytest.approx(wall)
     assert timers.steps >= 5
-    for name in ("schedule", "prepare inputs", "forward: matmul", "forward: attention", "forward: rest",
-                 "logits", "sample", "detokenize"):
+    for name in (
+        "schedule",
+        "prepare inputs",
+        "forward: matmul",
+        "forward: attention",
+        "forward: rest",
+        "logits",
+        "sample",
+        "detokenize",
+    ):
         assert parts[name] > 0, name
     # Detached: the engine's own methods again, and nothing more is counted.
     assert OutputProcessor.process_outputs is original

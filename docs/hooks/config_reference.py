@@ -107,8 +107,11 @@ def type_text(t: msgspec.inspect.Type) -> str:
         return "boolean"
     if isinstance(t, (mi.IntType, mi.FloatType)):
         name = "integer" if isinstance(t, mi.IntType) else "number"
-        bounds = [f"{op} {getattr(t, attr)}" for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
-                  if getattr(t, attr) is not None]
+        bounds = [
+            f"{op} {getattr(t, attr)}"
+            for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+            if getattr(t, attr) is not None
+        ]
         return f"{name} {', '.join(bounds)}".strip()
     if isinstance(t, mi.StrType):
         extra = [f"pattern `{t.pattern}`"] if t.pattern else []

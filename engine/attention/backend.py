@@ -54,8 +54,9 @@ class AttentionBackend(abc.ABC):
         """
         check_shapes(query, key, value, kv_cache, meta, self.kv_dtype)
         if self.kv_dtype.quantized:
-            write_kv_cache(quantize_kv(key, self.kv_dtype), quantize_kv(value, self.kv_dtype), kv_cache,
-                           meta.slot_mapping)
+            write_kv_cache(
+                quantize_kv(key, self.kv_dtype), quantize_kv(value, self.kv_dtype), kv_cache, meta.slot_mapping
+            )
         else:
             write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         if window is None and softcap is None:
@@ -78,9 +79,7 @@ class AttentionBackend(abc.ABC):
         are there too, for a backend that reads a whole prompt's K/V without the cache)."""
 
 
-def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store `key`/`value [T, kv_heads, width]` (already in the cache's dtype and row width) at
     flat slots `slot_mapping [T]` (int64)."""
     num_kv_heads, width = kv_cache.shape[-2:]
@@ -89,7 +88,11 @@ def write_kv_cache(
 
 
 def check_shapes(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
     kv_dtype: KVCacheDtype = KVCacheDtype.AUTO,
 ) -> None:
     """Raise ValueError when the tensors do not fit the backend contract."""
@@ -97,8 +100,9 @@ def check_shapes(
         raise ValueError("expected query/key/value [T, heads, head_dim] and kv_cache of 5 dims")
     num_tokens, num_heads, head_dim = query.shape
     if kv_cache.shape[0] != 2 or kv_cache.shape[-1] != kv_row_width(head_dim, kv_dtype):
-        raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)} does not fit head_dim {head_dim} "
-                         f"(kv_cache_dtype {kv_dtype.value})")
+        raise ValueError(
+            f"kv_cache shape {tuple(kv_cache.shape)} does not fit head_dim {head_dim} (kv_cache_dtype {kv_dtype.value})"
+        )
     kv_shape = (num_tokens, kv_cache.shape[3], head_dim)
     if tuple(key.shape) != kv_shape or tuple(value.shape) != kv_shape:
         raise ValueError(f"key/value must be {kv_shape}, got {tuple(key.shape)} / {tuple(value.shape)}")

@@ -43,8 +43,14 @@ class AttentionStep(OpaqueBase):
         return AttentionStep, (None, None)
 
 
-def _paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                     step: AttentionStep, scale: float) -> torch.Tensor:
+def _paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    step: AttentionStep,
+    scale: float,
+) -> torch.Tensor:
     n = step.meta.num_tokens
     if n == query.shape[0]:
         return step.backend.forward(query, key, value, kv_cache, step.meta, scale)

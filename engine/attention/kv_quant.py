@@ -50,8 +50,9 @@ def parse_kv_cache_dtype(value: object) -> KVCacheDtype:
     try:
         return KVCacheDtype(str(value).lower())
     except ValueError:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(k.value for k in KVCacheDtype)}, "
-                         f"got {value!r}") from None
+        raise ValueError(
+            f"kv_cache_dtype must be one of {', '.join(k.value for k in KVCacheDtype)}, got {value!r}"
+        ) from None
 
 
 def kv_row_width(head_dim: int, kind: KVCacheDtype) -> int:

@@ -17,8 +17,9 @@ from engine.attention.kv_quant import KVCacheDtype
 BACKEND_NAMES = ("auto", "torch", "triton")
 
 
-def select_backend(device: str | torch.device, name: str = "auto",
-                   kv_dtype: KVCacheDtype = KVCacheDtype.AUTO) -> AttentionBackend:
+def select_backend(
+    device: str | torch.device, name: str = "auto", kv_dtype: KVCacheDtype = KVCacheDtype.AUTO
+) -> AttentionBackend:
     """The attention backend `name` for `device`, storing the KV cache as `kv_dtype`.
 
     "auto": the Triton kernel on CUDA (when triton is installed), the torch backend (with the
@@ -49,8 +50,10 @@ def _triton_backend(device: torch.device, kv_dtype: KVCacheDtype) -> AttentionBa
     if not _triton_installed():
         raise ValueError("the triton attention backend needs the triton package")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        raise ValueError("the triton attention backend runs on CUDA; on a CPU only in Triton's "
-                         "interpreter (set TRITON_INTERPRET=1; slow, for tests)")
+        raise ValueError(
+            "the triton attention backend runs on CUDA; on a CPU only in Triton's "
+            "interpreter (set TRITON_INTERPRET=1; slow, for tests)"
+        )
     from engine.attention.triton_backend import TritonAttentionBackend
 
     return TritonAttentionBackend(kv_dtype)

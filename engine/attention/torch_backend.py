@@ -140,8 +140,13 @@ def _build_short_chunks(meta: AttentionMetadata) -> _ShortChunks:
         start += q
     device = meta.block_tables.device
     index = torch.tensor(seq_of_row, dtype=torch.long, device=device)
-    return _ShortChunks(meta, frozenset(seqs), torch.tensor(rows, dtype=torch.long, device=device),
-                        meta.block_tables.index_select(0, index), torch.tensor(lens, dtype=torch.int32, device=device))
+    return _ShortChunks(
+        meta,
+        frozenset(seqs),
+        torch.tensor(rows, dtype=torch.long, device=device),
+        meta.block_tables.index_select(0, index),
+        torch.tensor(lens, dtype=torch.int32, device=device),
+    )
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -185,23 +190,43 @@ class TorchAttentionBackend(AttentionBackend):
         if short is not None:
             # Decodes and short chunks (speculative verification) as rows of the decode kernel.
             rows = short.token_rows
-            out.index_copy_(0, rows, paged_decode_attention(
-                self._cpu_kernels, query.index_select(0, rows), kv_cache[0], kv_cache[1],
-                short.block_tables, short.seq_lens, scale, self._kv_quant))
+            out.index_copy_(
+                0,
+                rows,
+                paged_decode_attention(
+                    self._cpu_kernels,
+                    query.index_select(0, rows),
+                    kv_cache[0],
+                    kv_cache[1],
+                    short.block_tables,
+                    short.seq_lens,
+                    scale,
+                    self._kv_quant,
+                ),
+            )
         elif num_decodes:
             out[:num_decodes] = self._decode(query[:num_decodes], kv_cache, meta, scale)
         start = num_decodes
         for i in range(num_decodes, meta.num_seqs):
             end = start + meta.query_lens[i]
             if short is None or i not in short.seqs:
-                out[start:end] = self._prefill(query[start:end], key[start:end], value[start:end], kv_cache, meta, i,
-                                               scale)
+                out[start:end] = self._prefill(
+                    query[start:end], key[start:end], value[start:end], kv_cache, meta, i, scale
+                )
             start = end
         return out
 
-    def _attend_windowed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                         meta: AttentionMetadata, scale: float, window: int | None,
-                         softcap: float | None) -> torch.Tensor:
+    def _attend_windowed(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
         """A sliding-window or soft-capped layer (engine.attention.windowed): decodes batched over
         their windows, prefill chunks one sequence at a time."""
         out = torch.empty_like(query)
@@ -226,8 +251,11 @@ class TorchAttentionBackend(AttentionBackend):
     def _kernel_runs(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
         """Whether the compiled kernels take `tensor` (on CPU; float32 / bfloat16 values: `dtype`,
         or the tensor's own); float16 and other devices take the torch path."""
-        return (self._cpu_kernels is not None and tensor.device.type == "cpu"
-                and (dtype or tensor.dtype) in (torch.float32, torch.bfloat16))
+        return (
+            self._cpu_kernels is not None
+            and tensor.device.type == "cpu"
+            and (dtype or tensor.dtype) in (torch.float32, torch.bfloat16)
+        )
 
     def _short_chunks(self, meta: AttentionMetadata) -> _ShortChunks | None:
         """The step's decodes and short chunks as decode-kernel rows (None: no short chunk)."""
@@ -236,13 +264,21 @@ class TorchAttentionBackend(AttentionBackend):
         self._short = _build_short_chunks(meta)
         return self._short if self._short.seqs else None
 
-    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         """Rows [0, num_decodes): one query token per sequence, one SDPA call per length group."""
         if self._kernel_runs(query):
             n = query.shape[0]
             return paged_decode_attention(
-                self._cpu_kernels, query, kv_cache[0], kv_cache[1],
-                meta.block_tables[:n], meta.seq_lens_tensor[:n], scale, self._kv_quant,
+                self._cpu_kernels,
+                query,
+                kv_cache[0],
+                kv_cache[1],
+                meta.block_tables[:n],
+                meta.seq_lens_tensor[:n],
+                scale,
+                self._kv_quant,
             )
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
         plan = self._plan
@@ -256,7 +292,9 @@ class TorchAttentionBackend(AttentionBackend):
             out.index_copy_(0, rows, self._decode_group(query.index_select(0, rows), kv_cache, group, scale))
         return out
 
-    def _decode_group(self, query: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup, scale: float) -> torch.Tensor:
+    def _decode_group(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup, scale: float
+    ) -> torch.Tensor:
         batch, num_heads, head_dim = query.shape
         num_kv_heads, width = kv_cache.shape[3:]
         shape = (batch, num_kv_heads, group.length, head_dim)

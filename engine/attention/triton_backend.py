@@ -30,9 +30,18 @@ class TritonAttentionBackend(AttentionBackend):
         softcap: float | None = None,
     ) -> torch.Tensor:
         if softcap is not None or (window is not None and meta.max_seq_len > window):
-            raise NotImplementedError("the triton attention backend has no sliding window or soft-capping; "
-                                      "use attention_backend: torch for this model")
+            raise NotImplementedError(
+                "the triton attention backend has no sliding window or soft-capping; "
+                "use attention_backend: torch for this model"
+            )
         return paged_attention(
-            query, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens_tensor,
-            meta.query_start_loc, meta.max_query_len, scale, kv_quant=self.kv_dtype.value,
+            query,
+            kv_cache[0],
+            kv_cache[1],
+            meta.block_tables,
+            meta.seq_lens_tensor,
+            meta.query_start_loc,
+            meta.max_query_len,
+            scale,
+            kv_quant=self.kv_dtype.value,
         )

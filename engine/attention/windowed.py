@@ -25,8 +25,9 @@ from engine.attention.metadata import AttentionMetadata
 ReadRows = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-              softcap: float | None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None
+) -> torch.Tensor:
     """`q [B, kv_heads, G, D]` (G query rows per KV head) against `k`/`v [B, kv_heads, L, D]`
     with a bool `mask` (True = attend) broadcastable to `[B, kv_heads, G, L]`."""
     if softcap is None:
@@ -39,8 +40,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return torch.matmul(probs, v)
 
 
-def decode(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-           window: int | None, softcap: float | None, read: ReadRows) -> torch.Tensor:
+def decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    read: ReadRows,
+) -> torch.Tensor:
     """Rows [0, num_decodes): one query token per sequence, attending to the last `window`
     tokens of its context (all of them for None)."""
     batch, num_heads, head_dim = query.shape
@@ -64,8 +72,15 @@ def decode(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
     return attention(q, k, v, mask, scale, softcap).reshape(batch, num_heads, head_dim)
 
 
-def prefill(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float,
-            window: int | None, softcap: float | None) -> torch.Tensor:
+def prefill(
+    query: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
     """One sequence's chunk `query [Q, heads, D]`, the last Q positions of its context, against
     `k`/`v [seq_len, kv_heads, D]` (the whole context); causal, within the window."""
     query_len, num_heads, head_dim = query.shape

@@ -56,8 +56,11 @@ class KVCacheManager:
     def update_block_hashes(self, request: Request) -> None:
         if self.enable_caching:
             hash_request_blocks(
-                self.hash_fn, request.all_token_ids, self.block_size,
-                request.block_hashes, request.extra_keys,
+                self.hash_fn,
+                request.all_token_ids,
+                self.block_size,
+                request.block_hashes,
+                request.extra_keys,
             )
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -131,9 +134,7 @@ class KVCacheManager:
         end = min(num_tokens // self.block_size, len(request.block_hashes))
         bs = self.block_size
         for i in range(start, end):
-            self.pool.cache_full_block(
-                blocks[i], request.block_hashes[i], request.all_token_ids[i * bs : (i + 1) * bs]
-            )
+            self.pool.cache_full_block(blocks[i], request.block_hashes[i], request.all_token_ids[i * bs : (i + 1) * bs])
         self.num_cached_blocks[req_id] = max(start, end)
 
     def rewind_cached_blocks(self, request: Request, num_valid_tokens: int, num_tokens: int) -> None:

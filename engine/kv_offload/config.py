@@ -49,15 +49,18 @@ class KVOffloadConfig(_KVOffloadFields, frozen=True):
         if self.disk_path is not None:
             path = Path(self.disk_path).expanduser()
             if path.exists() and not path.is_dir():
-                raise SchemaError(f"kv_offload.disk_path: {self.disk_path!r} exists and is not a folder",
-                                  "kv_offload.disk_path")
+                raise SchemaError(
+                    f"kv_offload.disk_path: {self.disk_path!r} exists and is not a folder", "kv_offload.disk_path"
+                )
             msgspec.structs.force_setattr(self, "disk_path", str(path.absolute()))
             if self.disk_size_gb is None:
-                raise SchemaError("kv_offload.disk_size_gb: is required with kv_offload.disk_path",
-                                  "kv_offload.disk_size_gb")
+                raise SchemaError(
+                    "kv_offload.disk_size_gb: is required with kv_offload.disk_path", "kv_offload.disk_size_gb"
+                )
         elif self.disk_size_gb is not None:
-            raise SchemaError("kv_offload.disk_size_gb: is set but kv_offload.disk_path is not",
-                              "kv_offload.disk_size_gb")
+            raise SchemaError(
+                "kv_offload.disk_size_gb: is set but kv_offload.disk_path is not", "kv_offload.disk_size_gb"
+            )
         if self.remote_url is not None:
             _check_remote_url(self.remote_url)
 
@@ -71,12 +74,19 @@ class KVOffloadConfig(_KVOffloadFields, frozen=True):
             try:
                 config = convert(options, cls)
             except SchemaError as exc:
-                name = str(exc) if str(exc).startswith("kv_offload") else f"kv_offload: {exc}" \
-                    if exc.field is None else f"kv_offload.{exc}"
+                name = (
+                    str(exc)
+                    if str(exc).startswith("kv_offload")
+                    else f"kv_offload: {exc}"
+                    if exc.field is None
+                    else f"kv_offload.{exc}"
+                )
                 raise SchemaError(name, exc.field) from None
         if config.chunk_size % block_size:
-            raise SchemaError(f"kv_offload.chunk_size: must be a multiple of block_size={block_size}, "
-                              f"got {config.chunk_size}", "kv_offload.chunk_size")
+            raise SchemaError(
+                f"kv_offload.chunk_size: must be a multiple of block_size={block_size}, got {config.chunk_size}",
+                "kv_offload.chunk_size",
+            )
         return config
 
     def as_dict(self) -> dict[str, Any]:
@@ -94,8 +104,9 @@ def _check_remote_url(url: Any) -> None:
     except ValueError:
         raise SchemaError(f"kv_offload.remote_url: {url!r} not a valid URL ({form})") from None
     if parts.scheme not in REMOTE_SCHEMES:
-        raise SchemaError(f"kv_offload.remote_url: {url!r} the scheme must be one of "
-                         f"{', '.join(REMOTE_SCHEMES)} ({form})")
+        raise SchemaError(
+            f"kv_offload.remote_url: {url!r} the scheme must be one of {', '.join(REMOTE_SCHEMES)} ({form})"
+        )
     if not parts.hostname or port is None:
         raise SchemaError(f"kv_offload.remote_url: {url!r} needs a host and a port ({form})")
     if parts.path not in ("", "/") and not parts.path[1:].isdigit():

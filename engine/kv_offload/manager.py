@@ -129,8 +129,10 @@ class KVOffloadManager:
         self.device = kv_caches[0].device
         self.chunk_bytes = 2 * len(kv_caches) * self.chunk_size * heads * head_dim * dtype.itemsize
         if 2 * self.chunk_bytes > config.cpu_size_gb * 1024**3:
-            raise ValueError(f"kv_offload.cpu_size_gb={config.cpu_size_gb} holds fewer than 2 chunks "
-                             f"of {self.chunk_bytes} bytes (chunk_size {self.chunk_size})")
+            raise ValueError(
+                f"kv_offload.cpu_size_gb={config.cpu_size_gb} holds fewer than 2 chunks "
+                f"of {self.chunk_bytes} bytes (chunk_size {self.chunk_size})"
+            )
 
         self.disk: DiskBudget | None = None
         extra: dict[str, Any] = {}
@@ -139,8 +141,9 @@ class KVOffloadManager:
             try:
                 check_writable(path)
             except OSError as exc:
-                self._fault("disk_unwritable", f"disk folder {path} is not writable ({exc}); "
-                            "running with the CPU tier only")
+                self._fault(
+                    "disk_unwritable", f"disk folder {path} is not writable ({exc}); running with the CPU tier only"
+                )
             else:
                 self.disk = DiskBudget(path, int(config.disk_size_gb * 1024**3))
                 extra = {f"remote_storage_plugin.{DISK_PLUGIN}.base_path": str(path), "use_exists_sync": True}
@@ -163,15 +166,25 @@ class KVOffloadManager:
             lmcache_instance_id=self.instance_id,
         )
         metadata = LMCacheMetadata(
-            model_name=model_id, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
-            kv_dtype=dtype, kv_shape=(len(kv_caches), 2, self.chunk_size, heads, head_dim),
+            model_name=model_id,
+            world_size=1,
+            local_world_size=1,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=dtype,
+            kv_shape=(len(kv_caches), 2, self.chunk_size, heads, head_dim),
             chunk_size=self.chunk_size,
         )
         self._connector = PagedKVConnector(kv_caches, block_size)
         start_method = multiprocessing.get_start_method(allow_none=True)
         try:
             self.engine = LMCacheEngineBuilder.get_or_create(
-                self.instance_id, lmc_config, metadata, self._connector, _no_broadcast, _no_broadcast,
+                self.instance_id,
+                lmc_config,
+                metadata,
+                self._connector,
+                _no_broadcast,
+                _no_broadcast,
             )
         finally:
             # LMCacheEngine forces the process-wide start method to "spawn"; we start no
@@ -187,8 +200,10 @@ class KVOffloadManager:
                 self.disk = None
             self._redis_backend = backends.get(REDIS_BACKEND)
             if config.remote_url is not None and self._redis_backend is None:
-                self._fault("remote_unavailable", f"LMCache could not open the Redis tier at "
-                            f"{config.remote_url}; running without it")
+                self._fault(
+                    "remote_unavailable",
+                    f"LMCache could not open the Redis tier at {config.remote_url}; running without it",
+                )
         except BaseException:
             self.close()
             raise
@@ -230,8 +245,9 @@ class KVOffloadManager:
         lookup_id = f"{rid}#{self._lookup_counter}"
         self.stats.lookups += 1
         try:
-            hit = self.engine.lookup(tokens=tokens, lookup_id=lookup_id, pin=True,
-                                     request_configs=_request_configs(request))
+            hit = self.engine.lookup(
+                tokens=tokens, lookup_id=lookup_id, pin=True, request_configs=_request_configs(request)
+            )
             mapping = self.engine.lookup_pins.get(lookup_id, {})
         except Exception as exc:  # noqa: BLE001 - any LMCache failure means "recompute"
             self._fault("lookup", f"LMCache lookup failed for {rid}: {exc!r}")
@@ -274,8 +290,13 @@ class KVOffloadManager:
                 mask = torch.ones(batch_end, dtype=torch.bool)
                 mask[:batch_start] = False
                 ret = self.engine.retrieve(
-                    tokens[:batch_end], mask=mask, req_id=pending.lookup_id, request_configs=configs,
-                    block_ids=ids, load_start=start, load_end=end,
+                    tokens[:batch_end],
+                    mask=mask,
+                    req_id=pending.lookup_id,
+                    request_configs=configs,
+                    block_ids=ids,
+                    load_start=start,
+                    load_end=end,
                 )
                 # LMCache writes (and marks) only a prefix of the chunks: up to the first missing.
                 got = int(ret[batch_start:batch_end].long().cumprod(0).sum())
@@ -290,8 +311,11 @@ class KVOffloadManager:
         loaded = loaded_end - start
         if loaded < end - start:
             if not self._has_fault_since(t0):
-                self._fault("load_short", f"LMCache restored {loaded} of {end - start} tokens for {rid} "
-                            "(a chunk was missing or unreadable); recomputing the rest")
+                self._fault(
+                    "load_short",
+                    f"LMCache restored {loaded} of {end - start} tokens for {rid} "
+                    "(a chunk was missing or unreadable); recomputing the rest",
+                )
             self._no_load.add(rid)
             # Store the chunks it recomputes again (replacing a bad file), from the last good one.
             self._stored[rid] = min(self._stored.get(rid, 0), loaded_end // C * C)
@@ -350,8 +374,9 @@ class KVOffloadManager:
                     self.stats.disk_pruned_files += self.disk.account(nbytes)
                 mask = torch.ones(chunk_end, dtype=torch.bool)
                 mask[:chunk_start] = False
-                self.engine.store(tokens[:chunk_end], mask=mask, block_ids=ids,
-                                  req_id=request.request_id, request_configs=configs)
+                self.engine.store(
+                    tokens[:chunk_end], mask=mask, block_ids=ids, req_id=request.request_id, request_configs=configs
+                )
                 self.stats.stored_chunks += 1
                 self.stats.stored_tokens += chunk_end - chunk_start
                 self.stats.stored_bytes += nbytes
@@ -370,8 +395,12 @@ class KVOffloadManager:
             self._disk_put_failures = failed
             for _ in range(new):
                 self.stats.count_fault("disk_write")
-            logger.warning("KV offload: %d chunk write(s) to %s failed (disk full or not writable); "
-                           "those chunks stay in the CPU tier only", new, self.config.disk_path)
+            logger.warning(
+                "KV offload: %d chunk write(s) to %s failed (disk full or not writable); "
+                "those chunks stay in the CPU tier only",
+                new,
+                self.config.disk_path,
+            )
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until queued disk writes have finished (True) or `timeout` passed (False)."""
@@ -427,8 +456,11 @@ class KVOffloadManager:
         if state is RemoteState.UP:
             return True
         kind = "remote_down" if state is RemoteState.DOWN else "remote_slow"
-        self._fault(kind, f"Redis at {self.config.remote_url} is {state.value}; request {rid} "
-                    + ("uses the local tiers only" if state is RemoteState.DOWN else "recomputes its prompt"))
+        self._fault(
+            kind,
+            f"Redis at {self.config.remote_url} is {state.value}; request {rid} "
+            + ("uses the local tiers only" if state is RemoteState.DOWN else "recomputes its prompt"),
+        )
         return state is RemoteState.DOWN
 
     def _fault(self, kind: str, message: str) -> None:

@@ -23,8 +23,9 @@ class RemoteProbe:
         import redis  # LMCache's own dependency
 
         self._redis = redis
-        self._client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                            retry_on_timeout=False)
+        self._client = redis.Redis.from_url(
+            url, socket_timeout=timeout, socket_connect_timeout=timeout, retry_on_timeout=False
+        )
 
     def check(self) -> RemoteState:
         try:

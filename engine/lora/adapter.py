@@ -29,8 +29,13 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 
 # The projections an adapter may target, grouped as the model fuses them: (group, part index).
 TARGETS = {
-    "q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
-    "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0),
+    "q_proj": ("qkv", 0),
+    "k_proj": ("qkv", 1),
+    "v_proj": ("qkv", 2),
+    "o_proj": ("o", 0),
+    "gate_proj": ("gate_up", 0),
+    "up_proj": ("gate_up", 1),
+    "down_proj": ("down", 0),
 }
 _NAME = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\."
@@ -50,8 +55,15 @@ class LoRAShapes:
 
     def in_out(self, target: str) -> tuple[int, int]:
         h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}[target]
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }[target]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +82,13 @@ class LoRAAdapter:
 
 def lora_shapes(spec) -> LoRAShapes:
     """The projection shapes of a LlamaSpec."""
-    return LoRAShapes(spec.num_layers, spec.hidden_size, spec.intermediate_size,
-                      spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim)
+    return LoRAShapes(
+        spec.num_layers,
+        spec.hidden_size,
+        spec.intermediate_size,
+        spec.num_heads * spec.head_dim,
+        spec.num_kv_heads * spec.head_dim,
+    )
 
 
 def read_adapter_config(folder: str | Path) -> dict:
@@ -138,12 +155,13 @@ def load_adapter(name: str, folder: str | Path, shapes: LoRAShapes, max_rank: in
     for tensor_name, tensor in tensors.items():
         match = _NAME.match(tensor_name)
         if match is None:
-            raise ValueError(f"adapter {name!r}: tensor {tensor_name} is not a LoRA factor of a supported "
-                             f"projection ({', '.join(TARGETS)})")
+            raise ValueError(
+                f"adapter {name!r}: tensor {tensor_name} is not a LoRA factor of a supported "
+                f"projection ({', '.join(TARGETS)})"
+            )
         layer, target, half = int(match.group(1)), match.group(2), match.group(3)
         if layer >= shapes.num_layers:
-            raise ValueError(f"adapter {name!r}: {tensor_name} names layer {layer}, the model has "
-                             f"{shapes.num_layers}")
+            raise ValueError(f"adapter {name!r}: {tensor_name} names layer {layer}, the model has {shapes.num_layers}")
         halves.setdefault((layer, target), {})[half] = tensor
     factors = {}
     for (layer, target), pair in sorted(halves.items()):
@@ -152,8 +170,10 @@ def load_adapter(name: str, folder: str | Path, shapes: LoRAShapes, max_rank: in
         a, b = pair["A"].float(), pair["B"].float()
         in_features, out_features = shapes.in_out(target)
         if a.shape != (rank, in_features) or b.shape != (out_features, rank):
-            raise ValueError(f"adapter {name!r}: layer {layer} {target} has factors {tuple(a.shape)} and "
-                             f"{tuple(b.shape)}, expected ({rank}, {in_features}) and ({out_features}, {rank})")
+            raise ValueError(
+                f"adapter {name!r}: layer {layer} {target} has factors {tuple(a.shape)} and "
+                f"{tuple(b.shape)}, expected ({rank}, {in_features}) and ({out_features}, {rank})"
+            )
         factors[(layer, target)] = (a.contiguous(), (b * scaling).contiguous())
     if not factors:
         raise ValueError(f"adapter {name!r} has no LoRA factors")

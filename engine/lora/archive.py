@@ -44,8 +44,11 @@ def model_dir_digest(model_dir: Path, manifest: Mapping[str, Any] | None = None)
     (already verified when the archive was opened), else by hashing the files."""
     files = (manifest or {}).get("files")
     if not isinstance(files, dict):
-        files = {p.relative_to(model_dir).as_posix(): _file_sha256(p)
-                 for p in sorted(model_dir.rglob("*")) if p.is_file() and _is_weights(p.name)}
+        files = {
+            p.relative_to(model_dir).as_posix(): _file_sha256(p)
+            for p in sorted(model_dir.rglob("*"))
+            if p.is_file() and _is_weights(p.name)
+        }
     return weights_digest(files)
 
 
@@ -100,9 +103,13 @@ def lora_record(adapter_dir: Path, base_manifest: Mapping[str, Any], base_versio
     if not isinstance(files, dict):
         raise ValueError("the base archive's manifest lists no file hashes: re-archive it with pagedserve")
     targets = config.get("target_modules")
-    return {"baseModel": base_manifest["model"]["modelName"], "baseVersion": base_version,
-            "baseWeightsSha256": weights_digest(files), "rank": config["r"],
-            "targetModules": sorted(targets) if isinstance(targets, list) else targets}
+    return {
+        "baseModel": base_manifest["model"]["modelName"],
+        "baseVersion": base_version,
+        "baseWeightsSha256": weights_digest(files),
+        "rank": config["r"],
+        "targetModules": sorted(targets) if isinstance(targets, list) else targets,
+    }
 
 
 def check_lora_record(record: Any, content: Mapping[str, str]) -> None:
@@ -119,9 +126,18 @@ def check_lora_record(record: Any, content: Mapping[str, str]) -> None:
         raise ArchiveError(f"the adapter archive lacks {', '.join(missing)}")
 
 
-def write_lora_archive(adapter_dir: str | Path, export_path: str | Path, *, model_name: str, version: str,
-                       base_model: str, base_version: str | None, model_store: str | Path,
-                       archive_format: ArchiveFormat | str = ArchiveFormat.DEFAULT, force: bool = False) -> Path:
+def write_lora_archive(
+    adapter_dir: str | Path,
+    export_path: str | Path,
+    *,
+    model_name: str,
+    version: str,
+    base_model: str,
+    base_version: str | None,
+    model_store: str | Path,
+    archive_format: ArchiveFormat | str = ArchiveFormat.DEFAULT,
+    force: bool = False,
+) -> Path:
     """Package a PEFT adapter folder bound to base model `base_model[:base_version]`, whose
     archive is looked up in `model_store` for its weights' hash; returns the archive's path."""
     from engine.model.archive_write import write_archive
@@ -129,5 +145,12 @@ def write_lora_archive(adapter_dir: str | Path, export_path: str | Path, *, mode
     adapter_dir = Path(adapter_dir)
     base = find_base_manifest(Path(model_store), base_model, base_version)
     record = lora_record(adapter_dir, base, base_version)
-    return write_archive(adapter_dir, export_path, model_name=model_name, version=version,
-                         archive_format=archive_format, force=force, lora=record)
+    return write_archive(
+        adapter_dir,
+        export_path,
+        model_name=model_name,
+        version=version,
+        archive_format=archive_format,
+        force=force,
+        lora=record,
+    )

@@ -18,8 +18,15 @@ class LoRAManager:
     dropped first: a dropped one is read again from its folder when next asked for), and the
     `max_loras` resident slots the model reads."""
 
-    def __init__(self, shapes: LoRAShapes, max_loras: int, max_lora_rank: int, dtype: torch.dtype,
-                 device: torch.device, max_cpu_loras: int = 64) -> None:
+    def __init__(
+        self,
+        shapes: LoRAShapes,
+        max_loras: int,
+        max_lora_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_cpu_loras: int = 64,
+    ) -> None:
         self.shapes, self.max_rank, self.dtype, self.device = shapes, max_lora_rank, dtype, device
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
         self.slots = LoRASlots(shapes, max_loras, max_lora_rank, dtype, device)
@@ -38,8 +45,9 @@ class LoRAManager:
         self.loaded.move_to_end(key)
         return adapter
 
-    def build_batch(self, adapters: list[LoRAAdapter | None], num_rows: list[int],
-                    use_triton: bool | None = None) -> LoRABatch | None:
+    def build_batch(
+        self, adapters: list[LoRAAdapter | None], num_rows: list[int], use_triton: bool | None = None
+    ) -> LoRABatch | None:
         """The step's LoRABatch for requests in row order (`num_rows[i]` token rows of request i,
         which uses `adapters[i]`, None for the base model); None when no request uses one."""
         used = [a for a in adapters if a is not None]

@@ -58,8 +58,14 @@ class LoRABatch:
     use_triton: bool
 
     @classmethod
-    def build(cls, layers: list[dict[str, GroupWeights]], row_slots: list[int], dtype: torch.dtype,
-              device: torch.device, use_triton: bool | None = None) -> LoRABatch:
+    def build(
+        cls,
+        layers: list[dict[str, GroupWeights]],
+        row_slots: list[int],
+        dtype: torch.dtype,
+        device: torch.device,
+        use_triton: bool | None = None,
+    ) -> LoRABatch:
         """`row_slots`: one slot per token row (-1: no adapter). `use_triton` defaults to CUDA."""
         index = torch.tensor(row_slots, dtype=torch.int32, device=device)
         num_slots = max(row_slots) + 1

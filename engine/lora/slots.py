@@ -46,8 +46,9 @@ def _group_layout(shapes: LoRAShapes) -> dict[str, tuple[int, list[int]]]:
 class LoRASlots:
     """`max_loras` resident adapters of rank <= `max_lora_rank`, LRU-swapped."""
 
-    def __init__(self, shapes: LoRAShapes, max_loras: int, max_lora_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, shapes: LoRAShapes, max_loras: int, max_lora_rank: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras}, {max_lora_rank}")
         self.shapes, self.max_loras, self.max_rank = shapes, max_loras, max_lora_rank

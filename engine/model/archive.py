@@ -19,5 +19,13 @@ from engine.model.archive_read import (
 )
 from engine.model.archive_write import write_archive
 
-__all__ = ["BUILTIN_HANDLER", "DEFAULT_MAX_TOTAL_BYTES", "MANIFEST_PATH", "ArchiveError",
-           "ArchiveFormat", "OpenedArchive", "open_archive", "write_archive"]
+__all__ = [
+    "BUILTIN_HANDLER",
+    "DEFAULT_MAX_TOTAL_BYTES",
+    "MANIFEST_PATH",
+    "ArchiveError",
+    "ArchiveFormat",
+    "OpenedArchive",
+    "open_archive",
+    "write_archive",
+]

@@ -28,13 +28,16 @@ BUILTIN_HANDLER = "llm"
 # Names of the built-in handler: ours, and TorchServe's vLLM handler (its archives ship no code;
 # their model-config is read by engine.model.vllm_config).
 BUILTIN_HANDLERS = (BUILTIN_HANDLER, "vllm_handler")
-CUSTOM_HANDLER_HINT = ("it runs only if the operator allows custom handlers explicitly "
-                       "(open_archive(..., allow_custom_handlers=True))")
+CUSTOM_HANDLER_HINT = (
+    "it runs only if the operator allows custom handlers explicitly (open_archive(..., allow_custom_handlers=True))"
+)
 # Weights that unpickle (and so can run arbitrary code) when loaded.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-CONVERT_HINT = ("pagedserve loads safetensors only (pickle can run arbitrary code): convert the "
-                "model with engine.model.convert.convert_model(source_dir, dest_dir) and archive "
-                "the converted directory")
+CONVERT_HINT = (
+    "pagedserve loads safetensors only (pickle can run arbitrary code): convert the "
+    "model with engine.model.convert.convert_model(source_dir, dest_dir) and archive "
+    "the converted directory"
+)
 # TorchServe's rule for model names (they become URL path segments and file names).
 MODEL_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_\-.]*$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -62,8 +65,9 @@ def is_pickle_weights(rel_path: str) -> bool:
 
 def check_model_name(name: Any) -> str:
     if not isinstance(name, str) or not MODEL_NAME_RE.match(name):
-        raise ArchiveError(f"invalid model name {name!r}: it must start with a letter and hold only "
-                           "letters, digits, '_', '-' and '.'")
+        raise ArchiveError(
+            f"invalid model name {name!r}: it must start with a letter and hold only letters, digits, '_', '-' and '.'"
+        )
     return name
 
 
@@ -83,13 +87,14 @@ def validate_manifest(manifest: Any) -> dict[str, Any]:
             raise ArchiveError(f"malformed {MANIFEST_PATH}: model.{key} must be a non-empty string")
     runtime = manifest.get("runtime", "python")
     if runtime not in ("python", "python3"):
-        raise ArchiveError(f"unsupported runtime {runtime!r} in {MANIFEST_PATH}; "
-                           "pagedserve runs 'python' archives only")
+        raise ArchiveError(
+            f"unsupported runtime {runtime!r} in {MANIFEST_PATH}; pagedserve runs 'python' archives only"
+        )
     if "files" in manifest:
         files = manifest["files"]
         if not isinstance(files, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) and _SHA256_RE.match(v)
-                for k, v in files.items()):
+            isinstance(k, str) and isinstance(v, str) and _SHA256_RE.match(v) for k, v in files.items()
+        ):
             raise ArchiveError(f"malformed {MANIFEST_PATH}: 'files' must map paths to sha256 hex digests")
     return manifest
 
@@ -113,13 +118,16 @@ def resolve_handler(handler: str, files: Mapping[str, Path], allow_custom: bool)
         return None
     if shipped is not None:
         if not allow_custom:
-            raise ArchiveError(f"handler {handler!r} is Python code shipped inside the archive "
-                               f"({filename}); {CUSTOM_HANDLER_HINT}")
+            raise ArchiveError(
+                f"handler {handler!r} is Python code shipped inside the archive ({filename}); {CUSTOM_HANDLER_HINT}"
+            )
         return shipped
     if module.endswith(".py") or func:
         raise ArchiveError(f"handler {handler!r} names {filename}, which is not in the archive")
-    raise ArchiveError(f"unknown handler {handler!r}; the built-in handler is {BUILTIN_HANDLER!r}, "
-                       "or ship a handler .py file in the archive")
+    raise ArchiveError(
+        f"unknown handler {handler!r}; the built-in handler is {BUILTIN_HANDLER!r}, "
+        "or ship a handler .py file in the archive"
+    )
 
 
 def _has_code(path: Path) -> bool:

@@ -44,8 +44,17 @@ MAX_ENTRIES = 100_000
 CHUNK_BYTES = 1 << 20
 _MAX_JSON_BYTES = 16 << 20  # manifest and config.json are small; do not read a huge one
 # What a damaged or hostile archive raises while being read (not disk errors: those stay OSError).
-_CORRUPT = (zipfile.BadZipFile, zipfile.LargeZipFile, tarfile.TarError, zlib.error, EOFError,
-            gzip.BadGzipFile, lzma.LZMAError, NotImplementedError, UnicodeError)
+_CORRUPT = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    tarfile.TarError,
+    zlib.error,
+    EOFError,
+    gzip.BadGzipFile,
+    lzma.LZMAError,
+    NotImplementedError,
+    UnicodeError,
+)
 
 
 class _Kind(enum.Enum):
@@ -73,9 +82,13 @@ class OpenedArchive:
     custom_handler: Path | None  # a handler .py shipped in the archive (only when allowed)
 
 
-def open_archive(path: str | Path, dest_dir: str | Path, *,
-                 max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
-                 allow_custom_handlers: bool = False) -> OpenedArchive:
+def open_archive(
+    path: str | Path,
+    dest_dir: str | Path,
+    *,
+    max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
+    allow_custom_handlers: bool = False,
+) -> OpenedArchive:
     """Verify the archive at `path` and extract it to `dest_dir` (a folder is verified in place).
 
     `dest_dir` must not exist or be empty; it becomes the archive's top folder. Refuses (with
@@ -110,8 +123,10 @@ def open_archive(path: str | Path, dest_dir: str | Path, *,
 
     def rebase(p: Path | None) -> Path | None:
         return None if p is None else dest / p.relative_to(tmp)
-    return OpenedArchive(rebase(opened.root), opened.manifest, rebase(opened.model_config),
-                         rebase(opened.custom_handler))
+
+    return OpenedArchive(
+        rebase(opened.root), opened.manifest, rebase(opened.model_config), rebase(opened.custom_handler)
+    )
 
 
 # ---- listing entries -------------------------------------------------------------------------
@@ -219,24 +234,21 @@ def _check_entries(entries: list[_Entry], max_total_bytes: int) -> None:
         for i in range(1, len(parts)):
             parent = seen.get("/".join(parts[:i]))
             if parent is not None and parent.kind is not _Kind.DIR:
-                raise ArchiveError(f"entry {e.name!r} lies under {parent.name!r}, "
-                                   f"which is a {parent.kind.value}")
+                raise ArchiveError(f"entry {e.name!r} lies under {parent.name!r}, which is a {parent.kind.value}")
         if e.kind is _Kind.LINK:
             target = seen.get(e.target or "")
             if target is None or target.kind is not _Kind.FILE:
-                raise ArchiveError(f"link {e.name!r} -> {e.target!r} does not name a regular file "
-                                   "in the archive")
+                raise ArchiveError(f"link {e.name!r} -> {e.target!r} does not name a regular file in the archive")
             total += target.size
         total += e.size
     if total > max_total_bytes:
-        raise ArchiveError(f"archive declares {total} bytes of content, over the limit of "
-                           f"{max_total_bytes} bytes")
+        raise ArchiveError(f"archive declares {total} bytes of content, over the limit of {max_total_bytes} bytes")
 
 
 # ---- extracting ------------------------------------------------------------------------------
 
-def _extract(entries: list[_Entry], open_member: OpenMember, top: Path,
-             max_total_bytes: int) -> dict[str, str]:
+
+def _extract(entries: list[_Entry], open_member: OpenMember, top: Path, max_total_bytes: int) -> dict[str, str]:
     """Write folders and files under `top`, counting real bytes; return {name: sha256}."""
     hashes: dict[str, str] = {}
     total = 0
@@ -314,19 +326,19 @@ def _sha256(path: Path) -> str:
 
 # ---- verifying -------------------------------------------------------------------------------
 
+
 def _verify(top: Path, hashes: dict[str, str], allow_custom_handlers: bool) -> OpenedArchive:
     """Check the extracted tree at `top` (whose files hash to `hashes`) against its manifest."""
     root_rel = _archive_root(hashes)
     prefix = f"{root_rel}/" if root_rel else ""
-    content = {n[len(prefix):]: h for n, h in hashes.items() if n != prefix + MANIFEST_PATH}
+    content = {n[len(prefix) :]: h for n, h in hashes.items() if n != prefix + MANIFEST_PATH}
     root = top / root_rel
     manifest = validate_manifest(_read_json(root / MANIFEST_PATH, MANIFEST_PATH, "malformed"))
     model = manifest["model"]
 
     pickled = sorted(n for n in content if is_pickle_weights(n))
     if pickled:
-        raise ArchiveError(f"archive holds weights in a pickle format ({', '.join(pickled)}); "
-                           f"{CONVERT_HINT}")
+        raise ArchiveError(f"archive holds weights in a pickle format ({', '.join(pickled)}); {CONVERT_HINT}")
     custom = resolve_handler(model["handler"], {n: root / n for n in content}, allow_custom_handlers)
     if "files" in manifest:
         _check_hashes(manifest["files"], content)
@@ -340,8 +352,7 @@ def _verify(top: Path, hashes: dict[str, str], allow_custom_handlers: bool) -> O
     model_rel = "" if "config.json" in content else (configs[0] if len(configs) == 1 else None)
     if model_rel is None:
         where = f"several ({', '.join(configs)})" if configs else "none"
-        raise ArchiveError("cannot find the model directory: it needs exactly one config.json, "
-                           f"found {where}")
+        raise ArchiveError(f"cannot find the model directory: it needs exactly one config.json, found {where}")
     model_prefix = f"{model_rel}/" if model_rel else ""
     hf_config = _read_json(root / model_prefix / "config.json", "config.json", "invalid")
     from engine.model.registry import architecture_of  # the families import torch: only here

@@ -58,11 +58,20 @@ class _Progress:
             self.callback(self.done, self.total)
 
 
-def write_archive(model_dir: str | Path, export_path: str | Path, *, model_name: str, version: str,
-                  handler: str = BUILTIN_HANDLER, config_file: str | Path | None = None,
-                  extra_files: Iterable[str | Path] = (),
-                  archive_format: ArchiveFormat | str = ArchiveFormat.DEFAULT, force: bool = False,
-                  progress: ProgressFn | None = None, lora: dict[str, Any] | None = None) -> Path:
+def write_archive(
+    model_dir: str | Path,
+    export_path: str | Path,
+    *,
+    model_name: str,
+    version: str,
+    handler: str = BUILTIN_HANDLER,
+    config_file: str | Path | None = None,
+    extra_files: Iterable[str | Path] = (),
+    archive_format: ArchiveFormat | str = ArchiveFormat.DEFAULT,
+    force: bool = False,
+    progress: ProgressFn | None = None,
+    lora: dict[str, Any] | None = None,
+) -> Path:
     """Package `model_dir` into `<export_path>/<model_name>.mar|.tar.gz|/`; return that path.
 
     The model directory's files (hidden ones and `__pycache__` skipped) go to the archive root;
@@ -145,13 +154,15 @@ def _add(sources: dict[str, _Source], arcname: str, path: Path) -> None:
     sources[arcname] = _Source(arcname, path, st.st_size)
 
 
-def _add_tree(sources: dict[str, _Source], folder: Path, prefix: str, *, exclude: Path,
-              top_level: bool) -> None:
+def _add_tree(sources: dict[str, _Source], folder: Path, prefix: str, *, exclude: Path, top_level: bool) -> None:
     exclude = exclude.absolute()
     for root, dirs, files in os.walk(folder):
         here = Path(root)
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__"
-                         and not (top_level and here == folder and d == MANIFEST_DIR))
+        dirs[:] = sorted(
+            d
+            for d in dirs
+            if not d.startswith(".") and d != "__pycache__" and not (top_level and here == folder and d == MANIFEST_DIR)
+        )
         for d in dirs:
             if (here / d).is_symlink():
                 raise ValueError(f"{here / d} is a link to a folder; archive its target instead")
@@ -168,8 +179,7 @@ def _add_handler(sources: dict[str, _Source], handler: str) -> str:
     module, sep, func = handler.partition(":")
     path = Path(module).expanduser()
     if path.suffix != ".py" or not path.is_file():
-        raise ValueError(f"handler must be {BUILTIN_HANDLER!r} or the path of a handler .py file, "
-                         f"got {handler!r}")
+        raise ValueError(f"handler must be {BUILTIN_HANDLER!r} or the path of a handler .py file, got {handler!r}")
     _add(sources, path.name, path)
     return path.name + sep + func
 
@@ -208,9 +218,13 @@ def _check_adapter(sources: dict[str, _Source]) -> str:
 
 
 def _manifest(model: dict[str, Any], hashes: dict[str, str]) -> bytes:
-    manifest = {"createdOn": datetime.now().strftime(CREATED_ON_FORMAT), "runtime": "python",
-                "model": model, "archiverVersion": ARCHIVER_VERSION,
-                "files": dict(sorted(hashes.items()))}
+    manifest = {
+        "createdOn": datetime.now().strftime(CREATED_ON_FORMAT),
+        "runtime": "python",
+        "model": model,
+        "archiverVersion": ARCHIVER_VERSION,
+        "files": dict(sorted(hashes.items())),
+    }
     return json.dumps(manifest, indent=2).encode() + b"\n"
 
 
@@ -249,8 +263,7 @@ def _write_zip(tmp: Path, sources: list[_Source], model: dict[str, Any], tracker
             for s in sources:
                 info = _zip_info(s.arcname, s.path.stat().st_mtime)
                 # safetensors barely compress and deflating GBs is slow: store them as they are
-                info.compress_type = (zipfile.ZIP_STORED if s.arcname.endswith(".safetensors")
-                                      else zipfile.ZIP_DEFLATED)
+                info.compress_type = zipfile.ZIP_STORED if s.arcname.endswith(".safetensors") else zipfile.ZIP_DEFLATED
                 info.file_size = s.size  # lets zipfile pick ZIP64 up front for big files
                 with zf.open(info, "w") as dst:
                     hashes[s.arcname] = _copy(s, dst.write, tracker)
@@ -271,8 +284,9 @@ def _write_tgz(tmp: Path, sources: list[_Source], model: dict[str, Any], tracker
     hashes: dict[str, str] = {}
     with open(tmp, "wb") as raw:
         # level 1: weights barely compress, and level 9 costs several times the time
-        with tarfile.open(fileobj=raw, mode="w:gz", compresslevel=1, format=tarfile.PAX_FORMAT,
-                          copybufsize=CHUNK_BYTES) as tf:
+        with tarfile.open(
+            fileobj=raw, mode="w:gz", compresslevel=1, format=tarfile.PAX_FORMAT, copybufsize=CHUNK_BYTES
+        ) as tf:
             for s in sources:
                 info = _tar_info(s.arcname, s.size, s.path.stat().st_mtime)
                 with open(s.path, "rb") as f:
@@ -291,7 +305,7 @@ class _BytesReader:
 
     def read(self, n: int = -1) -> bytes:
         end = len(self._data) if n < 0 else self._pos + n
-        chunk, self._pos = self._data[self._pos:end], min(end, len(self._data))
+        chunk, self._pos = self._data[self._pos : end], min(end, len(self._data))
         return chunk
 
 

@@ -94,8 +94,10 @@ class CausalLM(nn.Module):
     ) -> None:
         super().__init__()
         if not isinstance(spec, ModelSpec):
-            raise TypeError(f"{type(self).__name__} takes a ModelSpec (engine.model.registry.parse_config), "
-                            f"got {type(spec).__name__}")
+            raise TypeError(
+                f"{type(self).__name__} takes a ModelSpec (engine.model.registry.parse_config), "
+                f"got {type(spec).__name__}"
+            )
         self.tp = tp
         if tp is None:
             self.rank_spec = spec
@@ -129,8 +131,9 @@ class CausalLM(nn.Module):
         for name, (cos, sin) in tables.items():
             self.register_buffer(f"rope_{name}_cos", cos, persistent=False)
             self.register_buffer(f"rope_{name}_sin", sin, persistent=False)
-        self.embed_scale = None if spec.embed_scale is None else torch.tensor(spec.embed_scale).to(dtype=dtype,
-                                                                                                  device=self.device)
+        self.embed_scale = (
+            None if spec.embed_scale is None else torch.tensor(spec.embed_scale).to(dtype=dtype, device=self.device)
+        )
         self._qkv_sizes = [local.num_heads * local.head_dim] + [local.num_kv_heads * local.head_dim] * 2
 
     def forward(
@@ -150,8 +153,13 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        rope = {name: (getattr(self, f"rope_{name}_cos")[positions].unsqueeze(1),
-                       getattr(self, f"rope_{name}_sin")[positions].unsqueeze(1)) for name in self.rope_names}
+        rope = {
+            name: (
+                getattr(self, f"rope_{name}_cos")[positions].unsqueeze(1),
+                getattr(self, f"rope_{name}_sin")[positions].unsqueeze(1),
+            )
+            for name in self.rope_names
+        }
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             h, residual = layer(h, residual, rope, kv_cache, meta, None if lora is None else lora.layer(i))
@@ -182,9 +190,12 @@ class CausalLM(nn.Module):
     def _projections(self) -> list[tuple[str, nn.Module, str]]:
         """(qualified name, parent module, attribute) of every decoder projection: attention's
         qkv/o, and gate_up/down of each MLP (the dense one, or each expert and a shared expert)."""
-        return [(f"{qualified}.{name}", module, name)
-                for qualified, module in self.model.layers.named_modules(prefix="model.layers")
-                for name in _PROJECTION_NAMES if isinstance(getattr(module, name, None), nn.Module)]
+        return [
+            (f"{qualified}.{name}", module, name)
+            for qualified, module in self.model.layers.named_modules(prefix="model.layers")
+            for name in _PROJECTION_NAMES
+            if isinstance(getattr(module, name, None), nn.Module)
+        ]
 
     def _swap_quantized(self, quant: QuantSpec) -> None:
         """Replace (on the meta device, before allocation) the projections, the embedding and
@@ -197,16 +208,34 @@ class CausalLM(nn.Module):
             linear = getattr(parent, name)
             method = quant.method_for(qualified)
             if method is not QuantMethod.NONE:
-                setattr(parent, name, make_quant_linear(method, linear.in_features, linear.out_features,
-                                                        linear.bias is not None, self.dtype, quant.group_size,
-                                                        int4_dequant, int8_mm_io))
+                setattr(
+                    parent,
+                    name,
+                    make_quant_linear(
+                        method,
+                        linear.in_features,
+                        linear.out_features,
+                        linear.bias is not None,
+                        self.dtype,
+                        quant.group_size,
+                        int4_dequant,
+                        int8_mm_io,
+                    ),
+                )
         emb = self.model.embed_tokens
         self.model.embed_tokens = Int8Embedding(emb.num_embeddings, emb.embedding_dim, self.dtype)
         if self.lm_head is not None:
-            self.lm_head = Int8Linear(self.lm_head.in_features, self.lm_head.out_features, False, self.dtype,
-                                      weight_only_max_rows=HEAD_WEIGHT_ONLY_MAX_ROWS)
+            self.lm_head = Int8Linear(
+                self.lm_head.in_features,
+                self.lm_head.out_features,
+                False,
+                self.dtype,
+                weight_only_max_rows=HEAD_WEIGHT_ONLY_MAX_ROWS,
+            )
 
-    def pack_linear_weights(self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module] = PackedLinear) -> None:
+    def pack_linear_weights(
+        self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module] = PackedLinear
+    ) -> None:
         """Swap every bf16 projection and the LM head for a CPU linear layer (after the weights
         are loaded): a PackedLinear (oneDNN then skips its per-call weight reorder) or, on a CPU
         without bf16 dot products, an UpcastLinear (float32 GEMMs). Quantized layers stay."""
@@ -225,8 +254,11 @@ class CausalLM(nn.Module):
     def checkpoint_names(self) -> set[str]:
         """The HF tensor names a checkpoint must provide (rotary inv_freq buffers never needed)."""
         names = set()
-        quantized = [f"{m}.weight" for m, mod in self.named_modules()
-                     if isinstance(mod, (Int8Embedding, *_QUANT_LINEARS)) and mod is not self.packed_lm_head]
+        quantized = [
+            f"{m}.weight"
+            for m, mod in self.named_modules()
+            if isinstance(mod, (Int8Embedding, *_QUANT_LINEARS)) and mod is not self.packed_lm_head
+        ]
         for name in [n for n, _ in self.named_parameters()] + quantized:
             module, leaf = name.rsplit(".", 1)
             parent, _, proj = module.rpartition(".")
@@ -293,16 +325,19 @@ class CausalLM(nn.Module):
         sizes = self._fused_sizes(layer, fused)
         return layer, sum(sizes[:shard]), sizes[shard]
 
-    def _load_quantized(self, name: str, target: tuple[nn.Module, int, int],
-                        parts: dict[str, torch.Tensor] | None, tensor: torch.Tensor) -> bool:
+    def _load_quantized(
+        self, name: str, target: tuple[nn.Module, int, int], parts: dict[str, torch.Tensor] | None, tensor: torch.Tensor
+    ) -> bool:
         """Fill rows of a quantized layer from a full-precision weight (quantized here) or from a
         quantized checkpoint's parts once all have arrived; True when the rows are filled."""
         layer, start, rows = target
         needed = ("qweight", "scales", "offsets") if isinstance(layer, Int4Linear) else ("qweight", "scales")
         if parts is None:  # a full-precision weight
             if tensor.dim() != 2 or tensor.shape[0] != rows or not tensor.is_floating_point():
-                raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}, "
-                                 f"expected a floating-point weight of {rows} rows")
+                raise ValueError(
+                    f"tensor {name} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}, "
+                    f"expected a floating-point weight of {rows} rows"
+                )
             if isinstance(layer, Int8Embedding):
                 layer.set_weight(tensor)
             else:
@@ -311,8 +346,9 @@ class CausalLM(nn.Module):
         if not all(k in parts for k in needed):
             return False
         if set(parts) - set(needed):
-            raise ValueError(f"{name}: unexpected quantized parts {sorted(set(parts) - set(needed))} "
-                             f"for a {type(layer).__name__}")
+            raise ValueError(
+                f"{name}: unexpected quantized parts {sorted(set(parts) - set(needed))} for a {type(layer).__name__}"
+            )
         q, scales = parts["qweight"], parts["scales"]
         if q.shape[0] != rows:
             raise ValueError(f"{name}.qweight has {q.shape[0]} rows, expected {rows}")

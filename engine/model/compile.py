@@ -85,8 +85,9 @@ class CompiledForward:
     step takes the compiled path, `__call__` runs it (hidden states of the real rows only).
     """
 
-    def __init__(self, model: CausalLM, backend: AttentionBackend, buckets: Sequence[int],
-                 cache_dir: str | Path | None = None) -> None:
+    def __init__(
+        self, model: CausalLM, backend: AttentionBackend, buckets: Sequence[int], cache_dir: str | Path | None = None
+    ) -> None:
         if not buckets:
             raise ValueError("CompiledForward needs at least one bucket")
         paged_attention_op()  # registered before anything is traced
@@ -99,8 +100,9 @@ class CompiledForward:
         self._compiled = torch.compile(self._forward, dynamic=False, fullgraph=True, options={"freezing": True})
         self.warm = False
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 step: AttentionStep) -> torch.Tensor:
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], step: AttentionStep
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, step)
 
     def bucket(self, num_tokens: int) -> int | None:
@@ -111,8 +113,14 @@ class CompiledForward:
         """Whether a step of `num_tokens` (with LoRA adapters `lora`) runs compiled."""
         return lora is None and self.bucket(num_tokens) is not None
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 meta: AttentionMetadata, lora: object | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        lora: object | None = None,
+    ) -> torch.Tensor:
         if lora is not None:
             raise ValueError("the compiled forward runs the base model only (no LoRA adapters)")
         n = input_ids.shape[0]
@@ -134,12 +142,17 @@ class CompiledForward:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         device = kv_caches[0].device if kv_caches else self.model.device
         empty = AttentionMetadata(
-            num_seqs=0, num_tokens=0, query_lens=[], seq_lens=[],
+            num_seqs=0,
+            num_tokens=0,
+            query_lens=[],
+            seq_lens=[],
             query_start_loc=torch.zeros(1, dtype=torch.int32, device=device),
             seq_lens_tensor=torch.zeros(0, dtype=torch.int32, device=device),
             block_tables=torch.zeros(0, 1, dtype=torch.int32, device=device),
             slot_mapping=torch.zeros(0, dtype=torch.int64, device=device),
-            max_query_len=0, max_seq_len=0, num_decodes=0,
+            max_query_len=0,
+            max_seq_len=0,
+            num_decodes=0,
         )
         with temporary_cache_dir(str(self.cache_dir)), torch.inference_mode():
             for size in self.buckets:
@@ -166,8 +179,13 @@ def compile_buckets(config: EngineConfig, dtype: torch.dtype, device: torch.devi
     return token_buckets(config.max_num_batched_tokens, largest)
 
 
-def compiled_forward_for(config: EngineConfig, model: CausalLM, backend: AttentionBackend,
-                         kv_caches: list[torch.Tensor], buckets: Sequence[int]) -> CompiledForward | None:
+def compiled_forward_for(
+    config: EngineConfig,
+    model: CausalLM,
+    backend: AttentionBackend,
+    kv_caches: list[torch.Tensor],
+    buckets: Sequence[int],
+) -> CompiledForward | None:
     """The engine's compiled forward over `buckets` (compile_buckets), warmed up; None for none."""
     if not buckets or model.spec.needs_plain_attention:  # windows / soft-caps: not in the compiled op
         return None
@@ -176,6 +194,10 @@ def compiled_forward_for(config: EngineConfig, model: CausalLM, backend: Attenti
     compiled = CompiledForward(model, backend, buckets, config.compile_cache_dir)
     start = time.perf_counter()
     compiled.warm_up(kv_caches)
-    logger.info("compiled the forward for %d token buckets (%s) in %.1f s", len(buckets),
-                ", ".join(map(str, buckets)), time.perf_counter() - start)
+    logger.info(
+        "compiled the forward for %d token buckets (%s) in %.1f s",
+        len(buckets),
+        ", ".join(map(str, buckets)),
+        time.perf_counter() - start,
+    )
     return compiled

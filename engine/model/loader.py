@@ -100,8 +100,14 @@ def load_model(
     files = safetensors_files(model_dir)
     spec = parse_config(config)
     model = family_of(spec).model_cls(
-        spec, resolve_dtype(dtype), device, backend, max_model_len=max_model_len, fused_ops=fused_ops,
-        quant=quant, tp=tp,
+        spec,
+        resolve_dtype(dtype),
+        device,
+        backend,
+        max_model_len=max_model_len,
+        fused_ops=fused_ops,
+        quant=quant,
+        tp=tp,
     )
     if tp is None:
         model.load_weights(iter_safetensors(files))
@@ -121,8 +127,9 @@ def _spec(config: Any) -> ModelSpec:
     return config if isinstance(config, ModelSpec) else parse_config(config)
 
 
-def kv_cache_bytes_per_block(config: Any, block_size: int, dtype: str | torch.dtype,
-                             kv_dtype: KVCacheDtype = KVCacheDtype.AUTO) -> int:
+def kv_cache_bytes_per_block(
+    config: Any, block_size: int, dtype: str | torch.dtype, kv_dtype: KVCacheDtype = KVCacheDtype.AUTO
+) -> int:
     """Bytes one KV block takes across all layers (keys and values)."""
     spec = _spec(config)
     itemsize = kv_storage_dtype(kv_dtype, resolve_dtype(dtype)).itemsize
@@ -137,13 +144,19 @@ def kv_pool_size(config: EngineConfig, rank_spec: ModelSpec, kv_dtype: KVCacheDt
     every block for its own KV heads, so N ranks with 1/N of the heads hold as many blocks as one
     process with all of them (KV heads replicated on several ranks cost their copies). Every
     rank computes the same count."""
-    total = kv_cache_bytes_per_block(rank_spec, config.block_size, config.torch_dtype, kv_dtype) \
+    total = (
+        kv_cache_bytes_per_block(rank_spec, config.block_size, config.torch_dtype, kv_dtype)
         * config.tensor_parallel_size
+    )
     return total, config.resolve_num_blocks(total)
 
 
 def allocate_kv_caches(
-    config: Any, num_blocks: int, block_size: int, dtype: str | torch.dtype, device: str | torch.device,
+    config: Any,
+    num_blocks: int,
+    block_size: int,
+    dtype: str | torch.dtype,
+    device: str | torch.device,
     kv_dtype: KVCacheDtype = KVCacheDtype.AUTO,
 ) -> list[torch.Tensor]:
     """One zero-filled `[2, num_blocks, block_size, kv_heads, head_dim]` tensor per layer (a

@@ -28,13 +28,24 @@ class MixtralForCausalLM(MoECausalLM):
 
 def parse_mixtral(cfg: Mapping[str, Any], arch: str) -> ModelSpec:
     fields = base_fields(cfg, arch)
-    moe = MoESpec(num_experts=num_experts(cfg), top_k=int(cfg["num_experts_per_tok"]),
-                  intermediate_size=int(cfg["intermediate_size"]), scoring=RouterScoring.TOPK_SOFTMAX,
-                  normalize=True)
+    moe = MoESpec(
+        num_experts=num_experts(cfg),
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        scoring=RouterScoring.TOPK_SOFTMAX,
+        normalize=True,
+    )
     window = cfg.get("sliding_window")
     fields.update(qkv_bias=False, sliding_window=None if window is None else int(window), moe=moe)
     return ModelSpec(**fields)
 
 
-MIXTRAL = Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), parse_mixtral, MixtralForCausalLM,
-                 tensor_parallel=True, notes="experts routed top-k then softmax, optional sliding window")
+MIXTRAL = Family(
+    "mixtral",
+    ("MixtralForCausalLM",),
+    ("mixtral",),
+    parse_mixtral,
+    MixtralForCausalLM,
+    tensor_parallel=True,
+    notes="experts routed top-k then softmax, optional sliding window",
+)

@@ -100,8 +100,7 @@ def _handler_keys() -> dict[str, Any]:
 HANDLER_KEYS: dict[str, Any] = _handler_keys()
 HandlerSection = msgspec.defstruct(
     "HandlerSection",
-    [(key, kind, None) for key, kind in HANDLER_KEYS.items()]
-    + [(HANDLER_OPTIONS_KEY, dict[str, Any] | None, None)],
+    [(key, kind, None) for key, kind in HANDLER_KEYS.items()] + [(HANDLER_OPTIONS_KEY, dict[str, Any] | None, None)],
     forbid_unknown_fields=True,
 )
 
@@ -136,8 +135,9 @@ class ModelConfig(msgspec.Struct, kw_only=True):
         self.device_type = _coerce(self.source, "deviceType", DeviceType, self.device_type)
         self.parallel_type = _coerce(self.source, "parallelType", ParallelType, self.parallel_type)
         if self.min_workers > self.max_workers:
-            raise ModelConfigError(f"{self.source}: minWorkers: must not exceed maxWorkers ({self.max_workers}), "
-                                   f"got {self.min_workers}")
+            raise ModelConfigError(
+                f"{self.source}: minWorkers: must not exceed maxWorkers ({self.max_workers}), got {self.min_workers}"
+            )
         _check_handler(self.source, self.handler)
         self._check_parallel()
 
@@ -147,12 +147,16 @@ class ModelConfig(msgspec.Struct, kw_only=True):
         kind, level = self.parallel_type, self.parallel_level
         if level > 1 and kind in (None, ParallelType.PP, ParallelType.PPTP):
             named = "unset" if kind is None else kind.value
-            raise ModelConfigError(f"{self.source}: parallelType: {named} with parallelLevel {level} is not "
-                                   "supported; pagedserve runs tensor parallelism (parallelType: tp)")
+            raise ModelConfigError(
+                f"{self.source}: parallelType: {named} with parallelLevel {level} is not "
+                "supported; pagedserve runs tensor parallelism (parallelType: tp)"
+            )
         handler_size = self.handler.get("tensor_parallel_size")
         if kind is ParallelType.TP and handler_size is not None and handler_size != level:
-            raise ModelConfigError(f"{self.source}: handler.tensor_parallel_size: {handler_size} contradicts "
-                                   f"parallelLevel: {level} with parallelType: tp; set one of them")
+            raise ModelConfigError(
+                f"{self.source}: handler.tensor_parallel_size: {handler_size} contradicts "
+                f"parallelLevel: {level} with parallelType: tp; set one of them"
+            )
         if kind is ParallelType.TP and level > 1:
             try:
                 EngineConfig(model=_PLACEHOLDER_MODEL, **self.engine_options())
@@ -165,8 +169,7 @@ class ModelConfig(msgspec.Struct, kw_only=True):
         if data is None:
             data = {}
         if not isinstance(data, dict):
-            raise ModelConfigError(f"{source}: the top level must be a mapping of keys, "
-                                   f"got {type(data).__name__}")
+            raise ModelConfigError(f"{source}: the top level must be a mapping of keys, got {type(data).__name__}")
         try:  # a config written for TorchServe's vllm_handler: its keys read as ours
             data, warnings = vllm_config.translate(data, source)
         except ValueError as exc:
@@ -175,13 +178,15 @@ class ModelConfig(msgspec.Struct, kw_only=True):
             logger.warning("%s", warning)
         for key in data:
             if key != "handler" and key not in _FRONTEND_KEYS:
-                raise ModelConfigError(f"{source}: unknown key {key!r}; allowed keys: "
-                                       f"{', '.join([*_FRONTEND_KEYS, 'handler'])}")
+                raise ModelConfigError(
+                    f"{source}: unknown key {key!r}; allowed keys: {', '.join([*_FRONTEND_KEYS, 'handler'])}"
+                )
         kwargs = {_FRONTEND_KEYS[k]: v for k, v in data.items() if k != "handler"}
         handler = data.get("handler")
         if handler is not None and not isinstance(handler, dict):
-            raise ModelConfigError(f"{source}: handler: must be a mapping of engine options, "
-                                   f"got {type(handler).__name__}")
+            raise ModelConfigError(
+                f"{source}: handler: must be a mapping of engine options, got {type(handler).__name__}"
+            )
         return cls(**kwargs, handler=dict(handler or {}), source=source)
 
     def engine_options(self) -> dict[str, Any]:
@@ -245,8 +250,10 @@ def _check_handler(source: str, options: dict[str, Any]) -> None:
     then all together. `options` is the custom handler's business."""
     unknown = [key for key in options if key not in HANDLER_KEYS and key != HANDLER_OPTIONS_KEY]
     if unknown:
-        raise ModelConfigError(f"{source}: unknown key handler.{unknown[0]}; allowed keys: "
-                               f"{', '.join([*HANDLER_KEYS, HANDLER_OPTIONS_KEY])}")
+        raise ModelConfigError(
+            f"{source}: unknown key handler.{unknown[0]}; allowed keys: "
+            f"{', '.join([*HANDLER_KEYS, HANDLER_OPTIONS_KEY])}"
+        )
     try:
         convert(options, HandlerSection)
     except SchemaError as exc:
@@ -269,5 +276,5 @@ def _strip_key(message: str, key: str, value: Any) -> str:
     """EngineConfig's messages often start with the key, which the caller already names."""
     for prefix in (f"{key}={value!r}: ", f"{key}: ", f"{key} "):
         if message.startswith(prefix):
-            return message[len(prefix):]
+            return message[len(prefix) :]
     return message

@@ -40,8 +40,9 @@ def qwen_dense_layers(cfg: Mapping[str, Any]) -> tuple[int, ...]:
     keep a dense MLP (as transformers builds them)."""
     only = set(cfg.get("mlp_only_layers") or ())
     step = int(cfg.get("decoder_sparse_step") or 1)
-    return tuple(i for i in range(int(cfg["num_hidden_layers"]))
-                 if i in only or num_experts(cfg) <= 0 or (i + 1) % step)
+    return tuple(
+        i for i in range(int(cfg["num_hidden_layers"])) if i in only or num_experts(cfg) <= 0 or (i + 1) % step
+    )
 
 
 class MoECausalLM(CausalLM):

@@ -22,13 +22,23 @@ def parse_olmoe(cfg: Mapping[str, Any], arch: str) -> ModelSpec:
     if cfg.get("clip_qkv") is not None:
         raise ValueError(f"clip_qkv={cfg['clip_qkv']} is not supported for {arch}; supported: clip_qkv null")
     fields = base_fields(cfg, arch)
-    moe = MoESpec(num_experts=num_experts(cfg), top_k=int(cfg["num_experts_per_tok"]),
-                  intermediate_size=int(cfg["intermediate_size"]), scoring=RouterScoring.SOFTMAX_TOPK,
-                  normalize=bool(cfg.get("norm_topk_prob", False)))
+    moe = MoESpec(
+        num_experts=num_experts(cfg),
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        scoring=RouterScoring.SOFTMAX_TOPK,
+        normalize=bool(cfg.get("norm_topk_prob", False)),
+    )
     bias = bool(cfg.get("attention_bias", False))
     fields.update(qk_norm=True, qk_norm_full=True, qkv_bias=bias, o_bias=bias, moe=moe)
     return ModelSpec(**fields)
 
 
-OLMOE = Family("olmoe", ("OlmoeForCausalLM",), ("olmoe",), parse_olmoe, OlmoeForCausalLM,
-               notes="experts with softmax top-k routing, q/k RMSNorm over whole projections")
+OLMOE = Family(
+    "olmoe",
+    ("OlmoeForCausalLM",),
+    ("olmoe",),
+    parse_olmoe,
+    OlmoeForCausalLM,
+    notes="experts with softmax top-k routing, q/k RMSNorm over whole projections",
+)

@@ -57,8 +57,10 @@ def gguf_summary(path: Path) -> dict[str, Any]:
     types = Counter(t.tensor_type.name for t in reader.tensors)
     bad = sorted(set(types) - set(_registry().SUPPORTED_GGUF_TYPES))
     if bad:
-        raise ValueError(f"unsupported GGUF tensor type {', '.join(bad)} in {path.name}; supported: "
-                         f"{', '.join(_registry().SUPPORTED_GGUF_TYPES)}")
+        raise ValueError(
+            f"unsupported GGUF tensor type {', '.join(bad)} in {path.name}; supported: "
+            f"{', '.join(_registry().SUPPORTED_GGUF_TYPES)}"
+        )
     return {"architecture": arch, "tensor_types": dict(sorted(types.items()))}
 
 
@@ -72,8 +74,15 @@ def check_hf_folder(path: Path) -> dict[str, Any]:
 def content_key(path: Path) -> str:
     """sha256 over the source's files (names and contents); each file's digest is remembered in
     the cache keyed by its path, size and mtime, so an unchanged file is hashed once."""
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()
-                                                 and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    files = (
+        [path]
+        if path.is_file()
+        else sorted(
+            p
+            for p in path.rglob("*")
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
+    )
     outer = hashlib.sha256()
     for f in files:
         outer.update(f"{f.name if path.is_file() else f.relative_to(path)}\0{_file_digest(f)}\n".encode())
@@ -149,8 +158,15 @@ def archive_from_path(path: str | Path, cache_dir: Path | None = None, chat_temp
             if chat_template is not None:
                 extras.append(work / "chat_template.jinja")
                 extras[1].write_text(chat_template)
-            write_archive(model_dir, export, model_name=name, version="1.0", extra_files=extras,
-                          archive_format=ArchiveFormat.NO_ARCHIVE, force=True)
+            write_archive(
+                model_dir,
+                export,
+                model_name=name,
+                version="1.0",
+                extra_files=extras,
+                archive_format=ArchiveFormat.NO_ARCHIVE,
+                force=True,
+            )
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return dest

@@ -23,5 +23,12 @@ def parse_phi3(cfg: Mapping[str, Any], arch: str) -> ModelSpec:
     return ModelSpec(**fields)
 
 
-PHI3 = Family("phi3", ("Phi3ForCausalLM",), ("phi3",), parse_phi3, Phi3ForCausalLM,
-              gguf_architectures=("phi3",), notes="fused qkv and gate_up checkpoint, LongRoPE")
+PHI3 = Family(
+    "phi3",
+    ("Phi3ForCausalLM",),
+    ("phi3",),
+    parse_phi3,
+    Phi3ForCausalLM,
+    gguf_architectures=("phi3",),
+    notes="fused qkv and gate_up checkpoint, LongRoPE",
+)

@@ -32,14 +32,24 @@ from engine.model.quant_linear import QuantMethod, pack_nibbles, quantize_int4, 
 from engine.model.quant_spec import CONFIG_KEY, QuantSpec, parse_method
 
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_FUSED_GROUP = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-                "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+_FUSED_GROUP = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -80,17 +90,22 @@ def convert_gguf_quantized(source: str | Path, dest: str | Path, *, overwrite: b
     reader = gguf.GGUFReader(source)
     arch = reader.fields["general.architecture"].contents()
     if arch != "llama":
-        raise ValueError(f"{source}: keeping a GGUF's quantization supports the llama architecture, "
-                         f"not {arch!r}; archive it de-quantized (convert_model) instead")
+        raise ValueError(
+            f"{source}: keeping a GGUF's quantization supports the llama architecture, "
+            f"not {arch!r}; archive it de-quantized (convert_model) instead"
+        )
     config = _gguf_config(source)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     kinds = {hf_name(t.name): t.tensor_type.name for t in reader.tensors}
     layout = _choose_layout(kinds)
     fallback = sorted(n for n, k in kinds.items() if k not in _FLOAT_TYPES and block_type(k) is None)
     if fallback:
-        warnings.warn(f"{source.name}: tensors of types with no native layout here are de-quantized "
-                      f"by gguf, then re-quantized to int8: {', '.join(fallback[:10])}"
-                      f"{' ...' if len(fallback) > 10 else ''}", stacklevel=2)
+        warnings.warn(
+            f"{source.name}: tensors of types with no native layout here are de-quantized "
+            f"by gguf, then re-quantized to int8: {', '.join(fallback[:10])}"
+            f"{' ...' if len(fallback) > 10 else ''}",
+            stacklevel=2,
+        )
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name, kind = hf_name(t.name), t.tensor_type.name
@@ -102,15 +117,15 @@ def convert_gguf_quantized(source: str | Path, dest: str | Path, *, overwrite: b
             tensors[name] = _float(raw, kind, t)
         elif layout.get(_fused_key(name)) is QuantMethod.INT4:
             codes, scale, offset = int4_groups(raw, GGUFBlockType(kind))
-            tensors.update({f"{base}.qweight": pack_nibbles(codes), f"{base}.scales": scale,
-                            f"{base}.offsets": offset})
+            tensors.update({f"{base}.qweight": pack_nibbles(codes), f"{base}.scales": scale, f"{base}.offsets": offset})
         else:
             q, scale = quantize_int8(_float(raw, kind, t))
             tensors.update({f"{base}.qweight": q, f"{base}.scales": scale})
     main = QuantMethod.INT4 if QuantMethod.INT4 in layout.values() else QuantMethod.INT8
     types = sorted(set(kinds.values()) - set(_FLOAT_TYPES))
-    spec = QuantSpec(main, 32, f"gguf {'+'.join(types)} ({source.name})",
-                     {k: v for k, v in layout.items() if v is not main})
+    spec = QuantSpec(
+        main, 32, f"gguf {'+'.join(types)} ({source.name})", {k: v for k, v in layout.items() if v is not main}
+    )
     return _write_dir(dest, config, spec, tensors, overwrite, tokenizer_from=source, sources=[source])
 
 
@@ -140,14 +155,17 @@ def _float(raw: torch.Tensor, kind: str, tensor: Any) -> torch.Tensor:
     try:
         values = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[kind])
     except (NotImplementedError, KeyError):
-        raise ValueError(f"GGUF tensor {tensor.name}: type {kind} has no decoder here or in the gguf package "
-                         f"(native: {', '.join(t.value for t in GGUFBlockType)}; F32/F16/BF16; other types "
-                         "gguf de-quantizes); re-quantize the file with llama.cpp to one of those") from None
+        raise ValueError(
+            f"GGUF tensor {tensor.name}: type {kind} has no decoder here or in the gguf package "
+            f"(native: {', '.join(t.value for t in GGUFBlockType)}; F32/F16/BF16; other types "
+            "gguf de-quantizes); re-quantize the file with llama.cpp to one of those"
+        ) from None
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(raw.shape[0], -1)
 
 
-def quantize_model_dir(source: str | Path, dest: str | Path, method: str | QuantMethod,
-                       group_size: int = 32, *, overwrite: bool = False) -> Path:
+def quantize_model_dir(
+    source: str | Path, dest: str | Path, method: str | QuantMethod, group_size: int = 32, *, overwrite: bool = False
+) -> Path:
     """Write `dest`, a copy of the plain model directory `source` with its projections quantized
     (`int8`, `int4` with `group_size`, or `w8a8`), its embedding / LM head int8; tensor by tensor."""
     from engine.model.loader import iter_safetensors, read_config, safetensors_files
@@ -164,16 +182,22 @@ def quantize_model_dir(source: str | Path, dest: str | Path, method: str | Quant
         base = name.removesuffix(".weight")
         if method is QuantMethod.INT4 and _is_projection(name):
             codes, scale, offset = quantize_int4(tensor, group_size)
-            tensors.update({f"{base}.qweight": pack_nibbles(codes), f"{base}.scales": scale,
-                            f"{base}.offsets": offset})
+            tensors.update({f"{base}.qweight": pack_nibbles(codes), f"{base}.scales": scale, f"{base}.offsets": offset})
         elif _is_projection(name) or name in ("model.embed_tokens.weight", "lm_head.weight"):
             q, scale = quantize_int8(tensor)
             tensors.update({f"{base}.qweight": q, f"{base}.scales": scale})
         else:
             tensors[name] = tensor
     spec = QuantSpec(method, group_size, f"{config.get('dtype', config.get('torch_dtype', 'float'))} checkpoint")
-    return _write_dir(dest, config, spec, tensors, overwrite, tokenizer_from=source,
-                      sources=[source / "config.json", *safetensors_files(source)])
+    return _write_dir(
+        dest,
+        config,
+        spec,
+        tensors,
+        overwrite,
+        tokenizer_from=source,
+        sources=[source / "config.json", *safetensors_files(source)],
+    )
 
 
 def _gguf_config(source: Path) -> dict[str, Any]:
@@ -188,8 +212,16 @@ def _gguf_config(source: Path) -> dict[str, Any]:
     return config
 
 
-def _write_dir(dest: Path, config: dict[str, Any], spec: QuantSpec, tensors: dict[str, torch.Tensor],
-               overwrite: bool, *, tokenizer_from: Path, sources: list[Path]) -> Path:
+def _write_dir(
+    dest: Path,
+    config: dict[str, Any],
+    spec: QuantSpec,
+    tensors: dict[str, torch.Tensor],
+    overwrite: bool,
+    *,
+    tokenizer_from: Path,
+    sources: list[Path],
+) -> Path:
     if dest.exists() and not overwrite:
         raise FileExistsError(f"{dest} already exists; pass overwrite=True to replace it")
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -211,8 +243,7 @@ def _write_dir(dest: Path, config: dict[str, Any], spec: QuantSpec, tensors: dic
         convert._write_safetensors(tmp / convert.WEIGHTS_FILE, specs)
         if not (tmp / "generation_config.json").exists():
             convert._write_generation_config(tmp)
-        convert._write_source_record(tmp / convert.SOURCE_RECORD, sources[0], sources,
-                                     f"quantized {spec.method.value}")
+        convert._write_source_record(tmp / convert.SOURCE_RECORD, sources[0], sources, f"quantized {spec.method.value}")
         convert._move_into_place(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -79,9 +79,11 @@ def check_group_size(in_features: int, group_size: int) -> None:
     if group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
     if in_features % group_size:
-        raise ValueError(f"int4 group size {group_size} does not divide the layer's {in_features} "
-                         f"input features; choose one of "
-                         f"{[g for g in INT4_GROUP_SIZES if in_features % g == 0] or 'none: use int8'}")
+        raise ValueError(
+            f"int4 group size {group_size} does not divide the layer's {in_features} "
+            f"input features; choose one of "
+            f"{[g for g in INT4_GROUP_SIZES if in_features % g == 0] or 'none: use int8'}"
+        )
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -100,8 +102,9 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 W8A8_OUTLIER_CHANNELS = 8
 
 
-def _w8a8_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-             outliers: int = W8A8_OUTLIER_CHANNELS, io=None) -> torch.Tensor:
+def _w8a8_mm(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, outliers: int = W8A8_OUTLIER_CHANNELS, io=None
+) -> torch.Tensor:
     """`x [M, K]` quantized per row to int8 (symmetric), `torch._int_mm` with int32 sums, rescaled;
     the `outliers` input channels of largest max |x| over the call's rows are left out of the
     int8 product and added back as a float32 product with the same int8 weight columns.
@@ -111,8 +114,9 @@ def _w8a8_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     if io is not None and x.dtype in (torch.float32, torch.bfloat16):
         xq, x_scale, x_out, cols = io.int8_quantize_rows(x.contiguous(), outliers)
         w_out = qweight[:, cols].t().float().contiguous()
-        return io.int8_mm_epilogue(torch._int_mm(xq, qweight.t()), x_scale, scale, x_out, w_out,
-                                   x.dtype == torch.bfloat16)
+        return io.int8_mm_epilogue(
+            torch._int_mm(xq, qweight.t()), x_scale, scale, x_out, w_out, x.dtype == torch.bfloat16
+        )
     xf = x.float() if x.dtype != torch.float32 else x.clone()  # quantized in place below: never the caller's
     if outliers:
         cols = xf.abs().amax(dim=0).topk(outliers).indices
@@ -165,9 +169,17 @@ class _QuantBase(nn.Module):
 class Int8Linear(_QuantBase):
     """int8 per-output-channel weights; see the module docstring for the kernels per row count."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 weight_only_max_rows: int = INT8_WEIGHT_ONLY_MAX_ROWS,
-                 dequant_min_rows: int = INT8_DEQUANT_MIN_ROWS, w8a8: bool = False, io=None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        weight_only_max_rows: int = INT8_WEIGHT_ONLY_MAX_ROWS,
+        dequant_min_rows: int = INT8_DEQUANT_MIN_ROWS,
+        w8a8: bool = False,
+        io=None,
+    ) -> None:
         super().__init__(in_features, out_features, bias, dtype)
         self.io = io  # the int8_mm_io extension for `_w8a8_mm`, or None
         # Rows <= weight_only_max_rows: weight-only kernel; < dequant_min_rows: torch._int_mm on
@@ -187,8 +199,13 @@ class Int8Linear(_QuantBase):
         self.register_buffer("kernel_scale", torch.empty(out_features, dtype=dtype))
 
     @classmethod
-    def sharing(cls, qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                weight_only_max_rows: int = HEAD_WEIGHT_ONLY_MAX_ROWS) -> Int8Linear:
+    def sharing(
+        cls,
+        qweight: torch.Tensor,
+        scale: torch.Tensor,
+        dtype: torch.dtype,
+        weight_only_max_rows: int = HEAD_WEIGHT_ONLY_MAX_ROWS,
+    ) -> Int8Linear:
         """A bias-free layer over existing int8 storage (the tied LM head over the embedding)."""
         with torch.device("meta"):
             layer = cls(qweight.shape[1], qweight.shape[0], False, dtype, weight_only_max_rows)
@@ -199,8 +216,8 @@ class Int8Linear(_QuantBase):
 
     def set_rows(self, start: int, qweight: torch.Tensor, scale: torch.Tensor) -> None:
         self._check_range(start, qweight.shape[0])
-        self.qweight[start:start + qweight.shape[0]].copy_(qweight)
-        self.scale[start:start + qweight.shape[0]].copy_(scale)
+        self.qweight[start : start + qweight.shape[0]].copy_(qweight)
+        self.scale[start : start + qweight.shape[0]].copy_(scale)
         self._count(qweight.shape[0])
 
     def quantize_rows(self, start: int, weight: torch.Tensor) -> None:
@@ -220,16 +237,25 @@ class Int8Linear(_QuantBase):
         elif rows.shape[0] < self.dequant_min_rows:
             out = _w8a8_mm(rows, self.qweight, self.scale, io=self.io)
         else:
-            out = _dequantized_linear(rows, lambda dtype: self.qweight.to(dtype) * self.kernel_scale[:, None].to(dtype),
-                                      self.dtype)
+            out = _dequantized_linear(
+                rows, lambda dtype: self.qweight.to(dtype) * self.kernel_scale[:, None].to(dtype), self.dtype
+            )
         return self._finish(out.to(x.dtype), x)
 
 
 class Int4Linear(_QuantBase):
     """int4 weights in groups along the input, asymmetric; see the module docstring."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 group_size: int = 32, kernel_max_rows: int | None = None, dequant=None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        group_size: int = 32,
+        kernel_max_rows: int | None = None,
+        dequant=None,
+    ) -> None:
         super().__init__(in_features, out_features, bias, dtype)
         check_group_size(in_features, group_size)
         if out_features % _INT4_BLOCK_N:
@@ -254,11 +280,13 @@ class Int4Linear(_QuantBase):
         rows = codes.shape[0]
         self._check_range(start, rows)
         if scale.shape != (rows, self.in_features // self.group_size):
-            raise ValueError(f"int4 scales of shape {tuple(scale.shape)} do not match group size "
-                             f"{self.group_size} over {self.in_features} inputs")
-        self.codes[start:start + rows].copy_(codes)
-        self.scale[start:start + rows].copy_(scale)
-        self.offset[start:start + rows].copy_(offset)
+            raise ValueError(
+                f"int4 scales of shape {tuple(scale.shape)} do not match group size "
+                f"{self.group_size} over {self.in_features} inputs"
+            )
+        self.codes[start : start + rows].copy_(codes)
+        self.scale[start : start + rows].copy_(scale)
+        self.offset[start : start + rows].copy_(offset)
         self._count(rows)
 
     def quantize_rows(self, start: int, weight: torch.Tensor) -> None:
@@ -285,18 +313,20 @@ class Int4Linear(_QuantBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = self._rows(x).to(self.dtype)
         if self.dequant is not None and rows.shape[0] <= INT4_GEMV_MAX_ROWS:
-            out = self.dequant.int4pack_gemv(rows.float(), self.packed, *self.gemv_scale_shift, self.group_size,
-                                             packed_block_n())
+            out = self.dequant.int4pack_gemv(
+                rows.float(), self.packed, *self.gemv_scale_shift, self.group_size, packed_block_n()
+            )
         elif rows.shape[0] <= self.kernel_max_rows:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size,
-                                                             self.scales_and_zeros)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
         elif self.dequant is not None and not cpu_has_bf16_dot():
             # float32 GEMMs on cache-sized de-quantized chunks (bf16 GEMMs are emulated here).
-            out = int4pack_linear(self.dequant, rows, self.packed, *scale_and_shift(self.scales_and_zeros),
-                                  self.group_size)
+            out = int4pack_linear(
+                self.dequant, rows, self.packed, *scale_and_shift(self.scales_and_zeros), self.group_size
+            )
         elif self.dequant is not None:  # one bf16 GEMM on the whole de-quantized weight
-            weight_t = int4pack_dequant_t(self.dequant, self.packed, *scale_and_shift(self.scales_and_zeros),
-                                          self.group_size)
+            weight_t = int4pack_dequant_t(
+                self.dequant, self.packed, *scale_and_shift(self.scales_and_zeros), self.group_size
+            )
             out = F.linear(rows, weight_t.to(self.dtype).t())
         else:
             out = _dequantized_linear(rows, self.dequantized, self.dtype)
@@ -333,8 +363,16 @@ class Int8Embedding(nn.Module):
         self.scale.copy_(scale)
 
 
-def make_quant_linear(method: QuantMethod, in_features: int, out_features: int, bias: bool,
-                      dtype: torch.dtype, group_size: int, int4_dequant=None, int8_mm_io=None) -> _QuantBase:
+def make_quant_linear(
+    method: QuantMethod,
+    in_features: int,
+    out_features: int,
+    bias: bool,
+    dtype: torch.dtype,
+    group_size: int,
+    int4_dequant=None,
+    int8_mm_io=None,
+) -> _QuantBase:
     """The quantized layer of `method`; `int4_dequant` is the loaded int4_dequant extension
     (`kernels.cpu_int4_dequant.load_int4_dequant()`) for int4, `int8_mm_io` the int8_mm_io one
     (`kernels.cpu_int8_mm_io.load_int8_mm_io()`) for int8 / w8a8, or None."""

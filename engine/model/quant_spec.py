@@ -31,6 +31,7 @@ class QuantMethod(enum.Enum):
     INT4 = "int4"
     W8A8 = "w8a8"
 
+
 CONFIG_KEY = "pagedserve_quantization"
 QUANT_LEAVES = ("qweight", "scales", "offsets")
 
@@ -52,8 +53,12 @@ class QuantSpec:
         return self.overrides.get(module_name, self.method)
 
     def record(self) -> dict[str, Any]:
-        return {"method": self.method.value, "group_size": self.group_size, "source": self.source,
-                "overrides": {k: v.value for k, v in sorted(self.overrides.items())}}
+        return {
+            "method": self.method.value,
+            "group_size": self.group_size,
+            "source": self.source,
+            "overrides": {k: v.value for k, v in sorted(self.overrides.items())},
+        }
 
 
 def parse_method(value: Any) -> QuantMethod:
@@ -72,8 +77,12 @@ def checkpoint_spec(config: dict[str, Any]) -> QuantSpec | None:
         return None
     if not isinstance(record, dict) or "method" not in record:
         raise ValueError(f"config.json: {CONFIG_KEY} must be an object with a 'method'")
-    return QuantSpec(record["method"], int(record.get("group_size", 32)), str(record.get("source", "")),
-                     dict(record.get("overrides", {})))
+    return QuantSpec(
+        record["method"],
+        int(record.get("group_size", 32)),
+        str(record.get("source", "")),
+        dict(record.get("overrides", {})),
+    )
 
 
 def resolve_spec(config: dict[str, Any], option: str | None, group_size: int, device: str) -> QuantSpec | None:
@@ -85,13 +94,16 @@ def resolve_spec(config: dict[str, Any], option: str | None, group_size: int, de
     stored = checkpoint_spec(config)
     wanted = None if option is None else parse_method(option)
     if stored is not None:
-        if wanted is not None and (wanted is not stored.method or group_size != stored.group_size
-                                   and wanted is QuantMethod.INT4):
-            raise ValueError(f"the model is already quantized ({stored.method.value}"
-                             f"{f', group size {stored.group_size}' if stored.method is QuantMethod.INT4 else ''}"
-                             f", from {stored.source or 'unknown'}); quantization={option!r}"
-                             f"{f' with group size {group_size}' if wanted is QuantMethod.INT4 else ''} "
-                             "contradicts it: leave quantization unset or archive the unquantized model")
+        if wanted is not None and (
+            wanted is not stored.method or group_size != stored.group_size and wanted is QuantMethod.INT4
+        ):
+            raise ValueError(
+                f"the model is already quantized ({stored.method.value}"
+                f"{f', group size {stored.group_size}' if stored.method is QuantMethod.INT4 else ''}"
+                f", from {stored.source or 'unknown'}); quantization={option!r}"
+                f"{f' with group size {group_size}' if wanted is QuantMethod.INT4 else ''} "
+                "contradicts it: leave quantization unset or archive the unquantized model"
+            )
         spec = stored
     elif wanted is None or wanted is QuantMethod.NONE:
         return None
@@ -103,9 +115,13 @@ def resolve_spec(config: dict[str, Any], option: str | None, group_size: int, de
 
 def check_supported(spec: QuantSpec, device: str) -> None:
     if not str(device).startswith("cpu"):
-        raise ValueError(f"quantization={spec.method.value} runs on CPU only in this version; "
-                         "use device='cpu' or quantization='none'")
+        raise ValueError(
+            f"quantization={spec.method.value} runs on CPU only in this version; "
+            "use device='cpu' or quantization='none'"
+        )
     if QuantMethod.W8A8 in {spec.method, *spec.overrides.values()} and not cpu_has_vnni():
-        raise ValueError("quantization='w8a8' needs a CPU with VNNI int8 dot products (avx512_vnni, "
-                         "avx_vnni or AMX), which this CPU does not report; use 'int8' or 'int4' "
-                         "(weight-only) instead")
+        raise ValueError(
+            "quantization='w8a8' needs a CPU with VNNI int8 dot products (avx512_vnni, "
+            "avx_vnni or AMX), which this CPU does not report; use 'int8' or 'int4' "
+            "(weight-only) instead"
+        )

@@ -21,15 +21,25 @@ class Qwen2MoeForCausalLM(MoECausalLM):
 def parse_qwen2_moe(cfg: Mapping[str, Any], arch: str) -> ModelSpec:
     fields = base_fields(cfg, arch)
     moe = MoESpec(
-        num_experts=num_experts(cfg), top_k=int(cfg["num_experts_per_tok"]),
-        intermediate_size=int(cfg["moe_intermediate_size"]), scoring=RouterScoring.SOFTMAX_TOPK,
+        num_experts=num_experts(cfg),
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate_size=int(cfg["moe_intermediate_size"]),
+        scoring=RouterScoring.SOFTMAX_TOPK,
         normalize=bool(cfg.get("norm_topk_prob", False)),
-        shared_intermediate_size=int(cfg["shared_expert_intermediate_size"]), shared_gate=True,
+        shared_intermediate_size=int(cfg["shared_expert_intermediate_size"]),
+        shared_gate=True,
         dense_layers=qwen_dense_layers(cfg),
     )
     fields.update(qkv_bias=bool(cfg.get("qkv_bias", True)), moe=moe, **sliding_fields(cfg))
     return ModelSpec(**fields)
 
 
-QWEN2_MOE = Family("qwen2_moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), parse_qwen2_moe, Qwen2MoeForCausalLM,
-                   tensor_parallel=True, notes="experts with softmax top-k routing, gated shared expert")
+QWEN2_MOE = Family(
+    "qwen2_moe",
+    ("Qwen2MoeForCausalLM",),
+    ("qwen2_moe",),
+    parse_qwen2_moe,
+    Qwen2MoeForCausalLM,
+    tensor_parallel=True,
+    notes="experts with softmax top-k routing, gated shared expert",
+)

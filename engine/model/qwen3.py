@@ -23,5 +23,12 @@ def parse_qwen3(cfg: Mapping[str, Any], arch: str) -> ModelSpec:
     return ModelSpec(**fields)
 
 
-QWEN3 = Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), parse_qwen3, Qwen3ForCausalLM,
-               gguf_architectures=("qwen3",), notes="per-head q/k RMSNorm")
+QWEN3 = Family(
+    "qwen3",
+    ("Qwen3ForCausalLM",),
+    ("qwen3",),
+    parse_qwen3,
+    Qwen3ForCausalLM,
+    gguf_architectures=("qwen3",),
+    notes="per-head q/k RMSNorm",
+)

@@ -21,14 +21,24 @@ class Qwen3MoeForCausalLM(MoECausalLM):
 def parse_qwen3_moe(cfg: Mapping[str, Any], arch: str) -> ModelSpec:
     fields = base_fields(cfg, arch)
     moe = MoESpec(
-        num_experts=num_experts(cfg), top_k=int(cfg["num_experts_per_tok"]),
-        intermediate_size=int(cfg["moe_intermediate_size"]), scoring=RouterScoring.SOFTMAX_TOPK,
-        normalize=bool(cfg.get("norm_topk_prob", False)), dense_layers=qwen_dense_layers(cfg),
+        num_experts=num_experts(cfg),
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate_size=int(cfg["moe_intermediate_size"]),
+        scoring=RouterScoring.SOFTMAX_TOPK,
+        normalize=bool(cfg.get("norm_topk_prob", False)),
+        dense_layers=qwen_dense_layers(cfg),
     )
     bias = bool(cfg.get("attention_bias", False))
     fields.update(qk_norm=True, qkv_bias=bias, o_bias=bias, moe=moe, **sliding_fields(cfg))
     return ModelSpec(**fields)
 
 
-QWEN3_MOE = Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), parse_qwen3_moe, Qwen3MoeForCausalLM,
-                   tensor_parallel=True, notes="experts with softmax top-k routing, per-head q/k RMSNorm")
+QWEN3_MOE = Family(
+    "qwen3_moe",
+    ("Qwen3MoeForCausalLM",),
+    ("qwen3_moe",),
+    parse_qwen3_moe,
+    Qwen3MoeForCausalLM,
+    tensor_parallel=True,
+    notes="experts with softmax top-k routing, per-head q/k RMSNorm",
+)

@@ -23,12 +23,36 @@ from engine.model.qwen3 import QWEN3
 from engine.model.qwen3_moe import QWEN3_MOE
 from engine.model.spec import SUPPORTED_ROPE_TYPES, ModelSpec, as_dict
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3,
-                                QWEN2_MOE, QWEN3_MOE, MIXTRAL, OLMOE)
+FAMILIES: tuple[Family, ...] = (
+    LLAMA,
+    MISTRAL,
+    QWEN2,
+    QWEN3,
+    GEMMA2,
+    GEMMA3,
+    PHI3,
+    QWEN2_MOE,
+    QWEN3_MOE,
+    MIXTRAL,
+    OLMOE,
+)
 # GGML tensor types a GGUF may hold (de-quantized at load by the gguf package through
 # transformers, engine.model.convert); any other type is refused by name.
-SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-                        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_GGUF_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
 
 
 def supported_architectures() -> tuple[str, ...]:
@@ -42,10 +66,14 @@ def supported_gguf_architectures() -> tuple[str, ...]:
 def describe_support() -> str:
     """One line per family, for `pagedserve --help` and the docs."""
     lines = [f"  {f.name}: {', '.join(f.architectures)}" + (f" ({f.notes})" if f.notes else "") for f in FAMILIES]
-    return "\n".join(lines + [f"  rope types: {', '.join(SUPPORTED_ROPE_TYPES)}",
-                              f"  GGUF architectures: {', '.join(supported_gguf_architectures())}",
-                              f"  GGUF tensor types (de-quantized at load): {', '.join(SUPPORTED_GGUF_TYPES)}"])
-
+    return "\n".join(
+        lines
+        + [
+            f"  rope types: {', '.join(SUPPORTED_ROPE_TYPES)}",
+            f"  GGUF architectures: {', '.join(supported_gguf_architectures())}",
+            f"  GGUF tensor types (de-quantized at load): {', '.join(SUPPORTED_GGUF_TYPES)}",
+        ]
+    )
 
 
 def _by_architecture() -> dict[str, Family]:

@@ -83,14 +83,17 @@ class ModelSpec:
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
+            raise ValueError(
+                f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
+            )
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
                 raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
             unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
             if unknown:
-                raise ValueError(f"unsupported layer types {sorted(unknown)}; supported: full_attention, "
-                                 "sliding_attention")
+                raise ValueError(
+                    f"unsupported layer types {sorted(unknown)}; supported: full_attention, sliding_attention"
+                )
             if "sliding_attention" in self.layer_types and not self.sliding_window:
                 raise ValueError("sliding_attention layers need a sliding_window")
 
@@ -146,8 +149,9 @@ def layer_types_of(cfg: Mapping[str, Any], pattern: int | None = None) -> tuple[
         return tuple(types)
     if pattern is None:
         return None
-    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
-                 for i in range(int(cfg["num_hidden_layers"])))
+    return tuple(
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(int(cfg["num_hidden_layers"]))
+    )
 
 
 def rope_params(cfg: Mapping[str, Any], kind: str = "full_attention") -> tuple[float, dict[str, Any] | None]:
@@ -168,6 +172,8 @@ def rope_params(cfg: Mapping[str, Any], kind: str = "full_attention") -> tuple[f
         return theta, None
     params["rope_type"] = rope_type
     if rope_type in ("llama3", "longrope"):
-        params.setdefault("original_max_position_embeddings",
-                          cfg.get("original_max_position_embeddings") or cfg.get("max_position_embeddings"))
+        params.setdefault(
+            "original_max_position_embeddings",
+            cfg.get("original_max_position_embeddings") or cfg.get("max_position_embeddings"),
+        )
     return theta, params

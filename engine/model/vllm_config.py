@@ -29,8 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 # vLLM engine argument -> (our handler key, how its value converts; None: as it is).
-_DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
-           "float32": "float32"}
+_DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32", "float32": "float32"}
 
 
 def _dtype(value: Any) -> Any:
@@ -56,9 +55,16 @@ _DEFAULTS = {"dtype": "auto", "tensor_parallel_size": 1, "pipeline_parallel_size
 # vLLM keys that are understood and need nothing here (the registration names the model).
 _UNDERSTOOD = frozenset({"served_model_name", "model", "tokenizer"})
 # TorchServe frontend keys that only shape TorchServe's own batching or process model.
-IGNORED_FRONTEND = ("batchSize", "maxBatchDelay", "asyncCommunication", "continuousBatching",
-                    "torchrun", "useVenv", "maxRetryTimeoutInSec",
-                    "clientTimeoutInMills")
+IGNORED_FRONTEND = (
+    "batchSize",
+    "maxBatchDelay",
+    "asyncCommunication",
+    "continuousBatching",
+    "torchrun",
+    "useVenv",
+    "maxRetryTimeoutInSec",
+    "clientTimeoutInMills",
+)
 VLLM_HANDLER_KEYS = ("model_path", "vllm_engine_config", "adapters")
 
 
@@ -76,14 +82,18 @@ def translate(data: Any, source: str = "model-config.yaml") -> tuple[Any, list[s
     for key in IGNORED_FRONTEND:
         if key in out:
             if not (key == "batchSize" and out[key] == 1):
-                warnings.append(f"{source}: {key} is TorchServe's batching setting; pagedserve "
-                                "batches continuously in the engine (ignored)")
+                warnings.append(
+                    f"{source}: {key} is TorchServe's batching setting; pagedserve "
+                    "batches continuously in the engine (ignored)"
+                )
             del out[key]
     handler = data["handler"]
     engine_config = handler.get("vllm_engine_config") or {}
     if not isinstance(engine_config, dict):
-        raise ValueError(f"{source}: handler.vllm_engine_config: must be a mapping of vLLM engine "  # noqa: TRY004
-                         f"arguments, got {type(engine_config).__name__}")
+        raise ValueError(
+            f"{source}: handler.vllm_engine_config: must be a mapping of vLLM engine "  # noqa: TRY004
+            f"arguments, got {type(engine_config).__name__}"
+        )
     options: dict[str, Any] = {k: v for k, v in handler.items() if k not in VLLM_HANDLER_KEYS}
     for key, value in engine_config.items():
         if key in _UNDERSTOOD or (key in _DEFAULTS and _DEFAULTS[key] == value):
@@ -92,8 +102,7 @@ def translate(data: Any, source: str = "model-config.yaml") -> tuple[Any, list[s
             ours, convert = VLLM_KEYS[key]
             options[ours] = convert(value) if convert else value
         else:
-            warnings.append(f"{source}: handler.vllm_engine_config.{key} has no pagedserve "
-                            "equivalent (ignored)")
+            warnings.append(f"{source}: handler.vllm_engine_config.{key} has no pagedserve equivalent (ignored)")
     if handler.get("adapters"):
         warnings.append(f"{source}: handler.adapters (LoRA adapters) are not served (ignored)")
     out["handler"] = options

@@ -57,12 +57,15 @@ class TensorParallelModel:
     """Rank 0's shard plus the other ranks' processes. Reads through to the shard's attributes
     (`spec`: the whole model's sizes, `rank_spec`: this rank's)."""
 
-    def __init__(self, config: EngineConfig, model_dir: str | Path, backend, max_model_len: int,
-                 quant: QuantSpec | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, model_dir: str | Path, backend, max_model_len: int, quant: QuantSpec | None = None
+    ) -> None:
         size = config.tensor_parallel_size
         if quant is not None and quant.method is not QuantMethod.NONE:
-            raise ValueError(f"a quantized model ({quant.method.value}) cannot run with tensor_parallel_size={size}: "
-                             "tensor parallelism shards full-precision weights only")
+            raise ValueError(
+                f"a quantized model ({quant.method.value}) cannot run with tensor_parallel_size={size}: "
+                "tensor parallelism shards full-precision weights only"
+            )
         spec = parse_config(read_config(model_dir))
         check_tensor_parallel_support(spec, size)
         rank_spec = shard_spec(spec, size)  # refuses sizes that do not divide
@@ -72,9 +75,23 @@ class TensorParallelModel:
         self._store = dist.TCPStore(LOOPBACK, 0, size, True, wait_for_workers=False, timeout=STORE_TIMEOUT)
         context = multiprocessing.get_context("spawn")
         self.ranks = [
-            context.Process(target=run_rank, name=f"tp-rank-{rank}", daemon=True, args=(RankArgs(
-                rank, config, str(model_dir), max_model_len, num_blocks, torch.get_num_threads(),
-                self._store.port, os.getpid()),))
+            context.Process(
+                target=run_rank,
+                name=f"tp-rank-{rank}",
+                daemon=True,
+                args=(
+                    RankArgs(
+                        rank,
+                        config,
+                        str(model_dir),
+                        max_model_len,
+                        num_blocks,
+                        torch.get_num_threads(),
+                        self._store.port,
+                        os.getpid(),
+                    ),
+                ),
+            )
             for rank in range(1, size)
         ]
         self._failure: str | None = None
@@ -104,8 +121,9 @@ class TensorParallelModel:
         return [p.pid for p in self.ranks]
 
     # -- the model's interface -----------------------------------------------------------
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 meta, lora=None) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta, lora=None
+    ) -> torch.Tensor:
         if lora is not None:
             raise ValueError(lora_refusal(self.size))
         with self._step("a forward pass"):
@@ -150,8 +168,11 @@ class TensorParallelModel:
         deadline = time.monotonic() + wait
         for process in self.ranks:
             process.join(max(0.0, deadline - time.monotonic()))
-        return "; ".join(f"rank {rank} (pid {p.pid}) {_how_it_ended(p.exitcode)}"
-                         for rank, p in enumerate(self.ranks, start=1) if p.exitcode is not None)
+        return "; ".join(
+            f"rank {rank} (pid {p.pid}) {_how_it_ended(p.exitcode)}"
+            for rank, p in enumerate(self.ranks, start=1)
+            if p.exitcode is not None
+        )
 
     def _wait_for_ranks(self) -> None:
         """Block until every other rank has loaded its shard; RuntimeError naming the first
@@ -166,11 +187,15 @@ class TensorParallelModel:
                 if self._store.check([ready_key(rank)]):
                     del pending[rank]
                 elif not process.is_alive():
-                    raise RuntimeError(f"tensor-parallel rank {rank} (pid {process.pid}) "
-                                       f"{_how_it_ended(process.exitcode)} while loading its shard")
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} (pid {process.pid}) "
+                        f"{_how_it_ended(process.exitcode)} while loading its shard"
+                    )
             if pending and time.monotonic() > deadline:
-                raise RuntimeError(f"tensor-parallel ranks {sorted(pending)} did not load their shards "
-                                   f"within {RANK_START_TIMEOUT_S:.0f} s")
+                raise RuntimeError(
+                    f"tensor-parallel ranks {sorted(pending)} did not load their shards "
+                    f"within {RANK_START_TIMEOUT_S:.0f} s"
+                )
             time.sleep(0.05)
 
     def close(self) -> None:

@@ -26,8 +26,7 @@ class VocabParallelEmbedding(nn.Module):
     embedding of every id (the ranks' lookups summed). `weight` keeps nn.Embedding's name, so the
     checkpoint's `model.embed_tokens.weight` slice loads into it, and a tied LM head reads it."""
 
-    def __init__(self, num_local: int, dim: int, dtype: torch.dtype, start: int,
-                 group: TensorParallelGroup) -> None:
+    def __init__(self, num_local: int, dim: int, dtype: torch.dtype, start: int, group: TensorParallelGroup) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_local, dim, dtype=dtype))
         self.start, self.num_local, self.group = start, num_local, group
@@ -45,8 +44,9 @@ def parallelize(model: DecoderModel, group: TensorParallelGroup, vocab_per_rank:
     rank `group.rank`'s part: a vocabulary-parallel embedding, and an all-reduce after every
     row-parallel projection."""
     hidden = model.embed_tokens.embedding_dim
-    model.embed_tokens = VocabParallelEmbedding(vocab_per_rank, hidden, model.embed_tokens.weight.dtype,
-                                                group.rank * vocab_per_rank, group)
+    model.embed_tokens = VocabParallelEmbedding(
+        vocab_per_rank, hidden, model.embed_tokens.weight.dtype, group.rank * vocab_per_rank, group
+    )
     for layer in model.layers:
         layer.self_attn.reduce = group.all_reduce
         layer.mlp.reduce = group.all_reduce

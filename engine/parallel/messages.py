@@ -19,8 +19,10 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.int32, torch.int64, torch.float32, torch.bfloat16,
-                                                       torch.float16, torch.uint8)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.int32, torch.int64, torch.float32, torch.bfloat16, torch.float16, torch.uint8)
+}
 _LENGTH_BYTES = 8
 _META = "meta."  # tensor names of the attention metadata's fields
 
@@ -54,11 +56,15 @@ class Message:
 def encode(message: Message) -> torch.Tensor:
     """The message as one uint8 CPU tensor: header length, header, then each tensor's bytes."""
     flat = {name: t.detach().to("cpu").contiguous().reshape(-1) for name, t in message.tensors.items()}
-    specs = [_TensorSpec(name, str(t.dtype).removeprefix("torch."), list(message.tensors[name].shape))
-             for name, t in flat.items()]
+    specs = [
+        _TensorSpec(name, str(t.dtype).removeprefix("torch."), list(message.tensors[name].shape))
+        for name, t in flat.items()
+    ]
     header = msgspec.msgpack.encode(_Header(message.kind, message.fields, specs))
-    parts = [torch.tensor([len(header)], dtype=torch.int64).view(torch.uint8),
-             torch.frombuffer(bytearray(header), dtype=torch.uint8)]
+    parts = [
+        torch.tensor([len(header)], dtype=torch.int64).view(torch.uint8),
+        torch.frombuffer(bytearray(header), dtype=torch.uint8),
+    ]
     parts += [t.view(torch.uint8) for t in flat.values()]
     return torch.cat(parts)
 
@@ -72,7 +78,7 @@ def decode(buffer: torch.Tensor, device: torch.device) -> Message:
     for spec in header.tensors:
         dtype = _DTYPES[spec.dtype]
         size = dtype.itemsize * _numel(spec.shape)
-        raw = buffer[end:end + size].clone()  # its own storage, aligned for the view below
+        raw = buffer[end : end + size].clone()  # its own storage, aligned for the view below
         tensors[spec.name] = raw.view(dtype).reshape(spec.shape).to(device)
         end += size
     return Message(header.kind, header.fields, tensors)

@@ -56,14 +56,22 @@ class RankArgs:
     parent_pid: int
 
 
-def load_rank(config: EngineConfig, model_dir: str, max_model_len: int, group: TensorParallelGroup,
-              backend=None) -> CausalLM:
+def load_rank(
+    config: EngineConfig, model_dir: str, max_model_len: int, group: TensorParallelGroup, backend=None
+) -> CausalLM:
     """Rank `group.rank`'s shard of the model, read from `model_dir` (rank 0 passes its runner's
     attention backend; the other ranks make their own)."""
     if backend is None:
         backend = select_backend(group.device, config.attention_backend, parse_kv_cache_dtype(config.kv_cache_dtype))
-    return load_model(model_dir, config.torch_dtype, group.device, backend, max_model_len=max_model_len,
-                      fused_ops=select_fused_ops(group.device, config.torch_dtype), tp=group)
+    return load_model(
+        model_dir,
+        config.torch_dtype,
+        group.device,
+        backend,
+        max_model_len=max_model_len,
+        fused_ops=select_fused_ops(group.device, config.torch_dtype),
+        tp=group,
+    )
 
 
 def run_rank(args: RankArgs) -> None:
@@ -76,8 +84,9 @@ def run_rank(args: RankArgs) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(args.parent_pid,), name="tp-parent-watch", daemon=True).start()
     config, rank = args.config, args.rank
-    logging.basicConfig(level=logging.INFO,
-                        format=f"[tp rank {rank} {os.getpid()}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"[tp rank {rank} {os.getpid()}] %(levelname)s %(name)s: %(message)s"
+    )
     store = dist.TCPStore(LOOPBACK, args.store_port, config.tensor_parallel_size, False, timeout=STORE_TIMEOUT)
     group = TensorParallelGroup(rank, config.tensor_parallel_size, rank_device(config.device, rank))
     try:
@@ -85,8 +94,14 @@ def run_rank(args: RankArgs) -> None:
         if group.device.type == "cpu":
             tune_glibc_malloc()
         model = load_rank(config, args.model_dir, args.max_model_len, group)
-        kv_caches = allocate_kv_caches(model.rank_spec, args.num_blocks, config.block_size, config.torch_dtype,
-                                       group.device, parse_kv_cache_dtype(config.kv_cache_dtype))
+        kv_caches = allocate_kv_caches(
+            model.rank_spec,
+            args.num_blocks,
+            config.block_size,
+            config.torch_dtype,
+            group.device,
+            parse_kv_cache_dtype(config.kv_cache_dtype),
+        )
     except Exception as exc:  # noqa: BLE001 -- rank 0 reports it and fails its start
         logger.error("loading failed:\n%s", traceback.format_exc())
         store.set(error_key(rank), f"{type(exc).__name__}: {exc}")

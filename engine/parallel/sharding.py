@@ -31,8 +31,10 @@ from engine.model.spec import ModelSpec
 
 _LAYER_TENSOR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
 # An expert's projection (Qwen / OLMoE names, and Mixtral's w1 = gate, w3 = up, w2 = down).
-_EXPERT_TENSOR = re.compile(r"^model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.(experts\.\d+|shared_expert)\."
-                            r"(gate_proj|up_proj|w1|w3|down_proj|w2)\.weight$")
+_EXPERT_TENSOR = re.compile(
+    r"^model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.(experts\.\d+|shared_expert)\."
+    r"(gate_proj|up_proj|w1|w3|down_proj|w2)\.weight$"
+)
 _VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -47,8 +49,10 @@ def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
     if kv >= size and kv % size:
         problems.append(f"{kv} KV heads")
     if kv < size and size % kv:
-        problems.append(f"{kv} KV heads (with fewer KV heads than ranks, the ranks must be a "
-                        f"multiple of them: each KV head is replicated on tensor_parallel_size / KV heads ranks)")
+        problems.append(
+            f"{kv} KV heads (with fewer KV heads than ranks, the ranks must be a "
+            f"multiple of them: each KV head is replicated on tensor_parallel_size / KV heads ranks)"
+        )
     if spec.intermediate_size % size:
         problems.append(f"MLP intermediate size {spec.intermediate_size}")
     if spec.moe is not None:
@@ -59,8 +63,10 @@ def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
     if spec.vocab_size % size:
         problems.append(f"vocabulary of {spec.vocab_size} tokens")
     if problems:
-        raise ValueError(f"tensor_parallel_size={size} does not divide the model's "
-                         f"{', '.join(problems)}; choose a size that divides them")
+        raise ValueError(
+            f"tensor_parallel_size={size} does not divide the model's "
+            f"{', '.join(problems)}; choose a size that divides them"
+        )
 
 
 def shard_spec(spec: ModelSpec, size: int) -> ModelSpec:
@@ -69,8 +75,11 @@ def shard_spec(spec: ModelSpec, size: int) -> ModelSpec:
     check_tensor_parallel(spec, size)
     moe = spec.moe
     if moe is not None:  # every rank holds every expert, a slice of each (engine.model.layers.moe)
-        moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // size,
-                                  shared_intermediate_size=moe.shared_intermediate_size // size)
+        moe = dataclasses.replace(
+            moe,
+            intermediate_size=moe.intermediate_size // size,
+            shared_intermediate_size=moe.shared_intermediate_size // size,
+        )
     return dataclasses.replace(
         spec,
         num_heads=spec.num_heads // size,
@@ -119,14 +128,16 @@ def tensor_slice(name: str, spec: ModelSpec, rank: int, size: int) -> TensorSlic
     if proj in ("o_proj", "down_proj"):
         if leaf == "bias":
             return None if rank == 0 else TensorSlice(zeros=True)
-        width, full = ((local.num_heads * d, spec.num_heads * d) if proj == "o_proj"
-                       else (local.intermediate_size, spec.intermediate_size))
+        width, full = (
+            (local.num_heads * d, spec.num_heads * d)
+            if proj == "o_proj"
+            else (local.intermediate_size, spec.intermediate_size)
+        )
         return TensorSlice(1, rank * width, width, full)
     return None
 
 
-def iter_rank_tensors(files: list[Path], spec: ModelSpec, rank: int, size: int
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_rank_tensors(files: list[Path], spec: ModelSpec, rank: int, size: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Like engine.model.loader.iter_safetensors, but only this rank's slice of each tensor is
     read from disk."""
     for path in files:
@@ -142,7 +153,8 @@ def iter_rank_tensors(files: list[Path], spec: ModelSpec, rank: int, size: int
                     shape = view.get_shape()
                     if len(shape) <= part.dim or shape[part.dim] != part.full:
                         # The rank's slice alone could fit: check the whole tensor's size.
-                        raise ValueError(f"tensor {name} has shape {tuple(shape)}, expected {part.full} "
-                                         f"along dimension {part.dim}")
+                        raise ValueError(
+                            f"tensor {name} has shape {tuple(shape)}, expected {part.full} along dimension {part.dim}"
+                        )
                     stop = part.start + part.length
-                    yield name, view[part.start:stop] if part.dim == 0 else view[:, part.start:stop]
+                    yield name, view[part.start : stop] if part.dim == 0 else view[:, part.start : stop]

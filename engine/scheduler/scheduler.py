@@ -164,8 +164,11 @@ class Scheduler:
         for req_id, n in plan.num_scheduled.items():
             request = self.requests[req_id]
             request.num_computed_tokens += n
-            if self.async_scheduling and request.pooling_params is None and (
-                    request.num_computed_tokens >= request.num_tokens + self._placeholders.get(req_id, 0)):
+            if (
+                self.async_scheduling
+                and request.pooling_params is None
+                and (request.num_computed_tokens >= request.num_tokens + self._placeholders.get(req_id, 0))
+            ):
                 self._placeholders[req_id] = self._placeholders.get(req_id, 0) + 1
         return output
 
@@ -215,8 +218,12 @@ class Scheduler:
             if request.grammar is not None and not request.grammar.poll(now):
                 not_ready.append(self.waiting.pop())
                 continue
-            if (request.lora_id is not None and request.lora_id not in loras
-                    and self.max_loras is not None and len(loras) >= self.max_loras):
+            if (
+                request.lora_id is not None
+                and request.lora_id not in loras
+                and self.max_loras is not None
+                and len(loras) >= self.max_loras
+            ):
                 not_ready.append(self.waiting.pop())
                 continue
             if not self._admit(request, plan):
@@ -276,8 +283,12 @@ class Scheduler:
         return loaded
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        remaining = (request.num_tokens + self._placeholders.get(request.request_id, 0)
-                     + len(request.spec_token_ids) - request.num_computed_tokens)
+        remaining = (
+            request.num_tokens
+            + self._placeholders.get(request.request_id, 0)
+            + len(request.spec_token_ids)
+            - request.num_computed_tokens
+        )
         return max(0, min(remaining, budget, self.max_model_len - request.num_computed_tokens))
 
     def _pick_victim(self) -> Request:
@@ -302,8 +313,11 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply token-level stop conditions, free finished requests
         (a pooling request finishes with its pooled vector)."""
-        outputs = [self._finish_pooled(req_id, pooled) for req_id, pooled in runner_output.pooled.items()
-                   if req_id in self.requests and self.requests[req_id].status is RequestStatus.RUNNING]
+        outputs = [
+            self._finish_pooled(req_id, pooled)
+            for req_id, pooled in runner_output.pooled.items()
+            if req_id in self.requests and self.requests[req_id].status is RequestStatus.RUNNING
+        ]
         for req_id, token_ids in runner_output.sampled_token_ids.items():
             request = self.requests.get(req_id)
             if request is None or request.status not in (RequestStatus.RUNNING, RequestStatus.PREEMPTED):
@@ -362,10 +376,15 @@ class Scheduler:
         request = self.requests[req_id]
         self.running.remove(request)
         self._free(request, RequestStatus.FINISHED_STOPPED)
-        return EngineCoreOutput(request_id=req_id, new_token_ids=[], finish_reason=FinishReason.STOP, pooled=pooled,
-                                num_cached_tokens=request.num_cached_tokens,
-                                num_external_cached_tokens=request.num_external_cached_tokens,
-                                first_scheduled_time=request.first_scheduled_time)
+        return EngineCoreOutput(
+            request_id=req_id,
+            new_token_ids=[],
+            finish_reason=FinishReason.STOP,
+            pooled=pooled,
+            num_cached_tokens=request.num_cached_tokens,
+            num_external_cached_tokens=request.num_external_cached_tokens,
+            first_scheduled_time=request.first_scheduled_time,
+        )
 
     def _check_stop(self, request: Request) -> FinishReason | None:
         params = request.sampling_params

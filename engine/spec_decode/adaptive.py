@@ -117,9 +117,11 @@ class AdaptiveSpeculation:
     def _prior_slope(self, batch_size: int, mean_t: float) -> float:
         """b where draft counts never varied at this batch size: the cost of one more sequence
         (t0's slope over the batch sizes measured with no drafts), else PRIOR_COST's share."""
-        points = [(size, float(np.mean([s[1] for s in samples])))
-                  for size, samples in self._samples.items()
-                  if size != batch_size and len(samples) >= MIN_SAMPLES and all(s[0] == 0 for s in samples)]
+        points = [
+            (size, float(np.mean([s[1] for s in samples])))
+            for size, samples in self._samples.items()
+            if size != batch_size and len(samples) >= MIN_SAMPLES and all(s[0] == 0 for s in samples)
+        ]
         if points:
             size, t = max(points, key=lambda p: abs(p[0] - batch_size))
             slope = (mean_t - t) / (batch_size - size)

@@ -22,7 +22,6 @@ class SpecMethod(enum.Enum):
     AUTO = "auto"  # suffix drafts, each request's length chosen per step by a cost model
 
 
-
 PosInt = Annotated[int, Meta(ge=1, le=MAX_SPEC_TOKENS)]
 Prob = Annotated[float, Meta(ge=0.0, le=1.0)]
 
@@ -60,8 +59,10 @@ class SpeculativeConfig(_SpeculativeFields, frozen=True, forbid_unknown_fields=T
         if (self.method is SpecMethod.DRAFT) != (self.draft_model is not None):
             raise SchemaError("draft_model: is required with method 'draft' and only allowed with it", "draft_model")
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise SchemaError(f"prompt_lookup_min: {self.prompt_lookup_min} exceeds prompt_lookup_max="
-                              f"{self.prompt_lookup_max}", "prompt_lookup_min")
+            raise SchemaError(
+                f"prompt_lookup_min: {self.prompt_lookup_min} exceeds prompt_lookup_max={self.prompt_lookup_max}",
+                "prompt_lookup_min",
+            )
 
     @classmethod
     def from_options(cls, options: Any) -> SpeculativeConfig:
@@ -74,9 +75,9 @@ class SpeculativeConfig(_SpeculativeFields, frozen=True, forbid_unknown_fields=T
         except SchemaError as exc:
             text = str(exc)
             named = exc.field is not None and text.startswith(exc.field)
-            raise SchemaError(f"speculative{'.' if named else ': '}{text}",
-                              f"speculative.{exc.field}" if exc.field else "speculative") from None
+            raise SchemaError(
+                f"speculative{'.' if named else ': '}{text}", f"speculative.{exc.field}" if exc.field else "speculative"
+            ) from None
 
     def as_dict(self) -> dict:
         return msgspec.to_builtins(self)
-

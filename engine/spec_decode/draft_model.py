@@ -40,12 +40,23 @@ def draft_kv_bytes_per_block(model_dir: str, block_size: int, dtype: torch.dtype
 
 
 class DraftModelProposer:
-    def __init__(self, model_dir: str, num_tokens: int, dtype: torch.dtype, device: str, block_size: int,
-                 num_blocks: int, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        num_tokens: int,
+        dtype: torch.dtype,
+        device: str,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int,
+        vocab_size: int,
+    ) -> None:
         config = read_config(model_dir)
         if int(config["vocab_size"]) != vocab_size:
-            raise ValueError(f"speculative.draft_model: its vocabulary has {config['vocab_size']} tokens, the "
-                             f"served model's {vocab_size}: the two must share a tokenizer")
+            raise ValueError(
+                f"speculative.draft_model: its vocabulary has {config['vocab_size']} tokens, the "
+                f"served model's {vocab_size}: the two must share a tokenizer"
+            )
         self.device = torch.device(device)
         backend = select_backend(self.device)
         self.model = load_model(model_dir, dtype, device, backend, max_model_len=max_model_len)
@@ -128,14 +139,24 @@ class DraftModelProposer:
         dev = self.device
         cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
         meta = AttentionMetadata(
-            num_seqs=len(order), num_tokens=len(ids), query_lens=query_lens, seq_lens=seq_lens,
-            query_start_loc=cu.to(dev), seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=tables.to(dev), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            num_seqs=len(order),
+            num_tokens=len(ids),
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            query_start_loc=cu.to(dev),
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=tables.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
             num_decodes=sum(1 for q in query_lens if q == 1),
         )
-        hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
-                            torch.tensor(positions, dtype=torch.int64, device=dev), self.kv_caches, meta)
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            self.kv_caches,
+            meta,
+        )
         tokens = self.model.compute_logits(hidden[(cu[1:] - 1).long().to(dev)]).argmax(dim=-1).tolist()
         out = [0] * len(chunks)
         for row, i in enumerate(order):

@@ -23,19 +23,37 @@ class Speculator:
         self.config = config
         self.max_model_len = max_model_len
         k = config.num_speculative_tokens
-        self.ngram = (NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
-                      if config.method is SpecMethod.NGRAM else None)
+        self.ngram = (
+            NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
+            if config.method is SpecMethod.NGRAM
+            else None
+        )
         self.draft_model = None
         if config.method is SpecMethod.DRAFT:
             # imported here: only this method loads a second model
             from engine.spec_decode.draft_model import DraftModelProposer
 
             self.draft_model = DraftModelProposer(
-                config.draft_model, k, runner.dtype, str(runner.device), runner.block_size, runner.num_blocks,
-                max_model_len, runner.vocab_size)
-        self.suffix = None if config.method in (SpecMethod.NGRAM, SpecMethod.DRAFT) else SuffixProposer(
-            k, config.suffix_max_depth, config.suffix_global_tokens, config.suffix_min_prob,
-            config.suffix_spec_factor)
+                config.draft_model,
+                k,
+                runner.dtype,
+                str(runner.device),
+                runner.block_size,
+                runner.num_blocks,
+                max_model_len,
+                runner.vocab_size,
+            )
+        self.suffix = (
+            None
+            if config.method in (SpecMethod.NGRAM, SpecMethod.DRAFT)
+            else SuffixProposer(
+                k,
+                config.suffix_max_depth,
+                config.suffix_global_tokens,
+                config.suffix_min_prob,
+                config.suffix_spec_factor,
+            )
+        )
         self.adaptive = AdaptiveSpeculation(k) if config.method is SpecMethod.AUTO else None
 
     def observe(self, so: SchedulerOutput, result: ModelRunnerOutput, seconds: float) -> None:
@@ -49,8 +67,11 @@ class Speculator:
             if tokens:
                 self.adaptive.observe_verification(req_id, len(drafts), len(tokens) - 1)
         num_drafts = sum(len(d) for d in spec.values())
-        decode_only = not so.new_requests and len(so.num_scheduled_tokens) > 0 and all(
-            n == 1 + len(spec.get(r, ())) for r, n in so.num_scheduled_tokens.items())
+        decode_only = (
+            not so.new_requests
+            and len(so.num_scheduled_tokens) > 0
+            and all(n == 1 + len(spec.get(r, ())) for r, n in so.num_scheduled_tokens.items())
+        )
         if decode_only:
             self.adaptive.observe_step(len(so.num_scheduled_tokens), num_drafts, seconds)
 
@@ -58,8 +79,11 @@ class Speculator:
         """Set the next step's drafts of the running requests that are decoding (never a
         pooling request: it samples nothing); forget requests no longer in `live_ids`."""
         self._release(live_ids)
-        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1
-                    and r.pooling_params is None and can_draft(r.sampling_params)]
+        decoding = [
+            r
+            for r in running
+            if r.num_computed_tokens == r.num_tokens - 1 and r.pooling_params is None and can_draft(r.sampling_params)
+        ]
         batch = []  # draft model: (request, room), drafted together
         for request in decoding:
             params = request.sampling_params
@@ -73,8 +97,9 @@ class Speculator:
             if self.ngram is not None:
                 request.spec_token_ids = self.ngram.propose(request.all_token_ids, room)
                 continue
-            self.suffix.update(request.request_id, request.all_token_ids, request.num_prompt_tokens,
-                               request.lora_id or "")
+            self.suffix.update(
+                request.request_id, request.all_token_ids, request.num_prompt_tokens, request.lora_id or ""
+            )
             if self.adaptive is not None:
                 room = min(room, self.adaptive.num_drafts(request.request_id, len(decoding)))
             request.spec_token_ids = self.suffix.propose(request.request_id, room).tokens if room > 0 else []
@@ -93,8 +118,12 @@ class Speculator:
         out = {}
         if self.adaptive is not None:
             a = self.adaptive.stats
-            out.update(spec_requests_drafted=a.requests_drafted, spec_requests_skipped=a.requests_skipped,
-                       spec_acceptance_rate=a.acceptance_rate, spec_cost_ratio=a.cost_ratio)
+            out.update(
+                spec_requests_drafted=a.requests_drafted,
+                spec_requests_skipped=a.requests_skipped,
+                spec_acceptance_rate=a.acceptance_rate,
+                spec_cost_ratio=a.cost_ratio,
+            )
         if self.suffix is not None:
             s = self.suffix.stats()
             out.update(spec_suffix_global_tokens=s.global_tokens, spec_suffix_global_bytes=s.global_bytes)

@@ -43,8 +43,14 @@ class SuffixStats:
 
 
 class SuffixProposer:
-    def __init__(self, num_tokens: int, max_depth: int = 24, global_tokens: int = 16384,
-                 min_prob: float = 0.1, spec_factor: float = 1.0) -> None:
+    def __init__(
+        self,
+        num_tokens: int,
+        max_depth: int = 24,
+        global_tokens: int = 16384,
+        min_prob: float = 0.1,
+        spec_factor: float = 1.0,
+    ) -> None:
         self.num_tokens = num_tokens
         self.max_depth = max_depth
         self.global_tokens = global_tokens
@@ -77,8 +83,10 @@ class SuffixProposer:
         context = index.tokens
         # The open suffixes are the context's own suffix nodes: the longest with a child is
         # the local match, no search needed.
-        match = next(((node, depth) for depth, node in reversed(list(enumerate(index.active)))
-                      if node.children), (index.trie.root, 0))
+        match = next(
+            ((node, depth) for depth, node in reversed(list(enumerate(index.active))) if node.children),
+            (index.trie.root, 0),
+        )
         best = index.trie.propose(context, k, self.min_prob, self.spec_factor, match)
         shared = self._global.get(index.model_key)
         if shared is not None and shared.num_nodes > 1:
@@ -125,8 +133,11 @@ class SuffixProposer:
         request_nodes = sum(i.trie.num_nodes for i in self._requests.values())
         global_nodes = sum(t.num_nodes for t in self._global.values())
         return SuffixStats(
-            num_requests=len(self._requests), request_nodes=request_nodes,
-            global_sequences=len(self._global_fifo), global_tokens=self._global_size, global_nodes=global_nodes,
+            num_requests=len(self._requests),
+            request_nodes=request_nodes,
+            global_sequences=len(self._global_fifo),
+            global_tokens=self._global_size,
+            global_nodes=global_nodes,
             global_bytes=sum(t.memory_bytes() for t in self._global.values()),
             request_bytes=sum(i.trie.memory_bytes() for i in self._requests.values()),
         )

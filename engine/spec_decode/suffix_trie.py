@@ -137,8 +137,14 @@ class SuffixTrie:
             node = best
         return Draft(tokens, probs)
 
-    def propose(self, context: Sequence[int], max_tokens: int, min_prob: float, spec_factor: float,
-                match: tuple[_Node, int] | None = None) -> Draft:
+    def propose(
+        self,
+        context: Sequence[int],
+        max_tokens: int,
+        min_prob: float,
+        spec_factor: float,
+        match: tuple[_Node, int] | None = None,
+    ) -> Draft:
         """Draft up to `max_tokens` tokens after `context`: match its longest suffix, follow the
         likeliest path; where the path ends at max_depth, match again with the drafts appended.
         At most `spec_factor` x the first match's length tokens (a 1-token match drafts 1).

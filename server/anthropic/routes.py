@@ -42,8 +42,13 @@ async def messages(request: web.Request) -> web.StreamResponse:
     with admitted(request, version, None):
         spec = tool_prompt(parsed.prompt, parsed.tools, getattr(version.tokenizer, "chat_template", None))
         job = await prepare(state, version, spec, parsed.params, client=request.remote or "", lora=lora(request))
-        shaper = AnthropicShaper(parsed.model, len(job.input.token_ids), parsed.tools,
-                                 ToolParser(version.model_config.tool_parser), "msg_" + request[REQUEST_ID_KEY])
+        shaper = AnthropicShaper(
+            parsed.model,
+            len(job.input.token_ids),
+            parsed.tools,
+            ToolParser(version.model_config.tool_parser),
+            "msg_" + request[REQUEST_ID_KEY],
+        )
         return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
 
 
@@ -57,8 +62,9 @@ async def count_tokens(request: web.Request) -> web.Response:
     limit = version.max_model_len or (1 << 20)
     loop = asyncio.get_running_loop()
     try:
-        _, token_ids = await loop.run_in_executor(state.executor, state.limits.prompts.tokenize,
-                                                  version.tokenizer, spec, limit)
+        _, token_ids = await loop.run_in_executor(
+            state.executor, state.limits.prompts.tokenize, version.tokenizer, spec, limit
+        )
     except InvalidInput as exc:
         raise ErrorReply(400, str(exc), param=exc.field) from None
     except HandlerError as exc:

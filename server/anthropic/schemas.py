@@ -152,8 +152,9 @@ def parse_messages(body: dict[str, Any]) -> AnthropicRequest:
     constraint = parsed.tools.constraint() if parsed.tools is not None else None
     if req.output_config is not None and req.output_config.format is not None:
         if constraint is not None:
-            raise HandlerError("output_config.format: cannot be combined with tool_choice any or tool",
-                               param="output_config.format")
+            raise HandlerError(
+                "output_config.format: cannot be combined with tool_choice any or tool", param="output_config.format"
+            )
         constraint = req.output_config.format.schema
     if constraint is not None:
         fields["structured_outputs"] = {"json": json.dumps(constraint)}
@@ -191,8 +192,12 @@ def _tools(tools: list[Tool] | None, choice: ToolChoice | None) -> ToolRequest |
         raise HandlerError(f"tool_choice.name: no tool named {choice.name!r} in tools", param="tool_choice.name")
     defs = [ToolDef("function", FunctionDef(t.name, t.description, t.input_schema)) for t in tools]
     parallel = not (choice is not None and choice.disable_parallel_tool_use)
-    return ToolRequest(defs, {"auto": "auto", "any": "required", "tool": "function"}[kind],
-                       choice.name if kind == "tool" else None, parallel)
+    return ToolRequest(
+        defs,
+        {"auto": "auto", "any": "required", "tool": "function"}[kind],
+        choice.name if kind == "tool" else None,
+        parallel,
+    )
 
 
 def _system(system: str | list[TextBlock] | None) -> list[dict[str, Any]]:
@@ -212,24 +217,36 @@ def _messages(messages: list[Message]) -> list[dict[str, Any]]:
         for j, block in enumerate(blocks):
             where = f"messages[{i}].content[{j}]"
             if isinstance(block, (ImageBlock, DocumentBlock)):
-                raise HandlerError(f"{where}: {type(block).__name__.removesuffix('Block').lower()} blocks are not "
-                                   "supported: the models served here read text only", param=where)
+                raise HandlerError(
+                    f"{where}: {type(block).__name__.removesuffix('Block').lower()} blocks are not "
+                    "supported: the models served here read text only",
+                    param=where,
+                )
             if isinstance(block, TextBlock):
                 texts.append(block.text)
             elif isinstance(block, ToolUseBlock):
                 if m.role != "assistant":
                     raise HandlerError(f"{where}: tool_use blocks belong to assistant turns", param=where)
-                calls.append({"id": block.id, "type": "function",
-                              "function": {"name": block.name, "arguments": block.input}})
+                calls.append(
+                    {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": block.input}}
+                )
             else:
                 if m.role != "user":
                     raise HandlerError(f"{where}: tool_result blocks belong to user turns", param=where)
                 if block.tool_use_id not in open_calls:
-                    raise HandlerError(f"{where}.tool_use_id: {block.tool_use_id!r} answers no tool_use block "
-                                       "of the assistant turn before it", param=f"{where}.tool_use_id")
+                    raise HandlerError(
+                        f"{where}.tool_use_id: {block.tool_use_id!r} answers no tool_use block "
+                        "of the assistant turn before it",
+                        param=f"{where}.tool_use_id",
+                    )
                 content = block.content if isinstance(block.content, str) else "".join(b.text for b in block.content)
-                results.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                                "content": ("Error: " if block.is_error else "") + content})
+                results.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": block.tool_use_id,
+                        "content": ("Error: " if block.is_error else "") + content,
+                    }
+                )
         out += results
         if calls:
             out.append({"role": "assistant", "content": "".join(texts), "tool_calls": calls})

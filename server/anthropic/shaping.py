@@ -27,9 +27,16 @@ from handlers.llm_output import timings
 from handlers.openai_tools import ToolParser, ToolRequest, parse_output
 from server.streaming import StreamFormat
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-               503: "overloaded_error", 529: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 
 
 def error_body(code: int, message: str) -> dict[str, Any]:
@@ -87,8 +94,14 @@ class AnthropicShaper:
             for i, block in enumerate(blocks):
                 events += _streamed_block(i, block)
         usage = _usage(out)
-        events.append({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                       "usage": {"output_tokens": usage["output_tokens"]}, "timings": timings(out, total_s)})
+        events.append(
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                "usage": {"output_tokens": usage["output_tokens"]},
+                "timings": timings(out, total_s),
+            }
+        )
         events.append({"type": "message_stop"})
         return events
 
@@ -96,21 +109,38 @@ class AnthropicShaper:
         return error_body(code, message)
 
     # -- helpers -----------------------------------------------------------------------------
-    def _message(self, content: list[dict[str, Any]], stop_reason: str | None, stop_sequence: str | None,
-                 usage: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
-                "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
+    def _message(
+        self, content: list[dict[str, Any]], stop_reason: str | None, stop_sequence: str | None, usage: dict[str, Any]
+    ) -> dict[str, Any]:
+        return {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": usage,
+        }
 
-    def _blocks(self, text: str, finish_reason: str | None, stop: int | str | None
-                ) -> tuple[list[dict[str, Any]], str, str | None]:
+    def _blocks(
+        self, text: str, finish_reason: str | None, stop: int | str | None
+    ) -> tuple[list[dict[str, Any]], str, str | None]:
         """The content blocks of a finished choice, its stop_reason and stop_sequence."""
         calls = []
         if self.tools is not None:
             parsed = parse_output(text, self.tools, self.tool_parser)
             text, calls = parsed.content or "", parsed.calls
         blocks = [{"type": "text", "text": text}] if text or not calls else []
-        blocks += [{"type": "tool_use", "id": "toolu_" + c.id.removeprefix("call_"), "name": c.name,
-                    "input": json.loads(c.arguments)} for c in calls]
+        blocks += [
+            {
+                "type": "tool_use",
+                "id": "toolu_" + c.id.removeprefix("call_"),
+                "name": c.name,
+                "input": json.loads(c.arguments),
+            }
+            for c in calls
+        ]
         if calls and (finish_reason == "stop" or self.tools.forced):
             return blocks, "tool_use", None
         if finish_reason == "length":
@@ -121,8 +151,12 @@ class AnthropicShaper:
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:
-    return {"input_tokens": len(out.prompt_token_ids), "output_tokens": sum(len(c.token_ids) for c in out.outputs),
-            "cache_read_input_tokens": out.num_cached_tokens, "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": len(out.prompt_token_ids),
+        "output_tokens": sum(len(c.token_ids) for c in out.outputs),
+        "cache_read_input_tokens": out.num_cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def _block_start(index: int, block: dict[str, Any]) -> dict[str, Any]:
@@ -139,7 +173,12 @@ def _streamed_block(index: int, block: dict[str, Any]) -> list[dict[str, Any]]:
         if block["text"]:
             events.append(_text_delta(index, block["text"]))
     else:
-        events = [_block_start(index, {**block, "input": {}}),
-                  {"type": "content_block_delta", "index": index,
-                   "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}}]
+        events = [
+            _block_start(index, {**block, "input": {}}),
+            {
+                "type": "content_block_delta",
+                "index": index,
+                "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])},
+            },
+        ]
     return events + [{"type": "content_block_stop", "index": index}]

@@ -14,48 +14,77 @@ from server.bench.stats import parse_percentiles, parse_slos
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmark a running server (serve) or the engine "
-                                         "in this process (offline)")
+    bench = sub.add_parser("bench", help="benchmark a running server (serve) or the engine in this process (offline)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     serve = kinds.add_parser(
-        "serve", help="load a running server over HTTP (streamed /v1/completions)",
+        "serve",
+        help="load a running server over HTTP (streamed /v1/completions)",
         description="Sweep a concurrency cap or a request rate against a running server; report "
-                    "TTFT, TPOT, ITL and end-to-end latency percentiles, throughput and goodput.")
+        "TTFT, TPOT, ITL and end-to-end latency percentiles, throughput and goodput.",
+    )
     serve.add_argument("--url", default="http://127.0.0.1:8080", help="the inference port's base URL")
     serve.add_argument("--model", help="model name (default: the first of GET /v1/models)")
-    serve.add_argument("--api-key", help="inference key (default: PAGEDSERVE_INFERENCE_KEY, or "
-                                         "the inference key in --key-file)")
-    serve.add_argument("--key-file", default="key_file.json",
-                       help="the server's key file, read when it exists (default: key_file.json)")
-    serve.add_argument("--concurrency", type=int, nargs="+", metavar="N",
-                       help="sweep: at most N requests in flight, all queued at once (default: 1)")
-    serve.add_argument("--request-rate", type=float, nargs="+", metavar="R",
-                       help="sweep: Poisson arrivals at R requests/s ('inf': all at once)")
+    serve.add_argument(
+        "--api-key", help="inference key (default: PAGEDSERVE_INFERENCE_KEY, or the inference key in --key-file)"
+    )
+    serve.add_argument(
+        "--key-file",
+        default="key_file.json",
+        help="the server's key file, read when it exists (default: key_file.json)",
+    )
+    serve.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="sweep: at most N requests in flight, all queued at once (default: 1)",
+    )
+    serve.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        metavar="R",
+        help="sweep: Poisson arrivals at R requests/s ('inf': all at once)",
+    )
     serve.add_argument("--max-concurrency", type=int, help="cap in flight with --request-rate")
-    serve.add_argument("--burstiness", type=float, default=1.0,
-                       help="gamma shape of the arrival gaps (1: Poisson; lower: burstier)")
+    serve.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1: Poisson; lower: burstier)"
+    )
     serve.add_argument("--num-prompts", type=int, default=16, help="requests per level")
     serve.add_argument("--dataset", choices=("random", "file"), default="random")
     serve.add_argument("--dataset-path", help="prompts file (.jsonl, .json or text lines)")
-    serve.add_argument("--random-input-len", type=int, default=128,
-                       help="words per random prompt (about one token each)")
-    serve.add_argument("--random-output-len", type=int, default=64,
-                       help="max_tokens of each request (file prompts may set their own)")
-    serve.add_argument("--random-range-ratio", type=float, default=0.0,
-                       help="draw random lengths from [len*(1-r), len*(1+r)]")
-    serve.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                       help="let requests stop at EOS (default: exactly max_tokens each)")
-    serve.add_argument("--goodput", nargs="+", metavar="KEY:MS",
-                       help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000 (milliseconds)")
+    serve.add_argument(
+        "--random-input-len", type=int, default=128, help="words per random prompt (about one token each)"
+    )
+    serve.add_argument(
+        "--random-output-len", type=int, default=64, help="max_tokens of each request (file prompts may set their own)"
+    )
+    serve.add_argument(
+        "--random-range-ratio", type=float, default=0.0, help="draw random lengths from [len*(1-r), len*(1+r)]"
+    )
+    serve.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="let requests stop at EOS (default: exactly max_tokens each)",
+    )
+    serve.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="KEY:MS",
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000 (milliseconds)",
+    )
     serve.add_argument("--warmup", type=int, default=1, help="uncounted requests sent first")
     serve.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     _common(serve)
     serve.set_defaults(func=_serve)
 
     offline = kinds.add_parser(
-        "offline", help="the engine in this process, no server",
+        "offline",
+        help="the engine in this process, no server",
         description="Random token prompts in batches of each --batch-sizes value through the "
-                    "offline LLM; throughput and per-request latency per batch size.")
+        "offline LLM; throughput and per-request latency per batch size.",
+    )
     offline.add_argument("--model", help="model directory or archive (default: the bundled model)")
     offline.add_argument("--num-prompts", type=int, default=16)
     offline.add_argument("--input-len", type=int, default=128, help="tokens per prompt")
@@ -103,19 +132,39 @@ def _serve(args: argparse.Namespace) -> int:
         if not args.dataset_path:
             raise ValueError("--dataset file needs --dataset-path")
         workloads = [file_requests(args.dataset_path, args.num_prompts, args.random_output_len)] * len(levels)
-        warmup = workloads[0][:args.warmup]
+        warmup = workloads[0][: args.warmup]
     else:
         # Fresh prompts per level: the prefix cache must not carry one level's work to the next.
-        workloads = [random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
-                                     args.random_range_ratio, seed=args.seed + 1 + i)
-                     for i in range(len(levels))]
-        warmup = random_requests(args.warmup, args.random_input_len, args.random_output_len,
-                                 seed=args.seed) if args.warmup > 0 else []
+        workloads = [
+            random_requests(
+                args.num_prompts,
+                args.random_input_len,
+                args.random_output_len,
+                args.random_range_ratio,
+                seed=args.seed + 1 + i,
+            )
+            for i in range(len(levels))
+        ]
+        warmup = (
+            random_requests(args.warmup, args.random_input_len, args.random_output_len, seed=args.seed)
+            if args.warmup > 0
+            else []
+        )
     target = ServeTarget(args.url.rstrip("/"), args.model, _api_key(args), args.timeout)
-    record = asyncio.run(bench_serve(target, workloads, levels, percentiles=percentiles,
-                                     slos=slos, warmup=warmup, burstiness=args.burstiness,
-                                     seed=args.seed, ignore_eos=args.ignore_eos,
-                                     show_progress=not args.disable_tqdm))
+    record = asyncio.run(
+        bench_serve(
+            target,
+            workloads,
+            levels,
+            percentiles=percentiles,
+            slos=slos,
+            warmup=warmup,
+            burstiness=args.burstiness,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+            show_progress=not args.disable_tqdm,
+        )
+    )
     return _finish(args, "serve", record, f"pagedserve bench serve: {record['model']}")
 
 
@@ -130,27 +179,41 @@ def _offline(args: argparse.Namespace) -> int:
     options = {"dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory}
     if args.num_threads:
         options["num_threads"] = args.num_threads
-    record = bench_offline(model, num_prompts=args.num_prompts, input_len=args.input_len,
-                           output_len=args.output_len, batch_sizes=args.batch_sizes,
-                           percentiles=parse_percentiles(args.percentiles), seed=args.seed,
-                           show_progress=not args.disable_tqdm, **options)
-    return _finish(args, "offline", record, f"pagedserve bench offline: {Path(model).name}",
-                   panels=(("e2el_ms", "request latency (ms)"),))
+    record = bench_offline(
+        model,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        batch_sizes=args.batch_sizes,
+        percentiles=parse_percentiles(args.percentiles),
+        seed=args.seed,
+        show_progress=not args.disable_tqdm,
+        **options,
+    )
+    return _finish(
+        args,
+        "offline",
+        record,
+        f"pagedserve bench offline: {Path(model).name}",
+        panels=(("e2el_ms", "request latency (ms)"),),
+    )
 
 
 def _finish(args: argparse.Namespace, kind: str, record: dict, title: str, **plot_kw) -> int:
     from server.bench.plot import plot_curve
 
     record = {"kind": kind, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **record}
-    json_path = Path(args.result_json) if args.result_json else (
-        Path(args.result_dir) / f"bench-{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    json_path = (
+        Path(args.result_json)
+        if args.result_json
+        else (Path(args.result_dir) / f"bench-{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    )
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(record, indent=2) + "\n")
     print(_table(record))
     print(f"results: {json_path}")
     if not args.no_plot:
-        png = plot_curve(record["levels"], args.plot or json_path.with_suffix(".png"), title,
-                         **plot_kw)
+        png = plot_curve(record["levels"], args.plot or json_path.with_suffix(".png"), title, **plot_kw)
         print(f"plot: {png}")
     failed = sum(lv.get("failed", 0) for lv in record["levels"])
     return 1 if failed else 0
@@ -158,15 +221,18 @@ def _finish(args: argparse.Namespace, kind: str, record: dict, title: str, **plo
 
 def _table(record: dict) -> str:
     top = f"p{record['percentiles'][-1]:g}"
-    rows = [f"{'level':>16} {'req/s':>8} {'out tok/s':>10} {'TTFT med':>9} {'TTFT ' + top:>10} "
-            f"{'TPOT med':>9} {'e2e med':>9} {'e2e ' + top:>10} {'goodput':>8} {'failed':>6}"]
+    rows = [
+        f"{'level':>16} {'req/s':>8} {'out tok/s':>10} {'TTFT med':>9} {'TTFT ' + top:>10} "
+        f"{'TPOT med':>9} {'e2e med':>9} {'e2e ' + top:>10} {'goodput':>8} {'failed':>6}"
+    ]
     for lv in record["levels"]:
         ttft, tpot = lv.get("ttft_ms"), lv.get("tpot_ms")
         rows.append(
             f"{lv['level']:>16} {lv['request_throughput']:8.2f} {lv['output_throughput']:10.1f} "
             f"{_ms(ttft, 'median'):>9} {_ms(ttft, top):>10} {_ms(tpot, 'median'):>9} "
             f"{_ms(lv['e2el_ms'], 'median'):>9} {_ms(lv['e2el_ms'], top):>10} "
-            f"{_goodput(lv):>8} {lv.get('failed', 0):>6}")
+            f"{_goodput(lv):>8} {lv.get('failed', 0):>6}"
+        )
     return "\n".join(rows) + "\n(latencies in ms)"
 
 

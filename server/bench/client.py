@@ -31,12 +31,19 @@ class RequestResult:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-async def send(session: aiohttp.ClientSession, url: str, model: str, req: BenchRequest,
-               ignore_eos: bool = True) -> RequestResult:
+async def send(
+    session: aiohttp.ClientSession, url: str, model: str, req: BenchRequest, ignore_eos: bool = True
+) -> RequestResult:
     """POST one streamed completion and time it; a failure is a result with `error` set."""
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens,
-            "temperature": 0, "ignore_eos": ignore_eos, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.max_tokens,
+        "temperature": 0,
+        "ignore_eos": ignore_eos,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     result = RequestResult(ok=False)
     last = None
@@ -51,7 +58,7 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, req: BenchR
                 line = raw.strip()
                 if not line.startswith(b"data: "):
                     continue
-                data = line[len(b"data: "):]
+                data = line[len(b"data: ") :]
                 if data == b"[DONE]":
                     break
                 event = json.loads(data)

@@ -19,9 +19,18 @@ def random_token_prompts(num: int, input_len: int, vocab_size: int, seed: int = 
     return [[rng.randrange(low, vocab_size) for _ in range(input_len)] for _ in range(num)]
 
 
-def bench_offline(model: str, *, num_prompts: int, input_len: int, output_len: int,
-                  batch_sizes: Sequence[int], percentiles: Sequence[float], seed: int = 0,
-                  show_progress: bool = True, **engine_options) -> dict:
+def bench_offline(
+    model: str,
+    *,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    batch_sizes: Sequence[int],
+    percentiles: Sequence[float],
+    seed: int = 0,
+    show_progress: bool = True,
+    **engine_options,
+) -> dict:
     """Run each batch size over the same prompts; the JSON-ready record."""
     from tqdm import tqdm
 
@@ -42,26 +51,38 @@ def bench_offline(model: str, *, num_prompts: int, input_len: int, output_len: i
             prompts = random_token_prompts(num_prompts, input_len, vocab, seed + 1 + n)
             latencies, output_tokens = [], 0
             start = time.perf_counter()
-            with tqdm(total=num_prompts, desc=f"batch={batch}", disable=not show_progress,
-                      unit="req", leave=False) as bar:
+            with tqdm(
+                total=num_prompts, desc=f"batch={batch}", disable=not show_progress, unit="req", leave=False
+            ) as bar:
                 for i in range(0, num_prompts, batch):
-                    chunk = prompts[i:i + batch]
+                    chunk = prompts[i : i + batch]
                     t0 = time.perf_counter()
                     outs = llm.generate(chunk, params)
                     latencies += [(time.perf_counter() - t0) * 1000] * len(chunk)
                     output_tokens += sum(len(o.outputs[0].token_ids) for o in outs)
                     bar.update(len(chunk))
             duration = time.perf_counter() - start
-            levels.append({"level": f"batch={batch}", "batch_size": batch,
-                           "completed": num_prompts, "duration_s": duration,
-                           "total_input_tokens": num_prompts * input_len,
-                           "total_output_tokens": output_tokens,
-                           "request_throughput": num_prompts / duration,
-                           "output_throughput": output_tokens / duration,
-                           "total_token_throughput": (num_prompts * input_len + output_tokens)
-                           / duration,
-                           "e2el_ms": distribution(latencies, percentiles)})
+            levels.append(
+                {
+                    "level": f"batch={batch}",
+                    "batch_size": batch,
+                    "completed": num_prompts,
+                    "duration_s": duration,
+                    "total_input_tokens": num_prompts * input_len,
+                    "total_output_tokens": output_tokens,
+                    "request_throughput": num_prompts / duration,
+                    "output_throughput": output_tokens / duration,
+                    "total_token_throughput": (num_prompts * input_len + output_tokens) / duration,
+                    "e2el_ms": distribution(latencies, percentiles),
+                }
+            )
     finally:
         llm.shutdown()
-    return {"model": model, "num_prompts": num_prompts, "input_len": input_len,
-            "output_len": output_len, "percentiles": list(percentiles), "levels": levels}
+    return {
+        "model": model,
+        "num_prompts": num_prompts,
+        "input_len": input_len,
+        "output_len": output_len,
+        "percentiles": list(percentiles),
+        "levels": levels,
+    }

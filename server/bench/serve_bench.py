@@ -32,8 +32,9 @@ class Level:
         return f"{rate} req/s" + (f", c<={self.concurrency}" if self.concurrency else "")
 
 
-def sweep(concurrencies: Sequence[int] | None, rates: Sequence[float] | None,
-          max_concurrency: int | None) -> list[Level]:
+def sweep(
+    concurrencies: Sequence[int] | None, rates: Sequence[float] | None, max_concurrency: int | None
+) -> list[Level]:
     """The levels the flags ask for: each request rate (capped by max_concurrency), else each
     concurrency (1 when neither is given)."""
     if rates:
@@ -56,8 +57,11 @@ class ServeTarget:
     def session(self) -> aiohttp.ClientSession:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         # No connection cap: the sweep's concurrency is the only limit.
-        return aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        return aiohttp.ClientSession(
+            headers=headers,
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+        )
 
 
 async def resolve_model(session: aiohttp.ClientSession, target: ServeTarget) -> str:
@@ -65,18 +69,28 @@ async def resolve_model(session: aiohttp.ClientSession, target: ServeTarget) -> 
         return target.model
     async with session.get(target.base_url + "/v1/models") as resp:
         if resp.status != 200:
-            raise ValueError(f"GET /v1/models answered {resp.status}: {(await resp.text())[:200]} "
-                             "(give --model, and the key with --api-key or --key-file)")
+            raise ValueError(
+                f"GET /v1/models answered {resp.status}: {(await resp.text())[:200]} "
+                "(give --model, and the key with --api-key or --key-file)"
+            )
         models = (await resp.json()).get("data") or []
     if not models:
         raise ValueError("the server has no model registered")
     return models[0]["id"]
 
 
-async def run_level(session: aiohttp.ClientSession, url: str, model: str,
-                    requests: Sequence[BenchRequest], level: Level, *, burstiness: float = 1.0,
-                    seed: int = 0, ignore_eos: bool = True, progress=None
-                    ) -> tuple[list[RequestResult], float]:
+async def run_level(
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    requests: Sequence[BenchRequest],
+    level: Level,
+    *,
+    burstiness: float = 1.0,
+    seed: int = 0,
+    ignore_eos: bool = True,
+    progress=None,
+) -> tuple[list[RequestResult], float]:
     """Send every request at this level; (results in request order, wall seconds)."""
     limit = asyncio.Semaphore(level.concurrency) if level.concurrency else None
 
@@ -95,8 +109,7 @@ async def run_level(session: aiohttp.ClientSession, url: str, model: str,
         tasks = [asyncio.create_task(one(r)) for r in requests]
     else:
         tasks = []
-        for req, gap in zip(requests, arrival_gaps(len(requests), level.request_rate,
-                                                   burstiness, seed)):
+        for req, gap in zip(requests, arrival_gaps(len(requests), level.request_rate, burstiness, seed)):
             if gap:
                 await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(one(req)))
@@ -104,11 +117,19 @@ async def run_level(session: aiohttp.ClientSession, url: str, model: str,
     return results, time.perf_counter() - start
 
 
-async def bench_serve(target: ServeTarget, workloads: Sequence[Sequence[BenchRequest]],
-                      levels: Sequence[Level], *, percentiles: Sequence[float],
-                      slos: dict[str, float], warmup: Sequence[BenchRequest] = (),
-                      burstiness: float = 1.0, seed: int = 0, ignore_eos: bool = True,
-                      show_progress: bool = True) -> dict:
+async def bench_serve(
+    target: ServeTarget,
+    workloads: Sequence[Sequence[BenchRequest]],
+    levels: Sequence[Level],
+    *,
+    percentiles: Sequence[float],
+    slos: dict[str, float],
+    warmup: Sequence[BenchRequest] = (),
+    burstiness: float = 1.0,
+    seed: int = 0,
+    ignore_eos: bool = True,
+    show_progress: bool = True,
+) -> dict:
     """Run the sweep (`workloads[i]`: what level i sends; `warmup`: sent first, one at a time,
     not counted); the JSON-ready record: the model, each level's numbers."""
     from tqdm import tqdm
@@ -122,15 +143,32 @@ async def bench_serve(target: ServeTarget, workloads: Sequence[Sequence[BenchReq
                 raise ValueError(f"the warm-up request failed: {result.error}")
         out = []
         for level, requests in zip(levels, workloads, strict=True):
-            with tqdm(total=len(requests), desc=level.label, disable=not show_progress,
-                      unit="req", leave=False) as bar:
-                results, duration = await run_level(session, url, model, requests, level,
-                                                    burstiness=burstiness, seed=seed,
-                                                    ignore_eos=ignore_eos, progress=bar)
+            with tqdm(total=len(requests), desc=level.label, disable=not show_progress, unit="req", leave=False) as bar:
+                results, duration = await run_level(
+                    session,
+                    url,
+                    model,
+                    requests,
+                    level,
+                    burstiness=burstiness,
+                    seed=seed,
+                    ignore_eos=ignore_eos,
+                    progress=bar,
+                )
             rate = level.request_rate
-            out.append({"level": level.label, "concurrency": level.concurrency,
-                        "request_rate": None if rate is None else (
-                            "inf" if math.isinf(rate) else rate),
-                        **summarize(results, duration, percentiles, slos)})
-    return {"model": model, "base_url": target.base_url, "num_prompts": len(workloads[0]),
-            "percentiles": list(percentiles), "goodput_slos_ms": slos, "levels": out}
+            out.append(
+                {
+                    "level": level.label,
+                    "concurrency": level.concurrency,
+                    "request_rate": None if rate is None else ("inf" if math.isinf(rate) else rate),
+                    **summarize(results, duration, percentiles, slos),
+                }
+            )
+    return {
+        "model": model,
+        "base_url": target.base_url,
+        "num_prompts": len(workloads[0]),
+        "percentiles": list(percentiles),
+        "goodput_slos_ms": slos,
+        "levels": out,
+    }

@@ -23,8 +23,7 @@ def parse_slos(items: Sequence[str] | None) -> dict[str, float]:
     for item in items or ():
         key, sep, value = item.partition(":")
         if not sep or key not in SLO_METRICS:
-            raise ValueError(f"goodput: {item!r} is not KEY:MILLISECONDS with KEY one of "
-                             f"{', '.join(SLO_METRICS)}")
+            raise ValueError(f"goodput: {item!r} is not KEY:MILLISECONDS with KEY one of {', '.join(SLO_METRICS)}")
         try:
             slos[key] = float(value)
         except ValueError:
@@ -59,8 +58,9 @@ def meets(result: RequestResult, slos: Mapping[str, float]) -> bool:
     return result.ok and all(SLO_METRICS[k](result) <= limit for k, limit in slos.items())
 
 
-def summarize(results: Sequence[RequestResult], duration_s: float, percentiles: Sequence[float],
-              slos: Mapping[str, float]) -> dict:
+def summarize(
+    results: Sequence[RequestResult], duration_s: float, percentiles: Sequence[float], slos: Mapping[str, float]
+) -> dict:
     """The numbers of one level (one concurrency or request rate)."""
     done = [r for r in results if r.ok]
     prompt_tokens = sum(r.prompt_tokens for r in done)
@@ -76,8 +76,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float, percentiles: 
         "output_throughput": output_tokens / duration_s,
         "total_token_throughput": (prompt_tokens + output_tokens) / duration_s,
         "ttft_ms": distribution([r.ttft_s * 1000 for r in done], percentiles),
-        "tpot_ms": distribution([r.tpot_s * 1000 for r in done if r.tpot_s is not None],
-                                percentiles),
+        "tpot_ms": distribution([r.tpot_s * 1000 for r in done if r.tpot_s is not None], percentiles),
         "itl_ms": distribution([g * 1000 for r in done for g in r.itl_s], percentiles),
         "e2el_ms": distribution([r.e2e_s * 1000 for r in done], percentiles),
         "errors": sorted({r.error for r in results if r.error})[:5],

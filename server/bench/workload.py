@@ -34,8 +34,9 @@ class BenchRequest:
     max_tokens: int
 
 
-def random_requests(num: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                    seed: int = 0) -> list[BenchRequest]:
+def random_requests(
+    num: int, input_len: int, output_len: int, range_ratio: float = 0.0, seed: int = 0
+) -> list[BenchRequest]:
     """`num` prompts of about `input_len` words, each asking for `output_len` tokens; with
     `range_ratio` r, both lengths are drawn uniformly from [len * (1 - r), len * (1 + r)]."""
     if num < 1 or input_len < 1 or output_len < 1:
@@ -49,8 +50,10 @@ def random_requests(num: int, input_len: int, output_len: int, range_ratio: floa
         return rng.randint(low, high)
 
     # A distinct first word per request keeps them from sharing a cached prefix by accident.
-    return [BenchRequest(f"{i}: " + " ".join(rng.choices(WORDS, k=length(input_len))),
-                         length(output_len)) for i in range(num)]
+    return [
+        BenchRequest(f"{i}: " + " ".join(rng.choices(WORDS, k=length(input_len))), length(output_len))
+        for i in range(num)
+    ]
 
 
 def file_requests(path: str | Path, num: int, output_len: int) -> list[BenchRequest]:
@@ -85,8 +88,7 @@ def _item(path: Path, index: int, item, output_len: int) -> BenchRequest:
     return BenchRequest(item["prompt"], tokens)
 
 
-def arrival_gaps(num: int, request_rate: float, burstiness: float = 1.0,
-                 seed: int = 0) -> Iterator[float]:
+def arrival_gaps(num: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> Iterator[float]:
     """Seconds to wait before each request: 0 for an infinite rate, else gamma-distributed gaps
     with mean 1 / rate (burstiness 1: a Poisson process; lower: burstier)."""
     if request_rate <= 0:

@@ -68,6 +68,7 @@ def error_body(message: str) -> dict[str, Any]:
 
 # -- generation ------------------------------------------------------------------------------
 
+
 @routes.post("/api/generate", name="ollama_generate")
 async def generate(request: web.Request) -> web.StreamResponse:
     """A completion of `prompt`; NDJSON chunks unless `"stream": false`."""
@@ -101,26 +102,36 @@ async def _generate(request: web.Request, parse, *, chat: bool) -> web.StreamRes
         return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
 
 
-async def _load_only(state: ServerState, version: ModelVersion, model: str, seconds: float | None,
-                     started: float) -> web.Response:
+async def _load_only(
+    state: ServerState, version: ModelVersion, model: str, seconds: float | None, started: float
+) -> web.Response:
     """An empty /api/generate prompt: load the model, or with keep_alive 0 let it go (the
     keep-alive expiry set when this request ends unloads it)."""
     unloading = seconds == 0
     if not unloading:
         await state.registry.ready_worker(version)
-    return web.json_response({"model": model, "created_at": now_iso(), "response": "", "done": True,
-                              "done_reason": "unload" if unloading else "load",
-                              "load_duration": int((time.monotonic() - started) * 1e9)})
+    return web.json_response(
+        {
+            "model": model,
+            "created_at": now_iso(),
+            "response": "",
+            "done": True,
+            "done_reason": "unload" if unloading else "load",
+            "load_duration": int((time.monotonic() - started) * 1e9),
+        }
+    )
 
 
 def _check_num_ctx(num_ctx: int | None, version: ModelVersion) -> None:
     limit = _context_length(version)
     if num_ctx is not None and limit is not None and num_ctx > limit:
-        raise ErrorReply(400, f"options.num_ctx: {num_ctx} exceeds the model's context length ({limit})",
-                         param="options.num_ctx")
+        raise ErrorReply(
+            400, f"options.num_ctx: {num_ctx} exceeds the model's context length ({limit})", param="options.num_ctx"
+        )
 
 
 # -- embeddings ------------------------------------------------------------------------------
+
 
 @routes.post("/api/embed", name="ollama_embed")
 async def embed(request: web.Request) -> web.Response:
@@ -144,18 +155,32 @@ async def _embed(request: web.Request, *, legacy: bool) -> web.Response:
     field = "prompt" if legacy else "input"
     for i, text in enumerate(inputs):
         if not text:
-            raise ErrorReply(400, f"{field}: must not be empty" if len(inputs) == 1 else f"input[{i}]: must not be empty",
-                             param=field)
+            raise ErrorReply(
+                400,
+                f"{field}: must not be empty" if len(inputs) == 1 else f"input[{i}]: must not be empty",
+                param=field,
+            )
     if not legacy and req.dimensions is not None:
-        raise ErrorReply(400, "dimensions: not supported (the embedding has the model's hidden size)",
-                         param="dimensions")
+        raise ErrorReply(
+            400, "dimensions: not supported (the embedding has the model's hidden size)", param="dimensions"
+        )
     version = _version_of(request, state, req.model)
     with admitted(request, version, seconds):
         was_loaded = bool(version.pool.ready_engines())
         params = pooling_sampling_params()
         try:
-            jobs = [await prepare(state, version, PromptSpec(text=t), params, client=request.remote or "",
-                                  pooling=PoolingParams(), lora=lora(request)) for t in inputs]
+            jobs = [
+                await prepare(
+                    state,
+                    version,
+                    PromptSpec(text=t),
+                    params,
+                    client=request.remote or "",
+                    pooling=PoolingParams(),
+                    lora=lora(request),
+                )
+                for t in inputs
+            ]
         except ErrorReply as exc:
             exc.param = field if exc.param == "prompt" else exc.param
             raise
@@ -166,6 +191,7 @@ async def _embed(request: web.Request, *, legacy: bool) -> web.Response:
 
 # -- models ----------------------------------------------------------------------------------
 
+
 @routes.get("/api/tags", name="ollama_tags")
 async def tags(request: web.Request) -> web.Response:
     """Every model: `name:latest` (its default version) and `name:version` for each version."""
@@ -174,9 +200,16 @@ async def tags(request: web.Request) -> web.Response:
     for model in state.registry.sorted_models():
         named = [("latest", model.versions[model.default_version])] if model.default_version in model.versions else []
         for tag, version in named + sorted(model.versions.items()):
-            models.append({"name": f"{model.name}:{tag}", "model": f"{model.name}:{tag}",
-                           "modified_at": version.registered_at.isoformat(), "size": _size(state, version),
-                           "digest": _digest(version), "details": _details(version)})
+            models.append(
+                {
+                    "name": f"{model.name}:{tag}",
+                    "model": f"{model.name}:{tag}",
+                    "modified_at": version.registered_at.isoformat(),
+                    "size": _size(state, version),
+                    "digest": _digest(version),
+                    "details": _details(version),
+                }
+            )
     return web.json_response({"models": models})
 
 
@@ -190,17 +223,26 @@ async def show(request: web.Request) -> web.Response:
     family = config.get("model_type", "llama")
     limit = _context_length(version)
     parameters = {"num_ctx": limit, "default_max_tokens": version.model_config.default_max_tokens}
-    info = {"general.architecture": family,
-            f"{family}.context_length": limit, f"{family}.embedding_length": config.get("hidden_size"),
-            f"{family}.block_count": config.get("num_hidden_layers")}
+    info = {
+        "general.architecture": family,
+        f"{family}.context_length": limit,
+        f"{family}.embedding_length": config.get("hidden_size"),
+        f"{family}.block_count": config.get("num_hidden_layers"),
+    }
     template = getattr(version.tokenizer, "chat_template", None) or ""
-    return web.json_response({
-        "modelfile": f"# pagedserve model {version.name} version {version.version}\nFROM {version.url}\n"
-                     + "".join(f"PARAMETER {k} {v}\n" for k, v in parameters.items()),
-        "parameters": "\n".join(f"{k} {v}" for k, v in parameters.items()),
-        "template": template, "details": _details(version), "model_info": info,
-        "capabilities": ["completion", "tools", "embedding"], "license": "",
-        "modified_at": version.registered_at.isoformat()})
+    return web.json_response(
+        {
+            "modelfile": f"# pagedserve model {version.name} version {version.version}\nFROM {version.url}\n"
+            + "".join(f"PARAMETER {k} {v}\n" for k, v in parameters.items()),
+            "parameters": "\n".join(f"{k} {v}" for k, v in parameters.items()),
+            "template": template,
+            "details": _details(version),
+            "model_info": info,
+            "capabilities": ["completion", "tools", "embedding"],
+            "license": "",
+            "modified_at": version.registered_at.isoformat(),
+        }
+    )
 
 
 @routes.get("/api/ps", name="ollama_ps")
@@ -215,9 +257,18 @@ async def ps(request: web.Request) -> web.Response:
         size = sum(lifecycle.footprint(version, s).total for s in version.pool.slots)
         expires = lifecycle.describe(version)["expiresAt"] or "0001-01-01T00:00:00Z"  # Ollama's "never"
         name = f"{version.name}:{version.version}"
-        models.append({"name": name, "model": name, "size": size, "digest": _digest(version),
-                       "details": _details(version), "expires_at": expires, "size_vram": 0,
-                       "context_length": _context_length(version)})
+        models.append(
+            {
+                "name": name,
+                "model": name,
+                "size": size,
+                "digest": _digest(version),
+                "details": _details(version),
+                "expires_at": expires,
+                "size_vram": 0,
+                "context_length": _context_length(version),
+            }
+        )
     return web.json_response({"models": models})
 
 
@@ -236,9 +287,13 @@ async def pull(request: web.Request) -> web.Response:
     try:
         _version_of(request, state, asked)
     except ErrorReply as exc:
-        raise ErrorReply(404, f"pull model {asked!r}: this server never downloads models; register an "
-                         "archive from its model store with the management API (POST /models?url=...). "
-                         f"{exc}", param="model") from None
+        raise ErrorReply(
+            404,
+            f"pull model {asked!r}: this server never downloads models; register an "
+            "archive from its model store with the management API (POST /models?url=...). "
+            f"{exc}",
+            param="model",
+        ) from None
     return web.json_response({"status": "success"})
 
 
@@ -249,12 +304,16 @@ async def pull(request: web.Request) -> web.Response:
 async def model_changes(request: web.Request) -> web.Response:
     """Changes to the model set belong to the management API (its own token, allowed_urls)."""
     what = request.path.rsplit("/", 1)[-1]
-    raise ErrorReply(403, f"/api/{what} is not available on the inference port: models are registered, "
-                     "copied (as versions) and unregistered through the management API "
-                     "(POST /models?url=..., DELETE /models/{name}/{version}) with its own token")
+    raise ErrorReply(
+        403,
+        f"/api/{what} is not available on the inference port: models are registered, "
+        "copied (as versions) and unregistered through the management API "
+        "(POST /models?url=..., DELETE /models/{name}/{version}) with its own token",
+    )
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
 
 def _version_of(request: web.Request, state: ServerState, asked: str) -> ModelVersion:
     """`name`, `name:tag` (latest: the default version) or `name@version`."""
@@ -287,5 +346,11 @@ def _digest(version: ModelVersion) -> str:
 def _details(version: ModelVersion) -> dict[str, Any]:
     family = _hf_config(version).get("model_type", "llama")
     dtype = version.model_config.handler.get("dtype", "auto")
-    return {"parent_model": "", "format": "safetensors", "family": family, "families": [family],
-            "parameter_size": "", "quantization_level": str(dtype)}
+    return {
+        "parent_model": "",
+        "format": "safetensors",
+        "family": family,
+        "families": [family],
+        "parameter_size": "",
+        "quantization_level": str(dtype),
+    }

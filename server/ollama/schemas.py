@@ -154,11 +154,17 @@ def parse_generate(body: dict[str, Any]) -> OllamaRequest:
     elif req.raw:
         prompt = PromptSpec(text=req.prompt)
     else:
-        messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
-            [{"role": "user", "content": req.prompt}]
+        messages = ([{"role": "system", "content": req.system}] if req.system else []) + [
+            {"role": "user", "content": req.prompt}
+        ]
         prompt = PromptSpec(messages=messages)
-    return OllamaRequest(req.model, prompt, sampling_params(req.options, req.format), req.stream,
-                         req.options.num_ctx if req.options else None)
+    return OllamaRequest(
+        req.model,
+        prompt,
+        sampling_params(req.options, req.format),
+        req.stream,
+        req.options.num_ctx if req.options else None,
+    )
 
 
 def parse_chat(body: dict[str, Any]) -> OllamaRequest:
@@ -166,11 +172,20 @@ def parse_chat(body: dict[str, Any]) -> OllamaRequest:
     _check_think(req.think)
     _refuse(not req.messages, "messages", "at least one message is required")
     tools = ToolRequest(list(req.tools), "auto") if req.tools else None
-    _refuse(tools is not None and isinstance(req.format, dict) or (tools is not None and req.format == "json"),
-            "format", "cannot be combined with tools")
+    _refuse(
+        tools is not None and isinstance(req.format, dict) or (tools is not None and req.format == "json"),
+        "format",
+        "cannot be combined with tools",
+    )
     messages = [_message(m, i) for i, m in enumerate(req.messages)]
-    return OllamaRequest(req.model, PromptSpec(messages=messages), sampling_params(req.options, req.format),
-                         req.stream, req.options.num_ctx if req.options else None, tools)
+    return OllamaRequest(
+        req.model,
+        PromptSpec(messages=messages),
+        sampling_params(req.options, req.format),
+        req.stream,
+        req.options.num_ctx if req.options else None,
+        tools,
+    )
 
 
 def _message(m: Message, i: int) -> dict[str, Any]:
@@ -179,9 +194,17 @@ def _message(m: Message, i: int) -> dict[str, Any]:
     entry: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.tool_calls:
         _refuse(m.role != "assistant", f"messages[{i}].tool_calls", "only assistant messages have tool calls")
-        entry["tool_calls"] = [{"id": c.id or f"call_{i}_{j}", "type": "function", "function": {
-            "name": c.function.name, "arguments": _arguments(c.function.arguments, f"messages[{i}].tool_calls[{j}]")}}
-            for j, c in enumerate(m.tool_calls)]
+        entry["tool_calls"] = [
+            {
+                "id": c.id or f"call_{i}_{j}",
+                "type": "function",
+                "function": {
+                    "name": c.function.name,
+                    "arguments": _arguments(c.function.arguments, f"messages[{i}].tool_calls[{j}]"),
+                },
+            }
+            for j, c in enumerate(m.tool_calls)
+        ]
     if m.role == "tool" and (m.tool_call_id or m.tool_name):
         entry["tool_call_id"] = m.tool_call_id or m.tool_name
     return entry
@@ -207,8 +230,11 @@ def sampling_params(options: Options | None, fmt: Format | None) -> SamplingPara
             if value is None or name == "num_ctx":
                 continue
             if name == "num_predict":
-                _refuse(value == 0 or value < -2, "options.num_predict",
-                        f"must be a positive number of tokens, or -1 / -2 for the model's default limit, got {value}")
+                _refuse(
+                    value == 0 or value < -2,
+                    "options.num_predict",
+                    f"must be a positive number of tokens, or -1 / -2 for the model's default limit, got {value}",
+                )
                 value = value if value > 0 else None
                 name = "max_tokens"
             fields[_SAMPLING_NAMES.get(name, name)] = value

@@ -97,8 +97,9 @@ class OllamaShaper:
                 parsed = parse_output(text, self.tools, self.tool_parser)
                 message["content"] = parsed.content or ""
                 if parsed.calls:
-                    message["tool_calls"] = [{"function": {"name": c.name, "arguments": json.loads(c.arguments)}}
-                                             for c in parsed.calls]
+                    message["tool_calls"] = [
+                        {"function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in parsed.calls
+                    ]
             body["message"] = message
         body["done"] = done
         return body
@@ -123,9 +124,14 @@ class EmbedShaper:
         vectors = [c.embedding for c in sorted(out.outputs, key=lambda c: c.index)]
         if self.legacy:
             return {"embedding": vectors[0]}
-        return {"model": self.model, "embeddings": vectors, "total_duration": int(total_s * NS),
-                "load_duration": int(self.load_s * NS), "prompt_eval_count": len(out.prompt_token_ids),
-                "timings": timings(out, total_s)}
+        return {
+            "model": self.model,
+            "embeddings": vectors,
+            "total_duration": int(total_s * NS),
+            "load_duration": int(self.load_s * NS),
+            "prompt_eval_count": len(out.prompt_token_ids),
+            "timings": timings(out, total_s),
+        }
 
     def opening(self, n: int) -> None:
         return None

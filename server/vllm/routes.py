@@ -56,21 +56,22 @@ async def tokenize(request: web.Request) -> web.Response:
         raise ErrorReply(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
     version = resolve(request, state, *split_model(req.model))
     if req.messages is not None:
-        spec = PromptSpec(messages=handler_call(chat_messages, req.messages),
-                          add_generation_prompt=req.add_generation_prompt)
+        spec = PromptSpec(
+            messages=handler_call(chat_messages, req.messages), add_generation_prompt=req.add_generation_prompt
+        )
     else:
         spec = PromptSpec(text=req.prompt)
     limit = _max_model_len(version)
     loop = asyncio.get_running_loop()
     try:
-        _, tokens = await loop.run_in_executor(state.executor, state.limits.prompts.tokenize,
-                                               version.tokenizer, spec, limit)
+        _, tokens = await loop.run_in_executor(
+            state.executor, state.limits.prompts.tokenize, version.tokenizer, spec, limit
+        )
     except InvalidInput as exc:
         raise ErrorReply(400, str(exc), param=exc.field) from None
     except HandlerError as exc:
         raise ErrorReply.from_handler_error(exc) from None
-    if req.add_special_tokens and getattr(version.tokenizer, "bos_token_id", None) is not None \
-            and req.messages is None:
+    if req.add_special_tokens and getattr(version.tokenizer, "bos_token_id", None) is not None and req.messages is None:
         tokens = [version.tokenizer.bos_token_id, *tokens]
     body: dict[str, Any] = {"count": len(tokens), "max_model_len": limit, "tokens": tokens, "token_strs": None}
     if req.return_token_strs:

@@ -33,8 +33,12 @@ def test_readme_set_up_commands_are_what_ci_runs():
 
 
 def test_readme_benchmark_table_matches_the_results_files():
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "summary.py"), "--check"],
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "summary.py"), "--check"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert (REPO / "docs" / "assets" / "benchmarks.png").stat().st_size > 1000
 
@@ -42,8 +46,15 @@ def test_readme_benchmark_table_matches_the_results_files():
 def test_mkdocs_build_strict(tmp_path):
     pytest.importorskip("mkdocs")
     env = {**os.environ, "PYTHONPATH": str(REPO), "NO_MKDOCS_2_WARNING": "1"}
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
-                         cwd=REPO, env=env, capture_output=True, text=True, check=False, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     page = (tmp_path / "site" / "configuration" / "index.html").read_text()
     # the reference is generated from the declarations: every declared key is on the page

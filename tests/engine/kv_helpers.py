@@ -37,7 +37,9 @@ def make_request(
 
 
 def make_manager(
-    num_blocks: int, block_size: int = 4, hash_kind: PrefixCacheHash = PrefixCacheHash.SHA256,
+    num_blocks: int,
+    block_size: int = 4,
+    hash_kind: PrefixCacheHash = PrefixCacheHash.SHA256,
     enable_caching: bool = True,
 ) -> KVCacheManager:
     return KVCacheManager(num_blocks, block_size, get_hash_fn(hash_kind), enable_caching)

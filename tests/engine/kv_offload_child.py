@@ -20,17 +20,27 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("prompts")
     parser.add_argument("disk")
-    parser.add_argument("--max-file-bytes", type=int, default=None,
-                        help="RLIMIT_FSIZE for the generation: writes past it fail (EFBIG), like a full disk")
+    parser.add_argument(
+        "--max-file-bytes",
+        type=int,
+        default=None,
+        help="RLIMIT_FSIZE for the generation: writes past it fail (EFBIG), like a full disk",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     from engine import LLM, SamplingParams
 
     with open(args.prompts) as f:
         prompts = json.load(f)
-    llm = LLM(args.model, dtype="float32", num_threads=1, num_kv_blocks=40, max_model_len=640,
-              max_num_batched_tokens=640,
-              kv_offload={"cpu_size_gb": 0.1, "disk_path": args.disk, "disk_size_gb": 0.5, "chunk_size": 64})
+    llm = LLM(
+        args.model,
+        dtype="float32",
+        num_threads=1,
+        num_kv_blocks=40,
+        max_model_len=640,
+        max_num_batched_tokens=640,
+        kv_offload={"cpu_size_gb": 0.1, "disk_path": args.disk, "disk_size_gb": 0.5, "chunk_size": 64},
+    )
     if args.max_file_bytes is not None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
         resource.setrlimit(resource.RLIMIT_FSIZE, (args.max_file_bytes, args.max_file_bytes))

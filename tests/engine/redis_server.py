@@ -52,10 +52,28 @@ class RedisServer:
         for _ in range(5):  # a port picked as free may be taken before the server binds it
             self.port = _free_port()
             self.proc = subprocess.Popen(
-                [str(binary), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                 "--appendonly", "no", "--dir", str(self.workdir), "--maxmemory", self.maxmemory,
-                 "--maxmemory-policy", "allkeys-lru", "--protected-mode", "yes"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                [
+                    str(binary),
+                    "--port",
+                    str(self.port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    str(self.workdir),
+                    "--maxmemory",
+                    self.maxmemory,
+                    "--maxmemory-policy",
+                    "allkeys-lru",
+                    "--protected-mode",
+                    "yes",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             if self._wait_ready():
                 return self
             self.kill()

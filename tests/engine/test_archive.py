@@ -26,9 +26,16 @@ from engine.model.archive import (
     write_archive,
 )
 
-CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
-          "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-          "num_key_value_heads": 2, "vocab_size": 64}
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": 64,
+}
 MODEL_CONFIG_YAML = b"minWorkers: 1\nmaxWorkers: 1\nhandler:\n  max_model_len: 128\n"
 
 
@@ -38,10 +45,14 @@ def model_files() -> dict[str, bytes]:
     from safetensors.numpy import save
 
     weights = save({"model.embed_tokens.weight": np.arange(64 * 32, dtype=np.float32).reshape(64, 32)})
-    return {"config.json": json.dumps(CONFIG).encode(), "model.safetensors": weights,
-            "tokenizer.json": b'{"version": "1.0", "model": {"type": "BPE"}}',
-            "tokenizer_config.json": b"{}", "chat_template.jinja": b"{{ messages }}",
-            "generation_config.json": b'{"eos_token_id": 2}'}
+    return {
+        "config.json": json.dumps(CONFIG).encode(),
+        "model.safetensors": weights,
+        "tokenizer.json": b'{"version": "1.0", "model": {"type": "BPE"}}',
+        "tokenizer_config.json": b"{}",
+        "chat_template.jinja": b"{{ messages }}",
+        "generation_config.json": b'{"eos_token_id": 2}',
+    }
 
 
 @pytest.fixture
@@ -74,12 +85,19 @@ def assert_empty(folder: Path) -> None:
 
 # ---- writing and round trips -----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("fmt,suffix", [("default", ".mar"), ("tgz", ".tar.gz"), ("no-archive", "")])
 def test_round_trip(tmp_path, model_dir, config_yaml, fmt, suffix):
     calls = []
-    out = write_archive(model_dir, tmp_path / "store", model_name="tiny", version="1.0",
-                        config_file=config_yaml, archive_format=fmt,
-                        progress=lambda done, total: calls.append((done, total)))
+    out = write_archive(
+        model_dir,
+        tmp_path / "store",
+        model_name="tiny",
+        version="1.0",
+        config_file=config_yaml,
+        archive_format=fmt,
+        progress=lambda done, total: calls.append((done, total)),
+    )
     assert out == tmp_path / "store" / f"tiny{suffix}"
     assert sorted(os.listdir(tmp_path / "store")) == [out.name]  # no temporary left
     total = sum(len(b) for b in model_files().values()) + len(MODEL_CONFIG_YAML)
@@ -98,8 +116,13 @@ def test_round_trip(tmp_path, model_dir, config_yaml, fmt, suffix):
     assert manifest == opened.manifest
     datetime.strptime(manifest["createdOn"], "%d/%m/%Y %H:%M:%S")
     assert manifest["runtime"] == "python" and manifest["archiverVersion"]
-    assert manifest["model"] == {"modelName": "tiny", "modelVersion": "1.0", "handler": "llm",
-                                 "serializedFile": "model.safetensors", "configFile": "model-config.yaml"}
+    assert manifest["model"] == {
+        "modelName": "tiny",
+        "modelVersion": "1.0",
+        "handler": "llm",
+        "serializedFile": "model.safetensors",
+        "configFile": "model-config.yaml",
+    }
     assert manifest["files"] == {name: sha(data) for name, data in expected.items()}
 
 
@@ -108,8 +131,9 @@ def test_write_extra_files_and_custom_handler(tmp_path, model_dir):
     notes.write_text("hello")
     handler = tmp_path / "my_handler.py"
     handler.write_text("def handle(data, context):\n    return data\n")
-    out = write_archive(model_dir, tmp_path / "store", model_name="tiny", version="2",
-                        handler=str(handler), extra_files=[notes])
+    out = write_archive(
+        model_dir, tmp_path / "store", model_name="tiny", version="2", handler=str(handler), extra_files=[notes]
+    )
     assert json.loads(zipfile.ZipFile(out).read(MANIFEST_PATH))["model"]["handler"] == "my_handler.py"
     with pytest.raises(ArchiveError, match="allow_custom_handlers=True"):
         open_archive(out, tmp_path / "refused")
@@ -167,10 +191,10 @@ def test_write_refuses_pickle_and_unsupported_models(tmp_path, model_dir):
 
 # ---- crafted archives ------------------------------------------------------------------------
 
+
 def manifest(files: dict[str, bytes] | None, **model) -> bytes:
     fields = {"modelName": "tiny", "modelVersion": "1.0", "handler": "llm", **model}
-    body = {"createdOn": "01/01/2025 00:00:00", "runtime": "python", "model": fields,
-            "archiverVersion": "test"}
+    body = {"createdOn": "01/01/2025 00:00:00", "runtime": "python", "model": fields, "archiverVersion": "test"}
     if files is not None:
         body["files"] = {name: sha(data) for name, data in files.items()}
     return json.dumps(body).encode()
@@ -232,8 +256,15 @@ def test_refuses_dotdot(tmp_path, dest, name):
     refuse(make_tar(tmp_path / "a.tgz", valid_entries(), [tar_member(name, b"x")]), dest, r"contains '\.\.'")
 
 
-@pytest.mark.parametrize("type_,target", [(tarfile.SYMTYPE, "/etc/passwd"), (tarfile.SYMTYPE, "../x"),
-                                          (tarfile.SYMTYPE, "a/../../x"), (tarfile.LNKTYPE, "../x")])
+@pytest.mark.parametrize(
+    "type_,target",
+    [
+        (tarfile.SYMTYPE, "/etc/passwd"),
+        (tarfile.SYMTYPE, "../x"),
+        (tarfile.SYMTYPE, "a/../../x"),
+        (tarfile.LNKTYPE, "../x"),
+    ],
+)
 def test_refuses_tar_links_leaving_the_archive(tmp_path, dest, type_, target):
     path = make_tar(tmp_path / "a.tgz", valid_entries(), [tar_member("link", type_=type_, link=target)])
     refuse(path, dest, "points outside the archive")
@@ -250,25 +281,36 @@ def test_refuses_zip_symlink_leaving_the_archive(tmp_path, dest, target):
 
 
 def test_refuses_entries_under_a_file_or_link(tmp_path, dest):
-    refuse(make_tar(tmp_path / "a.tgz", valid_entries(), [tar_member("config.json/x", b"x")]),
-           dest, "lies under 'config.json', which is a file")
+    refuse(
+        make_tar(tmp_path / "a.tgz", valid_entries(), [tar_member("config.json/x", b"x")]),
+        dest,
+        "lies under 'config.json', which is a file",
+    )
     link = tar_member("sub", type_=tarfile.SYMTYPE, link="tokenizer.json")
-    refuse(make_tar(tmp_path / "b.tgz", valid_entries(), [link, tar_member("sub/x", b"x")]),
-           dest, "lies under 'sub', which is a link")
+    refuse(
+        make_tar(tmp_path / "b.tgz", valid_entries(), [link, tar_member("sub/x", b"x")]),
+        dest,
+        "lies under 'sub', which is a link",
+    )
 
 
 def test_tar_link_inside_is_materialised_as_a_copy(tmp_path, dest):
     files = {**model_files(), "tokenizer_copy.json": model_files()["tokenizer.json"]}
     entries = {n: d for n, d in files.items() if n != "tokenizer_copy.json"}
     entries[MANIFEST_PATH] = manifest(files)
-    path = make_tar(tmp_path / "a.tgz", entries,
-                    [tar_member("tokenizer_copy.json", type_=tarfile.SYMTYPE, link="tokenizer.json")])
+    path = make_tar(
+        tmp_path / "a.tgz", entries, [tar_member("tokenizer_copy.json", type_=tarfile.SYMTYPE, link="tokenizer.json")]
+    )
     opened = open_archive(path, dest)
     copy = opened.root / "tokenizer_copy.json"
     assert not copy.is_symlink() and copy.read_bytes() == files["tokenizer.json"]
-    refuse(make_tar(tmp_path / "b.tgz", entries, [tar_member("sub", type_=tarfile.SYMTYPE, link="."),
-                                                  tar_member("sub/x", b"x")]),
-           tmp_path / "out2" / "model", "names a folder")
+    refuse(
+        make_tar(
+            tmp_path / "b.tgz", entries, [tar_member("sub", type_=tarfile.SYMTYPE, link="."), tar_member("sub/x", b"x")]
+        ),
+        tmp_path / "out2" / "model",
+        "names a folder",
+    )
 
 
 @pytest.mark.parametrize("type_", [tarfile.CHRTYPE, tarfile.BLKTYPE, tarfile.FIFOTYPE])
@@ -300,20 +342,25 @@ def test_refuses_duplicate_entries(tmp_path, dest):
     with pytest.warns(UserWarning, match="Duplicate name"):
         path = make_zip(tmp_path / "a.mar", entries)
     refuse(path, dest, "duplicate entry 'config.json'")
-    refuse(make_tar(tmp_path / "a.tgz", valid_entries(), [tar_member("./config.json", b"{}")]),
-           dest, "duplicate entry 'config.json'")
+    refuse(
+        make_tar(tmp_path / "a.tgz", valid_entries(), [tar_member("./config.json", b"{}")]),
+        dest,
+        "duplicate entry 'config.json'",
+    )
 
 
-@pytest.mark.parametrize("manifest_bytes,match", [
-    (None, "missing MAR-INF/MANIFEST.json"),
-    (b"not json", "not valid JSON"),
-    (b"[]", "expected a JSON object"),
-    (json.dumps({"runtime": "python"}).encode(), "missing the 'model' object"),
-    (json.dumps({"model": {"handler": "llm"}}).encode(), "invalid model name None"),
-    (json.dumps({"model": {"modelName": "tiny"}}).encode(), "missing model.handler"),
-    (json.dumps({"model": {"modelName": "tiny", "handler": "llm"}, "files": []}).encode(),
-     "'files' must map"),
-])
+@pytest.mark.parametrize(
+    "manifest_bytes,match",
+    [
+        (None, "missing MAR-INF/MANIFEST.json"),
+        (b"not json", "not valid JSON"),
+        (b"[]", "expected a JSON object"),
+        (json.dumps({"runtime": "python"}).encode(), "missing the 'model' object"),
+        (json.dumps({"model": {"handler": "llm"}}).encode(), "invalid model name None"),
+        (json.dumps({"model": {"modelName": "tiny"}}).encode(), "missing model.handler"),
+        (json.dumps({"model": {"modelName": "tiny", "handler": "llm"}, "files": []}).encode(), "'files' must map"),
+    ],
+)
 def test_refuses_missing_or_malformed_manifest(tmp_path, dest, manifest_bytes, match):
     entries = model_files()
     if manifest_bytes is not None:
@@ -323,32 +370,50 @@ def test_refuses_missing_or_malformed_manifest(tmp_path, dest, manifest_bytes, m
 
 def test_refuses_hash_mismatch_missing_and_unlisted_files(tmp_path, dest):
     files = model_files()
-    tampered = {**files, "config.json": json.dumps({**CONFIG, "vocab_size": 65}).encode(),
-                MANIFEST_PATH: manifest(files)}
+    tampered = {
+        **files,
+        "config.json": json.dumps({**CONFIG, "vocab_size": 65}).encode(),
+        MANIFEST_PATH: manifest(files),
+    }
     refuse(make_zip(tmp_path / "a.mar", tampered), dest, "sha256 mismatch for config.json")
     missing = {**valid_entries()}
     del missing["chat_template.jinja"]
     refuse(make_zip(tmp_path / "b.mar", missing), dest, "missing: chat_template.jinja")
-    refuse(make_zip(tmp_path / "c.mar", {**valid_entries(), "extra.txt": b"x"}), dest,
-           "not listed in the manifest: extra.txt")
+    refuse(
+        make_zip(tmp_path / "c.mar", {**valid_entries(), "extra.txt": b"x"}),
+        dest,
+        "not listed in the manifest: extra.txt",
+    )
 
 
 @pytest.mark.parametrize("name", ["pytorch_model.bin", "model.pt", "weights.pth", "model.ckpt", "x.pkl"])
 def test_refuses_pickle_weights(tmp_path, dest, name):
     files = {**model_files(), name: b"\x80\x04pickle"}
-    refuse(make_zip(tmp_path / "a.mar", {**files, MANIFEST_PATH: manifest(files)}), dest,
-           f"pickle format \\({name}\\).*convert_model")
+    refuse(
+        make_zip(tmp_path / "a.mar", {**files, MANIFEST_PATH: manifest(files)}),
+        dest,
+        f"pickle format \\({name}\\).*convert_model",
+    )
 
 
 def test_refuses_unsupported_architecture(tmp_path, dest):
     files = {**model_files(), "config.json": json.dumps({"architectures": ["GPT2LMHeadModel"]}).encode()}
-    refuse(make_zip(tmp_path / "a.mar", {**files, MANIFEST_PATH: manifest(files)}), dest,
-           "not supported: unsupported architecture GPT2LMHeadModel")
+    refuse(
+        make_zip(tmp_path / "a.mar", {**files, MANIFEST_PATH: manifest(files)}),
+        dest,
+        "not supported: unsupported architecture GPT2LMHeadModel",
+    )
 
 
-@pytest.mark.parametrize("handler,code_file", [
-    ("my_handler.py", "my_handler.py"), ("my_handler", "my_handler.py"),
-    ("my_handler:handle", "my_handler.py"), ("llm", "llm.py")])
+@pytest.mark.parametrize(
+    "handler,code_file",
+    [
+        ("my_handler.py", "my_handler.py"),
+        ("my_handler", "my_handler.py"),
+        ("my_handler:handle", "my_handler.py"),
+        ("llm", "llm.py"),
+    ],
+)
 def test_refuses_custom_handler_code_unless_allowed(tmp_path, dest, handler, code_file):
     files = {**model_files(), code_file: b"import os\nos.system('echo pwned')\n"}
     path = make_zip(tmp_path / "a.mar", {**files, MANIFEST_PATH: manifest(files, handler=handler)})
@@ -368,8 +433,7 @@ def test_torchserve_vllm_handler_is_the_built_in_handler(tmp_path, dest):
 
 
 def test_folder_is_verified_in_place(tmp_path, model_dir):
-    folder = write_archive(model_dir, tmp_path / "store", model_name="tiny", version="1",
-                           archive_format="no-archive")
+    folder = write_archive(model_dir, tmp_path / "store", model_name="tiny", version="1", archive_format="no-archive")
     unused = tmp_path / "unused"
     assert open_archive(folder, unused).root == folder
     assert not unused.exists()
@@ -413,13 +477,20 @@ def test_refuses_non_empty_destination(tmp_path, model_dir):
 
 # ---- archives made by TorchServe's torch-model-archiver -------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiny_hf_model(tmp_path_factory) -> Path:
     """A tiny random Llama saved by transformers, with a real tokenizer next to it."""
     transformers = pytest.importorskip("transformers")
     d = tmp_path_factory.mktemp("tiny_hf")
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=2, vocab_size=64)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(d, safe_serialization=True)
     try:
         from engine.model.default_model import default_model_dir
@@ -445,11 +516,28 @@ def test_opens_torch_model_archiver_archive(tmp_path, tiny_hf_model, fmt):
     files = sorted(tiny_hf_model.iterdir())
     export = tmp_path / "export"
     export.mkdir()
-    cmd = [sys.executable, "-m", "model_archiver.model_packaging", "--model-name", "tiny",
-           "--version", "1.0", "--handler", "llm", "--extra-files", ",".join(map(str, files)),
-           "--config-file", str(config), "--export-path", str(export), "--archive-format", fmt]
-    subprocess.run(cmd, cwd=work, check=True, capture_output=True,
-                   env={**os.environ, "TMPDIR": str(work)})  # it stages files in $TMPDIR/<name>
+    cmd = [
+        sys.executable,
+        "-m",
+        "model_archiver.model_packaging",
+        "--model-name",
+        "tiny",
+        "--version",
+        "1.0",
+        "--handler",
+        "llm",
+        "--extra-files",
+        ",".join(map(str, files)),
+        "--config-file",
+        str(config),
+        "--export-path",
+        str(export),
+        "--archive-format",
+        fmt,
+    ]
+    subprocess.run(
+        cmd, cwd=work, check=True, capture_output=True, env={**os.environ, "TMPDIR": str(work)}
+    )  # it stages files in $TMPDIR/<name>
     (produced,) = export.iterdir()
 
     opened = open_archive(produced, tmp_path / "opened")
@@ -471,9 +559,21 @@ def test_torch_model_archiver_archive_generates_like_transformers(tmp_path, tiny
     work = tmp_path / "work"
     work.mkdir()
     (work / "llm.py").write_text("# pagedserve built-in llm handler\n")
-    cmd = [sys.executable, "-m", "model_archiver.model_packaging", "--model-name", "tiny", "--version", "1.0",
-           "--handler", "llm", "--extra-files", ",".join(map(str, sorted(tiny_hf_model.iterdir()))),
-           "--export-path", str(work)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "model_archiver.model_packaging",
+        "--model-name",
+        "tiny",
+        "--version",
+        "1.0",
+        "--handler",
+        "llm",
+        "--extra-files",
+        ",".join(map(str, sorted(tiny_hf_model.iterdir()))),
+        "--export-path",
+        str(work),
+    ]
     subprocess.run(cmd, cwd=work, check=True, capture_output=True, env={**os.environ, "TMPDIR": str(work)})
     monkeypatch.setenv("PAGEDSERVE_ARCHIVE_DIR", str(tmp_path / "extracted"))
     llm = LLM(work / "tiny.mar", dtype="float32", num_kv_blocks=32)
@@ -482,5 +582,5 @@ def test_torch_model_archiver_archive_generates_like_transformers(tmp_path, tiny
     hf = transformers.LlamaForCausalLM.from_pretrained(tiny_hf_model).eval()
     ids = torch.tensor([prompt])
     with torch.inference_mode():
-        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)[0, len(prompt):]
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)[0, len(prompt) :]
     assert ours == ref.tolist() and ours

@@ -24,7 +24,9 @@ def expected_text(default_model_dir) -> str:
 @pytest.mark.parametrize("fmt", ["default", "tgz", "no-archive"])
 def test_round_trip_generates_the_same_text(default_model_dir, expected_text, tmp_path, monkeypatch, fmt):
     monkeypatch.setenv("PAGEDSERVE_ARCHIVE_DIR", str(tmp_path / "extracted"))
-    archive = write_archive(default_model_dir, tmp_path / "store", model_name="smollm2", version="1.0", archive_format=fmt)
+    archive = write_archive(
+        default_model_dir, tmp_path / "store", model_name="smollm2", version="1.0", archive_format=fmt
+    )
     llm = LLM(archive, dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
     text = llm.generate(PROMPT, PARAMS)[0].outputs[0].text
     assert text == expected_text and text.startswith(" 5, 6, 7")

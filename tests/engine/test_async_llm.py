@@ -92,14 +92,18 @@ def test_worker_serves_streams_aborts_and_reports_death(default_model_dir, token
         assert stop.text == "The capital of France is " and stop.finish_reason == "stop" and stop.stop_reason == "Paris"
 
         # Leaving a stream early aborts the request and frees its blocks; so does abort().
-        gen = worker.generate("early", EngineInput(None, ids, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)))
+        gen = worker.generate(
+            "early", EngineInput(None, ids, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+        )
         async for _ in gen:
             break
         await gen.aclose()
         seen = []
 
         async def consume():
-            async for out in worker.generate("ab", EngineInput(None, ids, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))):
+            async for out in worker.generate(
+                "ab", EngineInput(None, ids, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+            ):
                 seen.append(out)
 
         task = asyncio.create_task(consume())
@@ -122,7 +126,9 @@ def test_worker_serves_streams_aborts_and_reports_death(default_model_dir, token
         assert info.value.field == "max_tokens"
 
         # kill -9 during a stream: the stream fails within seconds, on_dead fires once.
-        stream = worker.generate("doomed", EngineInput(None, ids, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)))
+        stream = worker.generate(
+            "doomed", EngineInput(None, ids, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+        )
         await stream.__anext__()
         os.kill(worker.pid, signal.SIGKILL)
         started = time.monotonic()
@@ -142,7 +148,9 @@ def test_graceful_shutdown_fails_in_flight_requests(default_model_dir, tokenizer
     async def scenario():
         worker = AsyncLLM(_config(default_model_dir), tokenizer, name="w1")
         await worker.start()
-        stream = worker.generate("x", EngineInput(None, [1, 2, 3], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)))
+        stream = worker.generate(
+            "x", EngineInput(None, [1, 2, 3], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+        )
         await stream.__anext__()
         process = worker._client.process
         await worker.shutdown(timeout=10)

@@ -24,14 +24,25 @@ BLOCK_SIZE = 4
 
 
 def make_engine(model_dir, async_scheduling: bool, num_blocks: int = 64, **options) -> EngineCore:
-    return EngineCore(EngineConfig(
-        model=str(model_dir), num_kv_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=24,
-        max_num_seqs=6, max_model_len=48, async_scheduling=async_scheduling, **options,
-    ))
+    return EngineCore(
+        EngineConfig(
+            model=str(model_dir),
+            num_kv_blocks=num_blocks,
+            block_size=BLOCK_SIZE,
+            max_num_batched_tokens=24,
+            max_num_seqs=6,
+            max_model_len=48,
+            async_scheduling=async_scheduling,
+            **options,
+        )
+    )
 
 
-def run_to_end(engine: EngineCore, requests: list[Request], abort_after: dict[str, int] | None = None,
-               ) -> tuple[dict[str, list[int]], dict[str, FinishReason]]:
+def run_to_end(
+    engine: EngineCore,
+    requests: list[Request],
+    abort_after: dict[str, int] | None = None,
+) -> tuple[dict[str, list[int]], dict[str, FinishReason]]:
     """Drive engine.step() until every request has finished; `abort_after[id] = n` aborts a
     request once n of its tokens have come out. Checks the block pool after every step."""
     abort_after = abort_after or {}
@@ -57,9 +68,13 @@ def run_to_end(engine: EngineCore, requests: list[Request], abort_after: dict[st
 def eos_token(tiny_model_dir) -> int:
     """A token the tiny model's greedy output holds in its middle: made its EOS below."""
     engine = make_engine(tiny_model_dir, False)
-    tokens, _ = run_to_end(engine, [Request(f"p{i}", [i, i + 1, i + 2],
-                                            SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-                                    for i in range(4)])
+    tokens, _ = run_to_end(
+        engine,
+        [
+            Request(f"p{i}", [i, i + 1, i + 2], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+            for i in range(4)
+        ],
+    )
     middle = [t for seq in tokens.values() for t in seq[3:9]]
     return max(set(middle), key=middle.count)
 
@@ -79,10 +94,15 @@ def mixed_requests(eos_token: int) -> list[Request]:
     requests = []
     for i in range(10):
         params = SamplingParams(
-            max_tokens=4 + 3 * i, temperature=0.0 if i % 2 else 0.9, seed=None if i % 2 else 100 + i,
-            top_k=0 if i % 4 else 20, ignore_eos=i % 3 == 0, logprobs=2 if i == 5 else None,
+            max_tokens=4 + 3 * i,
+            temperature=0.0 if i % 2 else 0.9,
+            seed=None if i % 2 else 100 + i,
+            top_k=0 if i % 4 else 20,
+            ignore_eos=i % 3 == 0,
+            logprobs=2 if i == 5 else None,
             stop_token_ids=[eos_token + 1] if i == 4 else [],
-            min_tokens=3 if i == 7 else 0, repetition_penalty=1.3 if i == 8 else 1.0,
+            min_tokens=3 if i == 7 else 0,
+            repetition_penalty=1.3 if i == 8 else 1.0,
         )
         requests.append(Request(f"r{i}", [(5 * i + j) % 64 for j in range(2 + 3 * i)], params))
     return requests
@@ -118,7 +138,8 @@ def test_aborted_requests_get_a_prefix_of_their_output_and_free_everything(eos_m
         assert reasons[req_id] is FinishReason.ABORT
         assert tokens[req_id] == full[req_id][:n]  # nothing after the abort
     assert {r: t for r, t in tokens.items() if r not in abort_after} == {
-        r: t for r, t in full.items() if r not in abort_after}
+        r: t for r, t in full.items() if r not in abort_after
+    }
 
 
 def test_random_workload_with_aborts_keeps_the_pool_consistent(tiny_model_dir):
@@ -129,8 +150,9 @@ def test_random_workload_with_aborts_keeps_the_pool_consistent(tiny_model_dir):
         if step < 100 and rng.random() < 0.5:
             req_id = f"w{step}"
             prompt = [rng.randrange(64) for _ in range(rng.randrange(1, 30))]
-            params = SamplingParams(max_tokens=rng.randrange(1, 16), temperature=rng.choice([0.0, 1.0]), seed=step,
-                                    ignore_eos=True)
+            params = SamplingParams(
+                max_tokens=rng.randrange(1, 16), temperature=rng.choice([0.0, 1.0]), seed=step, ignore_eos=True
+            )
             engine.add_request(Request(req_id, prompt, params))
             live.append(req_id)
         if live and rng.random() < 0.15:
@@ -158,9 +180,15 @@ def tiny_text_model(tmp_path_factory, default_model_dir):
     """A tiny random-weight Llama with the default model's tokenizer (stop strings need text)."""
     path = tmp_path_factory.mktemp("tiny-text") / "model"
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=2,
-                                      vocab_size=49152, max_position_embeddings=256)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=49152,
+        max_position_embeddings=256,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_model_dir / name, path / name)
@@ -172,14 +200,16 @@ def test_stop_strings_end_at_the_same_text(tiny_text_model):
     free = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     sync = LLM(tiny_text_model, dtype="float32", num_threads=1, kv_cache_memory="8MiB")
     texts = [o.outputs[0].text for o in sync.generate(prompts, free)]
-    stop = texts[1][len(texts[1]) // 2:][:3]  # a piece of the second completion's middle
+    stop = texts[1][len(texts[1]) // 2 :][:3]  # a piece of the second completion's middle
     assert stop.strip()
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop])
-    expected = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)
-                for o in sync.generate(prompts, params)]
+    expected = [
+        (o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in sync.generate(prompts, params)
+    ]
     llm = LLM(tiny_text_model, dtype="float32", num_threads=1, kv_cache_memory="8MiB", async_scheduling=True)
-    got = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)
-           for o in llm.generate(prompts, params)]
+    got = [
+        (o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(prompts, params)
+    ]
     assert got == expected
     assert expected[1][2] is FinishReason.STOP and stop not in expected[1][0]
     # The next call starts from whatever the previous one left in flight.

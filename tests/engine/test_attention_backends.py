@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.selector import select_backend
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.selector import select_backend
 from engine.attention.torch_backend import TorchAttentionBackend, group_decodes
 from engine.config import EngineConfig
 from kernels.cpu_paged_attention import load_cpu_kernels
@@ -23,16 +23,22 @@ def make_meta(seqs: list[tuple[int, int]], g: torch.Generator) -> AttentionMetad
         n = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
         tables.append(perm[:n])
         perm = perm[n:]
-        slots += [tables[-1][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(seq_len - query_len, seq_len)]
+        slots += [
+            tables[-1][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(seq_len - query_len, seq_len)
+        ]
     width = max(len(t) for t in tables)
     query_lens, seq_lens = [q for q, _ in seqs], [s for _, s in seqs]
     return AttentionMetadata(
-        num_seqs=len(seqs), num_tokens=sum(query_lens), query_lens=query_lens, seq_lens=seq_lens,
+        num_seqs=len(seqs),
+        num_tokens=sum(query_lens),
+        query_lens=query_lens,
+        seq_lens=seq_lens,
         query_start_loc=torch.tensor([0] + query_lens).cumsum(0).to(torch.int32),
         seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
         num_decodes=next((i for i, q in enumerate(query_lens) if q != 1), len(seqs)),
     )
 
@@ -56,8 +62,21 @@ def reference(query, kv_cache, meta, scale):
 # Decode lengths 300 and 250 vs <= 12: the decodes run as two length groups, rows interleaved.
 # (5, 45) and (2, 2) are short chunks (speculative verification, a tiny prompt): with the CPU
 # kernel they run as decode-kernel rows.
-MIXED = [(1, 300), (1, 12), (1, 5), (1, 250), (1, 7), (1, 17), (1, 3), (1, 11), (9, 9), (20, 57), (1, 40),
-         (5, 45), (2, 2)]
+MIXED = [
+    (1, 300),
+    (1, 12),
+    (1, 5),
+    (1, 250),
+    (1, 7),
+    (1, 17),
+    (1, 3),
+    (1, 11),
+    (9, 9),
+    (20, 57),
+    (1, 40),
+    (5, 45),
+    (2, 2),
+]
 
 
 def _cpu_kernel_backend() -> TorchAttentionBackend:
@@ -72,8 +91,9 @@ def _triton_backend():
     return select_backend("cpu", "triton")  # Triton's interpreter (tests/conftest.py)
 
 
-@pytest.mark.parametrize("make_backend", [TorchAttentionBackend, _cpu_kernel_backend, _triton_backend],
-                         ids=["torch", "cpu-kernel", "triton"])
+@pytest.mark.parametrize(
+    "make_backend", [TorchAttentionBackend, _cpu_kernel_backend, _triton_backend], ids=["torch", "cpu-kernel", "triton"]
+)
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_mixed_batch_matches_reference_across_layers(dtype, tol, make_backend):
     g = torch.Generator().manual_seed(0)

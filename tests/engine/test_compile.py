@@ -82,7 +82,9 @@ def test_compile_buckets_follow_the_option():
     # auto: only what AUTO_POLICY measured to gain (nothing on the measured machine).
     for dtype in (torch.float32, torch.bfloat16):
         expected = token_buckets(8, AUTO_POLICY.max_tokens[dtype]) if dtype in AUTO_POLICY.max_tokens else ()
-        assert compile_buckets(EngineConfig(model="m", max_num_batched_tokens=8, compile="auto"), dtype, cpu) == expected
+        assert (
+            compile_buckets(EngineConfig(model="m", max_num_batched_tokens=8, compile="auto"), dtype, cpu) == expected
+        )
     assert compile_buckets(EngineConfig(model="m", compile="auto", quantization="int8"), torch.bfloat16, cpu) == ()
     tensor_parallel = EngineConfig(model="m", compile="always", tensor_parallel_size=2)
     assert compile_buckets(tensor_parallel, torch.float32, cpu) == ()  # a TP worker stays eager
@@ -123,9 +125,11 @@ def test_padded_rows_write_no_kv_and_steps_past_the_largest_bucket_are_refused(c
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("PAGEDSERVE_TEST_COMPILE_REAL"),
-                    reason="one cold compile of the real model: 1-5 minutes on 2 cores, over the suite's "
-                           "budget; set PAGEDSERVE_TEST_COMPILE_REAL=1 to run it")
+@pytest.mark.skipif(
+    not os.environ.get("PAGEDSERVE_TEST_COMPILE_REAL"),
+    reason="one cold compile of the real model: 1-5 minutes on 2 cores, over the suite's "
+    "budget; set PAGEDSERVE_TEST_COMPILE_REAL=1 to run it",
+)
 def test_real_model_greedy_unchanged_with_compiled_decode(default_model_dir, tmp_path):
     """The default model in bfloat16 (plain weights that inductor freezes and packs, against
     the eager engine's packed ones), decode steps compiled (bucket 1): the same greedy tokens,
@@ -136,8 +140,9 @@ def test_real_model_greedy_unchanged_with_compiled_decode(default_model_dir, tmp
     prompt = tokenizer.encode("1, 2, 3, 4,", add_special_tokens=False)
     options = {"model": str(default_model_dir), "dtype": "bfloat16", "num_kv_blocks": 16, "max_model_len": 128}
     (eager,) = _greedy(EngineCore(EngineConfig(**options)), [prompt], 8)
-    engine = EngineCore(EngineConfig(**options, compile="always", compile_max_tokens=1,
-                                     compile_cache_dir=str(tmp_path)))
+    engine = EngineCore(
+        EngineConfig(**options, compile="always", compile_max_tokens=1, compile_cache_dir=str(tmp_path))
+    )
     assert engine.runner.compiled.buckets == (1,)
     (tokens,) = _greedy(engine, [prompt], 8)
     assert tokens == eager and tokenizer.decode(tokens).startswith(" 5, 6, 7")

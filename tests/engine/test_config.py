@@ -10,7 +10,9 @@ from engine.sampling_params import SamplingParams, SamplingType
 from engine.schema import SchemaError
 
 
-@pytest.mark.parametrize("text, expected", [("2GiB", 2 * 2**30), ("512MB", 512 * 10**6), ("1.5 GiB", int(1.5 * 2**30)), (4096, 4096)])
+@pytest.mark.parametrize(
+    "text, expected", [("2GiB", 2 * 2**30), ("512MB", 512 * 10**6), ("1.5 GiB", int(1.5 * 2**30)), (4096, 4096)]
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
@@ -51,12 +53,19 @@ def test_engine_config_refuses(kwargs, message):
         EngineConfig(model="m", **kwargs)
 
 
-@pytest.mark.parametrize("kwargs, field, message", [
-    ({"max_num_seqs": 0}, "max_num_seqs", "max_num_seqs: must be >= 1, got 0"),
-    ({"quant_group_size": 48}, "quant_group_size", "quant_group_size: must be one of 32, 64, 128, got 48"),
-    ({"kv_offload": {"chunk_size": "big"}}, "kv_offload.chunk_size", 'kv_offload.chunk_size: must be an integer, got "big"'),
-    ({"tensor_parallel_size": 65}, "tensor_parallel_size", "tensor_parallel_size: must be <= 64, got 65"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field, message",
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs", "max_num_seqs: must be >= 1, got 0"),
+        ({"quant_group_size": 48}, "quant_group_size", "quant_group_size: must be one of 32, 64, 128, got 48"),
+        (
+            {"kv_offload": {"chunk_size": "big"}},
+            "kv_offload.chunk_size",
+            'kv_offload.chunk_size: must be an integer, got "big"',
+        ),
+        ({"tensor_parallel_size": 65}, "tensor_parallel_size", "tensor_parallel_size: must be <= 64, got 65"),
+    ],
+)
 def test_the_schema_refuses_a_bad_engine_config_naming_the_field(kwargs, field, message):
     """The bounds are declared on EngineFields (msgspec Meta); the refusal comes from the schema,
     the same one model-config.yaml's handler section and the docs' reference are derived from."""

@@ -18,8 +18,10 @@ from engine.model.convert import SOURCE_RECORD, convert_model  # noqa: E402
 
 WORDS = ["hello", "world", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", "1", "2", ","]
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>"
-                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant{% endif %}"
+)
 
 
 def save_tiny_tokenizer(path: Path) -> int:
@@ -30,21 +32,32 @@ def save_tiny_tokenizer(path: Path) -> int:
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(path)
     return len(vocab)
 
 
-def make_hf_dir(path: Path, weights: str = "safetensors", tie: bool = False,
-                dtype=torch.float32):
+def make_hf_dir(path: Path, weights: str = "safetensors", tie: bool = False, dtype=torch.float32):
     """Save a tiny random Llama to `path` as `weights` (safetensors, sharded or bin)."""
     vocab_size = save_tiny_tokenizer(path)
     config = transformers.LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(dtype).eval()
     if weights == "sharded":
@@ -63,11 +76,14 @@ def logits(model, ids=(1, 5, 6, 7, 8, 9)):
         return model(torch.tensor([ids])).logits
 
 
-@pytest.mark.parametrize("weights,tie,dtype", [
-    ("safetensors", False, torch.float32),
-    ("sharded", True, torch.bfloat16),
-    ("bin", True, torch.float32),
-])
+@pytest.mark.parametrize(
+    "weights,tie,dtype",
+    [
+        ("safetensors", False, torch.float32),
+        ("sharded", True, torch.bfloat16),
+        ("bin", True, torch.float32),
+    ],
+)
 def test_hf_dir_round_trip(tmp_path, weights, tie, dtype):
     from safetensors.torch import load_file
 
@@ -100,16 +116,14 @@ def test_hf_dir_round_trip(tmp_path, weights, tie, dtype):
     reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     assert torch.equal(logits(loaded), logits(reference))
     tok = transformers.AutoTokenizer.from_pretrained(dest)
-    chat = tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
-                                   add_generation_prompt=True)
+    chat = tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True)
     assert chat == "<|im_start|>user hello<|im_end|><|im_start|>assistant"
 
     record = json.loads((dest / SOURCE_RECORD).read_text())
     assert record["kind"] == "hf" and record["source"] == str(src.resolve())
     files = {f["name"]: f for f in record["files"]}
     weight_file = "pytorch_model.bin" if weights == "bin" else next(iter(files))
-    assert files[weight_file]["sha256"] == hashlib.sha256(
-        (src / weight_file).read_bytes()).hexdigest()
+    assert files[weight_file]["sha256"] == hashlib.sha256((src / weight_file).read_bytes()).hexdigest()
     assert sorted(p.name for p in dest.parent.iterdir()) == ["model"]  # no temporary leftovers
 
 
@@ -158,8 +172,7 @@ def test_bad_sources(tmp_path):
     with pytest.raises(ValueError, match="must not be the source"):
         convert_model(src, src / "inner")
     config = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**config, "quantization_config": {
-        "quant_method": "gptq"}}))
+    (src / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
     with pytest.raises(ValueError, match="quantized model"):
         convert_model(src, tmp_path / "out")
     (src / "config.json").write_text(json.dumps(config))
@@ -191,8 +204,7 @@ def test_concurrent_callers_convert_once(tmp_path, monkeypatch):
     monkeypatch.setattr(default_model, "convert_model", fake_convert)
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(default_model.default_model_dir()))
-               for _ in range(2)]
+    threads = [threading.Thread(target=lambda: results.append(default_model.default_model_dir())) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -225,7 +237,7 @@ def test_default_model_generates(converted):
     ids = tok("1, 2, 3, 4,", return_tensors="pt").input_ids
     with torch.no_grad():  # digits and spaces are single tokens: " 5, 6, 7" is 8 of them
         out = model.generate(ids, max_new_tokens=8, do_sample=False)
-    assert tok.decode(out[0, ids.shape[1]:]).startswith(" 5, 6, 7")
+    assert tok.decode(out[0, ids.shape[1] :]).startswith(" 5, 6, 7")
 
 
 @pytest.mark.slow
@@ -233,8 +245,9 @@ def test_default_model_tokenizer_and_chat_template(converted):
     model_dir, _ = converted
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     assert (tok.bos_token_id, tok.eos_token_id, tok.eos_token) == (1, 2, "<|im_end|>")
-    chat = tok.apply_chat_template([{"role": "user", "content": "What is 2 plus 2?"}],
-                                   tokenize=False, add_generation_prompt=True)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 plus 2?"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat.startswith("<|im_start|>system\n")
     assert chat.endswith("<|im_start|>user\nWhat is 2 plus 2?<|im_end|>\n<|im_start|>assistant\n")
     generation = json.loads((model_dir / "generation_config.json").read_text())

@@ -8,8 +8,11 @@ import pytest
 
 from engine.detokenizer import IncrementalDetokenizer
 
-CORPUS = ["Hello world, the capital of France is Paris.", "What is the capital of Italy? Rome is.",
-          "Ünïcödé wörds and naïve cafés in Paris."] * 20
+CORPUS = [
+    "Hello world, the capital of France is Paris.",
+    "What is the capital of Italy? Rome is.",
+    "Ünïcödé wörds and naïve cafés in Paris.",
+] * 20
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +21,7 @@ def tokenizer():
     transformers = pytest.importorskip("transformers")
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>", byte_fallback=True))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
-    tok.decoder = tokenizers.decoders.Sequence([
-        tokenizers.decoders.ByteFallback(), tokenizers.decoders.Metaspace()])
+    tok.decoder = tokenizers.decoders.Sequence([tokenizers.decoders.ByteFallback(), tokenizers.decoders.Metaspace()])
     bytes_ = [f"<0x{i:02X}>" for i in range(256)]
     trainer = tokenizers.trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *bytes_])
     tok.train_from_iterator(CORPUS, trainer)
@@ -34,22 +36,25 @@ def test_the_decoder_drops_a_leading_space(tokenizer):
     """The premise: decoded alone, the first token of ' Paris' ('▁Pa...') loses its space."""
     prompt = encode(tokenizer, "Hello")
     ids = encode(tokenizer, "Hello Paris")
-    first = tokenizer.decode(ids[len(prompt):len(prompt) + 1])
+    first = tokenizer.decode(ids[len(prompt) : len(prompt) + 1])
     assert first and not first.startswith(" ")
-    assert tokenizer.decode(ids)[len(tokenizer.decode(prompt)):] == " Paris"
+    assert tokenizer.decode(ids)[len(tokenizer.decode(prompt)) :] == " Paris"
 
 
-@pytest.mark.parametrize("prompt, output", [
-    ("the capital of France is", " Paris."),
-    ("What is the capital of Italy?", " Rome is."),
-    ("Hello", " wörds and naïve cafés"),  # byte-fallback pieces for the accents
-    ("x", " world"),  # a prompt shorter than the context window
-])
+@pytest.mark.parametrize(
+    "prompt, output",
+    [
+        ("the capital of France is", " Paris."),
+        ("What is the capital of Italy?", " Rome is."),
+        ("Hello", " wörds and naïve cafés"),  # byte-fallback pieces for the accents
+        ("x", " world"),  # a prompt shorter than the context window
+    ],
+)
 def test_output_text_is_what_the_output_adds_to_the_prompt(tokenizer, prompt, output):
     prompt_ids = encode(tokenizer, prompt)
     full_ids = encode(tokenizer, prompt + output)
-    assert full_ids[:len(prompt_ids)] == prompt_ids
-    output_ids = full_ids[len(prompt_ids):]
+    assert full_ids[: len(prompt_ids)] == prompt_ids
+    output_ids = full_ids[len(prompt_ids) :]
     detok = IncrementalDetokenizer(tokenizer, prompt_ids)
     deltas = []
     for token_id in output_ids:
@@ -57,14 +62,14 @@ def test_output_text_is_what_the_output_adds_to_the_prompt(tokenizer, prompt, ou
         deltas.append(detok.get_next_delta())
     detok.finish()
     deltas.append(detok.get_next_delta())
-    expected = tokenizer.decode(full_ids)[len(tokenizer.decode(prompt_ids)):]
+    expected = tokenizer.decode(full_ids)[len(tokenizer.decode(prompt_ids)) :]
     assert expected == output  # the tokenizer round-trips these texts
     assert detok.output_text == output and "".join(deltas) == output
 
 
 def test_stop_string_right_after_the_prompt(tokenizer):
     prompt_ids = encode(tokenizer, "the capital of France is")
-    output_ids = encode(tokenizer, "the capital of France is Paris.")[len(prompt_ids):]
+    output_ids = encode(tokenizer, "the capital of France is Paris.")[len(prompt_ids) :]
     detok = IncrementalDetokenizer(tokenizer, prompt_ids, stop=[" Par"])
     matched = None
     for token_id in output_ids:

@@ -29,19 +29,32 @@ def check_pool_consistency(engine: EngineCore) -> None:
         assert block.block_hash == block_hash and block.token_ids is not None
 
 
-@pytest.mark.parametrize(("caching", "speculative"), [
-    (True, None), (False, None), (True, {"num_speculative_tokens": 3}),
-    (True, {"method": "suffix", "num_speculative_tokens": 8, "suffix_spec_factor": 8.0}),
-    (True, {"method": "draft", "num_speculative_tokens": 2, "draft_model": "tiny"}),
-], ids=["caching", "no-caching", "speculative", "suffix", "draft-model"])
+@pytest.mark.parametrize(
+    ("caching", "speculative"),
+    [
+        (True, None),
+        (False, None),
+        (True, {"num_speculative_tokens": 3}),
+        (True, {"method": "suffix", "num_speculative_tokens": 8, "suffix_spec_factor": 8.0}),
+        (True, {"method": "draft", "num_speculative_tokens": 2, "draft_model": "tiny"}),
+    ],
+    ids=["caching", "no-caching", "speculative", "suffix", "draft-model"],
+)
 def test_random_workload_leaves_every_block_free(tiny_model_dir, caching, speculative):
     if speculative and speculative.get("draft_model") == "tiny":
         speculative = {**speculative, "draft_model": str(tiny_model_dir)}
-    engine = EngineCore(EngineConfig(
-        model=str(tiny_model_dir), num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-        max_num_batched_tokens=24, max_num_seqs=6, enable_prefix_caching=caching, max_model_len=96,
-        speculative=speculative,
-    ))
+    engine = EngineCore(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            num_kv_blocks=NUM_BLOCKS,
+            block_size=BLOCK_SIZE,
+            max_num_batched_tokens=24,
+            max_num_seqs=6,
+            enable_prefix_caching=caching,
+            max_model_len=96,
+            speculative=speculative,
+        )
+    )
     rng = random.Random(1234)
     shared_prefix = [rng.randrange(64) for _ in range(12)]
     submitted, finished = 0, set()
@@ -50,7 +63,9 @@ def test_random_workload_leaves_every_block_free(tiny_model_dir, caching, specul
         if submitted < 80 and rng.random() < 0.5:
             prefix = shared_prefix[: rng.randrange(13)] if rng.random() < 0.6 else []
             prompt = prefix + [rng.randrange(64) for _ in range(rng.randrange(1, 30))]
-            params = SamplingParams(max_tokens=rng.randrange(1, 20), temperature=rng.choice([0.0, 1.0]), seed=submitted, ignore_eos=True)
+            params = SamplingParams(
+                max_tokens=rng.randrange(1, 20), temperature=rng.choice([0.0, 1.0]), seed=submitted, ignore_eos=True
+            )
             req_id = f"r{submitted}"
             engine.add_request(Request(req_id, prompt, params))
             live.append(req_id)
@@ -101,11 +116,20 @@ def _run_to_end(engine: EngineCore, requests: list[Request]) -> dict[str, list[i
 
 def test_seeded_sampling_is_unchanged_by_preemption(tiny_model_dir):
     def engine(num_blocks: int) -> EngineCore:
-        return EngineCore(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=num_blocks, block_size=BLOCK_SIZE,
-                                       enable_prefix_caching=False, max_model_len=32))
+        return EngineCore(
+            EngineConfig(
+                model=str(tiny_model_dir),
+                num_kv_blocks=num_blocks,
+                block_size=BLOCK_SIZE,
+                enable_prefix_caching=False,
+                max_model_len=32,
+            )
+        )
 
     def seeded() -> Request:
-        return Request("seeded", [5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=10, temperature=1.0, seed=42, ignore_eos=True))
+        return Request(
+            "seeded", [5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=10, temperature=1.0, seed=42, ignore_eos=True)
+        )
 
     alone = _run_to_end(engine(64), [seeded()])["seeded"]
     crowded = engine(8)

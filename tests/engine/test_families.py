@@ -19,42 +19,87 @@ from engine.sampling_params import SamplingParams
 BLOCK_SIZE = 4
 NEW_TOKENS = 32
 WINDOW = 12
-COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, max_position_embeddings=256, initializer_range=0.1, rms_norm_eps=1e-5,
-              eos_token_id=None, bos_token_id=None, pad_token_id=None)
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    rms_norm_eps=1e-5,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+)
 
 
 def _configs() -> dict[str, transformers.PretrainedConfig]:
-    longrope = dict(rope_type="longrope", short_factor=[1.0 + 0.1 * i for i in range(8)],
-                    long_factor=[2.0 + 0.3 * i for i in range(8)])
+    longrope = dict(
+        rope_type="longrope",
+        short_factor=[1.0 + 0.1 * i for i in range(8)],
+        long_factor=[2.0 + 0.3 * i for i in range(8)],
+    )
     return {
-        "llama3": transformers.LlamaConfig(**COMMON, num_hidden_layers=2, rope_parameters=dict(
-            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-            original_max_position_embeddings=16)),
+        "llama3": transformers.LlamaConfig(
+            **COMMON,
+            num_hidden_layers=2,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
         "mistral": transformers.MistralConfig(**COMMON, num_hidden_layers=2, sliding_window=WINDOW),
-        "qwen2": transformers.Qwen2Config(**COMMON, num_hidden_layers=3, use_sliding_window=True,
-                                          sliding_window=WINDOW, max_window_layers=1),
-        "qwen3": transformers.Qwen3Config(**COMMON, num_hidden_layers=3, use_sliding_window=True,
-                                          sliding_window=WINDOW, max_window_layers=2),
-        "gemma2": transformers.Gemma2Config(**COMMON, num_hidden_layers=4, sliding_window=WINDOW,
-                                            query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
-                                            final_logit_softcapping=3.0),
+        "qwen2": transformers.Qwen2Config(
+            **COMMON, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
+        ),
+        "qwen3": transformers.Qwen3Config(
+            **COMMON, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2
+        ),
+        "gemma2": transformers.Gemma2Config(
+            **COMMON,
+            num_hidden_layers=4,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+        ),
         "gemma3": transformers.Gemma3TextConfig(
-            **COMMON, num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=24,
+            **COMMON,
+            num_hidden_layers=4,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=24,
             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
-                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
         # Phi-3's LongRoPE with its short factors: every sequence stays below the original length.
-        "phi3": transformers.Phi3Config(**{**COMMON, "max_position_embeddings": 512}, num_hidden_layers=2,
-                                        sliding_window=WINDOW, original_max_position_embeddings=128,
-                                        rope_parameters={**longrope, "rope_theta": 10000.0}),
+        "phi3": transformers.Phi3Config(
+            **{**COMMON, "max_position_embeddings": 512},
+            num_hidden_layers=2,
+            sliding_window=WINDOW,
+            original_max_position_embeddings=128,
+            rope_parameters={**longrope, "rope_theta": 10000.0},
+        ),
     }
 
 
-_HF_CLASSES = {"llama3": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-               "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
-               "gemma2": transformers.Gemma2ForCausalLM, "gemma3": transformers.Gemma3ForCausalLM,
-               "phi3": transformers.Phi3ForCausalLM}
+_HF_CLASSES = {
+    "llama3": transformers.LlamaForCausalLM,
+    "mistral": transformers.MistralForCausalLM,
+    "qwen2": transformers.Qwen2ForCausalLM,
+    "qwen3": transformers.Qwen3ForCausalLM,
+    "gemma2": transformers.Gemma2ForCausalLM,
+    "gemma3": transformers.Gemma3ForCausalLM,
+    "phi3": transformers.Phi3ForCausalLM,
+}
 
 
 def test_every_registered_family_is_tested_here():
@@ -94,10 +139,15 @@ def _hf_reference(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     prompt + tokens at each generated step."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-                          min_new_tokens=NEW_TOKENS)
-        tokens = out[0, len(prompt):].tolist()
-        logits = hf(out[:, :-1]).logits[0, len(prompt) - 1:].float()
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            min_new_tokens=NEW_TOKENS,
+        )
+        tokens = out[0, len(prompt) :].tolist()
+        logits = hf(out[:, :-1]).logits[0, len(prompt) - 1 :].float()
     logprobs = torch.log_softmax(logits, dim=-1)
     assert logprobs.argmax(-1).tolist() == tokens  # the cached generate and the uncached forward agree
     return tokens, logprobs
@@ -106,8 +156,17 @@ def _hf_reference(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
 def test_greedy_and_logprobs_match_transformers(family):
     name, hf, path = family
     prompts = _prompts(name)
-    engine = EngineCore(EngineConfig(model=str(path), dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=96,
-                                     max_num_batched_tokens=24, max_num_seqs=4, max_model_len=128))
+    engine = EngineCore(
+        EngineConfig(
+            model=str(path),
+            dtype="float32",
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=96,
+            max_num_batched_tokens=24,
+            max_num_seqs=4,
+            max_model_len=128,
+        )
+    )
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
     for i, prompt in enumerate(prompts):
         engine.add_request(Request(f"r{i}", prompt, params))

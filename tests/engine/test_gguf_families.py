@@ -76,9 +76,18 @@ def write_qwen3_gguf(path, hf: transformers.PreTrainedModel, qtype: str) -> None
 def hf_qwen3():
     torch.manual_seed(0)
     config = transformers.Qwen3Config(
-        vocab_size=49152, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, tie_word_embeddings=True,
-        initializer_range=0.1, rope_theta=1000000.0, rms_norm_eps=1e-6)
+        vocab_size=49152,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+    )
     model = transformers.Qwen3ForCausalLM(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -98,19 +107,34 @@ def test_qwen3_gguf_matches_transformers(hf_qwen3, qtype, tmp_path, monkeypatch)
     info = json.loads((model_dir / "pagedserve_source_info.json").read_text())
     assert info["gguf"] == {"architecture": "qwen3", "tensor_types": {"F32": 4 * LAYERS + 1, qtype: 7 * LAYERS + 1}}
 
-    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
-                                                                  dtype=torch.float32).eval()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     prompt = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.no_grad():
-        out = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 40, dtype=torch.long),
-                                 max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
-        logprobs = torch.log_softmax(reference(out[:, :-1]).logits[0, len(prompt) - 1:].float(), -1)
-    expected = out[0, len(prompt):].tolist()
+        out = reference.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, 40, dtype=torch.long),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+        )
+        logprobs = torch.log_softmax(reference(out[:, :-1]).logits[0, len(prompt) - 1 :].float(), -1)
+    expected = out[0, len(prompt) :].tolist()
 
-    engine = EngineCore(EngineConfig(model=str(model_dir), dtype="float32", block_size=4, num_kv_blocks=32,
-                                     max_num_batched_tokens=16, max_model_len=128))
-    engine.add_request(Request("q", prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,
-                                                           logprobs=3)))
+    engine = EngineCore(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="float32",
+            block_size=4,
+            num_kv_blocks=32,
+            max_num_batched_tokens=16,
+            max_model_len=128,
+        )
+    )
+    engine.add_request(
+        Request("q", prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=3))
+    )
     tokens, steps = [], []
     while engine.has_unfinished_requests():
         for o in engine.step():

@@ -23,10 +23,10 @@ HEARTBEAT_TIMEOUT_S = 3.0
 
 
 def _worker(model, deaths: list) -> AsyncLLM:
-    config = EngineConfig(model=str(model), dtype="float32", num_kv_blocks=32, max_model_len=256,
-                          num_threads=1)
-    return AsyncLLM(config, load_tokenizer(model), name="w0", on_dead=deaths.append,
-                    heartbeat_timeout=HEARTBEAT_TIMEOUT_S)
+    config = EngineConfig(model=str(model), dtype="float32", num_kv_blocks=32, max_model_len=256, num_threads=1)
+    return AsyncLLM(
+        config, load_tokenizer(model), name="w0", on_dead=deaths.append, heartbeat_timeout=HEARTBEAT_TIMEOUT_S
+    )
 
 
 def test_a_stopped_worker_is_killed_and_its_requests_fail(tiny_model):
@@ -59,4 +59,3 @@ def test_a_stopped_worker_is_killed_and_its_requests_fail(tiny_model):
             await worker.shutdown()
 
     asyncio.run(scenario())
-

@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from engine.inputs import EngineInput, InputLimits, InvalidInput, PromptSpec, prepare_input, render_prompt, validate_input
+from engine.inputs import (
+    EngineInput,
+    InputLimits,
+    InvalidInput,
+    PromptSpec,
+    prepare_input,
+    render_prompt,
+    validate_input,
+)
 from engine.llm import load_tokenizer
 from engine.sampling_params import SamplingParams
 

@@ -52,8 +52,15 @@ def make_llm(model_dir, disk=None, dtype="float32", cpu_size_gb=0.2, disk_size_g
     options = {"cpu_size_gb": cpu_size_gb, "chunk_size": CHUNK}
     if disk is not None:
         options |= {"disk_path": str(disk), "disk_size_gb": disk_size_gb}
-    return LLM(model_dir, dtype=dtype, num_threads=1, num_kv_blocks=NUM_BLOCKS, max_model_len=NUM_BLOCKS * BLOCK,
-               max_num_batched_tokens=NUM_BLOCKS * BLOCK, kv_offload=options if offload else None)
+    return LLM(
+        model_dir,
+        dtype=dtype,
+        num_threads=1,
+        num_kv_blocks=NUM_BLOCKS,
+        max_model_len=NUM_BLOCKS * BLOCK,
+        max_num_batched_tokens=NUM_BLOCKS * BLOCK,
+        kv_offload=options if offload else None,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +100,10 @@ def chunk_files(llm: LLM, ids: list[int], folder) -> list:
     """The disk tier's file of each chunk `ids` stores (whole chunks, then the tail), in order."""
     lmc = llm.engine.kv_offload.engine
     limit = (len(ids) - 1) // BLOCK * BLOCK
-    return [folder / (key.to_string().replace("/", "-SEP-") + ".data")
-            for _, _, key in lmc.token_database.process_tokens(tokens=ids[:limit])]
+    return [
+        folder / (key.to_string().replace("/", "-SEP-") + ".data")
+        for _, _, key in lmc.token_database.process_tokens(tokens=ids[:limit])
+    ]
 
 
 # -- bit-exact restore --------------------------------------------------------------------------

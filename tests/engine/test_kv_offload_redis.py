@@ -38,8 +38,11 @@ def prompts(default_model_dir) -> dict[str, list[int]]:
 
     tokenizer = load_tokenizer(default_model_dir)
     enc = lambda t: tokenizer.encode(t, add_special_tokens=False)
-    items = {"p": enc(_text(16)), "q": enc(_text(15, 50, "Stock report of the north shop")),
-             "r": enc(_text(15, 90, "Notes from the market on Sunday"))}
+    items = {
+        "p": enc(_text(16)),
+        "q": enc(_text(15, 50, "Stock report of the north shop")),
+        "r": enc(_text(15, 90, "Notes from the market on Sunday")),
+    }
     assert all(len(ids) > 3 * CHUNK for ids in items.values()), {k: len(v) for k, v in items.items()}
     return items
 
@@ -48,8 +51,15 @@ def make_llm(model_dir, remote_url: str | None) -> LLM:
     options = {"cpu_size_gb": 0.2, "chunk_size": CHUNK}
     if remote_url is not None:
         options["remote_url"] = remote_url
-    return LLM(model_dir, dtype="float32", num_threads=1, num_kv_blocks=NUM_BLOCKS, max_model_len=NUM_BLOCKS * BLOCK,
-               max_num_batched_tokens=NUM_BLOCKS * BLOCK, kv_offload=options)
+    return LLM(
+        model_dir,
+        dtype="float32",
+        num_threads=1,
+        num_kv_blocks=NUM_BLOCKS,
+        max_model_len=NUM_BLOCKS * BLOCK,
+        max_num_batched_tokens=NUM_BLOCKS * BLOCK,
+        kv_offload=options,
+    )
 
 
 def greedy(llm: LLM, ids: list[int]) -> list[int]:
@@ -101,7 +111,8 @@ def test_a_prompt_prefilled_by_one_engine_is_restored_by_another(default_model_d
 
 
 def test_redis_down_or_not_answering_costs_a_recompute_a_warning_and_a_count(
-        default_model_dir, prompts, reference, tmp_path, caplog):
+    default_model_dir, prompts, reference, tmp_path, caplog
+):
     caplog.set_level(logging.WARNING, logger="engine.kv_offload.manager")
     server = RedisServer(tmp_path / "redis").start()
     llm = make_llm(default_model_dir, server.url)
@@ -126,14 +137,17 @@ def test_redis_down_or_not_answering_costs_a_recompute_a_warning_and_a_count(
         server.kill()
 
 
-@pytest.mark.parametrize("url, message", [
-    ("http://127.0.0.1:6379", "scheme must be one of redis, rediss"),
-    ("redis://127.0.0.1", "needs a host and a port"),
-    ("redis://:6379", "needs a host and a port"),
-    ("redis://127.0.0.1:99999", "not a valid URL"),
-    ("redis://127.0.0.1:6379/cache", "database number"),
-    (6379, "must be a URL"),
-])
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("http://127.0.0.1:6379", "scheme must be one of redis, rediss"),
+        ("redis://127.0.0.1", "needs a host and a port"),
+        ("redis://:6379", "needs a host and a port"),
+        ("redis://127.0.0.1:99999", "not a valid URL"),
+        ("redis://127.0.0.1:6379/cache", "database number"),
+        (6379, "must be a URL"),
+    ],
+)
 def test_remote_url_is_checked(url, message):
     with pytest.raises(ValueError, match=message) as err:
         KVOffloadConfig.from_options({"remote_url": url}, block_size=BLOCK)

@@ -40,7 +40,11 @@ def run_child(model_dir, prompts, disk, tmp_path, *extra) -> dict:
     prompt_file.write_text(json.dumps(prompts))
     proc = subprocess.run(
         [sys.executable, "-m", "tests.engine.kv_offload_child", str(model_dir), str(prompt_file), str(disk), *extra],
-        check=False, cwd=ROOT, capture_output=True, text=True, timeout=300,
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

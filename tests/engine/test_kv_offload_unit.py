@@ -23,23 +23,31 @@ from tests.engine.kv_helpers import make_manager, make_request
 
 def test_defaults_are_filled_and_paths_made_absolute(tmp_path):
     cfg = EngineConfig(model="m", kv_offload={"disk_path": str(tmp_path / "kv"), "disk_size_gb": 2})
-    assert cfg.kv_offload.as_dict() == {"cpu_size_gb": 1.0, "disk_path": str(tmp_path / "kv"), "disk_size_gb": 2.0,
-                              "chunk_size": 256, "remote_url": None}
+    assert cfg.kv_offload.as_dict() == {
+        "cpu_size_gb": 1.0,
+        "disk_path": str(tmp_path / "kv"),
+        "disk_size_gb": 2.0,
+        "chunk_size": 256,
+        "remote_url": None,
+    }
     assert cfg.kv_offload_config.chunk_size == 256
     assert EngineConfig(model="m").kv_offload_config is None
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"cpu_size_gb": 0}, "kv_offload.cpu_size_gb: must be > 0.0, got 0"),
-    ({"cpu_size_gb": "1"}, 'kv_offload.cpu_size_gb: must be a number, got "1"'),
-    ({"disk_path": "/tmp/x"}, "kv_offload.disk_size_gb: is required with kv_offload.disk_path"),
-    ({"disk_size_gb": 4}, "kv_offload.disk_size_gb: is set but kv_offload.disk_path is not"),
-    ({"disk_path": "/tmp/x", "disk_size_gb": -1}, "kv_offload.disk_size_gb: must be > 0.0, got -1"),
-    ({"chunk_size": 100}, "kv_offload.chunk_size: must be a multiple of block_size=16, got 100"),
-    ({"chunk_size": 0}, "kv_offload.chunk_size: must be >= 1, got 0"),
-    ({"cpu_gb": 1}, "kv_offload: unknown field 'cpu_gb'"),
-    ([1], "kv_offload: must be an object or null, got \\[1\\]"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"cpu_size_gb": 0}, "kv_offload.cpu_size_gb: must be > 0.0, got 0"),
+        ({"cpu_size_gb": "1"}, 'kv_offload.cpu_size_gb: must be a number, got "1"'),
+        ({"disk_path": "/tmp/x"}, "kv_offload.disk_size_gb: is required with kv_offload.disk_path"),
+        ({"disk_size_gb": 4}, "kv_offload.disk_size_gb: is set but kv_offload.disk_path is not"),
+        ({"disk_path": "/tmp/x", "disk_size_gb": -1}, "kv_offload.disk_size_gb: must be > 0.0, got -1"),
+        ({"chunk_size": 100}, "kv_offload.chunk_size: must be a multiple of block_size=16, got 100"),
+        ({"chunk_size": 0}, "kv_offload.chunk_size: must be >= 1, got 0"),
+        ({"cpu_gb": 1}, "kv_offload: unknown field 'cpu_gb'"),
+        ([1], "kv_offload: must be an object or null, got \\[1\\]"),
+    ],
+)
 def test_invalid_settings_name_the_key(options, message):
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(")):
         EngineConfig(model="m", kv_offload=options)
@@ -55,7 +63,12 @@ def test_disk_path_that_is_a_file_is_refused(tmp_path):
 def test_model_config_handler_kv_offload():
     ok = ModelConfig(handler={"kv_offload": {"cpu_size_gb": 2, "disk_path": "/tmp/kv", "disk_size_gb": 4}})
     assert ok.resolved()["handler"]["kv_offload"] == {
-        "cpu_size_gb": 2.0, "disk_path": "/tmp/kv", "disk_size_gb": 4.0, "chunk_size": 256, "remote_url": None}
+        "cpu_size_gb": 2.0,
+        "disk_path": "/tmp/kv",
+        "disk_size_gb": 4.0,
+        "chunk_size": 256,
+        "remote_url": None,
+    }
     assert ModelConfig().resolved()["handler"]["kv_offload"] is None
     with pytest.raises(ModelConfigError, match=r"handler\.kv_offload\.cpu_size_gb: must be > 0.0, got 0"):
         ModelConfig(handler={"kv_offload": {"cpu_size_gb": 0}})

@@ -12,11 +12,18 @@ from engine.attention.selector import select_backend
 from engine.attention.torch_backend import SHORT_CHUNK_TOKENS, TorchAttentionBackend
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from engine.model.loader import kv_cache_bytes_per_block
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.model.loader import kv_cache_bytes_per_block
 from tests.engine.test_attention_backends import (
-    BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, MIXED, NUM_BLOCKS, make_meta, reference,
+    BLOCK_SIZE,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    MIXED,
+    NUM_BLOCKS,
+    make_meta,
+    reference,
 )
 
 QUANTIZED = [KVCacheDtype.FP8_E4M3, KVCacheDtype.INT8]
@@ -63,13 +70,17 @@ def _triton(kind):
 
 
 @pytest.mark.parametrize("kind", QUANTIZED, ids=lambda k: k.value)
-@pytest.mark.parametrize(("make_backend", "dtype", "tol", "seqs"), [
-    (lambda kind: TorchAttentionBackend(kv_dtype=kind), torch.float32, 1e-5, MIXED),
-    (lambda kind: TorchAttentionBackend(kv_dtype=kind), torch.bfloat16, 2e-2, MIXED),
-    (lambda kind: select_backend("cpu", "auto", kind), torch.float32, 1e-5, MIXED),  # the compiled kernel
-    (lambda kind: select_backend("cpu", "auto", kind), torch.bfloat16, 2e-2, MIXED),
-    (_triton, torch.float32, 1e-5, SMALL),
-], ids=["torch-f32", "torch-bf16", "cpu-auto-f32", "cpu-auto-bf16", "triton-f32"])
+@pytest.mark.parametrize(
+    ("make_backend", "dtype", "tol", "seqs"),
+    [
+        (lambda kind: TorchAttentionBackend(kv_dtype=kind), torch.float32, 1e-5, MIXED),
+        (lambda kind: TorchAttentionBackend(kv_dtype=kind), torch.bfloat16, 2e-2, MIXED),
+        (lambda kind: select_backend("cpu", "auto", kind), torch.float32, 1e-5, MIXED),  # the compiled kernel
+        (lambda kind: select_backend("cpu", "auto", kind), torch.bfloat16, 2e-2, MIXED),
+        (_triton, torch.float32, 1e-5, SMALL),
+    ],
+    ids=["torch-f32", "torch-bf16", "cpu-auto-f32", "cpu-auto-bf16", "triton-f32"],
+)
 def test_attention_reads_the_quantized_cache(kind, make_backend, dtype, tol, seqs):
     """Decodes in two length groups, prefill chunks, whole prompts and short chunks in one step:
     each output equals attention over the de-quantized cache, new tokens quantized as written."""
@@ -104,8 +115,9 @@ def test_cpu_backend_reads_the_quantized_cache_with_the_kernel(kind):
     q = torch.randn(meta.num_tokens, HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
     k = torch.randn(meta.num_tokens, KV_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
     out = TorchAttentionBackend(cpu_kernels=ext, kv_dtype=kind).forward(q, k, k, cache, meta, 0.3)
-    kernel = paged_decode_attention(ext, q, cache[0], cache[1], meta.block_tables, meta.seq_lens_tensor, 0.3,
-                                    kind.value)
+    kernel = paged_decode_attention(
+        ext, q, cache[0], cache[1], meta.block_tables, meta.seq_lens_tensor, 0.3, kind.value
+    )
     assert torch.equal(out, kernel)
     # A whole prompt and a chunk after cached context (too long to run as kernel rows): the fused
     # gather + de-quantize pass gives bit for bit what the torch path (index_select + dequantize_kv) gives.
@@ -151,8 +163,16 @@ def test_config_checks_kv_cache_dtype():
 
 def test_quantized_kv_block_is_about_half_of_bf16():
     """The default model's shapes (30 layers, 3 KV heads, head_dim 64): 66 bytes per row, not 128."""
-    config = {"model_type": "llama", "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30,
-              "intermediate_size": 1536, "vocab_size": 49152, "max_position_embeddings": 2048}
+    config = {
+        "model_type": "llama",
+        "hidden_size": 576,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "num_hidden_layers": 30,
+        "intermediate_size": 1536,
+        "vocab_size": 49152,
+        "max_position_embeddings": 2048,
+    }
     bf16 = kv_cache_bytes_per_block(config, 16, torch.bfloat16)
     for kind in QUANTIZED:
         assert kv_cache_bytes_per_block(config, 16, torch.bfloat16, kind) * 128 == bf16 * 66
@@ -191,4 +211,6 @@ def test_offload_keys_tell_kv_dtypes_apart(tiny_model_dir):
 
     keys = {model_fingerprint(tiny_model_dir, torch.bfloat16, kind) for kind in ("auto", "fp8_e4m3", "int8")}
     assert len(keys) == 3
-    assert model_fingerprint(tiny_model_dir, torch.bfloat16) == model_fingerprint(tiny_model_dir, torch.bfloat16, "auto")
+    assert model_fingerprint(tiny_model_dir, torch.bfloat16) == model_fingerprint(
+        tiny_model_dir, torch.bfloat16, "auto"
+    )

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 
-from engine.attention.selector import select_backend
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.selector import select_backend
 from engine.model.loader import (
     allocate_kv_caches,
     kv_cache_bytes_per_block,
@@ -23,8 +23,15 @@ from engine.model.loader import (
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
 COMMON = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, rms_norm_eps=1e-5,
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    rms_norm_eps=1e-5,
 )
 LLAMA3_ROPE = dict(
     rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
@@ -95,7 +102,9 @@ def make_meta(chunks: list[Chunk]) -> tuple[AttentionMetadata, torch.Tensor, tor
     query_lens = [c.end - c.start for c in chunks]
     seq_lens = [c.end for c in chunks]
     positions = [p for c in chunks for p in range(c.start, c.end)]
-    slots = [c.block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for c in chunks for p in range(c.start, c.end)]
+    slots = [
+        c.block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for c in chunks for p in range(c.start, c.end)
+    ]
     width = max(len(c.block_table) for c in chunks)
     tables = [c.block_table + [0] * (width - len(c.block_table)) for c in chunks]
     num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(chunks))
@@ -253,7 +262,10 @@ def test_loader_refuses_unexpected_tensor_but_ignores_inv_freq(llama_dir, tmp_pa
 @pytest.mark.parametrize(
     ("update", "message"),
     [
-        ({"architectures": ["GPT2LMHeadModel"]}, r"GPT2LMHeadModel.*LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"),
+        (
+            {"architectures": ["GPT2LMHeadModel"]},
+            r"GPT2LMHeadModel.*LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM",
+        ),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, r"rope type 'yarn'"),
         ({"architectures": ["MistralForCausalLM"], "sliding_window": 64}, r"sliding window"),
     ],

@@ -60,7 +60,9 @@ def test_chat_answers_and_stops_at_eos(llm):
     c = out.outputs[0]
     assert "4" in c.text and c.finish_reason == "stop" and c.stop_reason is None
     # min_tokens keeps EOS away; ignore_eos runs to max_tokens.
-    (out,) = llm.chat([{"role": "user", "content": "What is 2 plus 2?"}], greedy(max_tokens=60, min_tokens=len(c.token_ids) + 5))
+    (out,) = llm.chat(
+        [{"role": "user", "content": "What is 2 plus 2?"}], greedy(max_tokens=60, min_tokens=len(c.token_ids) + 5)
+    )
     assert len(out.outputs[0].token_ids) >= len(c.token_ids) + 5
     (out,) = llm.chat([{"role": "user", "content": "What is 2 plus 2?"}], greedy(max_tokens=50, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 50 and out.outputs[0].finish_reason == "length"

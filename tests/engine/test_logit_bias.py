@@ -35,12 +35,15 @@ def test_bias_steers_greedy_and_bans_tokens_for_random_rows():
     assert set(draws.sampled_token_ids.tolist()) == {0}
 
 
-@pytest.mark.parametrize("bias, field", [
-    ({1: 101.0}, "logit_bias"),
-    ({1: -100.5}, "logit_bias"),
-    ({-1: 1.0}, "logit_bias"),
-    ({i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}, "logit_bias"),
-])
+@pytest.mark.parametrize(
+    "bias, field",
+    [
+        ({1: 101.0}, "logit_bias"),
+        ({1: -100.5}, "logit_bias"),
+        ({-1: 1.0}, "logit_bias"),
+        ({i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}, "logit_bias"),
+    ],
+)
 def test_bounds_refused_naming_the_field(bias, field):
     with pytest.raises(SchemaError) as err:
         SamplingParams(logit_bias=bias)

@@ -22,8 +22,11 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-TARGETS = [["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-           ["up_proj", "down_proj"]]
+TARGETS = [
+    ["q_proj", "v_proj"],
+    ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    ["up_proj", "down_proj"],
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +40,10 @@ def tiny_adapters(tiny_model_dir, tmp_path_factory):
     made = []
     for i, (r, rslora, targets) in enumerate([(4, False, TARGETS[0]), (8, True, TARGETS[1]), (2, False, TARGETS[2])]):
         base = transformers.LlamaForCausalLM.from_pretrained(tiny_model_dir)
-        model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r + 1, use_rslora=rslora,
-                                                target_modules=targets, init_lora_weights=False))
+        model = get_peft_model(
+            base,
+            LoraConfig(r=r, lora_alpha=2 * r + 1, use_rslora=rslora, target_modules=targets, init_lora_weights=False),
+        )
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "lora_" in name:
@@ -75,13 +80,16 @@ def test_adapter_factors_and_scaling(tiny_model_dir, tiny_adapters):
     assert adapter.key.startswith("a1@") and adapter.key != load_adapter("a1", tiny_adapters[0][0].path, shapes, 16).key
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"use_dora": True}, "DoRA"),
-    ({"bias": "all"}, "bias"),
-    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
-    ({"r": 0}, "r must be"),
-    ({"peft_type": "IA3"}, "peft_type"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"bias": "all"}, "bias"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"r": 0}, "r must be"),
+        ({"peft_type": "IA3"}, "peft_type"),
+    ],
+)
 def test_refused_configs(tiny_model_dir, tiny_adapters, tmp_path, change, message):
     import shutil
 
@@ -137,7 +145,7 @@ def test_greedy_equals_peft_with_mixed_adapters_and_few_slots(tiny_model_dir, ti
     expected = []
     with torch.inference_mode():
         for p, model in zip(prompts * 2, models + models[::-1]):
-            expected.append(model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist())
+            expected.append(model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p) :].tolist())
     for max_loras in (4, 1):
         core = EngineCore(EngineConfig(str(tiny_model_dir), num_kv_blocks=64, max_loras=max_loras))
         requests = _run(core, prompts * 2, loras + loras[::-1])
@@ -189,8 +197,13 @@ def test_speculative_decoding_with_an_adapter_keeps_greedy_tokens(tiny_model_dir
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     plain = EngineCore(EngineConfig(str(tiny_model_dir), num_kv_blocks=64))
     options = {"draft_model": str(tiny_model_dir)} if method == "draft" else {}
-    spec = EngineCore(EngineConfig(str(tiny_model_dir), num_kv_blocks=64,
-                                   speculative={"method": method, "num_speculative_tokens": 3, **options}))
+    spec = EngineCore(
+        EngineConfig(
+            str(tiny_model_dir),
+            num_kv_blocks=64,
+            speculative={"method": method, "num_speculative_tokens": 3, **options},
+        )
+    )
     expected = [r.output_token_ids for r in _run(plain, [prompt] * 3, loras, params)]
     got = [r.output_token_ids for r in _run(spec, [prompt] * 3, loras, params)]
     assert got == expected

@@ -43,8 +43,9 @@ def adapters(default_model_dir, tmp_path_factory):
     model = None
     folders = {}
     for name, r, alpha, rslora, targets in ADAPTERS:
-        config = LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, target_modules=targets,
-                            init_lora_weights=False, lora_dropout=0.0)
+        config = LoraConfig(
+            r=r, lora_alpha=alpha, use_rslora=rslora, target_modules=targets, init_lora_weights=False, lora_dropout=0.0
+        )
         if model is None:
             model = get_peft_model(base, config, adapter_name=name)
         else:
@@ -58,9 +59,13 @@ def adapters(default_model_dir, tmp_path_factory):
     model.eval()
 
     def greedy(ids: list[int]) -> list[int]:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
-                             attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-        return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        )
+        return out[0, len(ids) :].tolist()
 
     expected = {}
     with torch.inference_mode():
@@ -79,8 +84,11 @@ def _mixed_batch(adapters):
     names = [None] + [name for name, *_ in ADAPTERS]
     batch = [(p, name) for name in names for p in range(len(prompts))]
     batch = batch[::2] + batch[1::2]  # adapters interleaved with plain requests
-    return ([prompts[p] for p, _ in batch], [None if n is None else refs[n] for _, n in batch],
-            [expected[n][p] for p, n in batch])
+    return (
+        [prompts[p] for p, _ in batch],
+        [None if n is None else refs[n] for _, n in batch],
+        [expected[n][p] for p, n in batch],
+    )
 
 
 def _generate(llm: LLM, adapters):

@@ -84,8 +84,9 @@ def test_documented_example_covers_every_key_with_its_default():
 
 
 def test_handler_options_are_for_the_handler_not_the_engine(tmp_path):
-    config = load_model_config(write(tmp_path, "handler:\n  max_num_seqs: 4\n  options:\n"
-                                               "    greeting: hi\n    max_num_seqs: any\n"))
+    config = load_model_config(
+        write(tmp_path, "handler:\n  max_num_seqs: 4\n  options:\n    greeting: hi\n    max_num_seqs: any\n")
+    )
     assert config.handler_options == {"greeting": "hi", "max_num_seqs": "any"}
     assert config.engine_options() == {"max_num_seqs": 4}
     assert config.resolved()["handler"]["options"] == {"greeting": "hi", "max_num_seqs": "any"}
@@ -93,35 +94,56 @@ def test_handler_options_are_for_the_handler_not_the_engine(tmp_path):
         load_model_config(write(tmp_path, "handler:\n  options: [x]\n"))
 
 
-@pytest.mark.parametrize("text, message", [
-    ("handler:\n  max_num_seqs: 0\n", "model-config.yaml: handler.max_num_seqs: must be >= 1, got 0"),
-    ("handler:\n  block_size: 24\n", "handler.block_size: must be a power of two, got 24"),
-    ("handler:\n  dtype: int8\n", 'handler.dtype: must be one of "bf16", "bfloat16", "float16", "float32", "fp16", "fp32", got "int8"'),
-    ("handler:\n  kv_cache_memory: lots\n", 'handler.kv_cache_memory: must be a size such as 2GiB, 512MiB or a byte count, got "lots"'),
-    ("handler:\n  num_kv_blocks: 1\n", "handler.num_kv_blocks: must be >= 2, got 1"),
-    ("handler:\n  prefix_cache_hash: md5\n", 'handler.prefix_cache_hash: must be one of "sha256", "builtin", got "md5"'),
-    ("handler:\n  scheduling_policy: lifo\n", 'handler.scheduling_policy: must be one of "fcfs", "priority", got "lifo"'),
-    ("handler:\n  seed: -1\n", "handler.seed: must be >= 0, got -1"),
-    ("minWorkers: -1\n", "minWorkers: must be >= 0, got -1"),
-    ("jobQueueSize: -5\n", "jobQueueSize: must be >= 1, got -5"),
-    ("minWorkers: 3\nmaxWorkers: 2\n", "minWorkers: must not exceed maxWorkers (2), got 3"),
-    ("deviceType: tpu\n", "deviceType: choose one of 'cpu', 'gpu', got 'tpu'"),
-    ("parallelType: dp\n", "parallelType: choose one of"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("handler:\n  max_num_seqs: 0\n", "model-config.yaml: handler.max_num_seqs: must be >= 1, got 0"),
+        ("handler:\n  block_size: 24\n", "handler.block_size: must be a power of two, got 24"),
+        (
+            "handler:\n  dtype: int8\n",
+            'handler.dtype: must be one of "bf16", "bfloat16", "float16", "float32", "fp16", "fp32", got "int8"',
+        ),
+        (
+            "handler:\n  kv_cache_memory: lots\n",
+            'handler.kv_cache_memory: must be a size such as 2GiB, 512MiB or a byte count, got "lots"',
+        ),
+        ("handler:\n  num_kv_blocks: 1\n", "handler.num_kv_blocks: must be >= 2, got 1"),
+        (
+            "handler:\n  prefix_cache_hash: md5\n",
+            'handler.prefix_cache_hash: must be one of "sha256", "builtin", got "md5"',
+        ),
+        (
+            "handler:\n  scheduling_policy: lifo\n",
+            'handler.scheduling_policy: must be one of "fcfs", "priority", got "lifo"',
+        ),
+        ("handler:\n  seed: -1\n", "handler.seed: must be >= 0, got -1"),
+        ("minWorkers: -1\n", "minWorkers: must be >= 0, got -1"),
+        ("jobQueueSize: -5\n", "jobQueueSize: must be >= 1, got -5"),
+        ("minWorkers: 3\nmaxWorkers: 2\n", "minWorkers: must not exceed maxWorkers (2), got 3"),
+        ("deviceType: tpu\n", "deviceType: choose one of 'cpu', 'gpu', got 'tpu'"),
+        ("parallelType: dp\n", "parallelType: choose one of"),
+    ],
+)
 def test_bad_value_names_key_and_value(tmp_path, text, message):
     _assert_refused(tmp_path, text, message)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("handler:\n  max_num_seqs: '8'\n", "handler.max_num_seqs: must be an integer, got \"8\""),
-    ("handler:\n  enable_prefix_caching: 'yes'\n", "handler.enable_prefix_caching: must be true or false, got \"yes\""),
-    ("handler:\n  block_size: true\n", "handler.block_size: must be an integer, got true"),
-    ("handler:\n  dtype: 16\n", "handler.dtype: must be a string, got 16"),
-    ("handler:\n  kv_cache_memory: [1]\n", "handler.kv_cache_memory: must be an integer or a string, got [1]"),
-    ("responseTimeout: 1.5\n", "responseTimeout: must be an integer, got 1.5"),
-    ("handler: [dtype]\n", "handler: must be a mapping"),
-    ("- minWorkers\n", "the top level must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("handler:\n  max_num_seqs: '8'\n", "handler.max_num_seqs: must be an integer, got \"8\""),
+        (
+            "handler:\n  enable_prefix_caching: 'yes'\n",
+            "handler.enable_prefix_caching: must be true or false, got \"yes\"",
+        ),
+        ("handler:\n  block_size: true\n", "handler.block_size: must be an integer, got true"),
+        ("handler:\n  dtype: 16\n", "handler.dtype: must be a string, got 16"),
+        ("handler:\n  kv_cache_memory: [1]\n", "handler.kv_cache_memory: must be an integer or a string, got [1]"),
+        ("responseTimeout: 1.5\n", "responseTimeout: must be an integer, got 1.5"),
+        ("handler: [dtype]\n", "handler: must be a mapping"),
+        ("- minWorkers\n", "the top level must be a mapping"),
+    ],
+)
 def test_wrong_type_names_key(tmp_path, text, message):
     _assert_refused(tmp_path, text, message)
 
@@ -154,10 +176,20 @@ def test_invalid_yaml(tmp_path):
 def test_open_archive_refuses_invalid_model_config(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
-        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "num_key_value_heads": 2, "vocab_size": 64}))
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "vocab_size": 64,
+            }
+        )
+    )
     (model / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
     config = write(tmp_path, "handler:\n  max_num_seqs: 0\n")
     out = write_archive(model, tmp_path / "store", model_name="m", version="1", config_file=config)

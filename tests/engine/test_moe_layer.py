@@ -68,8 +68,9 @@ def make_block(spec: MoESpec, dtype: torch.dtype, seed: int = 0, ops=None, hidde
 
 
 SPECS = {
-    "qwen2_moe": MoESpec(8, 2, 32, RouterScoring.SOFTMAX_TOPK, normalize=False, shared_intermediate_size=40,
-                         shared_gate=True),
+    "qwen2_moe": MoESpec(
+        8, 2, 32, RouterScoring.SOFTMAX_TOPK, normalize=False, shared_intermediate_size=40, shared_gate=True
+    ),
     "qwen3_moe": MoESpec(8, 3, 32, RouterScoring.SOFTMAX_TOPK, normalize=True),
     "mixtral": MoESpec(4, 2, 64, RouterScoring.TOPK_SOFTMAX, normalize=True),
     "olmoe": MoESpec(16, 4, 16, RouterScoring.SOFTMAX_TOPK, normalize=False),
@@ -167,8 +168,15 @@ def test_tensor_parallel_slices_sum_to_the_whole_block():
     expert's), sum to the whole block: what the all-reduce of `reduce` completes."""
     spec = SPECS["qwen2_moe"]
     whole = make_block(spec, torch.float64)
-    half = MoESpec(spec.num_experts, spec.top_k, spec.intermediate_size // 2, spec.scoring, spec.normalize,
-                   spec.shared_intermediate_size // 2, spec.shared_gate)
+    half = MoESpec(
+        spec.num_experts,
+        spec.top_k,
+        spec.intermediate_size // 2,
+        spec.scoring,
+        spec.normalize,
+        spec.shared_intermediate_size // 2,
+        spec.shared_gate,
+    )
     parts = []
     for rank in range(2):
         part = SparseMoeBlock(HIDDEN, half, torch.float64).requires_grad_(False)
@@ -177,21 +185,29 @@ def test_tensor_parallel_slices_sum_to_the_whole_block():
         for src, dst in [*zip(whole.experts, part.experts), (whole.shared_expert, part.shared_expert)]:
             n = dst.down_proj.in_features
             gate, up = src.gate_up_proj.weight.chunk(2)
-            dst.gate_up_proj.weight.copy_(torch.cat([gate[rank * n:(rank + 1) * n], up[rank * n:(rank + 1) * n]]))
-            dst.down_proj.weight.copy_(src.down_proj.weight[:, rank * n:(rank + 1) * n])
+            dst.gate_up_proj.weight.copy_(torch.cat([gate[rank * n : (rank + 1) * n], up[rank * n : (rank + 1) * n]]))
+            dst.down_proj.weight.copy_(src.down_proj.weight[:, rank * n : (rank + 1) * n])
         parts.append(part)
     h = torch.randn(16, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
     torch.testing.assert_close(parts[0](h) + parts[1](h), whole(h), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"num_experts": 4, "top_k": 5}, "num_experts_per_tok 5 must be between 1 and the 4 experts"),
-    ({"num_experts": 4, "top_k": 0}, "num_experts_per_tok 0"),
-    ({"intermediate_size": 0}, "expert intermediate sizes must be positive"),
-    ({"shared_gate": True}, "a shared expert gate needs a shared expert"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_experts": 4, "top_k": 5}, "num_experts_per_tok 5 must be between 1 and the 4 experts"),
+        ({"num_experts": 4, "top_k": 0}, "num_experts_per_tok 0"),
+        ({"intermediate_size": 0}, "expert intermediate sizes must be positive"),
+        ({"shared_gate": True}, "a shared expert gate needs a shared expert"),
+    ],
+)
 def test_spec_refuses_inconsistent_sizes(kwargs, message):
-    base = {"num_experts": 4, "top_k": 2, "intermediate_size": 8, "scoring": RouterScoring.SOFTMAX_TOPK,
-            "normalize": True}
+    base = {
+        "num_experts": 4,
+        "top_k": 2,
+        "intermediate_size": 8,
+        "scoring": RouterScoring.SOFTMAX_TOPK,
+        "normalize": True,
+    }
     with pytest.raises(ValueError, match=message):
         MoESpec(**{**base, **kwargs})

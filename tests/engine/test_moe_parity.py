@@ -25,33 +25,68 @@ from engine.sampling_params import SamplingParams
 
 NEW_TOKENS = 32
 VOCAB = 512
-COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "max_position_embeddings": 512, "initializer_range": 0.05, "tie_word_embeddings": False,
-          "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.05,
+    "tie_word_embeddings": False,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
+}
 FAMILIES = {
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
-        **COMMON, num_hidden_layers=3, intermediate_size=96, num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1]),
+        **COMMON,
+        num_hidden_layers=3,
+        intermediate_size=96,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+    ),
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        **COMMON, num_hidden_layers=3, head_dim=16, intermediate_size=80, num_experts=8, num_experts_per_tok=3,
-        moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=2),
+        **COMMON,
+        num_hidden_layers=3,
+        head_dim=16,
+        intermediate_size=80,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=2,
+    ),
     "mixtral": lambda: transformers.MixtralConfig(
-        **COMMON, num_hidden_layers=2, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2),
+        **COMMON, num_hidden_layers=2, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2
+    ),
     # Mixtral's optional window on every layer, shorter than the longer prompts (the families'
     # windowed attention, engine/attention/windowed.py, under experts).
     "mixtral_sliding": lambda: transformers.MixtralConfig(
-        **COMMON, num_hidden_layers=2, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
-        sliding_window=24),
+        **COMMON,
+        num_hidden_layers=2,
+        intermediate_size=48,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=24,
+    ),
     "olmoe": lambda: transformers.OlmoeConfig(
-        **COMMON, num_hidden_layers=2, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-        norm_topk_prob=False),
+        **COMMON, num_hidden_layers=2, intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False
+    ),
 }
 
 
 # The registered architecture each config above builds (tests/engine/test_families.py checks that
 # every registered family is tested there or here).
-ARCHITECTURES = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM"}
+ARCHITECTURES = {
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+}
 
 
 def make_prompts() -> list[list[int]]:
@@ -75,15 +110,23 @@ def hf_generate(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     """transformers' greedy tokens and their logits `[NEW_TOKENS, vocab]` for one prompt."""
     ids = torch.tensor([prompt])
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
-    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float()
 
 
 def make_engine(path, **options) -> EngineCore:
-    return EngineCore(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=128, block_size=16,
-                                   max_model_len=256, **options))
+    return EngineCore(
+        EngineConfig(model=str(path), dtype="float32", num_kv_blocks=128, block_size=16, max_model_len=256, **options)
+    )
 
 
 def run(engine: EngineCore, prompts: list[list[int]]) -> list[list[int]]:
@@ -134,8 +177,11 @@ def test_lora_adapters_are_refused_naming_the_model(family, tmp_path):
     _, path, model = family
     engine = make_engine(path)
     request = Request("r", [1, 2, 3], SamplingParams(max_tokens=2), lora=LoRARequest("a", str(tmp_path)))
-    with pytest.raises(ValueError, match=rf"lora: LoRA adapters are not supported for mixture-of-experts "
-                                         rf"models \({type(model).__name__}\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"lora: LoRA adapters are not supported for mixture-of-experts "
+        rf"models \({type(model).__name__}\)",
+    ):
         engine.add_request(request)
     assert not engine.has_unfinished_requests()
 

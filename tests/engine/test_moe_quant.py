@@ -26,15 +26,32 @@ from engine.sampling_params import SamplingParams
 from kernels.cpu_isa import cpu_has_vnni
 from tests.engine.test_moe_layer import make_block
 
-COMMON = {"vocab_size": 256, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "max_position_embeddings": 256, "initializer_range": 0.05, "tie_word_embeddings": False,
-          "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+COMMON = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "initializer_range": 0.05,
+    "tie_word_embeddings": False,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
+}
 CONFIGS = {  # sizes int4 takes: outputs multiples of 64, inputs of 32
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
-        **COMMON, num_hidden_layers=2, intermediate_size=96, num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=64, mlp_only_layers=[1]),
+        **COMMON,
+        num_hidden_layers=2,
+        intermediate_size=96,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        mlp_only_layers=[1],
+    ),
     "mixtral": lambda: transformers.MixtralConfig(
-        **COMMON, num_hidden_layers=2, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
+        **COMMON, num_hidden_layers=2, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2
+    ),
 }
 METHODS = ["int8", "int4", "w8a8"]
 QUANTIZED = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": Int8Linear}
@@ -70,7 +87,7 @@ def test_quantized_experts_equal_the_reference_over_their_dequantized_weights(me
     ref = torch.zeros_like(x)
     for j in range(2):
         for t in range(len(x)):
-            ref[t] += weights[t, j].double() * mlp(block.experts[int(ids[t, j])], x[t:t + 1])[0]
+            ref[t] += weights[t, j].double() * mlp(block.experts[int(ids[t, j])], x[t : t + 1])[0]
     ref += torch.sigmoid(x @ block.shared_expert_gate.weight.double().T) * mlp(block.shared_expert, x)
     torch.testing.assert_close(block(h).double(), ref, rtol=1e-4, atol=1e-4)
 
@@ -141,13 +158,20 @@ def test_a_quantized_archive_of_a_moe_model_loads_its_experts_quantized(moe_dir,
 
 
 def test_int4_refuses_experts_it_cannot_pack_naming_what_to_use(tmp_path):
-    config = transformers.Qwen2MoeConfig(**{**COMMON, "vocab_size": 64}, num_hidden_layers=1, intermediate_size=96,
-                                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                                         shared_expert_intermediate_size=64)
+    config = transformers.Qwen2MoeConfig(
+        **{**COMMON, "vocab_size": 64},
+        num_hidden_layers=1,
+        intermediate_size=96,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=64,
+    )
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path, safe_serialization=True)
     with pytest.raises(ValueError, match="int4 needs output features divisible by 64, got 96; use int8"):
-        EngineCore(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=8, max_model_len=32,
-                                quantization="int4"))
+        EngineCore(
+            EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=8, max_model_len=32, quantization="int4")
+        )
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "olmoe"])

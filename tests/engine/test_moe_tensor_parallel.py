@@ -23,14 +23,28 @@ from engine.parallel.sharding import (
 )
 from tests.engine.test_tensor_parallel import PROMPTS, assert_same_generation
 
-COMMON = {"vocab_size": 49152, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "max_position_embeddings": 256, "tie_word_embeddings": False}
+COMMON = {
+    "vocab_size": 49152,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
 CONFIGS = {
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
-        **COMMON, num_hidden_layers=3, intermediate_size=96, num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1]),
+        **COMMON,
+        num_hidden_layers=3,
+        intermediate_size=96,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[1],
+    ),
     "mixtral": lambda: transformers.MixtralConfig(
-        **COMMON, num_hidden_layers=2, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2),
+        **COMMON, num_hidden_layers=2, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2
+    ),
 }
 
 
@@ -46,7 +60,8 @@ def moe_model(request, tmp_path_factory, default_model_dir):
     path = tmp_path_factory.mktemp(request.param) / "model"
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(CONFIGS[request.param]()).save_pretrained(
-        path, safe_serialization=True)
+        path, safe_serialization=True
+    )
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_model_dir / name, path / name)
     return path
@@ -68,13 +83,35 @@ def test_tp2_generates_what_tp1_does(moe_model):
 
 
 def moe_spec(**moe) -> ModelSpec:
-    block = {"num_experts": 4, "top_k": 2, "intermediate_size": 24, "scoring": RouterScoring.SOFTMAX_TOPK,
-             "normalize": True, "shared_intermediate_size": 16, "shared_gate": True}
-    return ModelSpec(architecture="Qwen2MoeForCausalLM", vocab_size=48, hidden_size=32, intermediate_size=40,
-                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6,
-                     max_position_embeddings=64, rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=False,
-                     qkv_bias=True, o_bias=False, mlp_bias=False, sliding_window=None,
-                     moe=MoESpec(**{**block, **moe}))
+    block = {
+        "num_experts": 4,
+        "top_k": 2,
+        "intermediate_size": 24,
+        "scoring": RouterScoring.SOFTMAX_TOPK,
+        "normalize": True,
+        "shared_intermediate_size": 16,
+        "shared_gate": True,
+    }
+    return ModelSpec(
+        architecture="Qwen2MoeForCausalLM",
+        vocab_size=48,
+        hidden_size=32,
+        intermediate_size=40,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        tie_word_embeddings=False,
+        qkv_bias=True,
+        o_bias=False,
+        mlp_bias=False,
+        sliding_window=None,
+        moe=MoESpec(**{**block, **moe}),
+    )
 
 
 def test_expert_slices_follow_each_experts_intermediate_size():
@@ -87,26 +124,38 @@ def test_expert_slices_follow_each_experts_intermediate_size():
     assert tensor_slice("model.layers.0.block_sparse_moe.experts.1.w1.weight", s, 1, 2) == TensorSlice(0, 12, 12, 24)
     assert tensor_slice("model.layers.0.block_sparse_moe.experts.1.w2.weight", s, 1, 2) == TensorSlice(1, 12, 12, 24)
     # The router and the shared expert's gate are whole on every rank; a dense layer's MLP as before.
-    for name in ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.shared_expert_gate.weight",
-                 "model.layers.0.block_sparse_moe.gate.weight"):
+    for name in (
+        "model.layers.0.mlp.gate.weight",
+        "model.layers.0.mlp.shared_expert_gate.weight",
+        "model.layers.0.block_sparse_moe.gate.weight",
+    ):
         assert tensor_slice(name, s, 1, 2) is None
     assert tensor_slice("model.layers.1.mlp.gate_proj.weight", s, 1, 2) == TensorSlice(0, 20, 20, 40)
     local = shard_spec(s, 2).moe
     assert (local.intermediate_size, local.shared_intermediate_size, local.num_experts) == (12, 8, 4)
 
 
-@pytest.mark.parametrize(("moe", "named"), [
-    ({"intermediate_size": 30}, "expert intermediate size 30"),
-    ({"shared_intermediate_size": 18}, "shared expert intermediate size 18"),
-])
+@pytest.mark.parametrize(
+    ("moe", "named"),
+    [
+        ({"intermediate_size": 30}, "expert intermediate size 30"),
+        ({"shared_intermediate_size": 18}, "shared expert intermediate size 18"),
+    ],
+)
 def test_expert_sizes_that_do_not_divide_are_named(moe, named):
     with pytest.raises(ValueError, match=f"tensor_parallel_size=4 does not divide the model's {named}"):
         check_tensor_parallel(moe_spec(**moe), 4)
 
 
 def test_olmoe_is_refused_under_tensor_parallelism():
-    spec = parse_config(transformers.OlmoeConfig(**COMMON, num_hidden_layers=1, num_experts=4,
-                                                      num_experts_per_tok=2, intermediate_size=32))
-    with pytest.raises(ValueError, match="tensor parallelism is not supported for OlmoeForCausalLM; supported: .*"
-                                         "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM"):
+    spec = parse_config(
+        transformers.OlmoeConfig(
+            **COMMON, num_hidden_layers=1, num_experts=4, num_experts_per_tok=2, intermediate_size=32
+        )
+    )
+    with pytest.raises(
+        ValueError,
+        match="tensor parallelism is not supported for OlmoeForCausalLM; supported: .*"
+        "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM",
+    ):
         check_tensor_parallel_support(spec, 2)

@@ -47,8 +47,9 @@ def test_n_fans_out_once_into_engine_requests(tokenizer):
 def test_an_engine_error_is_its_own_field(tokenizer):
     processor = OutputProcessor(tokenizer)
     processor.add_request("g", EngineInput(None, [1, 2], SamplingParams()))
-    (eco,) = over_the_wire(EngineCoreOutput("g", [], finish_reason=FinishReason.ABORT,
-                                            error="grammar compilation timed out"))
+    (eco,) = over_the_wire(
+        EngineCoreOutput("g", [], finish_reason=FinishReason.ABORT, error="grammar compilation timed out")
+    )
     assert eco.finish_reason is FinishReason.ABORT and eco.first_scheduled_time is None
     (out,), to_abort = processor.process_outputs([eco])
     c = out.outputs[0]
@@ -64,10 +65,14 @@ def test_stops_carry_their_reason_and_no_error(tokenizer):
     ids = tokenizer.encode(" 5, 6, 7", add_special_tokens=False)
     processor.add_request("t", EngineInput(None, [1], SamplingParams()))
     processor.add_request("s", EngineInput(None, [1], SamplingParams(stop=[" 6"])))
-    outs, to_abort = processor.process_outputs(over_the_wire(
-        EngineCoreOutput("t", [comma], finish_reason=FinishReason.STOP, stop_reason=comma, first_scheduled_time=1.0),
-        EngineCoreOutput("s", ids),
-    ))
+    outs, to_abort = processor.process_outputs(
+        over_the_wire(
+            EngineCoreOutput(
+                "t", [comma], finish_reason=FinishReason.STOP, stop_reason=comma, first_scheduled_time=1.0
+            ),
+            EngineCoreOutput("s", ids),
+        )
+    )
     by_id = {o.request_id: o.outputs[0] for o in outs}
     assert by_id["t"].finish_reason is FinishReason.STOP and by_id["t"].stop_reason == comma
     # The detokenizer found the stop string: the engine must be told to stop the request.
@@ -91,8 +96,15 @@ def test_metrics_are_a_record_or_none():
     m = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0, finished_time=13.0)
     assert (m.queued_s, m.prefill_s, m.ttft_s, m.decode_s) == (0.5, 0.5, 1.0, 2.0)
     out = RequestOutput("r", None, [1, 2], [], finished=True, metrics=m)
-    assert timings(out, 3.5) == {"queued_s": 0.5, "prefill_s": 0.5, "decode_s": 2.0, "ttft_s": 1.0,
-                                 "cached_prompt_tokens": 0, "offloaded_prompt_tokens": 0, "total_s": 3.5}
+    assert timings(out, 3.5) == {
+        "queued_s": 0.5,
+        "prefill_s": 0.5,
+        "decode_s": 2.0,
+        "ttft_s": 1.0,
+        "cached_prompt_tokens": 0,
+        "offloaded_prompt_tokens": 0,
+        "total_s": 3.5,
+    }
     offline = RequestOutput("r", None, [1, 2], [], finished=True)  # no worker measured it
     assert offline.metrics is None
     assert timings(offline)["ttft_s"] is None and timings(offline)["queued_s"] is None

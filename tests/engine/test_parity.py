@@ -34,7 +34,9 @@ def tokenizer(default_model_dir):
 @pytest.fixture(scope="module")
 def prompts(tokenizer) -> list[list[int]]:
     def chat(text: str) -> list[int]:
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
         return tokenizer.encode(rendered, add_special_tokens=False)
 
     def plain(text: str) -> list[int]:
@@ -65,8 +67,10 @@ def hf_outputs(default_model_dir, prompts) -> list[list[int]]:
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=2)
-            outs.append(gen[0, len(p):].tolist())
+            gen = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=2
+            )
+            outs.append(gen[0, len(p) :].tolist())
     return outs
 
 
@@ -90,8 +94,9 @@ def test_greedy_parity_chunked_prefill(default_model_dir, prompts, hf_outputs):
 
 def test_greedy_parity_under_preemption(default_model_dir, prompts, hf_outputs):
     # 110 blocks of 16 tokens: the ~1,500-token prompt alone needs ~95, the batch ~140.
-    llm = LLM(default_model_dir, dtype="float32", num_kv_blocks=110, max_num_batched_tokens=512,
-              enable_prefix_caching=False)
+    llm = LLM(
+        default_model_dir, dtype="float32", num_kv_blocks=110, max_num_batched_tokens=512, enable_prefix_caching=False
+    )
     assert _engine_outputs(llm, prompts) == hf_outputs
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.kv_manager.pool.get_num_free_blocks() == 110
@@ -99,8 +104,14 @@ def test_greedy_parity_under_preemption(default_model_dir, prompts, hf_outputs):
 
 def test_greedy_parity_async_scheduling_under_preemption(default_model_dir, prompts, hf_outputs):
     # Async scheduling (step k+1 scheduled while step k runs) under the same preemption pressure.
-    llm = LLM(default_model_dir, dtype="float32", num_kv_blocks=110, max_num_batched_tokens=512,
-              enable_prefix_caching=False, async_scheduling=True)
+    llm = LLM(
+        default_model_dir,
+        dtype="float32",
+        num_kv_blocks=110,
+        max_num_batched_tokens=512,
+        enable_prefix_caching=False,
+        async_scheduling=True,
+    )
     assert _engine_outputs(llm, prompts) == hf_outputs
     assert llm.engine.scheduler.num_preemptions > 0
     llm.shutdown()

@@ -19,8 +19,11 @@ PROMPT = [3, 14, 15, 9, 26, 53, 5, 8, 9, 7, 9, 32, 38, 46, 26, 43, 38, 32, 7, 9,
 
 
 def make_engine(model_dir, **options) -> EngineCore:
-    return EngineCore(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, block_size=4,
-                                   max_model_len=128, **options))
+    return EngineCore(
+        EngineConfig(
+            model=str(model_dir), dtype="float32", num_kv_blocks=64, block_size=4, max_model_len=128, **options
+        )
+    )
 
 
 def run(engine: EngineCore, requests: list[Request]) -> dict[str, list]:
@@ -35,8 +38,9 @@ def run(engine: EngineCore, requests: list[Request]) -> dict[str, list]:
 
 
 def embed_request(req_id: str, prompt: list[int], normalize: bool = True) -> Request:
-    return Request(req_id, prompt, SamplingParams(max_tokens=1, temperature=0),
-                   pooling_params=PoolingParams(normalize=normalize))
+    return Request(
+        req_id, prompt, SamplingParams(max_tokens=1, temperature=0), pooling_params=PoolingParams(normalize=normalize)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +72,9 @@ def test_vector_is_the_normalised_last_hidden_state(tiny_model_dir, reference):
 def test_chunked_prefix_cached_and_batched_with_generation(tiny_model_dir, reference):
     engine = make_engine(tiny_model_dir, max_num_batched_tokens=8)  # the prompt takes three steps
     generate = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    alone = [t for o in run(make_engine(tiny_model_dir), [Request("g", PROMPT[:7], generate)])["g"]
-             for t in o.new_token_ids]
+    alone = [
+        t for o in run(make_engine(tiny_model_dir), [Request("g", PROMPT[:7], generate)])["g"] for t in o.new_token_ids
+    ]
     outs = run(engine, [embed_request("e", PROMPT), Request("g", PROMPT[:7], generate)])
     [embedded] = outs["e"]
     assert len(engine.scheduler.requests) == 0

@@ -22,7 +22,12 @@ ENGINE = importlib.import_module("engine.kv_cache.hashing").__name__.removesuffi
 def run_python(code: str, **env: str) -> dict:
     """Run `code` in a fresh interpreter at the repository root; it prints one JSON object."""
     done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
         env={**os.environ, "PYTHONPATH": str(ROOT), **env},
     )
     assert done.returncode == 0, done.stderr
@@ -47,13 +52,20 @@ def test_light_modules_load_only_what_they_need_and_offline_names_still_import()
     stages = run_python(_STAGES)
     loaded = set(stages["block_pool"])
     engine_modules = {m for m in loaded if m == ENGINE or m.startswith(f"{ENGINE}.")}
-    assert engine_modules == {ENGINE, *(f"{ENGINE}.{name}" for name in (
-        "kv_cache", "kv_cache.block_pool", "kv_cache.block", "kv_cache.hashing"))}
+    assert engine_modules == {
+        ENGINE,
+        *(f"{ENGINE}.{name}" for name in ("kv_cache", "kv_cache.block_pool", "kv_cache.block", "kv_cache.hashing")),
+    }
     assert not loaded & {"torch", "transformers", "engine.llm", "engine.engine_core"}
     loaded = set(stages["sampling_params"])
     assert "engine.sampling_params" in loaded and not loaded & {"engine.llm", "engine.engine_core"}
     assert stages["modules_of_names"] == [
-        "engine.llm", "engine.outputs", "engine.config", "engine.outputs", "engine.sampling_params"]
+        "engine.llm",
+        "engine.outputs",
+        "engine.config",
+        "engine.outputs",
+        "engine.sampling_params",
+    ]
 
 
 # Imports every module of engine/ and kernels/ and reports what the process looks like before and
@@ -107,7 +119,8 @@ def test_importing_every_engine_module_has_no_side_effects():
 def test_engine_core_leaves_process_settings_to_the_owner(tiny_model_dir):
     """Building an EngineCore changes neither torch's threads nor its RNG; the owner's
     configure_engine_process applies the config's num_threads and seed."""
-    report = run_python(f"""
+    report = run_python(
+        f"""
 import json, torch
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
@@ -121,5 +134,7 @@ after_core = [torch.get_num_threads(), torch.equal(torch.get_rng_state(), state)
 configure_engine_process(config)
 seeded = torch.equal(torch.get_rng_state(), torch.Generator().manual_seed(7).get_state())
 print(json.dumps({{"after_core": after_core, "after_setup": [torch.get_num_threads(), seeded]}}))
-""", PAGEDSERVE_DISABLE_CPU_KERNELS="1")  # the torch attention path is enough here
+""",
+        PAGEDSERVE_DISABLE_CPU_KERNELS="1",
+    )  # the torch attention path is enough here
     assert report == {"after_core": [2, True], "after_setup": [1, True]}

@@ -63,8 +63,7 @@ def test_decode_matches_gguf_on_the_bundled_file():
     assert checked == {GGUFBlockType.Q4_1, GGUFBlockType.Q8_0}
 
 
-@pytest.mark.parametrize("kind", [GGUFBlockType.Q4_0, GGUFBlockType.Q4_1, GGUFBlockType.Q4_K],
-                         ids=lambda k: k.value)
+@pytest.mark.parametrize("kind", [GGUFBlockType.Q4_0, GGUFBlockType.Q4_1, GGUFBlockType.Q4_K], ids=lambda k: k.value)
 def test_int4_groups_hold_exactly_the_decoded_values(kind):
     raw = _random_kquant(kind) if kind is GGUFBlockType.Q4_K else _random_raw(kind)
     raw = torch.from_numpy(raw)

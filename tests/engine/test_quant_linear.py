@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from engine.model.quant_linear import (
-    W8A8_OUTLIER_CHANNELS,
-    _w8a8_mm,
-    INT8_WEIGHT_ONLY_MAX_ROWS,
     INT4_KERNEL_MAX_ROWS,
+    INT8_WEIGHT_ONLY_MAX_ROWS,
+    W8A8_OUTLIER_CHANNELS,
     Int4Linear,
     Int8Embedding,
     Int8Linear,
     QuantMethod,
+    _w8a8_mm,
     make_quant_linear,
     pack_nibbles,
     quantize_int4,
@@ -40,7 +40,7 @@ def _loaded(method: QuantMethod, in_f: int, out_f: int, group: int = 32) -> torc
     layer = make_quant_linear(method, in_f, out_f, False, torch.bfloat16, group)
     w = _weight(in_f, out_f)
     layer.quantize_rows(0, w[: out_f // 3])  # loaded in two shards, like fused q|k|v
-    layer.quantize_rows(out_f // 3, w[out_f // 3:])
+    layer.quantize_rows(out_f // 3, w[out_f // 3 :])
     return layer
 
 
@@ -95,8 +95,10 @@ def test_w8a8_keeps_outlier_channels_out_of_the_int8_product():
     x = torch.randn(64, 576, generator=g)
     x[:, [3, 100, 200]] *= 60
     want = x @ layer.reference_weight().T
-    errors = {n: ((_w8a8_mm(x.bfloat16(), layer.qweight, layer.scale, n).float() - want).norm() / want.norm()).item()
-              for n in (0, W8A8_OUTLIER_CHANNELS)}
+    errors = {
+        n: ((_w8a8_mm(x.bfloat16(), layer.qweight, layer.scale, n).float() - want).norm() / want.norm()).item()
+        for n in (0, W8A8_OUTLIER_CHANNELS)
+    }
     assert errors[W8A8_OUTLIER_CHANNELS] < 0.01 and errors[W8A8_OUTLIER_CHANNELS] * 5 < errors[0]
 
 

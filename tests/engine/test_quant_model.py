@@ -30,15 +30,30 @@ def q41_dir(tmp_path_factory):
 
 def _archive_cli(*args: str, cwd) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "server.cli", "archive", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", "archive", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_archive_gguf_keeps_its_quantization_through_inspect(tmp_path):
     """`pagedserve archive --gguf` of the bundled Q4_1 file stores int4 (no float weights) and
     `--inspect` reports it; the engine serves the archive."""
-    made = _archive_cli("--model-name", "smollm2q", "--version", "1.0", "--gguf", str(default_gguf_path()),
-                        "--export-path", str(tmp_path / "store"), cwd=tmp_path)
+    made = _archive_cli(
+        "--model-name",
+        "smollm2q",
+        "--version",
+        "1.0",
+        "--gguf",
+        str(default_gguf_path()),
+        "--export-path",
+        str(tmp_path / "store"),
+        cwd=tmp_path,
+    )
     assert made.returncode == 0, made.stderr
     archive = tmp_path / "store" / "smollm2q.mar"
     assert archive.stat().st_size < 130 * 2**20  # the float32 conversion is ~540 MB
@@ -62,8 +77,10 @@ def test_q41_as_int4_holds_exactly_the_dequantized_values(q41_dir):
     assert "Q4_1" in config["pagedserve_quantization"]["source"]
     plain_dir = default_model_dir()
     checked = 0
-    with safe_open(str(q41_dir / "model.safetensors"), "pt") as q, \
-            safe_open(str(plain_dir / "model.safetensors"), "pt") as plain:
+    with (
+        safe_open(str(q41_dir / "model.safetensors"), "pt") as q,
+        safe_open(str(plain_dir / "model.safetensors"), "pt") as plain,
+    ):
         for name in q.keys():
             if not name.endswith(".offsets"):
                 continue
@@ -89,8 +106,7 @@ def test_quantized_checkpoint_refuses_a_contradicting_option(q41_dir):
     with pytest.raises(ValueError, match=r"already quantized \(int4.*quantization='int8' contradicts"):
         LLM(q41_dir, dtype="bfloat16", num_kv_blocks=32, max_model_len=256, quantization="int8")
     with pytest.raises(ValueError, match="group size 64"):
-        LLM(q41_dir, dtype="bfloat16", num_kv_blocks=32, max_model_len=256, quantization="int4",
-            quant_group_size=64)
+        LLM(q41_dir, dtype="bfloat16", num_kv_blocks=32, max_model_len=256, quantization="int4", quant_group_size=64)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4", "w8a8"])
@@ -134,7 +150,16 @@ def test_w8a8_without_vnni_is_refused_naming_what_to_use(monkeypatch):
 
 
 def test_a_group_size_that_does_not_divide_a_layer_is_refused():
-    with pytest.raises(ValueError, match=r"group size 128 does not divide the layer's 576 input features; "
-                                         r"choose one of \[32, 64\]"):
-        LLM(default_model_dir(), dtype="bfloat16", num_kv_blocks=8, max_model_len=64, quantization="int4",
-            quant_group_size=128)
+    with pytest.raises(
+        ValueError,
+        match=r"group size 128 does not divide the layer's 576 input features; "
+        r"choose one of \[32, 64\]",
+    ):
+        LLM(
+            default_model_dir(),
+            dtype="bfloat16",
+            num_kv_blocks=8,
+            max_model_len=64,
+            quantization="int4",
+            quant_group_size=128,
+        )

@@ -64,8 +64,9 @@ def test_input_logits_are_not_modified():
     logits = random_logits(3)
     before = logits.clone()
     params = [
-        SamplingParams(temperature=0.7, top_k=2, top_p=0.9, min_p=0.1, min_tokens=2,
-                       repetition_penalty=1.5, logprobs=1),
+        SamplingParams(
+            temperature=0.7, top_k=2, top_p=0.9, min_p=0.1, min_tokens=2, repetition_penalty=1.5, logprobs=1
+        ),
         SamplingParams(temperature=0.0, presence_penalty=1.0),
         RANDOM,
     ]
@@ -156,8 +157,12 @@ def test_penalties_exact_values():
     meta = make_meta(params, outputs=outputs, prompts=[[0, 5], [4]], vocab_size=6)
     assert meta.prompt_token_ids.tolist() == [[0, 5], [6, 6]]  # no-penalty row is padding
     got = apply_penalties(
-        logits, meta.prompt_token_ids, meta.output_token_ids, meta.presence_penalties,
-        meta.frequency_penalties, meta.repetition_penalties,
+        logits,
+        meta.prompt_token_ids,
+        meta.output_token_ids,
+        meta.presence_penalties,
+        meta.frequency_penalties,
+        meta.repetition_penalties,
     )
     # 0: prompt only -> 2/2; 1: once in output -> -1*2 - 0.25 - 0.5; 2: twice -> 0.5/2 - 0.5 - 0.5
     # 5: prompt, zero logit -> 0*2; presence and frequency ignore the prompt.
@@ -214,18 +219,32 @@ def test_logprobs_of_raw_logits_sampled_first_with_rank():
 
 
 def test_metadata_skips_unused_tensors():
-    meta = make_meta([SamplingParams(temperature=0.0, max_tokens=10)] * 64,
-                     generators=[seeded(0)] * 64)
+    meta = make_meta([SamplingParams(temperature=0.0, max_tokens=10)] * 64, generators=[seeded(0)] * 64)
     assert meta.all_greedy and not meta.all_random and meta.num_rows == 64
-    for name in ("greedy_mask", "temperature", "top_k", "top_p", "min_p", "presence_penalties",
-                 "frequency_penalties", "repetition_penalties", "prompt_token_ids",
-                 "output_token_ids", "min_tokens_suppress", "max_num_logprobs"):
+    for name in (
+        "greedy_mask",
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "presence_penalties",
+        "frequency_penalties",
+        "repetition_penalties",
+        "prompt_token_ids",
+        "output_token_ids",
+        "min_tokens_suppress",
+        "max_num_logprobs",
+    ):
         assert getattr(meta, name) is None, name
     assert meta.generators == {} and meta.no_penalties
 
     gen = seeded(3)
-    params = [SamplingParams(temperature=0.0, top_k=2, top_p=0.5, seed=1),
-              SamplingParams(top_k=2), SamplingParams(top_k=50, seed=3), RANDOM]
+    params = [
+        SamplingParams(temperature=0.0, top_k=2, top_p=0.5, seed=1),
+        SamplingParams(top_k=2),
+        SamplingParams(top_k=50, seed=3),
+        RANDOM,
+    ]
     meta = make_meta(params, generators=[seeded(1), None, gen, None])
     assert not meta.all_greedy and not meta.all_random
     assert meta.greedy_mask.tolist() == [True, False, False, False]

@@ -144,7 +144,8 @@ def test_last_running_request_preempts_itself_and_is_recomputed_later():
     assert out.finished_req_ids == {"a"}
     assert out.num_scheduled_tokens == {"b": 5}
     assert [(n.req_id, n.token_ids, n.block_ids, n.num_computed_tokens) for n in out.new_requests] == [
-        ("b", [2, 2, 2, 2, 7], [2, 1], 0)]
+        ("b", [2, 2, 2, 2, 7], [2, 1], 0)
+    ]
     assert res[0].request_id == "b" and b.num_output_tokens == 2 and b.status is RequestStatus.RUNNING
 
 

@@ -18,8 +18,7 @@ PROMPT = [3, 14, 15, 9, 26, 5]
 
 
 def generate(engine: EngineCore, request_id: str) -> list[int]:
-    engine.add_request(Request(request_id, PROMPT, SamplingParams(max_tokens=8, temperature=0,
-                                                                   ignore_eos=True)))
+    engine.add_request(Request(request_id, PROMPT, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)))
     tokens: list[int] = []
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -28,8 +27,7 @@ def generate(engine: EngineCore, request_id: str) -> list[int]:
 
 
 def test_sleep_frees_the_model_and_kv_pool_and_wake_gives_the_same_output(tiny_model_dir):
-    engine = EngineCore(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=16, block_size=16,
-                                     max_model_len=128))
+    engine = EngineCore(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=16, block_size=16, max_model_len=128))
     before = generate(engine, "a")
     model, kv = weakref.ref(engine.runner.model), weakref.ref(engine.runner.kv_caches[0])
     engine.sleep()
@@ -44,8 +42,7 @@ def test_sleep_frees_the_model_and_kv_pool_and_wake_gives_the_same_output(tiny_m
 
 
 def test_a_busy_engine_does_not_sleep(tiny_model_dir):
-    engine = EngineCore(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=16, block_size=16,
-                                     max_model_len=128))
+    engine = EngineCore(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=16, block_size=16, max_model_len=128))
     engine.add_request(Request("a", PROMPT, SamplingParams(max_tokens=4)))
     with pytest.raises(RuntimeError, match="unfinished requests"):
         engine.sleep()
@@ -56,8 +53,9 @@ def test_a_busy_engine_does_not_sleep(tiny_model_dir):
 def test_sleep_on_a_gpu_gives_the_device_memory_back(tiny_model_dir):
     import torch
 
-    engine = EngineCore(EngineConfig(model=str(tiny_model_dir), device="cuda", num_kv_blocks=256,
-                                     block_size=16, max_model_len=128))
+    engine = EngineCore(
+        EngineConfig(model=str(tiny_model_dir), device="cuda", num_kv_blocks=256, block_size=16, max_model_len=128)
+    )
     generate(engine, "a")
     awake = torch.cuda.memory_reserved()
     engine.sleep()

@@ -63,6 +63,7 @@ def test_config():
 
 # -- verification -----------------------------------------------------------------------------------
 
+
 def test_greedy_keeps_drafts_until_the_first_disagreement():
     assert verify_greedy([4, 5, 6, 7], [4, 5, 6]) == [4, 5, 6, 7]  # all kept, plus the bonus token
     assert verify_greedy([4, 9, 6, 7], [4, 5, 6]) == [4, 9]  # the target's token replaces draft 2
@@ -89,6 +90,7 @@ def test_rejection_sampling_certain_and_impossible_drafts():
 
 
 # -- the scheduler, step by step (block_size 4) ----------------------------------------------------
+
 
 def test_drafts_are_scheduled_then_the_refused_ones_rolled_back():
     s = make_scheduler(budget=32)
@@ -140,18 +142,24 @@ def test_a_stop_among_kept_tokens_ends_the_request_there():
 
 # -- the real model -------------------------------------------------------------------------------
 
-REPEAT = ("Repeat this text exactly, but replace nine with eight:\n\nThe library opens at nine in the morning and "
-          "closes at six in the evening. Members may borrow up to five books at a time for three weeks.")
-PROMPTS = [[{"role": "user", "content": REPEAT}],
-           [{"role": "user", "content": "Count from 1 to 12, separated by commas."}],
-           [{"role": "user", "content": "What is the capital of France?"}]]
+REPEAT = (
+    "Repeat this text exactly, but replace nine with eight:\n\nThe library opens at nine in the morning and "
+    "closes at six in the evening. Members may borrow up to five books at a time for three weeks."
+)
+PROMPTS = [
+    [{"role": "user", "content": REPEAT}],
+    [{"role": "user", "content": "Count from 1 to 12, separated by commas."}],
+    [{"role": "user", "content": "What is the capital of France?"}],
+]
 
 
 @pytest.fixture(scope="module")
 def engines(default_model_dir):
     def make(speculative):
-        return LLM(default_model_dir, dtype="float32", kv_cache_memory="128MiB", max_model_len=512,
-                   speculative=speculative)
+        return LLM(
+            default_model_dir, dtype="float32", kv_cache_memory="128MiB", max_model_len=512, speculative=speculative
+        )
+
     return make(None), make({"num_speculative_tokens": 4})
 
 

@@ -18,17 +18,29 @@ from engine.spec_decode.adaptive import PROBE_STEPS, AdaptiveSpeculation
 
 METHODS = ["ngram", "suffix", "auto", "draft"]
 
-REPEAT = ("Repeat this text exactly, but replace nine with eight:\n\nThe library opens at nine in the morning and "
-          "closes at six in the evening. Members may borrow up to five books at a time for three weeks.")
-PROMPTS = [[{"role": "user", "content": REPEAT}],
-           [{"role": "user", "content": "Count from 1 to 12, separated by commas."}],
-           [{"role": "user", "content": "Why is the sky blue?"}]]
+REPEAT = (
+    "Repeat this text exactly, but replace nine with eight:\n\nThe library opens at nine in the morning and "
+    "closes at six in the evening. Members may borrow up to five books at a time for three weeks."
+)
+PROMPTS = [
+    [{"role": "user", "content": REPEAT}],
+    [{"role": "user", "content": "Count from 1 to 12, separated by commas."}],
+    [{"role": "user", "content": "Why is the sky blue?"}],
+]
 
 
-JSON_PROMPT = [{"role": "user", "content": 'Reply with JSON like {"name": "Ann", "age": 30, "city": "Oslo"} '
-                                           'for Bob, 41, from Rome. Then do the same for Eve, 25, from Lima.'}]
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                                           "city": {"type": "string"}}, "required": ["name", "age", "city"]}
+JSON_PROMPT = [
+    {
+        "role": "user",
+        "content": 'Reply with JSON like {"name": "Ann", "age": 30, "city": "Oslo"} '
+        'for Bob, 41, from Rome. Then do the same for Eve, 25, from Lima.',
+    }
+]
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}},
+    "required": ["name", "age", "city"],
+}
 JSON_PARAMS = SamplingParams(max_tokens=40, temperature=0, structured_outputs={"json": SCHEMA})
 
 
@@ -49,8 +61,15 @@ def tiny_draft_dir(tmp_path_factory, default_model_dir):
     path = tmp_path_factory.mktemp("tiny-draft")
     torch.manual_seed(0)
     vocab = json.loads((default_model_dir / "config.json").read_text())["vocab_size"]
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return path
 
@@ -58,8 +77,13 @@ def tiny_draft_dir(tmp_path_factory, default_model_dir):
 @pytest.mark.parametrize("draft", ["itself", "tiny"])
 def test_draft_model_greedy_tokens_equal_plain_decoding(default_model_dir, tiny_draft_dir, plain_tokens, draft):
     model = default_model_dir if draft == "itself" else tiny_draft_dir
-    llm = LLM(default_model_dir, dtype="float32", kv_cache_memory="128MiB", max_model_len=512,
-              speculative={"method": "draft", "draft_model": str(model), "num_speculative_tokens": 4})
+    llm = LLM(
+        default_model_dir,
+        dtype="float32",
+        kv_cache_memory="128MiB",
+        max_model_len=512,
+        speculative={"method": "draft", "draft_model": str(model), "num_speculative_tokens": 4},
+    )
     got = llm.chat(PROMPTS, SamplingParams(max_tokens=40, temperature=0))
     assert [o.outputs[0].token_ids for o in got] == plain_tokens[:3]
     stats = llm.engine.make_stats()
@@ -75,8 +99,13 @@ def test_draft_model_greedy_tokens_equal_plain_decoding(default_model_dir, tiny_
 
 @pytest.mark.parametrize("method", ["suffix", "auto"])
 def test_greedy_tokens_equal_plain_decoding(default_model_dir, plain_tokens, method):
-    llm = LLM(default_model_dir, dtype="float32", kv_cache_memory="128MiB", max_model_len=512,
-              speculative={"method": method, "num_speculative_tokens": 6})
+    llm = LLM(
+        default_model_dir,
+        dtype="float32",
+        kv_cache_memory="128MiB",
+        max_model_len=512,
+        speculative={"method": method, "num_speculative_tokens": 6},
+    )
     params = SamplingParams(max_tokens=40, temperature=0)
     for _ in range(2):  # the second time the global trie knows the first outputs
         got = llm.chat(PROMPTS, params)
@@ -128,13 +157,16 @@ def run(engine: EngineCore, prompt: list[int], params: list[SamplingParams]) -> 
 
 def sample_counts(model_dir, speculative, temperature=0.03) -> torch.Tensor:
     """Counts [POSITIONS, 64] of the tokens sampled at each of the first output positions."""
-    engine = EngineCore(EngineConfig(str(model_dir), num_kv_blocks=1024, max_model_len=64, max_num_seqs=64,
-                                     speculative=speculative))
+    engine = EngineCore(
+        EngineConfig(str(model_dir), num_kv_blocks=1024, max_model_len=64, max_num_seqs=64, speculative=speculative)
+    )
     greedy = run(engine, [1, 2, 3], [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)])[0]
     loop = [1, 2, 3, *greedy]
     prompt = loop * 2 + loop[:3]  # drafts propose the greedy continuation
-    params = [SamplingParams(max_tokens=POSITIONS, temperature=temperature, seed=1000 + i, ignore_eos=True)
-              for i in range(NUM_SAMPLES)]
+    params = [
+        SamplingParams(max_tokens=POSITIONS, temperature=temperature, seed=1000 + i, ignore_eos=True)
+        for i in range(NUM_SAMPLES)
+    ]
     counts = torch.zeros(POSITIONS, 64)
     for tokens in run(engine, prompt, params):
         for pos, token in enumerate(tokens):
@@ -153,8 +185,11 @@ def plain_counts(tiny_model_dir):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_sampled_distribution_equals_plain_decoding(tiny_model_dir, plain_counts, method):
-    options = {"draft_model": str(tiny_model_dir)} if method == "draft" else {
-        "prompt_lookup_min": 1, "suffix_spec_factor": 4.0}
+    options = (
+        {"draft_model": str(tiny_model_dir)}
+        if method == "draft"
+        else {"prompt_lookup_min": 1, "suffix_spec_factor": 4.0}
+    )
     spec = sample_counts(tiny_model_dir, {"method": method, "num_speculative_tokens": 3, **options})
     for pos in range(POSITIONS):
         assert chi_square_p(plain_counts[pos], spec[pos]) > 1e-3, pos
@@ -167,6 +202,7 @@ def test_the_chi_square_test_sees_a_different_distribution(tiny_model_dir, plain
 
 
 # -- the adaptive choice ------------------------------------------------------------------------
+
 
 def test_adaptive_drafts_where_verification_is_cheap_and_stops_where_it_loses():
     a = AdaptiveSpeculation(max_tokens=6)

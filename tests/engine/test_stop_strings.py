@@ -61,8 +61,7 @@ def test_held_back_and_find_match_the_obvious_search():
     rng = random.Random(11)
     for _ in range(3000):
         alphabet = "ab" if rng.random() < 0.5 else "abc\n"
-        stop = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6)))
-                for _ in range(rng.randint(1, 5))]
+        stop = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 5))]
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 20)))
         matcher = StopStrings(stop)
         assert matcher.held_back(text) == reference_held_back(text, stop), (text, stop)

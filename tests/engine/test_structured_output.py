@@ -15,14 +15,18 @@ import xgrammar as xgr
 from engine import LLM, SamplingParams
 from engine.structured_output import GrammarState
 from engine.structured_output_params import GrammarError, StructuredOutputsParams, check_grammar
-from tests.engine.test_scheduler import make_scheduler, step
 from tests.engine.kv_helpers import make_request
+from tests.engine.test_scheduler import make_scheduler, step
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"]}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
 
 
 # -- parameters ---------------------------------------------------------------------------------
+
 
 def test_params_take_exactly_one_constraint():
     assert StructuredOutputsParams(json=PERSON).json == json.dumps(PERSON)  # kept as JSON text
@@ -48,11 +52,14 @@ def test_sampling_params_take_a_mapping_and_refuse_min_tokens():
         SamplingParams(min_tokens=2, structured_outputs={"json_object": True})
 
 
-@pytest.mark.parametrize(("params", "message"), [
-    (StructuredOutputsParams(json={"type": "nonsense"}), 'invalid json constraint: Unsupported type "nonsense"'),
-    (StructuredOutputsParams(regex="a(b"), "invalid regex constraint: Regex parsing error"),
-    (StructuredOutputsParams(grammar="root ::= other"), 'invalid grammar constraint: EBNF parser error'),
-])
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (StructuredOutputsParams(json={"type": "nonsense"}), 'invalid json constraint: Unsupported type "nonsense"'),
+        (StructuredOutputsParams(regex="a(b"), "invalid regex constraint: Regex parsing error"),
+        (StructuredOutputsParams(grammar="root ::= other"), 'invalid grammar constraint: EBNF parser error'),
+    ],
+)
 def test_check_grammar_refuses_with_a_clean_message(params, message):
     with pytest.raises(GrammarError) as info:
         check_grammar(params)
@@ -65,6 +72,7 @@ def test_choices_with_quotes_and_non_ascii_parse():
 
 
 # -- scheduling around compiles (tiny pools, a real xgrammar grammar over a 16-token vocabulary) --
+
 
 def _compiled_regex(pattern: str):
     info = xgr.TokenizerInfo([chr(ord("a") + i) for i in range(16)])  # token i is one letter
@@ -112,6 +120,7 @@ def test_failed_and_timed_out_compiles_are_errors():
 
 # -- the real model ---------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def llm(default_model_dir):
     return LLM(default_model_dir, dtype="bfloat16", kv_cache_memory="128MiB", max_model_len=512)
@@ -142,8 +151,12 @@ def test_regex(llm):
 
 
 def test_choice_stops_when_complete_even_with_ignore_eos(llm):
-    (out,) = chat(llm, "Is Paris in France? Answer yes or no.", ignore_eos=True,
-                  structured_outputs={"choice": ["yes", "no", "maybe"]})
+    (out,) = chat(
+        llm,
+        "Is Paris in France? Answer yes or no.",
+        ignore_eos=True,
+        structured_outputs={"choice": ["yes", "no", "maybe"]},
+    )
     assert out.text in {"yes", "no", "maybe"} and out.finish_reason == "stop"
 
 
@@ -154,8 +167,9 @@ def test_grammar(llm):
 
 
 def test_sampled_choices_each_follow_the_schema(llm):
-    outs = chat(llm, "Invent a person.", n=3, temperature=1.0, seed=5, max_tokens=64,
-                structured_outputs={"json": PERSON})
+    outs = chat(
+        llm, "Invent a person.", n=3, temperature=1.0, seed=5, max_tokens=64, structured_outputs={"json": PERSON}
+    )
     for out in outs:
         if out.finish_reason == "stop":
             assert set(json.loads(out.text)) == {"name", "age"}

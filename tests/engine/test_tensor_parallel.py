@@ -23,9 +23,9 @@ from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
 from engine.model.archive import ArchiveError, open_archive, write_archive
 from engine.model.llama_spec import LlamaSpec
-from engine.model.registry import parse_config
 from engine.model.loader import kv_pool_size, read_config, safetensors_files
 from engine.model.model_config import ModelConfig, ModelConfigError
+from engine.model.registry import parse_config
 from engine.parallel.driver import TensorParallelError
 from engine.parallel.messages import decode, encode, forward_message, read_forward
 from engine.parallel.sharding import (
@@ -56,9 +56,15 @@ def mqa_model(tmp_path_factory, default_model_dir):
     transformers = pytest.importorskip("transformers")
     path = tmp_path_factory.mktemp("tp-mqa") / "model"
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=1, vocab_size=49152,
-                                      max_position_embeddings=256)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        vocab_size=49152,
+        max_position_embeddings=256,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(default_model_dir / name, path / name)
@@ -76,9 +82,13 @@ def tiny_pair(mqa_model):
 
 
 def tokens_and_logprobs(outputs):
-    return [([t for t in o.outputs[0].token_ids],
-             [{tok: lp.logprob for tok, lp in step.items()} for step in o.outputs[0].logprobs])
-            for o in outputs]
+    return [
+        (
+            [t for t in o.outputs[0].token_ids],
+            [{tok: lp.logprob for tok, lp in step.items()} for step in o.outputs[0].logprobs],
+        )
+        for o in outputs
+    ]
 
 
 def assert_same_generation(ref_outputs, tp_outputs):
@@ -103,11 +113,14 @@ def test_tp2_replicates_the_single_kv_head(tiny_pair):
     assert runner.kv_caches[0].shape[3] == 1  # this rank's copy of the one KV head
     assert len(runner.tp.pids) == 1 and all(p.is_alive() for p in runner.tp.ranks)
     # Replicated heads cost their copies: a budget holds half the blocks it holds at TP = 1.
-    one, two = (EngineConfig(model="m", dtype="float32", kv_cache_memory="1MiB", tensor_parallel_size=n)
-                for n in (1, 2))
+    one, two = (
+        EngineConfig(model="m", dtype="float32", kv_cache_memory="1MiB", tensor_parallel_size=n) for n in (1, 2)
+    )
     spec = runner.model.spec
-    assert kv_pool_size(two, runner.model.rank_spec, KVCacheDtype.AUTO)[1] * 2 == \
-        kv_pool_size(one, spec, KVCacheDtype.AUTO)[1]
+    assert (
+        kv_pool_size(two, runner.model.rank_spec, KVCacheDtype.AUTO)[1] * 2
+        == kv_pool_size(one, spec, KVCacheDtype.AUTO)[1]
+    )
 
 
 def test_tp2_embeddings_equal_tp1(tiny_pair):
@@ -189,28 +202,50 @@ def test_a_failed_start_leaves_no_rank_behind(mqa_model, tmp_path):
     config = json.loads((broken / "config.json").read_text())
     (broken / "config.json").write_text(json.dumps({**config, "intermediate_size": 64}))  # not the weights' 96
     before = set(multiprocessing.active_children())
-    with pytest.raises(ValueError, match=r"tensor model\.layers\.0\.mlp\.\w+_proj\.weight has shape \(\d+, \d+\), expected 64 along"):
+    with pytest.raises(
+        ValueError, match=r"tensor model\.layers\.0\.mlp\.\w+_proj\.weight has shape \(\d+, \d+\), expected 64 along"
+    ):
         LLM(broken, dtype="float32", num_kv_blocks=16, tensor_parallel_size=2)
     assert set(multiprocessing.active_children()) == before
 
 
 def spec(**sizes) -> LlamaSpec:
-    base = {"architecture": "LlamaForCausalLM", "vocab_size": 48, "hidden_size": 32, "intermediate_size": 24,
-            "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6,
-            "max_position_embeddings": 64, "rope_theta": 10000.0, "rope_scaling": None, "tie_word_embeddings": True,
-            "qkv_bias": False, "o_bias": True, "mlp_bias": True, "sliding_window": None}
+    base = {
+        "architecture": "LlamaForCausalLM",
+        "vocab_size": 48,
+        "hidden_size": 32,
+        "intermediate_size": 24,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 8,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 64,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": True,
+        "qkv_bias": False,
+        "o_bias": True,
+        "mlp_bias": True,
+        "sliding_window": None,
+    }
     return LlamaSpec(**{**base, **sizes})
 
 
-@pytest.mark.parametrize("sizes, size, named", [
-    ({"num_heads": 9, "num_kv_heads": 3}, 2, "9 query heads"),
-    ({"num_heads": 6, "num_kv_heads": 3}, 2, "3 KV heads"),
-    ({"num_heads": 6, "num_kv_heads": 2}, 3, "2 KV heads (with fewer KV heads than ranks"),
-    ({"intermediate_size": 25}, 2, "MLP intermediate size 25"),
-    ({"vocab_size": 49}, 2, "vocabulary of 49 tokens"),
-])
+@pytest.mark.parametrize(
+    "sizes, size, named",
+    [
+        ({"num_heads": 9, "num_kv_heads": 3}, 2, "9 query heads"),
+        ({"num_heads": 6, "num_kv_heads": 3}, 2, "3 KV heads"),
+        ({"num_heads": 6, "num_kv_heads": 2}, 3, "2 KV heads (with fewer KV heads than ranks"),
+        ({"intermediate_size": 25}, 2, "MLP intermediate size 25"),
+        ({"vocab_size": 49}, 2, "vocabulary of 49 tokens"),
+    ],
+)
 def test_check_names_the_size_that_does_not_divide(sizes, size, named):
-    with pytest.raises(ValueError, match=rf"tensor_parallel_size={size} does not divide the model's .*{re.escape(named)}"):
+    with pytest.raises(
+        ValueError, match=rf"tensor_parallel_size={size} does not divide the model's .*{re.escape(named)}"
+    ):
         check_tensor_parallel(spec(**sizes), size)
     check_tensor_parallel(spec(), 2)  # 4/2 heads, 24, 48 all divide
 
@@ -218,8 +253,12 @@ def test_check_names_the_size_that_does_not_divide(sizes, size, named):
 def test_tensor_slices_follow_the_heads():
     s = spec()  # 4 query heads, 2 KV heads of 8, at TP = 4: one query head, a KV head shared by 2 ranks
     assert tensor_slice("model.layers.0.self_attn.q_proj.weight", s, 3, 4) == TensorSlice(0, 24, 8, 32)
-    assert [tensor_slice("model.layers.1.self_attn.k_proj.weight", s, r, 4) for r in range(4)] == \
-        [TensorSlice(0, 0, 8, 16), TensorSlice(0, 0, 8, 16), TensorSlice(0, 8, 8, 16), TensorSlice(0, 8, 8, 16)]
+    assert [tensor_slice("model.layers.1.self_attn.k_proj.weight", s, r, 4) for r in range(4)] == [
+        TensorSlice(0, 0, 8, 16),
+        TensorSlice(0, 0, 8, 16),
+        TensorSlice(0, 8, 8, 16),
+        TensorSlice(0, 8, 8, 16),
+    ]
     assert tensor_slice("model.layers.0.self_attn.o_proj.weight", s, 2, 4) == TensorSlice(1, 16, 8, 32)
     assert tensor_slice("model.layers.0.mlp.down_proj.weight", s, 1, 2) == TensorSlice(1, 12, 12, 24)
     assert tensor_slice("model.layers.0.mlp.up_proj.bias", s, 1, 2) == TensorSlice(0, 12, 12, 24)
@@ -248,20 +287,35 @@ def test_a_rank_reads_exactly_its_slices(mqa_model):
 
 def test_messages_round_trip_typed_tensors():
     meta = AttentionMetadata(
-        num_seqs=2, num_tokens=3, query_lens=[1, 2], seq_lens=[5, 2],
-        query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32), seq_lens_tensor=torch.tensor([5, 2], dtype=torch.int32),
-        block_tables=torch.tensor([[3, 4], [7, 0]], dtype=torch.int32), slot_mapping=torch.tensor([52, 112, 113]),
-        max_query_len=2, max_seq_len=5, num_decodes=1)
-    ids, positions, back = read_forward(decode(encode(forward_message(torch.tensor([9, 8, 7]), torch.tensor([4, 0, 1]),
-                                                                      meta)), torch.device("cpu")))
+        num_seqs=2,
+        num_tokens=3,
+        query_lens=[1, 2],
+        seq_lens=[5, 2],
+        query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32),
+        seq_lens_tensor=torch.tensor([5, 2], dtype=torch.int32),
+        block_tables=torch.tensor([[3, 4], [7, 0]], dtype=torch.int32),
+        slot_mapping=torch.tensor([52, 112, 113]),
+        max_query_len=2,
+        max_seq_len=5,
+        num_decodes=1,
+    )
+    ids, positions, back = read_forward(
+        decode(encode(forward_message(torch.tensor([9, 8, 7]), torch.tensor([4, 0, 1]), meta)), torch.device("cpu"))
+    )
     assert ids.tolist() == [9, 8, 7] and positions.tolist() == [4, 0, 1]
     for field in dataclasses.fields(meta):
         a, b = getattr(meta, field.name), getattr(back, field.name)
         assert (torch.equal(a, b) and a.dtype == b.dtype) if isinstance(a, torch.Tensor) else a == b
 
 
-@pytest.mark.parametrize("option", [{"quantization": "int8"}, {"kv_offload": {"cpu_size_gb": 1}},
-                                    {"speculative": {"method": "ngram", "num_speculative_tokens": 2}}])
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"quantization": "int8"},
+        {"kv_offload": {"cpu_size_gb": 1}},
+        {"speculative": {"method": "ngram", "num_speculative_tokens": 2}},
+    ],
+)
 def test_options_that_do_not_combine_are_refused(option):
     [name] = option
     with pytest.raises(ValueError, match=f"{name}: is not supported with tensor_parallel_size=2"):
@@ -275,19 +329,27 @@ def test_model_config_parallel_type_tp_sets_the_size():
     assert config.engine_options() == {"dtype": "float32", "tensor_parallel_size": 3}
     assert ModelConfig.from_dict(config.resolved()).engine_options()["tensor_parallel_size"] == 3
     # TorchServe's vLLM example: parallelType custom, the size under vllm_engine_config.
-    vllm = ModelConfig.from_dict({"parallelType": "custom", "parallelLevel": 2,
-                                  "handler": {"vllm_engine_config": {"tensor_parallel_size": 2}}})
+    vllm = ModelConfig.from_dict(
+        {"parallelType": "custom", "parallelLevel": 2, "handler": {"vllm_engine_config": {"tensor_parallel_size": 2}}}
+    )
     assert vllm.engine_options() == {"tensor_parallel_size": 2}
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"parallelType": "pp", "parallelLevel": 2}, "parallelType: pp with parallelLevel 2 is not supported"),
-    ({"parallelLevel": 2}, "parallelType: unset with parallelLevel 2 is not supported"),
-    ({"parallelType": "tp", "parallelLevel": 2, "handler": {"tensor_parallel_size": 3}},
-     "handler.tensor_parallel_size: 3 contradicts parallelLevel: 2"),
-    ({"parallelType": "tp", "parallelLevel": 2, "handler": {"kv_offload": {"cpu_size_gb": 1}}},
-     "parallelLevel: kv_offload: is not supported with tensor_parallel_size=2"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"parallelType": "pp", "parallelLevel": 2}, "parallelType: pp with parallelLevel 2 is not supported"),
+        ({"parallelLevel": 2}, "parallelType: unset with parallelLevel 2 is not supported"),
+        (
+            {"parallelType": "tp", "parallelLevel": 2, "handler": {"tensor_parallel_size": 3}},
+            "handler.tensor_parallel_size: 3 contradicts parallelLevel: 2",
+        ),
+        (
+            {"parallelType": "tp", "parallelLevel": 2, "handler": {"kv_offload": {"cpu_size_gb": 1}}},
+            "parallelLevel: kv_offload: is not supported with tensor_parallel_size=2",
+        ),
+    ],
+)
 def test_model_config_refuses_parallel_settings_it_cannot_run(data, message):
     with pytest.raises(ModelConfigError, match=message.replace("(", r"\(")):
         ModelConfig.from_dict(data)
@@ -296,9 +358,16 @@ def test_model_config_refuses_parallel_settings_it_cannot_run(data, message):
 def test_opening_an_archive_refuses_a_size_its_model_cannot_split(tmp_path):
     transformers = pytest.importorskip("transformers")
     model = tmp_path / "model"
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=24, intermediate_size=32, num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=3,
-        vocab_size=64)).save_pretrained(model, safe_serialization=True)
+    transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            hidden_size=24,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=3,
+            num_key_value_heads=3,
+            vocab_size=64,
+        )
+    ).save_pretrained(model, safe_serialization=True)
     config = tmp_path / "model-config.yaml"
     config.write_text("parallelType: tp\nparallelLevel: 2\n")
     archive = write_archive(model, tmp_path, model_name="three", version="1.0", config_file=config)

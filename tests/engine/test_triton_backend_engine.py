@@ -14,13 +14,18 @@ from engine import LLM, SamplingParams
 
 pytest.importorskip("triton")
 
-PREFIX = ("You are a careful assistant. Answer in one short sentence, and never add anything "
-          "that was not asked for. ")
+PREFIX = "You are a careful assistant. Answer in one short sentence, and never add anything that was not asked for. "
 
 
 def run(model_dir, backend: str) -> list:
-    llm = LLM(model_dir, dtype="float32", kv_cache_memory="64MiB", max_model_len=256,
-              max_num_batched_tokens=32, attention_backend=backend)
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        kv_cache_memory="64MiB",
+        max_model_len=256,
+        max_num_batched_tokens=32,
+        attention_backend=backend,
+    )
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     first = llm.generate([PREFIX + "What is 2 plus 2?", "1, 2, 3, 4,"], params)
     second = llm.generate([PREFIX + "Name a color."], params)  # its prefix is cached by now

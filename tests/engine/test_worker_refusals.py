@@ -29,14 +29,17 @@ def _outputs_for(client: MPClient, request_id: str, deadline_s: float = 120.0) -
 
 
 def test_a_refused_request_is_answered_with_an_error_and_the_worker_serves_on(tiny_model):
-    config = EngineConfig(model=str(tiny_model), dtype="float32", num_kv_blocks=32, max_model_len=256,
-                          num_threads=1)
+    config = EngineConfig(model=str(tiny_model), dtype="float32", num_kv_blocks=32, max_model_len=256, num_threads=1)
     client = MPClient(config, name="refusals")
     try:
         client.wait_ready(timeout=300)
         # What a front end that skipped validation would send: "ignore_eos": "yes".
-        bad = {"type": "add", "request_id": "bad", "prompt_token_ids": [1, 2, 3],
-               "sampling_params": {"max_tokens": 2, "ignore_eos": "yes"}}
+        bad = {
+            "type": "add",
+            "request_id": "bad",
+            "prompt_token_ids": [1, 2, 3],
+            "sampling_params": {"max_tokens": 2, "ignore_eos": "yes"},
+        }
         client._input.send(msgspec.msgpack.encode(bad))
         refused = _outputs_for(client, "bad")
         assert refused[-1].error is not None and "ignore_eos" in refused[-1].error

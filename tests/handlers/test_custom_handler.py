@@ -50,15 +50,32 @@ def test_two_files_of_the_same_name_stay_apart(tmp_path):
     assert load_custom_handler(paths["b"], "my_handler").tag == "b"
 
 
-@pytest.mark.parametrize("text, spec, message", [
-    ("def handle(data, context):\n    return data\n", "my_handler", "defines no handler class.*handle\\(data, context\\)"),
-    ("def handle(data, context):\n    return data\n", "my_handler:handle", "not a handler class.*function entry point"),
-    ("from handlers import BaseHandler\nclass Half(BaseHandler):\n    def preprocess(self, r): return r\n",
-     "my_handler:Half", "Half leaves postprocess abstract"),
-    ("import no_such_module_here\n", "my_handler", "failed to import: ModuleNotFoundError"),
-    ("from handlers import LLMHandler\nclass Bad(LLMHandler):\n    def __init__(self):\n        raise OSError('no gpu')\n",
-     "my_handler", r"Bad\(\) failed: OSError: no gpu"),
-])
+@pytest.mark.parametrize(
+    "text, spec, message",
+    [
+        (
+            "def handle(data, context):\n    return data\n",
+            "my_handler",
+            "defines no handler class.*handle\\(data, context\\)",
+        ),
+        (
+            "def handle(data, context):\n    return data\n",
+            "my_handler:handle",
+            "not a handler class.*function entry point",
+        ),
+        (
+            "from handlers import BaseHandler\nclass Half(BaseHandler):\n    def preprocess(self, r): return r\n",
+            "my_handler:Half",
+            "Half leaves postprocess abstract",
+        ),
+        ("import no_such_module_here\n", "my_handler", "failed to import: ModuleNotFoundError"),
+        (
+            "from handlers import LLMHandler\nclass Bad(LLMHandler):\n    def __init__(self):\n        raise OSError('no gpu')\n",
+            "my_handler",
+            r"Bad\(\) failed: OSError: no gpu",
+        ),
+    ],
+)
 def test_refusals_say_why(tmp_path, text, spec, message):
     with pytest.raises(CustomHandlerError, match=message):
         load_custom_handler(write(tmp_path, text), spec)

@@ -29,8 +29,14 @@ def handler_and_llm(default_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("handler")
     config = tmp / "model-config.yaml"
     config.write_bytes(MODEL_CONFIG)
-    archive = write_archive(default_model_dir, tmp / "store", model_name="smollm2", version="1.0",
-                            config_file=config, archive_format="no-archive")
+    archive = write_archive(
+        default_model_dir,
+        tmp / "store",
+        model_name="smollm2",
+        version="1.0",
+        config_file=config,
+        archive_format="no-archive",
+    )
     opened = open_archive(archive, tmp / "unused")
     from engine.model.model_config import load_model_config
 

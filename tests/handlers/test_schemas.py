@@ -35,6 +35,7 @@ def refused(call, *args) -> HandlerError:
 
 # -- finding 3: a value the worker would drop is a 400 in the front end ----------------------
 
+
 def test_a_string_for_a_boolean_is_refused_on_every_route():
     body = {"prompt": "x", "max_tokens": 2, "ignore_eos": "yes"}
     for call, extra in ((parse_predictions_body, {}), (parse_completion_request, {"model": "m"})):
@@ -44,10 +45,21 @@ def test_a_string_for_a_boolean_is_refused_on_every_route():
 
 # -- finding 5: numbers, nesting and surrogates answer 400, not 500 --------------------------
 
-@pytest.mark.parametrize("field, value", [
-    ("seed", BIG), ("top_k", BIG), ("temperature", BIG), ("repetition_penalty", BIG),
-    ("stop_token_ids", [BIG]), ("min_tokens", BIG), ("max_tokens", BIG), ("n", BIG), ("logprobs", BIG),
-])
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("seed", BIG),
+        ("top_k", BIG),
+        ("temperature", BIG),
+        ("repetition_penalty", BIG),
+        ("stop_token_ids", [BIG]),
+        ("min_tokens", BIG),
+        ("max_tokens", BIG),
+        ("n", BIG),
+        ("logprobs", BIG),
+    ],
+)
 def test_integers_beyond_64_bits_name_the_field(field, value):
     raw = json.dumps({"prompt": "x", field: value})
     err = refused(predictions, raw)
@@ -61,11 +73,14 @@ def test_token_ids_beyond_32_bits_are_refused():
     assert err.param == "prompt[1]"
 
 
-@pytest.mark.parametrize("body", [
-    b'{"prompt": "x", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}",  # beyond Python's recursion limit
-    b'{"prompt": "x", "x": ' + b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1) + b"}",
-    b'{"prompt": "x", "structured_outputs": {"json": ' + b'{"items": ' * 200 + b"{}" + b"}" * 202,
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"prompt": "x", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}",  # beyond Python's recursion limit
+        b'{"prompt": "x", "x": ' + b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1) + b"}",
+        b'{"prompt": "x", "structured_outputs": {"json": ' + b'{"items": ' * 200 + b"{}" + b"}" * 202,
+    ],
+)
 def test_deeply_nested_json_is_a_400(body):
     err = refused(decode_json_body, body)
     assert "deep" in str(err)
@@ -79,12 +94,17 @@ def test_nesting_within_the_limit_is_accepted():
     assert value == []
 
 
-@pytest.mark.parametrize("raw, field", [
-    (b'{"prompt": "a\\ud800b"}', "prompt"),
-    (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0].content"),
-    (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}',
-     "messages[0].content[0].text"),
-])
+@pytest.mark.parametrize(
+    "raw, field",
+    [
+        (b'{"prompt": "a\\ud800b"}', "prompt"),
+        (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0].content"),
+        (
+            b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}',
+            "messages[0].content[0].text",
+        ),
+    ],
+)
 def test_a_lone_surrogate_names_the_field(raw, field):
     err = refused(decode_json_body, raw)
     assert err.param == field and "lone surrogate" in str(err) and str(err).startswith(field)
@@ -97,7 +117,7 @@ def test_a_number_of_thousands_of_digits_is_a_400():
 
 
 def test_a_paired_surrogate_is_text():
-    assert predictions(b'{"prompt": "\\ud83d\\ude00"}').prompt.text == "\U0001F600"
+    assert predictions(b'{"prompt": "\\ud83d\\ude00"}').prompt.text == "\U0001f600"
 
 
 def test_a_body_over_the_size_limit_is_413_before_parsing():
@@ -112,12 +132,15 @@ def refused_code(code, call, *args) -> HandlerError:
     return info.value
 
 
-@pytest.mark.parametrize("query, field", [
-    ({"url": "a.mar", "response_timeout": "99999999999"}, "response_timeout"),
-    ({"url": "a.mar", "response_timeout": str(BIG)}, "response_timeout"),
-    ({"url": "a.mar", "initial_workers": "1000000"}, "initial_workers"),
-    ({"url": "a.mar", "batch_size": "4"}, "batch_size"),
-])
+@pytest.mark.parametrize(
+    "query, field",
+    [
+        ({"url": "a.mar", "response_timeout": "99999999999"}, "response_timeout"),
+        ({"url": "a.mar", "response_timeout": str(BIG)}, "response_timeout"),
+        ({"url": "a.mar", "initial_workers": "1000000"}, "initial_workers"),
+        ({"url": "a.mar", "batch_size": "4"}, "batch_size"),
+    ],
+)
 def test_registration_bounds(query, field):
     with pytest.raises(SchemaError) as info:
         read_params(query, RegisterParams)
@@ -137,14 +160,17 @@ def test_scale_timeout_is_bounded():
 
 
 def test_n_has_the_same_bound_on_every_route():
-    for call, body in ((parse_predictions_body, {"prompt": "x"}),
-                       (parse_completion_request, {"model": "m", "prompt": "x"}),
-                       (parse_chat_request, {"model": "m", "messages": CHAT})):
+    for call, body in (
+        (parse_predictions_body, {"prompt": "x"}),
+        (parse_completion_request, {"model": "m", "prompt": "x"}),
+        (parse_chat_request, {"model": "m", "messages": CHAT}),
+    ):
         assert str(refused(call, {**body, "n": 1000})) == f"n: must be <= {MAX_N}, got 1000"
         assert call({**body, "n": MAX_N}).params.n == MAX_N
 
 
 # -- finding 12: non-finite and absurd numbers ------------------------------------------------
+
 
 def test_temperature_infinity_and_tiny_repetition_penalty_are_refused():
     err = refused(predictions, json.dumps({"prompt": "x", "temperature": float("inf")}))  # Python writes Infinity
@@ -167,17 +193,28 @@ def test_stop_strings_are_bounded_in_number_and_length():
 # -- one declaration: the front end and the worker refuse the same values --------------------
 
 BAD_SAMPLING = [
-    ("ignore_eos", "yes"), ("temperature", float("inf")), ("repetition_penalty", 1e-300), ("n", 1000),
-    ("top_k", 2**63), ("stop_token_ids", [2**40]), ("min_tokens", 2**40), ("max_tokens", 0), ("top_p", 0),
-    ("stop", ["s"] * (MAX_STOP_STRINGS + 1)), ("logprobs", 21), ("skip_special_tokens", 1),
-    ("structured_outputs", {"regex": "a", "choice": ["a"]}), ("structured_outputs", {"schema": {}}),
+    ("ignore_eos", "yes"),
+    ("temperature", float("inf")),
+    ("repetition_penalty", 1e-300),
+    ("n", 1000),
+    ("top_k", 2**63),
+    ("stop_token_ids", [2**40]),
+    ("min_tokens", 2**40),
+    ("max_tokens", 0),
+    ("top_p", 0),
+    ("stop", ["s"] * (MAX_STOP_STRINGS + 1)),
+    ("logprobs", 21),
+    ("skip_special_tokens", 1),
+    ("structured_outputs", {"regex": "a", "choice": ["a"]}),
+    ("structured_outputs", {"schema": {}}),
 ]
 
 
 def _wire(sampling: dict) -> bytes:
     """An EngineCoreRequest as a front end would put it on the socket, with these fields."""
-    return msgspec.msgpack.encode({"type": "add", "request_id": "r", "prompt_token_ids": [1, 2],
-                                   "sampling_params": sampling})
+    return msgspec.msgpack.encode(
+        {"type": "add", "request_id": "r", "prompt_token_ids": [1, 2], "sampling_params": sampling}
+    )
 
 
 @pytest.mark.parametrize("field, value", BAD_SAMPLING)
@@ -189,8 +226,16 @@ def test_front_end_and_worker_decoder_refuse_the_same_values(field, value):
 
 
 def test_a_valid_request_crosses_the_wire_unchanged():
-    parsed = parse_predictions_body({"prompt": "x", "max_tokens": 3, "seed": 2**64 - 1, "stop": "END",
-                                     "top_k": -1, "structured_outputs": {"json": {"type": "object"}}})
+    parsed = parse_predictions_body(
+        {
+            "prompt": "x",
+            "max_tokens": 3,
+            "seed": 2**64 - 1,
+            "stop": "END",
+            "top_k": -1,
+            "structured_outputs": {"json": {"type": "object"}},
+        }
+    )
     request = EngineCoreRequest("r", [1, 2], parsed.params)
     decoded = make_input_decoder().decode(msgspec.msgpack.encode(request))
     assert decoded == request and decoded.sampling_params.stop == ["END"] and decoded.sampling_params.top_k == 0

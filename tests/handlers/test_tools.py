@@ -12,11 +12,18 @@ from handlers.base_handler import HandlerError
 from handlers.openai_protocol import parse_chat_request
 from handlers.openai_tools import ToolParser, parse_output, tool_prompt
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}},
+}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
@@ -37,16 +44,19 @@ def test_tool_choice_modes_and_their_constraints():
     assert json.loads(named.params.structured_outputs.json) == WEATHER["function"]["parameters"]
 
 
-@pytest.mark.parametrize("extra, words", [
-    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, ["tool_choice", "nope"]),
-    ({"tool_choice": "sometimes"}, ["tool_choice"]),
-    ({"tools": [WEATHER, WEATHER]}, ["tools", "unique"]),
-    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, ["tools"]),
-    ({"tools": [{"type": "retrieval"}]}, ["tools"]),
-    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, ["tool_choice", "structured"]),
-    ({"tools": None, "tool_choice": "required"}, ["tool_choice", "tools"]),
-    ({"function_call": "auto"}, ["function_call"]),
-])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, ["tool_choice", "nope"]),
+        ({"tool_choice": "sometimes"}, ["tool_choice"]),
+        ({"tools": [WEATHER, WEATHER]}, ["tools", "unique"]),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, ["tools"]),
+        ({"tools": [{"type": "retrieval"}]}, ["tools"]),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, ["tool_choice", "structured"]),
+        ({"tools": None, "tool_choice": "required"}, ["tool_choice", "tools"]),
+        ({"function_call": "auto"}, ["function_call"]),
+    ],
+)
 def test_tool_refusals_name_the_field(extra, words):
     with pytest.raises(HandlerError) as err:
         parse_chat_request({"model": "m", "messages": ASK, "tools": [WEATHER], **extra})
@@ -55,9 +65,19 @@ def test_tool_refusals_name_the_field(extra, words):
 
 def test_history_with_tool_calls_and_tool_results_renders_by_default_as_hermes():
     history = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    ]
     req = parse_chat_request({"model": "m", "messages": history, "tools": [WEATHER]})
     spec = tool_prompt(req.prompts[0], req.tools, chat_template="{{ messages }}")  # no tools section
     system, user, assistant, tool = spec.messages
@@ -68,30 +88,69 @@ def test_history_with_tool_calls_and_tool_results_renders_by_default_as_hermes()
     assert spec.tools is None
     # A template with a tools section gets the tools and the turns as Hugging Face templates read them.
     native = tool_prompt(req.prompts[0], req.tools, chat_template="{% for t in tools %}{% endfor %}")
-    assert native.tools == [WEATHER] and native.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert native.tools == [WEATHER] and native.messages[1]["tool_calls"][0]["function"]["arguments"] == {
+        "city": "Paris"
+    }
     with pytest.raises(HandlerError) as err:
-        parse_chat_request({"model": "m", "messages": ASK + [{"role": "assistant", "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]})
+        parse_chat_request(
+            {
+                "model": "m",
+                "messages": ASK
+                + [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}
+                        ],
+                    }
+                ],
+            }
+        )
     assert "arguments" in str(err.value)
     assert tool_prompt(PromptSpec(messages=ASK), None, None).messages == ASK  # nothing to do
 
 
 # Outputs as models write them (recorded), with the calls each parser must find.
 RECORDED = [
-    (ToolParser.HERMES, ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-     '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'),
-     "Let me check.", [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]),
-    (ToolParser.HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}', None,
-     [("get_weather", {"city": "Oslo"})]),  # stopped at </tool_call> as a stop string
+    (
+        ToolParser.HERMES,
+        (
+            'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+        ),
+        "Let me check.",
+        [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})],
+    ),
+    (
+        ToolParser.HERMES,
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+        None,
+        [("get_weather", {"city": "Oslo"})],
+    ),  # stopped at </tool_call> as a stop string
     (ToolParser.HERMES, "It is sunny in Paris.", "It is sunny in Paris.", []),
-    (ToolParser.LLAMA3_JSON, ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; '
-     '{"name": "get_time", "parameters": {}}'), None, [("get_weather", {"city": "Rome"}), ("get_time", {})]),
+    (
+        ToolParser.LLAMA3_JSON,
+        (
+            '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; '
+            '{"name": "get_time", "parameters": {}}'
+        ),
+        None,
+        [("get_weather", {"city": "Rome"}), ("get_time", {})],
+    ),
     (ToolParser.LLAMA3_JSON, "Rome is warm.", "Rome is warm.", []),
-    (ToolParser.PYTHONIC, '[get_weather(city="Lima"), get_time(zone="PET")]', None,
-     [("get_weather", {"city": "Lima"}), ("get_time", {"zone": "PET"})]),
+    (
+        ToolParser.PYTHONIC,
+        '[get_weather(city="Lima"), get_time(zone="PET")]',
+        None,
+        [("get_weather", {"city": "Lima"}), ("get_time", {"zone": "PET"})],
+    ),
     (ToolParser.PYTHONIC, "[1, 2, 3]", "[1, 2, 3]", []),
-    (ToolParser.HERMES, '<tool_call>\n{"name": "get_weather", "argu', '<tool_call>\n{"name": "get_weather", "argu',
-     []),  # cut off by max_tokens: no call, the text stays
+    (
+        ToolParser.HERMES,
+        '<tool_call>\n{"name": "get_weather", "argu',
+        '<tool_call>\n{"name": "get_weather", "argu',
+        [],
+    ),  # cut off by max_tokens: no call, the text stays
 ]
 
 
@@ -108,8 +167,9 @@ def test_required_and_named_outputs_are_read_as_json():
     required = chat(tool_choice="required").tools
     [call] = parse_output('[{"name":"get_weather","arguments":{"city":"Paris"}}]', required, ToolParser.HERMES).calls
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
-    cut = parse_output('[{"name":"get_weather","arguments":{"city":"Paris"}}, {"name":"get_ti', required,
-                       ToolParser.HERMES)  # max_tokens cut the list: its complete calls stand
+    cut = parse_output(
+        '[{"name":"get_weather","arguments":{"city":"Paris"}}, {"name":"get_ti', required, ToolParser.HERMES
+    )  # max_tokens cut the list: its complete calls stand
     assert [c.name for c in cut.calls] == ["get_weather"] and cut.content is None
     assert parse_output('[{"name":"get_wea', required, ToolParser.HERMES).calls == []
     named = chat(tool_choice={"type": "function", "function": {"name": "get_time"}}).tools
@@ -125,8 +185,10 @@ def test_streamed_calls_are_sent_as_openai_streams_them_and_the_sdk_reassembles_
     from handlers.deltas import DeltaTracker
     from handlers.openai_responses import OpenAIFormatter
 
-    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris, France", "days": 2}}\n</tool_call>' \
-           '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    text = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris, France", "days": 2}}\n</tool_call>'
+        '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    )
     formatter = OpenAIFormatter(chat(stream=True), "chatcmpl-1", "m", 1)
     tracker, chunks = DeltaTracker(), [formatter.first_chunk(1)]
     for end in (10, 40, len(text)):  # held while the choice runs: no chunk until it finishes
@@ -150,5 +212,7 @@ def test_streamed_calls_are_sent_as_openai_streams_them_and_the_sdk_reassembles_
         state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
     [choice] = state.get_final_completion().choices
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
-        ("get_weather", {"city": "Paris, France", "days": 2}), ("get_time", {"zone": "UTC"})]
+        ("get_weather", {"city": "Paris, France", "days": 2}),
+        ("get_time", {"zone": "UTC"}),
+    ]
     assert choice.finish_reason == "tool_calls" and not choice.message.content

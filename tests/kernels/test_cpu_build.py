@@ -85,6 +85,5 @@ def test_a_lock_left_by_a_killed_build_does_not_stall_the_next_build(tmp_path, m
     env = {**__import__("os").environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("PAGEDSERVE_DISABLE_CPU_KERNELS", None)
     # Before the fix this waited on the lock for ever: the timeout turns that into a failure.
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "built" in done.stdout, done.stderr[-2000:]

@@ -63,8 +63,9 @@ def test_chunked_linear_equals_the_product_with_the_whole_matrix(ext):
     x = torch.randn(40, 576, generator=torch.Generator().manual_seed(2)).bfloat16()
     whole = x.float() @ int4pack_dequant_t(ext, layer.packed, scale, shift, 32)
     for chunk in (512, 448, 64, 4096):  # 1536 columns: 3 chunks, 4 with a short last one, 24, 1
-        torch.testing.assert_close(int4pack_linear(ext, x, layer.packed, scale, shift, 32, chunk), whole,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            int4pack_linear(ext, x, layer.packed, scale, shift, 32, chunk), whole, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_refuses_bad_shapes(ext):

@@ -100,7 +100,9 @@ def test_int4_gemv_against_float64(ext, isas, block_n, rows, n, k, group):
     groups = torch.arange(k) // group
     w = codes.t().double() * scale[groups].double() + shift[groups].double()  # [K, N]
     want = x.double() @ w
-    bound = (x.double().abs() @ (codes.t().double() * scale[groups].double() + shift[groups].double().abs())) * 3e-5 + 1e-6
+    bound = (
+        x.double().abs() @ (codes.t().double() * scale[groups].double() + shift[groups].double().abs())
+    ) * 3e-5 + 1e-6
     for isa in _each_isa(isas):
         got = ext.int4pack_gemv(x, _pack_int4(codes, block_n), scale, shift, group, block_n, isa=isa)
         assert got.shape == (rows, n) and ((got.double() - want).abs() <= bound).all(), isa
@@ -140,17 +142,24 @@ def test_fused_ops_against_float64(ext, isas, rows, n):
     ang = torch.rand(rows, half // 2, generator=g) * 6
     cos, sin = ang.cos(), ang.sin()
     a, b = xr.double()[..., : half // 2], xr.double()[..., half // 2 :]
-    want_rope = torch.cat((a * cos.double()[:, None] - b * sin.double()[:, None],
-                           b * cos.double()[:, None] + a * sin.double()[:, None]), dim=-1)
+    want_rope = torch.cat(
+        (a * cos.double()[:, None] - b * sin.double()[:, None], b * cos.double()[:, None] + a * sin.double()[:, None]),
+        dim=-1,
+    )
     for isa in _each_isa(isas):
         for width in (8, 16):
-            torch.testing.assert_close(ext.rms_norm(x, w, 1e-5, width, isa=isa).double(), want_norm, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(
+                ext.rms_norm(x, w, 1e-5, width, isa=isa).double(), want_norm, rtol=1e-5, atol=1e-6
+            )
             res = r.clone()
-            torch.testing.assert_close(ext.fused_add_rms_norm(x, res, w, 1e-5, width, isa=isa).double(), want_fused,
-                                       rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(
+                ext.fused_add_rms_norm(x, res, w, 1e-5, width, isa=isa).double(), want_fused, rtol=1e-5, atol=1e-6
+            )
             torch.testing.assert_close(res.double(), rd, rtol=1e-6, atol=1e-6)
         for vec_bytes in (0, 32, 64):
-            torch.testing.assert_close(ext.silu_and_mul(gu, vec_bytes, isa=isa).double(), want_silu, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                ext.silu_and_mul(gu, vec_bytes, isa=isa).double(), want_silu, rtol=1e-5, atol=1e-5
+            )
         got = xr.clone()
         ext.rotary_embedding_(got, cos, sin, isa=isa)
         torch.testing.assert_close(got.double(), want_rope, rtol=1e-5, atol=1e-6)
@@ -180,12 +189,15 @@ def _decode_float64(q, k, v, tables, lens, scale):
     return out
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,lens", [
-    (9, 3, 64, 16, [1, 17, 63, 130]),  # SmolLM2's shape, lengths off every tile size
-    (4, 4, 48, 4, [3, 9]),  # head_dim a multiple of 16 but not of 32 (no bf16 dot products)
-    (6, 2, 24, 8, [33, 5]),  # a multiple of 8, not of 16: AVX2 vectors, AVX-512's scalar path
-    (2, 1, 20, 2, [7]),  # ragged: vector body plus a scalar tail everywhere
-])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size,lens",
+    [
+        (9, 3, 64, 16, [1, 17, 63, 130]),  # SmolLM2's shape, lengths off every tile size
+        (4, 4, 48, 4, [3, 9]),  # head_dim a multiple of 16 but not of 32 (no bf16 dot products)
+        (6, 2, 24, 8, [33, 5]),  # a multiple of 8, not of 16: AVX2 vectors, AVX-512's scalar path
+        (2, 1, 20, 2, [7]),  # ragged: vector body plus a scalar tail everywhere
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_decode_against_float64(ext, isas, heads, kv_heads, head_dim, block_size, lens, dtype):
     q, k, v, tables, seq_lens = _decode_inputs(dtype, heads, kv_heads, head_dim, block_size, lens, head_dim)
@@ -255,7 +267,9 @@ def test_avx2_forced_equals_avx512_for_every_kernel(ext, isas):
         return {
             "bf16_gemv": ext.bf16_linear_few_rows(x, w, None, isa=isa),
             "int4_dequant": ext.int4pack_dequant_t(_pack_int4(codes, 64), scale, shift, 32, 64, isa=isa),
-            "int4_gemv": ext.int4pack_gemv(xf[:5, :96].contiguous(), _pack_int4(codes, 64), scale, shift, 32, 64, isa=isa),
+            "int4_gemv": ext.int4pack_gemv(
+                xf[:5, :96].contiguous(), _pack_int4(codes, 64), scale, shift, 32, 64, isa=isa
+            ),
             "int8_quantize_rows": ext.int8_quantize_rows(xf, 3, isa=isa),
             "int8_mm_epilogue": ext.int8_mm_epilogue(acc, xs, ws, xo, wo, True, isa=isa),
             "rms_norm": ext.rms_norm(xb, nw, 1e-5, 8, isa=isa),
@@ -274,9 +288,16 @@ def test_avx2_forced_equals_avx512_for_every_kernel(ext, isas):
         for name in a:
             got, want = a[name], b[name]
             if name in summed:
-                torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-5,
-                                           msg=lambda m, where=f"{name} {narrow} vs {wide}": f"{where}: {m}")
+                torch.testing.assert_close(
+                    got.float(),
+                    want.float(),
+                    rtol=8e-3,
+                    atol=1e-5,
+                    msg=lambda m, where=f"{name} {narrow} vs {wide}": f"{where}: {m}",
+                )
             else:
-                for t_got, t_want in zip(got if isinstance(got, (tuple, list)) else [got],
-                                         want if isinstance(want, (tuple, list)) else [want]):
+                for t_got, t_want in zip(
+                    got if isinstance(got, (tuple, list)) else [got],
+                    want if isinstance(want, (tuple, list)) else [want],
+                ):
                     assert torch.equal(t_got, t_want), f"{name}: {narrow} != {wide}"

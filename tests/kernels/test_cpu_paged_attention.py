@@ -93,8 +93,9 @@ def _quantized_inputs(kind, dtype, batch, heads, kv_heads, head_dim, block_size,
 # float32: values reach ~30 (block scales up to 10), so 1e-4 absolute (float32 sums over 300
 # tokens in another order, the kernel's exp polynomial); bfloat16: the output's own rounding.
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
-def test_quantized_kernel_matches_gather_dequantize_sdpa(ext, kind, heads, kv_heads, head_dim, block_size, lens,
-                                                          dtype, tol):
+def test_quantized_kernel_matches_gather_dequantize_sdpa(
+    ext, kind, heads, kv_heads, head_dim, block_size, lens, dtype, tol
+):
     """The kernel on the quantized cache against the engine's existing path: gather the rows,
     de-quantize them (kv_quant.dequantize_kv, float32) and attend (the float32 reference)."""
     from engine.attention.kv_quant import KVCacheDtype, dequantize_kv
@@ -131,8 +132,10 @@ def test_gather_dequantize_is_bit_exact_for_every_code(ext, kind, head_dim, dtyp
     out = gather_dequantize(ext, scrambled, perm.int(), rows, kind, dtype)
     ref = dequantize_kv(cache.view(-1, kv_heads, head_dim + 2)[:rows], KVCacheDtype(kind), dtype)
     assert out.shape == (rows, kv_heads, head_dim) and out.dtype == dtype
-    assert torch.equal(out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                       ref.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    assert torch.equal(
+        out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+        ref.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+    )
 
 
 def test_quantized_padding_in_block_tables_is_never_read(ext):

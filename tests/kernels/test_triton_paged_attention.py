@@ -32,9 +32,15 @@ def _inputs(dtype, heads, kv_heads, head_dim, block_size, seqs, seed=0, query_pa
     query_lens = [q for q, _ in seqs]
     # query_padding > 0: a view with extra heads per token, as a fused QKV projection leaves it.
     q = torch.randn(sum(query_lens), heads + query_padding, head_dim, generator=g).to(dtype)[:, :heads]
-    return (q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), torch.tensor(tables, dtype=torch.int32, device=DEVICE),
-            torch.tensor([s for _, s in seqs], dtype=torch.int32, device=DEVICE),
-            torch.tensor([0] + query_lens, device=DEVICE).cumsum(0).to(torch.int32), max(query_lens))
+    return (
+        q.to(DEVICE),
+        k.to(DEVICE),
+        v.to(DEVICE),
+        torch.tensor(tables, dtype=torch.int32, device=DEVICE),
+        torch.tensor([s for _, s in seqs], dtype=torch.int32, device=DEVICE),
+        torch.tensor([0] + query_lens, device=DEVICE).cumsum(0).to(torch.int32),
+        max(query_lens),
+    )
 
 
 # Decodes, a prefill chunk after cached context, a whole prompt, and a 1-token chunk.
@@ -60,12 +66,14 @@ def test_matches_reference(dtype, tol, heads, kv_heads, head_dim, block_size):
 
 def test_long_prefill_spans_several_query_tiles_and_strided_query():
     # 70 new tokens after 30 cached: several programs per sequence, each with its own causal limit.
-    q, k, v, tables, seq_lens, starts, max_q = _inputs(torch.float32, 6, 2, 16, 16, [(1, 90), (70, 100)],
-                                                       query_padding=3)
+    q, k, v, tables, seq_lens, starts, max_q = _inputs(
+        torch.float32, 6, 2, 16, 16, [(1, 90), (70, 100)], query_padding=3
+    )
     assert not q.is_contiguous()
     out = paged_attention(q, k, v, tables, seq_lens, starts, max_q, 0.25)
-    torch.testing.assert_close(out, paged_attention_reference(q, k, v, tables, seq_lens, starts, 0.25),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out, paged_attention_reference(q, k, v, tables, seq_lens, starts, 0.25), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_reference_is_causal_attention():
@@ -77,7 +85,8 @@ def test_reference_is_causal_attention():
     values = v[tables[0].long()[pos // 4], pos % 4, 0]
     mask = pos[None, :] <= torch.arange(7, 10, device=q.device)[:, None]
     expected = torch.nn.functional.scaled_dot_product_attention(
-        q[:, 0][None], keys[None], values[None], attn_mask=mask, scale=0.5)[0]
+        q[:, 0][None], keys[None], values[None], attn_mask=mask, scale=0.5
+    )[0]
     torch.testing.assert_close(ref[:, 0], expected)
 
 

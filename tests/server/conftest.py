@@ -3,8 +3,8 @@ per session), and real `pagedserve serve` processes on free ports (see server_pr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -73,8 +73,9 @@ def _write_archive(store: Path, tmp: Path, file_name: str, version: str) -> Path
         if not cached.exists():
             config = tmp / f"model-config-{version}.yaml"
             config.write_text(TEST_MODEL_CONFIG)
-            written = write_archive(model_dir, cache / f"build-{version}", model_name=MODEL,
-                                    version=version, config_file=config)
+            written = write_archive(
+                model_dir, cache / f"build-{version}", model_name=MODEL, version=version, config_file=config
+            )
             written.rename(cached)
             (cache / f"build-{version}").rmdir()
     dest = store / file_name
@@ -101,9 +102,15 @@ def tiny_model(tmp_path_factory) -> Path:
     from engine.model.default_model import default_model_dir
 
     model = tmp_path_factory.mktemp("tiny") / "model"
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=2,
-                                      vocab_size=49152, max_position_embeddings=512)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=49152,
+        max_position_embeddings=512,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(model, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(default_model_dir() / name, model / name)
@@ -150,19 +157,30 @@ def _prune_extractions(cache: Path, max_age_s: float) -> None:
 ServerFactory = Callable[..., ServerProcess]
 
 
-def _factory(tmp_path_factory, model_store: Path, archive_cache: Path,
-             servers: list[ServerProcess]) -> ServerFactory:
-    def make(*, models: list[str] | None = None, args: list[str] | None = None,
-             env: dict | None = None, config: dict | None = None, start: bool = True,
-             ready: bool = True, workdir: Path | None = None,
-             key_file: str = "key_file.json") -> ServerProcess:
+def _factory(tmp_path_factory, model_store: Path, archive_cache: Path, servers: list[ServerProcess]) -> ServerFactory:
+    def make(
+        *,
+        models: list[str] | None = None,
+        args: list[str] | None = None,
+        env: dict | None = None,
+        config: dict | None = None,
+        start: bool = True,
+        ready: bool = True,
+        workdir: Path | None = None,
+        key_file: str = "key_file.json",
+    ) -> ServerProcess:
         server = ServerProcess(
-            workdir=workdir or tmp_path_factory.mktemp("server"), model_store=model_store,
-            models=list(models or []), args=list(args or []),
-            env={"PAGEDSERVE_ARCHIVE_DIR": str(archive_cache), **(env or {})}, config=config,
-            key_file=key_file)
+            workdir=workdir or tmp_path_factory.mktemp("server"),
+            model_store=model_store,
+            models=list(models or []),
+            args=list(args or []),
+            env={"PAGEDSERVE_ARCHIVE_DIR": str(archive_cache), **(env or {})},
+            config=config,
+            key_file=key_file,
+        )
         servers.append(server)
         return server.start(ready=ready) if start else server
+
     return make
 
 
@@ -214,8 +232,9 @@ def tiny_store(tmp_path_factory, tiny_model) -> Path:
     config = tmp_path_factory.mktemp("tiny-config") / "model-config.yaml"
     config.write_text(TINY_MODEL_CONFIG)
     write_archive(tiny_model, store, model_name=TINY, version="1.0", config_file=config)
-    v2 = write_archive(tiny_model, tmp_path_factory.mktemp("tiny-v2"), model_name=TINY,
-                       version="2.0", config_file=config)
+    v2 = write_archive(
+        tiny_model, tmp_path_factory.mktemp("tiny-v2"), model_name=TINY, version="2.0", config_file=config
+    )
     v2.rename(store / TINY_ARCHIVE_V2)  # version 2.0 of "tiny" (same weights)
     return store
 
@@ -237,9 +256,13 @@ def inprocess_factory(tmp_path_factory, tiny_store, archive_cache) -> Iterator[I
 
     def make(*, ready: bool = True, **settings) -> InProcessServer:
         workdir = tmp_path_factory.mktemp("inprocess")
-        defaults = {"model_store": str(tiny_store), "worker_threads": 1, "snapshot_path": None,
-                    "key_file": str(workdir / "key_file.json"),
-                    **{f"{api}_address": "127.0.0.1:0" for api in ("inference", "management", "metrics")}}
+        defaults = {
+            "model_store": str(tiny_store),
+            "worker_threads": 1,
+            "snapshot_path": None,
+            "key_file": str(workdir / "key_file.json"),
+            **{f"{api}_address": "127.0.0.1:0" for api in ("inference", "management", "metrics")},
+        }
         server = InProcessServer(ServerConfig(**{**defaults, **settings}))
         servers.append(server)
         return server.start(ready=ready)

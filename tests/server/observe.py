@@ -23,8 +23,9 @@ def worker(server: ServerProcess, model: str, version: str | None = None) -> dic
 def gauges(server: ServerProcess, model: str, version: str = "1.0") -> dict[str, float]:
     """The engine gauges of one model version on the metrics port."""
     values = {}
-    pattern = re.compile(r'(pagedserve_\w+)\{model="' + re.escape(model) + r'",version="' + re.escape(version)
-                         + r'"\} (\S+)$')
+    pattern = re.compile(
+        r'(pagedserve_\w+)\{model="' + re.escape(model) + r'",version="' + re.escape(version) + r'"\} (\S+)$'
+    )
     for line in server.get("metrics", "/metrics").text.splitlines():
         m = pattern.match(line)
         if m:
@@ -36,15 +37,20 @@ def all_blocks_free(server: ServerProcess, model: str, version: str = "1.0") -> 
     """No request running, waiting or in flight, and no KV block used (the gauges are pushed by
     the worker about once a second: poll this with `server.wait_for`)."""
     g = gauges(server, model, version)
-    return (g.get("pagedserve_kv_blocks_used") == 0 and g.get("pagedserve_num_requests_running") == 0
-            and g.get("pagedserve_num_requests_waiting") == 0 and g.get("pagedserve_requests_in_flight") == 0)
+    return (
+        g.get("pagedserve_kv_blocks_used") == 0
+        and g.get("pagedserve_num_requests_running") == 0
+        and g.get("pagedserve_num_requests_waiting") == 0
+        and g.get("pagedserve_requests_in_flight") == 0
+    )
 
 
 def request_counts(server: ServerProcess, model: str) -> dict[str, float]:
     """pagedserve_requests_total of `model`, as {"endpoint:status": count}."""
     counts: dict[str, float] = {}
-    pattern = re.compile(r'pagedserve_requests_total\{endpoint="(\w+)",model="' + re.escape(model)
-                         + r'",status="(\d+)"\} (\S+)$')
+    pattern = re.compile(
+        r'pagedserve_requests_total\{endpoint="(\w+)",model="' + re.escape(model) + r'",status="(\d+)"\} (\S+)$'
+    )
     for line in server.get("metrics", "/metrics").text.splitlines():
         m = pattern.match(line)
         if m:
@@ -61,22 +67,25 @@ async def read_events(resp: aiohttp.ClientResponse, sse: bool):
             continue
         if sse:
             assert line.startswith(b"data: "), line
-            line = line[len(b"data: "):]
+            line = line[len(b"data: ") :]
             if line == b"[DONE]":
                 yield b"[DONE]"
                 continue
         yield json.loads(line)
 
 
-def stream_and_signal(server: ServerProcess, body: dict, *, after: int, pid: int, sig: int,
-                      timeout: float = 60.0) -> list:
+def stream_and_signal(
+    server: ServerProcess, body: dict, *, after: int, pid: int, sig: int, timeout: float = 60.0
+) -> list:
     """Stream `body` from /v1/completions, send `sig` to `pid` once `after` events arrived, and
     return every event of the stream (it must open with 200)."""
     headers = {"Authorization": f"Bearer {server.keys['inference']}"}
 
     async def run() -> list:
-        async with aiohttp.ClientSession(headers=headers) as session, session.post(
-                server.url("inference", "/v1/completions"), json={**body, "stream": True}) as resp:
+        async with (
+            aiohttp.ClientSession(headers=headers) as session,
+            session.post(server.url("inference", "/v1/completions"), json={**body, "stream": True}) as resp,
+        ):
             assert resp.status == 200
             events = []
             async for event in read_events(resp, sse=True):

@@ -12,5 +12,6 @@ from tests.server.conftest import server  # noqa: F401 -- re-exported fixture
 @pytest.fixture(scope="module")
 def client(server):  # noqa: F811 -- the fixture imported above
     openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=server.url("inference", "/v1"), api_key=server.keys["inference"],
-                         max_retries=0, timeout=120)
+    return openai.OpenAI(
+        base_url=server.url("inference", "/v1"), api_key=server.keys["inference"], max_retries=0, timeout=120
+    )

@@ -74,9 +74,18 @@ class HttpApi:
             token = self.keys[api]
         return {} if token is None else {"Authorization": f"Bearer {token}"}
 
-    def request(self, method: str, api: str, path: str, *, json_body: Any = None,
-                data: bytes | None = None, headers: dict[str, str] | None = None,
-                token: Any = DEFAULT, timeout: float = 120.0) -> Response:
+    def request(
+        self,
+        method: str,
+        api: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        data: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        token: Any = DEFAULT,
+        timeout: float = 120.0,
+    ) -> Response:
         hdrs = {**self.auth_headers(api, token), **(headers or {})}
         if json_body is not None:
             data = json.dumps(json_body).encode()
@@ -100,11 +109,11 @@ class HttpApi:
     def delete(self, api: str, path: str, **kw: Any) -> Response:
         return self.request("DELETE", api, path, **kw)
 
-    def predict(self, model: str, version: str | None = None, prompt: str = "1, 2, 3, 4,",
-                max_tokens: int = 4, **kw: Any) -> Response:
+    def predict(
+        self, model: str, version: str | None = None, prompt: str = "1, 2, 3, 4,", max_tokens: int = 4, **kw: Any
+    ) -> Response:
         path = f"/predictions/{model}" + (f"/{version}" if version else "")
-        return self.post("inference", path, json={"prompt": prompt, "max_tokens": max_tokens,
-                                                  "temperature": 0}, **kw)
+        return self.post("inference", path, json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}, **kw)
 
     def wait_for(self, predicate, timeout: float = 120.0, what: str = "condition") -> None:
         deadline = time.monotonic() + timeout
@@ -136,10 +145,20 @@ class ServerProcess(HttpApi):
     def command(self) -> list[str]:
         if not self.ports:
             self.ports = {api: free_port() for api in ("inference", "management", "metrics")}
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--model-store", str(self.model_store),
-               "--inference-address", f"127.0.0.1:{self.ports['inference']}",
-               "--management-address", f"127.0.0.1:{self.ports['management']}",
-               "--metrics-address", f"127.0.0.1:{self.ports['metrics']}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "serve",
+            "--model-store",
+            str(self.model_store),
+            "--inference-address",
+            f"127.0.0.1:{self.ports['inference']}",
+            "--management-address",
+            f"127.0.0.1:{self.ports['management']}",
+            "--metrics-address",
+            f"127.0.0.1:{self.ports['metrics']}",
+        ]
         if self.config is not None:
             import yaml
 
@@ -151,10 +170,12 @@ class ServerProcess(HttpApi):
         return cmd + list(self.args)
 
     def environment(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith("PAGEDSERVE_") or k in ("PAGEDSERVE_CACHE_DIR",
-                                                           "PAGEDSERVE_ARCHIVE_DIR",
-                                                           "PAGEDSERVE_DISABLE_CPU_KERNELS")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("PAGEDSERVE_")
+            or k in ("PAGEDSERVE_CACHE_DIR", "PAGEDSERVE_ARCHIVE_DIR", "PAGEDSERVE_DISABLE_CPU_KERNELS")
+        }
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         env.setdefault("PAGEDSERVE_WORKER_THREADS", "1")  # tests share a small machine
         env["PYTHONUNBUFFERED"] = "1"
@@ -172,9 +193,14 @@ class ServerProcess(HttpApi):
         key_file.unlink(missing_ok=True)  # a fresh start writes fresh keys
         self.keys = None
         with open(self.workdir / "server.log", "ab") as log:  # the child keeps its own copy
-            self.proc = subprocess.Popen(self.command(), cwd=self.workdir, env=self.environment(),
-                                         stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                self.command(),
+                cwd=self.workdir,
+                env=self.environment(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         return self
 
     def start(self, timeout: float = START_TIMEOUT_S, ready: bool = True) -> ServerProcess:

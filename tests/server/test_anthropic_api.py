@@ -25,22 +25,30 @@ class Weather(pydantic.BaseModel, extra="forbid"):
     city: str
 
 
-WEATHER = {"name": "get_weather", "description": "Current weather in a city",
-           "input_schema": Weather.model_json_schema()}
-TIME = {"name": "get_time", "description": "Current time in a time zone",
-        "input_schema": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "input_schema": Weather.model_json_schema(),
+}
+TIME = {
+    "name": "get_time",
+    "description": "Current time in a time zone",
+    "input_schema": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]},
+}
 MANY = [{"role": "user", "content": "What's the weather in Paris and in London, and the time in Tokyo?"}]
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return anthropic.Anthropic(base_url=server.url("inference"), api_key=server.keys["inference"],
-                               max_retries=0, timeout=120)
+    return anthropic.Anthropic(
+        base_url=server.url("inference"), api_key=server.keys["inference"], max_retries=0, timeout=120
+    )
 
 
 def test_create_with_a_system_prompt(client):
-    r = client.messages.create(model=MODEL, max_tokens=24, **GREEDY, messages=ASK,
-                               system="You are a helpful assistant.")
+    r = client.messages.create(
+        model=MODEL, max_tokens=24, **GREEDY, messages=ASK, system="You are a helpful assistant."
+    )
     assert r.type == "message" and r.role == "assistant" and r.id.startswith("msg_")
     [block] = r.content
     assert block.type == "text" and "4" in block.text
@@ -59,18 +67,20 @@ def test_stream_matches_the_whole_answer_and_the_event_sequence(client):
         final = stream.get_final_message()
     assert text == whole.content[0].text == final.content[0].text
     assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
-    events = [e.type for e in client.messages.create(model=MODEL, max_tokens=8, **GREEDY, messages=ASK,
-                                                     stream=True)]
+    events = [e.type for e in client.messages.create(model=MODEL, max_tokens=8, **GREEDY, messages=ASK, stream=True)]
     assert events[:2] == ["message_start", "content_block_start"]
     assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert set(events[2:-3]) == {"content_block_delta"}  # the SDK drops the ping
 
 
-@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "any", "disable_parallel_tool_use": True},
-                                    {"type": "tool", "name": "get_weather"}])
+@pytest.mark.parametrize(
+    "choice",
+    [{"type": "any"}, {"type": "any", "disable_parallel_tool_use": True}, {"type": "tool", "name": "get_weather"}],
+)
 def test_forced_tool_use_is_complete_and_valid(client, choice):
-    r = client.messages.create(model=MODEL, max_tokens=200, **GREEDY, messages=MANY, tools=[WEATHER, TIME],
-                               tool_choice=choice)
+    r = client.messages.create(
+        model=MODEL, max_tokens=200, **GREEDY, messages=MANY, tools=[WEATHER, TIME], tool_choice=choice
+    )
     assert r.stop_reason == "tool_use"
     calls = [b for b in r.content if b.type == "tool_use"]
     assert 1 <= len(calls) <= (1 if choice != {"type": "any"} else 2)
@@ -86,17 +96,23 @@ def test_forced_tool_use_is_complete_and_valid(client, choice):
 
 def test_tool_round_trip_and_streamed_tool_use(client):
     ask = [{"role": "user", "content": "What is the weather like in Paris?"}]
-    kwargs = {"model": MODEL, "max_tokens": 60, "extra_body": {"temperature": 0}, "tools": [WEATHER],
-              "tool_choice": {"type": "tool", "name": "get_weather"}}
+    kwargs = {
+        "model": MODEL,
+        "max_tokens": 60,
+        "extra_body": {"temperature": 0},
+        "tools": [WEATHER],
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+    }
     r = client.messages.create(messages=ask, **kwargs)
     [call] = [b for b in r.content if b.type == "tool_use"]
     with client.messages.stream(messages=ask, **kwargs) as stream:
         final = stream.get_final_message()
     [streamed] = [b for b in final.content if b.type == "tool_use"]
     assert streamed.name == call.name and streamed.input == call.input and final.stop_reason == "tool_use"
-    history = ask + [{"role": "assistant", "content": [b.model_dump() for b in r.content]},
-                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
-                                                   "content": "18 degrees, sunny"}]}]
+    history = ask + [
+        {"role": "assistant", "content": [b.model_dump() for b in r.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "18 degrees, sunny"}]},
+    ]
     answer = client.messages.create(model=MODEL, max_tokens=40, **GREEDY, messages=history, tools=[WEATHER])
     assert answer.content and answer.usage.input_tokens > r.usage.input_tokens + 10
 
@@ -125,15 +141,57 @@ BAD = [
     ({"model": MODEL, "max_tokens": 5, "messages": ASK, "temperature": 1.5}, 400, "temperature"),
     ({"model": MODEL, "max_tokens": 5, "messages": []}, 400, "messages"),
     ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, 400, "role"),
-    ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "toolu_x", "content": "18 degrees"}]}]}, 400, "tool_use_id"),
-    ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [
-        {"type": "tool_result", "content": "18 degrees"}]}]}, 400, "tool_use_id"),
-    ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aGk="}}]}]}, 400, "image"),
+    (
+        {
+            "model": MODEL,
+            "max_tokens": 5,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "18 degrees"}],
+                }
+            ],
+        },
+        400,
+        "tool_use_id",
+    ),
+    (
+        {
+            "model": MODEL,
+            "max_tokens": 5,
+            "messages": [{"role": "user", "content": [{"type": "tool_result", "content": "18 degrees"}]}],
+        },
+        400,
+        "tool_use_id",
+    ),
+    (
+        {
+            "model": MODEL,
+            "max_tokens": 5,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aGk="}}
+                    ],
+                }
+            ],
+        },
+        400,
+        "image",
+    ),
     ({"model": MODEL, "max_tokens": 5, "messages": ASK, "tool_choice": {"type": "any"}}, 400, "tool_choice"),
-    ({"model": MODEL, "max_tokens": 5, "messages": ASK, "tools": [WEATHER],
-      "tool_choice": {"type": "tool", "name": "nope"}}, 400, "nope"),
+    (
+        {
+            "model": MODEL,
+            "max_tokens": 5,
+            "messages": ASK,
+            "tools": [WEATHER],
+            "tool_choice": {"type": "tool", "name": "nope"},
+        },
+        400,
+        "nope",
+    ),
     ({"model": MODEL, "max_tokens": 5, "messages": ASK, "frobnicate": 1}, 400, "frobnicate"),
 ]
 
@@ -149,8 +207,7 @@ def test_bad_bodies_in_anthropics_error_shape(server, body, status, field):
 
 
 def test_invalid_json_and_bad_count_tokens(server):
-    r = server.request("POST", "inference", "/v1/messages", data=b"{nope",
-                       headers={"Content-Type": "application/json"})
+    r = server.request("POST", "inference", "/v1/messages", data=b"{nope", headers={"Content-Type": "application/json"})
     assert r.status == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = server.post("inference", "/v1/messages/count_tokens", json={"model": MODEL})
     assert r.status == 400 and "messages" in r.json()["error"]["message"]
@@ -158,20 +215,30 @@ def test_invalid_json_and_bad_count_tokens(server):
 
 # -- LangChain's ChatAnthropic ---------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def chat_anthropic(server):
     langchain_anthropic = pytest.importorskip("langchain_anthropic")
-    return langchain_anthropic.ChatAnthropic(model=MODEL, base_url=server.url("inference"),
-                                             api_key=server.keys["inference"], **GREEDY, max_tokens=40,
-                                             max_retries=0)
+    return langchain_anthropic.ChatAnthropic(
+        model=MODEL,
+        base_url=server.url("inference"),
+        api_key=server.keys["inference"],
+        **GREEDY,
+        max_tokens=40,
+        max_retries=0,
+    )
 
 
 def test_langchain_chat_anthropic_invoke_and_stream(chat_anthropic):
     message = chat_anthropic.invoke("What is 2 plus 2?")
     assert "4" in message.content and message.usage_metadata["output_tokens"] > 0
     pieces = list(chat_anthropic.stream("What is 2 plus 2?"))
-    assert "".join(p.content if isinstance(p.content, str) else "".join(
-        c.get("text", "") for c in p.content) for p in pieces) == message.content
+    assert (
+        "".join(
+            p.content if isinstance(p.content, str) else "".join(c.get("text", "") for c in p.content) for p in pieces
+        )
+        == message.content
+    )
 
 
 def test_langchain_chat_anthropic_tools_and_structured_output(chat_anthropic):
@@ -186,7 +253,11 @@ def test_langchain_chat_anthropic_tools_and_structured_output(chat_anthropic):
 
 
 def test_output_config_json_schema(client):
-    r = client.messages.create(model=MODEL, max_tokens=60, **GREEDY,
-                               messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-                               output_config={"format": {"type": "json_schema", "schema": Weather.model_json_schema()}})
+    r = client.messages.create(
+        model=MODEL,
+        max_tokens=60,
+        **GREEDY,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        output_config={"format": {"type": "json_schema", "schema": Weather.model_json_schema()}},
+    )
     Weather.model_validate_json(r.content[0].text)

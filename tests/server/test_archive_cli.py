@@ -18,8 +18,14 @@ SUFFIX = {"default": ".mar", "tgz": ".tar.gz", "no-archive": ""}
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "server.cli", "archive", *args], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", "archive", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +39,14 @@ def tiny_model(tmp_path_factory) -> Path:
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
     d = tmp_path_factory.mktemp("tiny")
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=2, vocab_size=64)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(d, safe_serialization=True)
     source = default_model_dir()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -50,16 +62,25 @@ def config_yaml(tmp_path: Path) -> Path:
 
 
 def build(tiny_model: Path, tmp_path: Path, fmt: str, *extra: str) -> subprocess.CompletedProcess:
-    return cli("--model-name", "tiny", "--version", "1.0", "--model-dir", str(tiny_model),
-               "--archive-format", fmt, *extra, cwd=tmp_path)
+    return cli(
+        "--model-name",
+        "tiny",
+        "--version",
+        "1.0",
+        "--model-dir",
+        str(tiny_model),
+        "--archive-format",
+        fmt,
+        *extra,
+        cwd=tmp_path,
+    )
 
 
 @pytest.mark.parametrize("fmt", ["default", "tgz", "no-archive"])
 def test_archive_and_inspect_each_format(tmp_path, tiny_model, config_yaml, fmt):
     notes = tmp_path / "NOTES.txt"
     notes.write_text("extra\n")
-    result = build(tiny_model, tmp_path, fmt, "--config-file", str(config_yaml),
-                   "--extra-files", str(notes))
+    result = build(tiny_model, tmp_path, fmt, "--config-file", str(config_yaml), "--extra-files", str(notes))
     assert result.returncode == 0, result.stderr
     dest = tmp_path / "model_store" / f"tiny{SUFFIX[fmt]}"  # default --export-path
     assert result.stdout.strip() == str(dest) and dest.exists()
@@ -71,8 +92,9 @@ def test_archive_and_inspect_each_format(tmp_path, tiny_model, config_yaml, fmt)
     model = report["manifest"]["model"]
     assert (model["modelName"], model["modelVersion"], model["handler"]) == ("tiny", "1.0", "llm")
     assert model["configFile"] == "model-config.yaml"
-    assert {"config.json", "model.safetensors", "tokenizer.json", "NOTES.txt",
-            "model-config.yaml"} <= set(report["manifest"]["files"])
+    assert {"config.json", "model.safetensors", "tokenizer.json", "NOTES.txt", "model-config.yaml"} <= set(
+        report["manifest"]["files"]
+    )
     config = report["model_config"]
     assert config["maxWorkers"] == 2 and config["minWorkers"] == 1
     assert config["handler"]["max_num_seqs"] == 4
@@ -116,8 +138,7 @@ def test_invalid_config_file_is_refused(tmp_path, tiny_model):
     bad.write_text("handler:\n  max_num_seqs: 0\n")
     result = build(tiny_model, tmp_path, "default", "--config-file", str(bad))
     assert result.returncode != 0
-    assert ("pagedserve: error: model-config.yaml: handler.max_num_seqs: "
-            "must be >= 1, got 0") in result.stderr
+    assert ("pagedserve: error: model-config.yaml: handler.max_num_seqs: must be >= 1, got 0") in result.stderr
     assert not (tmp_path / "model_store").exists()
 
 
@@ -129,8 +150,18 @@ def test_missing_arguments(tmp_path):
 
 @pytest.mark.slow
 def test_default_model_archive_inspects(tmp_path, default_model_dir):
-    made = cli("--model-name", "smollm2", "--version", "1.0", "--default-model", "--archive-format", "no-archive",
-               "--export-path", str(tmp_path / "store"), cwd=tmp_path)
+    made = cli(
+        "--model-name",
+        "smollm2",
+        "--version",
+        "1.0",
+        "--default-model",
+        "--archive-format",
+        "no-archive",
+        "--export-path",
+        str(tmp_path / "store"),
+        cwd=tmp_path,
+    )
     assert made.returncode == 0, made.stderr
     inspected = cli("--inspect", str(tmp_path / "store" / "smollm2"), cwd=tmp_path)
     assert inspected.returncode == 0, inspected.stderr

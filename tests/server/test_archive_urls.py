@@ -25,8 +25,16 @@ def test_store_only_by_default(layout):
     assert resolve_url("a.mar", store, []) == (store / "a.mar").resolve()
     assert resolve_url("sub/b.tar.gz", store, []) == (store / "sub" / "b.tar.gz").resolve()
     assert resolve_url(f"file://{store}/a.mar", store, []) == (store / "a.mar").resolve()
-    for url in (str(other / "c.mar"), "../other/c.mar", f"file://{other}/c.mar", "link.mar",
-                "sub/../../other/c.mar", ".", "http://127.0.0.1/a.mar", "s3://bucket/a.mar"):
+    for url in (
+        str(other / "c.mar"),
+        "../other/c.mar",
+        f"file://{other}/c.mar",
+        "link.mar",
+        "sub/../../other/c.mar",
+        ".",
+        "http://127.0.0.1/a.mar",
+        "s3://bucket/a.mar",
+    ):
         with pytest.raises(UrlNotAllowedError):
             resolve_url(url, store, [])
     with pytest.raises(ArchiveNotFoundError):

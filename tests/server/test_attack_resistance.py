@@ -42,8 +42,12 @@ def test_deep_schemas_are_refused_naming_the_limit_and_plain_requests_pass(serve
     at once: the schemas get 400 naming the depth limit, the plain request its answer."""
     # As JSON text: the body's own nesting bound (64) does not see inside a string.
     attack = {"prompt": PROMPT, "max_tokens": 4, "structured_outputs": {"json": json.dumps(nested_array_schema(700))}}
-    chat_attack = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                   "guided_json": json.dumps(nested_array_schema(700))}
+    chat_attack = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "guided_json": json.dumps(nested_array_schema(700)),
+    }
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         attacks = [pool.submit(server.post, "inference", f"/predictions/{MODEL}", json=attack) for _ in range(3)]
         attacks.append(pool.submit(server.post, "inference", "/v1/chat/completions", json=chat_attack))
@@ -53,8 +57,7 @@ def test_deep_schemas_are_refused_naming_the_limit_and_plain_requests_pass(serve
             r = a.result()
             assert r.status == 400, r.text
             assert f"at most {MAX_SCHEMA_DEPTH} are allowed" in r.text
-    ok = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0,
-          "structured_outputs": {"json": nested_array_schema(3)}}
+    ok = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "structured_outputs": {"json": nested_array_schema(3)}}
     r = server.post("inference", f"/predictions/{MODEL}", json=ok)
     assert r.status == 200, r.text
     json.loads(r.json()["choices"][0]["text"])  # still constrained: a valid nested array
@@ -63,9 +66,12 @@ def test_deep_schemas_are_refused_naming_the_limit_and_plain_requests_pass(serve
 def stream_text(server, body: dict) -> tuple[str, dict]:
     """The NDJSON stream's text deltas joined, and its last line."""
     conn = http.client.HTTPConnection("127.0.0.1", server.ports["inference"], timeout=300)
-    conn.request("POST", f"/predictions/{MODEL}", body=json.dumps({**body, "stream": True}),
-                 headers={"Authorization": f"Bearer {server.keys['inference']}",
-                          "Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        f"/predictions/{MODEL}",
+        body=json.dumps({**body, "stream": True}),
+        headers={"Authorization": f"Bearer {server.keys['inference']}", "Content-Type": "application/json"},
+    )
     resp = conn.getresponse()
     assert resp.status == 200
     lines = [json.loads(line) for line in resp.read().split(b"\n") if line]
@@ -97,8 +103,7 @@ def test_rss_after_rejected_huge_prompts(server):
     before = rss_mb(pid)
     body = {"prompt": "1, 2, 3, 4, " * (HUGE_PROMPT_CHARS // 12), "max_tokens": 4}
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        replies = list(pool.map(lambda _: server.post("inference", f"/predictions/{MODEL}", json=body),
-                                range(20)))
+        replies = list(pool.map(lambda _: server.post("inference", f"/predictions/{MODEL}", json=body), range(20)))
     for r in replies:
         assert r.status == 400, r.text
         assert "'prompt' has 6000000 characters" in r.text

@@ -38,11 +38,29 @@ def check_png(path) -> None:
 
 def test_bench_serve_concurrency_sweep(bench_server, tmp_path, capsys):
     result = tmp_path / "serve.json"
-    argv = ["bench", "serve", "--url", bench_server.url("inference"),
-            "--api-key", bench_server.keys["inference"], "--concurrency", "1", "2",
-            "--num-prompts", str(NUM), "--random-input-len", "24", "--random-output-len", str(OUT),
-            "--goodput", "ttft:600000", "e2el:600000", "--result-json", str(result),
-            "--disable-tqdm"]
+    argv = [
+        "bench",
+        "serve",
+        "--url",
+        bench_server.url("inference"),
+        "--api-key",
+        bench_server.keys["inference"],
+        "--concurrency",
+        "1",
+        "2",
+        "--num-prompts",
+        str(NUM),
+        "--random-input-len",
+        "24",
+        "--random-output-len",
+        str(OUT),
+        "--goodput",
+        "ttft:600000",
+        "e2el:600000",
+        "--result-json",
+        str(result),
+        "--disable-tqdm",
+    ]
     assert main(argv) == 0
     record = json.loads(result.read_text())
     assert record["model"] == TINY and record["kind"] == "serve"
@@ -65,15 +83,40 @@ def test_bench_serve_concurrency_sweep(bench_server, tmp_path, capsys):
 
 def test_bench_serve_request_rate_and_goodput(bench_server, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "Once upon a time", "max_tokens": 3}\n"plain"\n'.replace(
-        '"plain"', '{"prompt": "Hello there"}'))
+    prompts.write_text(
+        '{"prompt": "Once upon a time", "max_tokens": 3}\n"plain"\n'.replace('"plain"', '{"prompt": "Hello there"}')
+    )
     result = tmp_path / "rate.json"
-    argv = ["bench", "serve", "--url", bench_server.url("inference"),
-            "--api-key", bench_server.keys["inference"], "--model", TINY,
-            "--request-rate", "inf", "--max-concurrency", "2", "--num-prompts", "3",
-            "--dataset", "file", "--dataset-path", str(prompts), "--random-output-len", "2",
-            "--goodput", "ttft:0.0001", "--result-json", str(result), "--no-plot",
-            "--disable-tqdm", "--warmup", "0"]
+    argv = [
+        "bench",
+        "serve",
+        "--url",
+        bench_server.url("inference"),
+        "--api-key",
+        bench_server.keys["inference"],
+        "--model",
+        TINY,
+        "--request-rate",
+        "inf",
+        "--max-concurrency",
+        "2",
+        "--num-prompts",
+        "3",
+        "--dataset",
+        "file",
+        "--dataset-path",
+        str(prompts),
+        "--random-output-len",
+        "2",
+        "--goodput",
+        "ttft:0.0001",
+        "--result-json",
+        str(result),
+        "--no-plot",
+        "--disable-tqdm",
+        "--warmup",
+        "0",
+    ]
     assert main(argv) == 0
     [lv] = json.loads(result.read_text())["levels"]
     assert lv["level"] == "inf req/s, c<=2" and lv["completed"] == 3
@@ -118,10 +161,28 @@ def test_file_dataset_errors(tmp_path):
 
 def test_bench_offline(tiny_model, tmp_path):
     result = tmp_path / "offline.json"
-    argv = ["bench", "offline", "--model", str(tiny_model), "--num-prompts", "4",
-            "--input-len", "8", "--output-len", "3", "--batch-sizes", "1", "4",
-            "--dtype", "float32", "--kv-cache-memory", "8MiB", "--result-json", str(result),
-            "--disable-tqdm"]
+    argv = [
+        "bench",
+        "offline",
+        "--model",
+        str(tiny_model),
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "8",
+        "--output-len",
+        "3",
+        "--batch-sizes",
+        "1",
+        "4",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "8MiB",
+        "--result-json",
+        str(result),
+        "--disable-tqdm",
+    ]
     assert main(argv) == 0
     record = json.loads(result.read_text())
     assert [lv["batch_size"] for lv in record["levels"]] == [1, 4]

@@ -67,9 +67,11 @@ def test_a_kept_alive_connection_serves_requests_then_times_out_on_half_a_reques
 def test_a_body_that_stops_arriving_is_a_408(server, api, path):
     key = server.keys[api]
     with connect(server, api) as sock:
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
-                     "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n".encode()
-                     + b'{"prompt": "')
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n".encode()
+            + b'{"prompt": "'
+        )
         reply = read_all(sock)
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     assert b"body_read_timeout" in reply

@@ -22,8 +22,16 @@ from tests.server.conftest import ARCHIVE, MODEL, TINY, TINY_ARCHIVE
 from tests.server.server_process import ServerProcess
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 PAGE_WEIGHT_LIMIT = 300 * 1024
 FIRST_PAINT_LIMIT_MS = 1000
 ADAPTER = "tiny-lora"
@@ -32,8 +40,9 @@ WORKER_TIMEOUT_MS = 300_000  # a worker of the default model starting on a busy 
 pytestmark = pytest.mark.slow
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')")
 if not os.access(CHROMIUM, os.X_OK):
-    pytest.skip(f"no Chromium at {CHROMIUM}: run .ci/install-test-system (apt-get install chromium)",
-                allow_module_level=True)
+    pytest.skip(
+        f"no Chromium at {CHROMIUM}: run .ci/install-test-system (apt-get install chromium)", allow_module_level=True
+    )
 expect = sync_api.expect
 
 
@@ -60,8 +69,24 @@ def _write_adapter(store: Path, tiny_model: Path, work: Path) -> None:
         base = LlamaForCausalLM.from_pretrained(tiny_model)
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     model.save_pretrained(work / "adapter")
-    assert main(["archive", "--lora-dir", str(work / "adapter"), "--base-model", f"{TINY}:1.0",
-                 "--model-name", ADAPTER, "--version", "1.0", "--export-path", str(store)]) == 0
+    assert (
+        main(
+            [
+                "archive",
+                "--lora-dir",
+                str(work / "adapter"),
+                "--base-model",
+                f"{TINY}:1.0",
+                "--model-name",
+                ADAPTER,
+                "--version",
+                "1.0",
+                "--export-path",
+                str(store),
+            ]
+        )
+        == 0
+    )
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +95,19 @@ def srv(tmp_path_factory, model_store, tiny_store, tiny_model, archive_cache):
     _link(model_store / ARCHIVE, store / ARCHIVE)
     _link(tiny_store / TINY_ARCHIVE, store / TINY_ARCHIVE)
     _write_adapter(store, tiny_model, tmp_path_factory.mktemp("console_lora"))
-    server = ServerProcess(workdir=tmp_path_factory.mktemp("console_server"), model_store=store,
-                           models=[f"{MODEL}={ARCHIVE}"], args=["--enable-model-api"],
-                           # the torch path: the C++ kernels are not what these tests are about
-                           env={"PAGEDSERVE_ARCHIVE_DIR": str(archive_cache),
-                                "PAGEDSERVE_DISABLE_CPU_KERNELS": "1",
-                                # stdout is a file here: ask for the link with the keys
-                                "PAGEDSERVE_CONSOLE_LINK_KEYS": "true"})
+    server = ServerProcess(
+        workdir=tmp_path_factory.mktemp("console_server"),
+        model_store=store,
+        models=[f"{MODEL}={ARCHIVE}"],
+        args=["--enable-model-api"],
+        # the torch path: the C++ kernels are not what these tests are about
+        env={
+            "PAGEDSERVE_ARCHIVE_DIR": str(archive_cache),
+            "PAGEDSERVE_DISABLE_CPU_KERNELS": "1",
+            # stdout is a file here: ask for the link with the keys
+            "PAGEDSERVE_CONSOLE_LINK_KEYS": "true",
+        },
+    )
     try:
         yield server.start()
     finally:
@@ -107,8 +138,7 @@ def seen() -> list[dict]:
 @pytest.fixture
 def page(browser, seen):
     context = browser.new_context(viewport={"width": 1280, "height": 800})
-    context.on("request", lambda r: seen.append({"method": r.method, "url": r.url,
-                                                 "headers": r.headers}))
+    context.on("request", lambda r: seen.append({"method": r.method, "url": r.url, "headers": r.headers}))
     pg = context.new_page()
     errors: list[str] = []
     pg.on("pageerror", lambda e: errors.append(str(e)))
@@ -192,8 +222,9 @@ def test_register_and_unload_a_second_model(page, srv, shots):
     page.get_by_label("Archive in the model store").select_option(TINY_ARCHIVE)
     expect(page.get_by_label("URL or allowed path")).to_have_value(TINY_ARCHIVE)
     page.get_by_role("button", name="Register").click()
-    expect(page.locator("#register-result")).to_contain_text(f'Model "{TINY}" Version: 1.0 registered',
-                                                             timeout=WORKER_TIMEOUT_MS)
+    expect(page.locator("#register-result")).to_contain_text(
+        f'Model "{TINY}" Version: 1.0 registered', timeout=WORKER_TIMEOUT_MS
+    )
     page.screenshot(path=shots / "register.png", full_page=True)
     page.get_by_role("tab", name="Overview").click()
     tiny = card(page, TINY)
@@ -203,8 +234,9 @@ def test_register_and_unload_a_second_model(page, srv, shots):
     page.get_by_role("tab", name="Register").click()
     page.get_by_label("Archive in the model store").select_option(f"{ADAPTER}.mar")
     page.get_by_role("button", name="Register").click()
-    expect(page.locator("#register-result")).to_contain_text(f'Adapter "{ADAPTER}" Version: 1.0 registered',
-                                                             timeout=60_000)
+    expect(page.locator("#register-result")).to_contain_text(
+        f'Adapter "{ADAPTER}" Version: 1.0 registered', timeout=60_000
+    )
     page.get_by_role("tab", name="Overview").click()
     expect(tiny.locator(".adapters")).to_contain_text(ADAPTER, timeout=10_000)
     page.locator("#play-model").wait_for(state="attached")
@@ -212,14 +244,14 @@ def test_register_and_unload_a_second_model(page, srv, shots):
     page.screenshot(path=shots / "overview-adapter.png", full_page=True)
     tiny.get_by_role("button", name=f"Remove adapter {ADAPTER}").click()
     tiny.get_by_role("button", name=f"Confirm remove: Remove adapter {ADAPTER}").click()
-    expect(page.locator("#action-result")).to_contain_text(f'Adapter "{ADAPTER}" version: 1.0 unregistered',
-                                                           timeout=60_000)
+    expect(page.locator("#action-result")).to_contain_text(
+        f'Adapter "{ADAPTER}" version: 1.0 unregistered', timeout=60_000
+    )
     expect(tiny.locator(".adapters")).to_have_count(0, timeout=10_000)
     unload = tiny.get_by_role("button", name="Unload")
     unload.click()
     tiny.get_by_role("button", name="Confirm unload").click()
-    expect(page.locator("#action-result")).to_contain_text(f'Model "{TINY}" version: 1.0 unregistered',
-                                                           timeout=60_000)
+    expect(page.locator("#action-result")).to_contain_text(f'Model "{TINY}" version: 1.0 unregistered', timeout=60_000)
     expect(tiny).to_have_count(0, timeout=10_000)
     assert srv.get("management", f"/models/{TINY}").status == 404
 
@@ -243,8 +275,7 @@ def test_set_default_sleep_and_wake(page, srv):
     signed_in(page, srv)
     entry = card(page, MODEL)
     entry.get_by_role("button", name="Set default").click()
-    expect(page.locator("#action-result")).to_contain_text("Default version successfully updated",
-                                                           timeout=10_000)
+    expect(page.locator("#action-result")).to_contain_text("Default version successfully updated", timeout=10_000)
     entry.get_by_role("button", name="Sleep").click()
     expect(entry.locator(".badge").first).to_have_text("sleeping", timeout=60_000)
     entry.get_by_role("button", name="Wake").click()
@@ -289,9 +320,11 @@ def test_playground_without_the_inference_key_shows_the_refusal(page, srv):
 
 def _load(srv, n: int) -> None:
     for i in range(n):
-        r = srv.post("inference", "/v1/completions", json={
-            "model": MODEL, "prompt": f"Request {i}: the alphabet is", "max_tokens": 12,
-            "temperature": 0})
+        r = srv.post(
+            "inference",
+            "/v1/completions",
+            json={"model": MODEL, "prompt": f"Request {i}: the alphabet is", "max_tokens": 12, "temperature": 0},
+        )
         assert r.status == 200, r.text
 
 
@@ -351,21 +384,34 @@ def test_phone_width_and_keyboard(browser, srv, shots):
 # -- what the console may do, and what it weighs --------------------------------------------
 def test_inference_port_answers_the_console_origin_only(srv):
     console = f"http://127.0.0.1:{srv.ports['management']}"
-    preflight = {"Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "authorization, content-type"}
-    ok = srv.request("OPTIONS", "inference", "/v1/chat/completions", token=None,
-                     headers={"Origin": console, **preflight})
+    preflight = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    ok = srv.request(
+        "OPTIONS", "inference", "/v1/chat/completions", token=None, headers={"Origin": console, **preflight}
+    )
     assert ok.status == 204 and "Authorization" in ok.headers["Access-Control-Allow-Headers"]
     assert ok.headers["Access-Control-Allow-Origin"] == console
-    other = srv.request("OPTIONS", "inference", "/v1/chat/completions", token=None,
-                        headers={"Origin": "http://evil.example:8081", **preflight})
+    other = srv.request(
+        "OPTIONS",
+        "inference",
+        "/v1/chat/completions",
+        token=None,
+        headers={"Origin": "http://evil.example:8081", **preflight},
+    )
     assert "Access-Control-Allow-Origin" not in other.headers
     # the preflight grants nothing: the key is still checked
-    refused = srv.post("inference", "/v1/completions", json={"model": MODEL, "prompt": "a"},
-                       token=None, headers={"Origin": console})
+    refused = srv.post(
+        "inference", "/v1/completions", json={"model": MODEL, "prompt": "a"}, token=None, headers={"Origin": console}
+    )
     assert refused.status == 401 and refused.headers["Access-Control-Allow-Origin"] == console
-    answered = srv.post("inference", "/v1/completions", headers={"Origin": "http://evil.example:1"},
-                        json={"model": MODEL, "prompt": "a", "max_tokens": 1})
+    answered = srv.post(
+        "inference",
+        "/v1/completions",
+        headers={"Origin": "http://evil.example:1"},
+        json={"model": MODEL, "prompt": "a", "max_tokens": 1},
+    )
     assert answered.status == 200 and "Access-Control-Allow-Origin" not in answered.headers
 
 
@@ -374,16 +420,26 @@ def test_console_adds_no_privileges(srv, seen):
     the key and is refused without it; the page's responses carry the CSP."""
     base = srv.url("management")
     static = re.compile(r"^/console(/|/static/.*)?$")
-    calls = {(s["method"], s["url"]) for s in seen if s["url"].startswith(base)
-             and not static.match(urllib.parse.urlsplit(s["url"]).path)}
-    kinds = {(m, re.sub(r"/models/[^/?]+(/[^/?]+)?", "/models/M", urllib.parse.urlsplit(u).path))
-             for m, u in calls}
-    for expected in [("GET", "/models"), ("POST", "/models"), ("PUT", "/models/M"),
-                     ("DELETE", "/models/M"), ("GET", "/console/api/metrics"),
-                     ("GET", "/console/api/info"), ("GET", "/console/api/history")]:
+    calls = {
+        (s["method"], s["url"])
+        for s in seen
+        if s["url"].startswith(base) and not static.match(urllib.parse.urlsplit(s["url"]).path)
+    }
+    kinds = {(m, re.sub(r"/models/[^/?]+(/[^/?]+)?", "/models/M", urllib.parse.urlsplit(u).path)) for m, u in calls}
+    for expected in [
+        ("GET", "/models"),
+        ("POST", "/models"),
+        ("PUT", "/models/M"),
+        ("DELETE", "/models/M"),
+        ("GET", "/console/api/metrics"),
+        ("GET", "/console/api/info"),
+        ("GET", "/console/api/history"),
+    ]:
         assert expected in kinds, (expected, sorted(kinds))
-    assert any(p.endswith(("/sleep", "/wake", "/set-default")) for _, p in
-               ((m, urllib.parse.urlsplit(u).path) for m, u in calls))
+    assert any(
+        p.endswith(("/sleep", "/wake", "/set-default"))
+        for _, p in ((m, urllib.parse.urlsplit(u).path) for m, u in calls)
+    )
     for s in seen:
         if s["url"].startswith(base) and not static.match(urllib.parse.urlsplit(s["url"]).path):
             assert s["headers"].get("authorization", "").startswith("Bearer "), s["url"]
@@ -407,8 +463,14 @@ def test_page_weight_and_first_paint(browser, srv):
     context = browser.new_context(viewport={"width": 1280, "height": 800})
     page = context.new_page()
     sizes: dict[str, int] = {}
-    page.on("response", lambda r: sizes.__setitem__(r.url, len(r.body()))
-            if r.request.resource_type in ("document", "script", "stylesheet") else None)
+    page.on(
+        "response",
+        lambda r: (
+            sizes.__setitem__(r.url, len(r.body()))
+            if r.request.resource_type in ("document", "script", "stylesheet")
+            else None
+        ),
+    )
     try:
         page.goto(srv.url("management", "/console"), wait_until="load")
         expect(page.get_by_label("Management key")).to_be_visible()
@@ -425,8 +487,10 @@ def test_page_weight_and_first_paint(browser, srv):
         context.close()
     total = sum(sizes.values())
     first_paint = dict(paint).get("first-paint", dict(paint).get("first-contentful-paint"))
-    print(f"\nconsole page weight: {total} bytes over {len(sizes)} files (HTML + JS + CSS); "
-          f"first paint {first_paint:.0f} ms; paint entries {json.dumps(paint)}")
+    print(
+        f"\nconsole page weight: {total} bytes over {len(sizes)} files (HTML + JS + CSS); "
+        f"first paint {first_paint:.0f} ms; paint entries {json.dumps(paint)}"
+    )
     assert any(u.endswith("/console") for u in sizes) and any("uPlot" in u for u in sizes)
     assert total <= PAGE_WEIGHT_LIMIT
     assert first_paint <= FIRST_PAINT_LIMIT_MS

@@ -68,17 +68,20 @@ def test_static_paths_are_a_fixed_set():
     assert files["/console/static/js/app.js"].content_type.startswith("text/javascript")
 
 
-@pytest.mark.parametrize(("management", "origin", "allowed"), [
-    ("127.0.0.1:8081", "http://127.0.0.1:8081", True),
-    ("127.0.0.1:8081", "http://localhost:8081", True),
-    ("127.0.0.1:8081", "http://127.0.0.1:9999", False),  # another port: another page
-    ("127.0.0.1:8081", "https://127.0.0.1:8081", False),
-    ("127.0.0.1:8081", "http://evil.example:8081", False),
-    ("127.0.0.1:8081", "null", False),
-    ("10.0.0.5:8081", "http://10.0.0.5:8081", True),
-    ("10.0.0.5:8081", "http://127.0.0.1:8081", False),
-    ("0.0.0.0:8081", "http://console.lan:8081", True),
-])
+@pytest.mark.parametrize(
+    ("management", "origin", "allowed"),
+    [
+        ("127.0.0.1:8081", "http://127.0.0.1:8081", True),
+        ("127.0.0.1:8081", "http://localhost:8081", True),
+        ("127.0.0.1:8081", "http://127.0.0.1:9999", False),  # another port: another page
+        ("127.0.0.1:8081", "https://127.0.0.1:8081", False),
+        ("127.0.0.1:8081", "http://evil.example:8081", False),
+        ("127.0.0.1:8081", "null", False),
+        ("10.0.0.5:8081", "http://10.0.0.5:8081", True),
+        ("10.0.0.5:8081", "http://127.0.0.1:8081", False),
+        ("0.0.0.0:8081", "http://console.lan:8081", True),
+    ],
+)
 def test_only_the_console_origin_may_call_the_inference_port(management, origin, allowed):
     config = ServerConfig(management_address=management)
     assert console_origin_allowed(config, PORTS, origin) is allowed
@@ -125,8 +128,9 @@ def test_the_printed_link_carries_the_keys_only_when_asked(tmp_path):
     state.ports["management"] = 8081
     try:
         line = sign_in_line(state, with_keys=True)
-        assert line.endswith(f" http://127.0.0.1:8081/console#token={keys.keys.management}"
-                             f"&inference_token={keys.keys.inference}")
+        assert line.endswith(
+            f" http://127.0.0.1:8081/console#token={keys.keys.management}&inference_token={keys.keys.inference}"
+        )
         line = sign_in_line(state, with_keys=False)
         assert keys.keys.management not in line and keys.keys.inference not in line
         assert "http://127.0.0.1:8081/console " in line and str(keys.path) in line

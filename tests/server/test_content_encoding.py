@@ -31,14 +31,15 @@ def server(inprocess_factory):
     return inprocess_factory(body_read_timeout=120, enable_model_api=True)
 
 
-def exchange(server, api: str, path: str, encoding: str, body: bytes, split: bool,
-             keep_alive: bool = False) -> bytes:
+def exchange(server, api: str, path: str, encoding: str, body: bytes, split: bool, keep_alive: bool = False) -> bytes:
     """POST `body` with its Content-Encoding on a fresh connection; everything the server sends
     until it closes the connection (asked to with Connection: close unless `keep_alive`)."""
     close = "" if keep_alive else "Connection: close\r\n"
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {server.keys[api]}\r\n"
-            f"Content-Type: application/json\r\nContent-Encoding: {encoding}\r\n"
-            f"Content-Length: {len(body)}\r\n{close}\r\n").encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {server.keys[api]}\r\n"
+        f"Content-Type: application/json\r\nContent-Encoding: {encoding}\r\n"
+        f"Content-Length: {len(body)}\r\n{close}\r\n"
+    ).encode()
     with socket.create_connection(("127.0.0.1", server.ports[api]), timeout=CLIENT_TIMEOUT_S) as sock:
         if split:
             sock.sendall(head)
@@ -51,8 +52,9 @@ def exchange(server, api: str, path: str, encoding: str, body: bytes, split: boo
             while chunk := sock.recv(65536):
                 chunks.append(chunk)
         except TimeoutError:
-            pytest.fail(f"no reply within {CLIENT_TIMEOUT_S:.0f}s (stall); got {b''.join(chunks)!r}\n"
-                        f"{server.log_tail(30)}")
+            pytest.fail(
+                f"no reply within {CLIENT_TIMEOUT_S:.0f}s (stall); got {b''.join(chunks)!r}\n{server.log_tail(30)}"
+            )
     return b"".join(chunks)
 
 
@@ -64,8 +66,9 @@ def read_reply(sock: socket.socket) -> tuple[bytes, bytes]:
         assert chunk, f"the server closed the connection; got {data!r}"
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length:")))
+    length = int(
+        next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+    )
     while len(body) < length:
         chunk = sock.recv(65536)
         assert chunk, "the server closed the connection mid-reply"
@@ -75,11 +78,12 @@ def read_reply(sock: socket.socket) -> tuple[bytes, bytes]:
 
 @pytest.mark.parametrize("api, path", ROUTES)
 @pytest.mark.parametrize("encoding, body", BAD_BODIES, ids=["deflate-1", "deflate-12345", "gzip-junk"])
-def test_a_bad_body_after_its_headers_is_a_prompt_400_and_the_connection_serves_on(
-        server, api, path, encoding, body):
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {server.keys[api]}\r\n"
-            f"Content-Type: application/json\r\nContent-Encoding: {encoding}\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+def test_a_bad_body_after_its_headers_is_a_prompt_400_and_the_connection_serves_on(server, api, path, encoding, body):
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {server.keys[api]}\r\n"
+        f"Content-Type: application/json\r\nContent-Encoding: {encoding}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
     with socket.create_connection(("127.0.0.1", server.ports[api]), timeout=CLIENT_TIMEOUT_S) as sock:
         sock.sendall(head)
         time.sleep(PAUSE_S)  # headers and body in separate packets
@@ -91,8 +95,9 @@ def test_a_bad_body_after_its_headers_is_a_prompt_400_and_the_connection_serves_
         assert "body" in message and encoding in message, message
         # The parser stayed in step with the connection: the next request on it is answered.
         probe = "/ping" if api == "inference" else "/models"
-        sock.sendall(f"GET {probe} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                     f"Authorization: Bearer {server.keys[api]}\r\n\r\n".encode())
+        sock.sendall(
+            f"GET {probe} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {server.keys[api]}\r\n\r\n".encode()
+        )
         status, _ = read_reply(sock)
         assert status.startswith(b"HTTP/1.1 200"), status
 

@@ -50,22 +50,33 @@ def archives(model_store, tiny_model, tmp_path_factory):
     (tmp / "fn_handler.py").write_text("def handle(data, context):\n    return data\n")
     (tmp / "model-config.yaml").write_text("handler:\n  max_num_seqs: 8\n  options:\n    label: txt\n")
     dest = model_store / "custom"
-    write_archive(tiny_model, dest, model_name="plain", version="1.0", handler=str(tmp / "plain_handler.py"),
-                  extra_files=[tmp / "plain_settings.py"], config_file=tmp / "model-config.yaml", force=True)
-    write_archive(tiny_model, dest, model_name="fnhandler", version="1.0",
-                  handler=str(tmp / "fn_handler.py"), force=True)
+    write_archive(
+        tiny_model,
+        dest,
+        model_name="plain",
+        version="1.0",
+        handler=str(tmp / "plain_handler.py"),
+        extra_files=[tmp / "plain_settings.py"],
+        config_file=tmp / "model-config.yaml",
+        force=True,
+    )
+    write_archive(
+        tiny_model, dest, model_name="fnhandler", version="1.0", handler=str(tmp / "fn_handler.py"), force=True
+    )
     return {"plain": "custom/plain.mar", "function": "custom/fnhandler.mar"}
 
 
 @pytest.fixture(scope="module")
 def server(module_server_factory, archives):
-    return module_server_factory(models=[f"plain={archives['plain']}"],
-                                 args=["--allow-custom-handlers", "--enable-model-api"])
+    return module_server_factory(
+        models=[f"plain={archives['plain']}"], args=["--allow-custom-handlers", "--enable-model-api"]
+    )
 
 
 def post_text(server, text: str, headers: dict[str, str] | None = None):
-    return server.post("inference", "/predictions/plain", data=text.encode(),
-                       headers={"Content-Type": "text/plain", **(headers or {})})
+    return server.post(
+        "inference", "/predictions/plain", data=text.encode(), headers={"Content-Type": "text/plain", **(headers or {})}
+    )
 
 
 def test_preprocess_and_postprocess_wrap_the_workers(server):

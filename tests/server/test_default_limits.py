@@ -16,8 +16,9 @@ openai = pytest.importorskip("openai")
 
 
 def test_chat_and_responses_without_a_limit_answer_whole(client, server):
-    chat = client.chat.completions.create(model=MODEL, temperature=0,
-                                          messages=[{"role": "user", "content": "What is 2 plus 2?"}])
+    chat = client.chat.completions.create(
+        model=MODEL, temperature=0, messages=[{"role": "user", "content": "What is 2 plus 2?"}]
+    )
     assert chat.choices[0].finish_reason == "stop" and "4" in chat.choices[0].message.content
     r = client.responses.create(model=MODEL, input="Write two sentences about the sea.", temperature=0)
     assert r.status == "completed" and r.output_text and r.usage.output_tokens <= 1024
@@ -52,10 +53,12 @@ def tiny40(inprocess_factory, tiny_model, tmp_path_factory):
 def test_the_model_configs_default_and_the_context_left(tiny40):
     """The tiny model never ends by itself: a request without a limit stops at the model's
     defaultMaxTokens, or at the end of the context when less is left."""
-    openai_client = openai.OpenAI(base_url=tiny40.url("inference", "/v1"), api_key=tiny40.keys["inference"],
-                                  max_retries=0, timeout=300)
-    chat = openai_client.chat.completions.create(model=TINY, temperature=0,
-                                                 messages=[{"role": "user", "content": "Tell me a long story."}])
+    openai_client = openai.OpenAI(
+        base_url=tiny40.url("inference", "/v1"), api_key=tiny40.keys["inference"], max_retries=0, timeout=300
+    )
+    chat = openai_client.chat.completions.create(
+        model=TINY, temperature=0, messages=[{"role": "user", "content": "Tell me a long story."}]
+    )
     assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 40
     r = openai_client.responses.create(model=TINY, input="Tell me a long story.", temperature=0)
     assert r.status == "incomplete" and r.usage.output_tokens == 40

@@ -99,20 +99,23 @@ def test_kserve_resources_validate():
     assert parse_address(args.inference_address)[1] == c["ports"][0]["containerPort"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
     # The schema refuses what it should: a misspelt field, a core type's wrong field.
-    bad = [dict(runtime, spec={**runtime["spec"], "supportedModelFormat": []}),
-           dict(runtime, spec={**runtime["spec"], "containers": [{**c, "imagee": "x"}]}),
-           dict(isvc, apiVersion="serving.kserve.io/v1alpha1")]
+    bad = [
+        dict(runtime, spec={**runtime["spec"], "supportedModelFormat": []}),
+        dict(runtime, spec={**runtime["spec"], "containers": [{**c, "imagee": "x"}]}),
+        dict(isvc, apiVersion="serving.kserve.io/v1alpha1"),
+    ]
     for resource in bad:
         assert not validator.is_valid(resource)
 
 
-@pytest.mark.skipif(not os.environ.get("KSERVE_CRD_DIR"),
-                    reason="KSERVE_CRD_DIR (KServe's config/crd/full) not given")
+@pytest.mark.skipif(not os.environ.get("KSERVE_CRD_DIR"), reason="KSERVE_CRD_DIR (KServe's config/crd/full) not given")
 def test_kserve_resources_against_published_crds():
     """Optional: against KServe's own CRDs (the folder of serving.kserve.io_*.yaml)."""
     crds = Path(os.environ["KSERVE_CRD_DIR"])
-    for manifest, crd in (("servingruntime.yaml", "serving.kserve.io_servingruntimes.yaml"),
-                          ("inferenceservice.yaml", "serving.kserve.io_inferenceservices.yaml")):
+    for manifest, crd in (
+        ("servingruntime.yaml", "serving.kserve.io_servingruntimes.yaml"),
+        ("inferenceservice.yaml", "serving.kserve.io_inferenceservices.yaml"),
+    ):
         resource = docs(DEPLOY / "kserve" / manifest)[0]
         version = resource["apiVersion"].split("/")[1]
         [spec] = [v for v in docs(crds / crd)[0]["spec"]["versions"] if v["name"] == version]
@@ -131,8 +134,7 @@ def test_dockerfile():
             *sources, _dest = ins["value"].split()
             for src in sources:
                 assert (repo / src).exists(), src  # the build context is the repository root
-    exposed = {int(p) for ins in instructions if ins["instruction"] == "EXPOSE"
-               for p in ins["value"].split()}
+    exposed = {int(p) for ins in instructions if ins["instruction"] == "EXPOSE" for p in ins["value"].split()}
     assert exposed == set(PORTS.values())
     [entry] = [json.loads(i["value"]) for i in instructions if i["instruction"] == "ENTRYPOINT"]
     [cmd] = [json.loads(i["value"]) for i in instructions if i["instruction"] == "CMD"]
@@ -143,8 +145,9 @@ def test_dockerfile():
         assert parse_address(getattr(args, f"{api}_address")) == ("0.0.0.0", port)
     [health] = [i["value"] for i in instructions if i["instruction"] == "HEALTHCHECK"]
     assert "127.0.0.1:8080/ping" in health
-    [prepare] = [i["value"] for i in instructions
-                 if i["instruction"] == "RUN" and i["value"].startswith("pagedserve prepare")]
+    [prepare] = [
+        i["value"] for i in instructions if i["instruction"] == "RUN" and i["value"].startswith("pagedserve prepare")
+    ]
     prepared = build_parser().parse_args(shlex.split(prepare)[1:])  # the first start's work
     assert prepared.command == "prepare" and prepared.model_store == args.model_store
     [torch] = re.findall(r'^\s*"(torch[<>=!~][^"]*)"', (repo / "pyproject.toml").read_text(), re.M)

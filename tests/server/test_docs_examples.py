@@ -68,9 +68,15 @@ def live(tmp_path_factory, model_store, archive_cache):
     store = workdir / "model_store"
     store.mkdir()
     os.link(model_store / ARCHIVE, store / ARCHIVE)  # `--models default` finds its archive there
-    server = ReadmeServer(workdir=workdir, model_store=store, env={
-        "PAGEDSERVE_ARCHIVE_DIR": str(archive_cache), "PAGEDSERVE_ENABLE_MODEL_API": "true",
-        "PAGEDSERVE_MAX_CONNECTIONS": "64"})
+    server = ReadmeServer(
+        workdir=workdir,
+        model_store=store,
+        env={
+            "PAGEDSERVE_ARCHIVE_DIR": str(archive_cache),
+            "PAGEDSERVE_ENABLE_MODEL_API": "true",
+            "PAGEDSERVE_MAX_CONNECTIONS": "64",
+        },
+    )
     server.start()
     yield server
     server.stop()

@@ -31,8 +31,9 @@ OPENAI_PATHS = ["/v1/completions", "/v1/chat/completions", f"/predictions/{TINY}
 
 @pytest.fixture(scope="module")
 def server(inprocess_factory):
-    return inprocess_factory(load_models=[f"{TINY}={TINY_ARCHIVE}"], max_request_size=MAX_REQUEST,
-                             enable_model_api=True)
+    return inprocess_factory(
+        load_models=[f"{TINY}={TINY_ARCHIVE}"], max_request_size=MAX_REQUEST, enable_model_api=True
+    )
 
 
 def openai_error(r, code: int) -> dict:
@@ -54,8 +55,7 @@ def torchserve_error(r, code: int) -> dict:
 def test_openai_routes_answer_every_error_in_openai_shape(server, path):
     body = {"model": TINY, "max_tokens": 1}
     body.update({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"})
-    assert openai_error(server.post("inference", path, json=body, token=None), 401)["type"] == \
-        "authentication_error"
+    assert openai_error(server.post("inference", path, json=body, token=None), 401)["type"] == "authentication_error"
     assert openai_error(server.post("inference", path, json=body, token="wrong"), 401)
     assert openai_error(server.request("GET", "inference", path), 405)
     big = json.dumps({**body, "padding": "x" * MAX_REQUEST}).encode()
@@ -91,11 +91,16 @@ def test_a_version_with_no_worker_by_design_keeps_ping_healthy(server):
 
 # -- Content-Encoding (finding 5) --------------------------------------------------------------
 
+
 @pytest.mark.parametrize("encoding", ["gzip", "deflate"])
 @pytest.mark.parametrize("path", [f"/predictions/{TINY}", "/v1/completions"])
 def test_a_body_that_is_not_its_content_encoding_is_a_400(server, encoding, path):
-    r = server.post("inference", path, data=b'{"model": "tiny", "prompt": "x"}',
-                    headers={"Content-Encoding": encoding, "Content-Type": "application/json"})
+    r = server.post(
+        "inference",
+        path,
+        data=b'{"model": "tiny", "prompt": "x"}',
+        headers={"Content-Encoding": encoding, "Content-Type": "application/json"},
+    )
     assert r.status == 400, r.text
     message = r.json()["error"]["message"] if path.startswith("/v1") else r.json()["message"]
     assert "body" in message
@@ -116,11 +121,16 @@ def test_compressed_bodies_are_read_and_their_decompressed_size_is_capped(server
 
 # -- a stream that fails after its headers went out (finding 6) ------------------------------
 
+
 def _stream_raw(server, path: str, body: dict) -> tuple[int, bytes]:
     """POST and read the whole chunked reply; an unterminated stream times out (fails)."""
     conn = http.client.HTTPConnection("127.0.0.1", server.ports["inference"], timeout=60)
-    conn.request("POST", path, body=json.dumps(body), headers={
-        "Authorization": f"Bearer {server.keys['inference']}", "Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        path,
+        body=json.dumps(body),
+        headers={"Authorization": f"Bearer {server.keys['inference']}", "Content-Type": "application/json"},
+    )
     resp = conn.getresponse()
     data = resp.read()  # IncompleteRead / timeout unless the stream ends properly
     conn.close()
@@ -159,6 +169,7 @@ def test_a_stream_that_fails_midway_ends_with_an_error_event(server, monkeypatch
 
 # -- draining and the lifecycle ----------------------------------------------------------------
 
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -177,13 +188,16 @@ def test_drain_refuses_new_requests_by_route_then_waits_for_the_last_one(inproce
     held = http.client.HTTPConnection("127.0.0.1", srv.ports["inference"], timeout=120)
     os.kill(pid, signal.SIGSTOP)
     try:
-        held.request("POST", f"/predictions/{TINY}", body=json.dumps({"prompt": "x", "max_tokens": 2}),
-                     headers={"Authorization": f"Bearer {srv.keys['inference']}"})
+        held.request(
+            "POST",
+            f"/predictions/{TINY}",
+            body=json.dumps({"prompt": "x", "max_tokens": 2}),
+            headers={"Authorization": f"Bearer {srv.keys['inference']}"},
+        )
         srv.wait_for(lambda: srv.state.drain.in_flight == 1, 30, what="the request in flight")
         stopping = srv.submit(srv.server.stop())
         srv.wait_for(lambda: srv.state.draining, 30, what="draining")
-        error = openai_error(srv.post("inference", "/v1/completions",
-                                      json={"model": TINY, "prompt": "x"}), 503)
+        error = openai_error(srv.post("inference", "/v1/completions", json={"model": TINY, "prompt": "x"}), 503)
         assert "shutting down" in error["message"]
         assert "shutting down" in torchserve_error(srv.predict(TINY), 503)["message"]
         assert torchserve_error(srv.get("management", "/models"), 503)
@@ -201,6 +215,7 @@ def test_drain_refuses_new_requests_by_route_then_waits_for_the_last_one(inproce
 
 # -- no auth on a public address (finding 12) --------------------------------------------------
 
+
 def test_auth_off_on_a_public_address_needs_allow_insecure():
     for address in ("0.0.0.0:8080", "10.1.2.3:8080", "[::]:8080", "example.com:8080"):
         with pytest.raises(ServerConfigError, match="--allow-insecure"):
@@ -216,10 +231,25 @@ def test_auth_off_on_a_public_address_needs_allow_insecure():
 
 
 def test_serve_refuses_to_start_insecure_and_listens_with_allow_insecure(tmp_path, inprocess_factory):
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--disable-token-auth",
-                           "--inference-address", "0.0.0.0:0", "--model-store", str(tmp_path)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "serve",
+            "--disable-token-auth",
+            "--inference-address",
+            "0.0.0.0:0",
+            "--model-store",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 2, proc.stderr
     assert "--allow-insecure" in proc.stderr and "inference_address=0.0.0.0:0" in proc.stderr
     assert not (tmp_path / "key_file.json").exists()

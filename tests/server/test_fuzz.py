@@ -45,8 +45,14 @@ handler:
   max_model_len: 256
   kv_cache_memory: 8MiB
 """
-FUZZ = settings(deadline=None, derandomize=True, database=None, phases=(Phase.explicit, Phase.generate),
-                suppress_health_check=list(HealthCheck), print_blob=False)
+FUZZ = settings(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=(Phase.explicit, Phase.generate),
+    suppress_health_check=list(HealthCheck),
+    print_blob=False,
+)
 
 
 @dataclass(slots=True)
@@ -65,10 +71,14 @@ def server(tiny_model, archive_cache, tmp_path_factory) -> Iterator[ServerProces
     store, build = tmp_path_factory.mktemp("fuzz-store"), tmp_path_factory.mktemp("fuzz-build")
     (build / "model-config.yaml").write_text(CONFIG)
     for name in (MODEL, "extra"):
-        write_archive(tiny_model, store, model_name=name, version="1.0",
-                      config_file=build / "model-config.yaml")
-    srv = ServerProcess(tmp_path_factory.mktemp("fuzz-server"), store, models=[f"{MODEL}=fuzz.mar"],
-                        args=["--enable-model-api"], env={"PAGEDSERVE_ARCHIVE_DIR": str(archive_cache)})
+        write_archive(tiny_model, store, model_name=name, version="1.0", config_file=build / "model-config.yaml")
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("fuzz-server"),
+        store,
+        models=[f"{MODEL}=fuzz.mar"],
+        args=["--enable-model-api"],
+        env={"PAGEDSERVE_ARCHIVE_DIR": str(archive_cache)},
+    )
     try:
         srv.start()
         r = srv.post("management", f"/models?url=extra.mar&model_name={SCALED}&synchronous=true")
@@ -86,8 +96,15 @@ def worker_pid(server) -> int:
     return worker["pid"]
 
 
-def send(server: ServerProcess, method: str, api: str, path: str, body: bytes | None = None,
-         headers: dict[str, str] | None = None, token: str | None = "right") -> Reply:
+def send(
+    server: ServerProcess,
+    method: str,
+    api: str,
+    path: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    token: str | None = "right",
+) -> Reply:
     """One request on a fresh connection, the head and the body written apart (as a client on
     a real network often does: a body that arrives after its headers once stalled the server,
     see tests/server/test_content_encoding.py); the whole reply (a stream to its end) is read."""
@@ -126,8 +143,9 @@ def check(reply: Reply, what: str, server: ServerProcess) -> None:
 
 
 def json_request(server: ServerProcess, method: str, api: str, path: str, value) -> Reply:
-    return send(server, method, api, path, fv.dump(value).encode("utf-8", "surrogatepass"),
-                {"Content-Type": "application/json"})
+    return send(
+        server, method, api, path, fv.dump(value).encode("utf-8", "surrogatepass"), {"Content-Type": "application/json"}
+    )
 
 
 # -- inference port --------------------------------------------------------------------------
@@ -160,16 +178,43 @@ def test_inference_bodies(server, worker_pid, request):
     json_request(server, "POST", "inference", path, body)
 
 
-INFERENCE_PATHS = ["/ping", "/live", "/ready", "/v1/models", "/predictions/fuzz/1.0/v1/models",
-                   "/predictions/{s}", "/predictions/fuzz/{s}", "/predictions/{s}/{s}/v1/completions",
-                   "/predictions/fuzz/{s}/v1/chat/completions", "/predictions/{s}/1.0/v1/models",
-                   "/v1/{s}", "/{s}", "/predictions/fuzz/1.0/{s}", "/v1/completions", "/predictions/fuzz",
-                   "/api/{s}", "/api/chat", "/api/tags", "/api/ps", "/v1/messages", "/v1/messages/{s}",
-                   "/tokenize", "/health"]
+INFERENCE_PATHS = [
+    "/ping",
+    "/live",
+    "/ready",
+    "/v1/models",
+    "/predictions/fuzz/1.0/v1/models",
+    "/predictions/{s}",
+    "/predictions/fuzz/{s}",
+    "/predictions/{s}/{s}/v1/completions",
+    "/predictions/fuzz/{s}/v1/chat/completions",
+    "/predictions/{s}/1.0/v1/models",
+    "/v1/{s}",
+    "/{s}",
+    "/predictions/fuzz/1.0/{s}",
+    "/v1/completions",
+    "/predictions/fuzz",
+    "/api/{s}",
+    "/api/chat",
+    "/api/tags",
+    "/api/ps",
+    "/v1/messages",
+    "/v1/messages/{s}",
+    "/tokenize",
+    "/health",
+]
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "FUZZ"]
-CONTENT_TYPES = [None, "application/json", "text/plain", "application/x-www-form-urlencoded",
-                 "multipart/form-data; boundary=x", "application/json; charset=latin-1",
-                 "application/json; charset=utf-16", "application/octet-stream", "\u00ff/\u00ff"]
+CONTENT_TYPES = [
+    None,
+    "application/json",
+    "text/plain",
+    "application/x-www-form-urlencoded",
+    "multipart/form-data; boundary=x",
+    "application/json; charset=latin-1",
+    "application/json; charset=utf-16",
+    "application/octet-stream",
+    "\u00ff/\u00ff",
+]
 ENCODINGS = [None, None, "gzip", "deflate", "br", "identity", "x-fuzz", "gzip, deflate"]
 TOKENS = ["right"] * 6 + [None, "Bearer wrong", "Bearer ", "Basic Zm9vOmJhcg==", "Bearer " + "k" * 9000]
 
@@ -180,8 +225,9 @@ def raw_request(draw, paths):
     while "{s}" in path:
         path = path.replace("{s}", draw(fv.path_segment()), 1)
     if draw(st.integers(0, 4)) == 0:
-        path += "?" + urlencode(draw(st.dictionaries(st.sampled_from(["limit", "x", "stream", ""]),
-                                                     st.text(max_size=10), max_size=3)))
+        path += "?" + urlencode(
+            draw(st.dictionaries(st.sampled_from(["limit", "x", "stream", ""]), st.text(max_size=10), max_size=3))
+        )
     headers = {}
     ctype, encoding = draw(st.sampled_from(CONTENT_TYPES)), draw(st.sampled_from(ENCODINGS))
     if ctype:
@@ -202,13 +248,47 @@ def test_inference_raw(server, worker_pid, request):
 
 
 # -- management port -------------------------------------------------------------------------
-NAMES = [MODEL, SCALED, "nope", "", "a" * 129, "a" * 5000, "1abc", "a b", "../x", "a/b", "ÿ", "\ud800",
-         "all", "models", "fuzz.1", "_x"]
-URLS = ["extra.mar", "extra.mar", "nope.mar", "../extra.mar", "x/../extra.mar", "/etc/passwd", "fuzz.mar",
-        "file:///etc/passwd", "http://127.0.0.1:1/x.mar", "https://example.com/m.mar", "fuzz", ".", "",
-        "extra.mar\x00", "x" * 5000, "extra.mar?x=1", "~/x.mar", "./extra.mar"]
-WORKERS = st.one_of(st.sampled_from([0, 1, 2, -1, 65, 2**31, 2**64, "1.5", "x", "", "1e1", "true", " 1"]),
-                    st.text(max_size=5))
+NAMES = [
+    MODEL,
+    SCALED,
+    "nope",
+    "",
+    "a" * 129,
+    "a" * 5000,
+    "1abc",
+    "a b",
+    "../x",
+    "a/b",
+    "ÿ",
+    "\ud800",
+    "all",
+    "models",
+    "fuzz.1",
+    "_x",
+]
+URLS = [
+    "extra.mar",
+    "extra.mar",
+    "nope.mar",
+    "../extra.mar",
+    "x/../extra.mar",
+    "/etc/passwd",
+    "fuzz.mar",
+    "file:///etc/passwd",
+    "http://127.0.0.1:1/x.mar",
+    "https://example.com/m.mar",
+    "fuzz",
+    ".",
+    "",
+    "extra.mar\x00",
+    "x" * 5000,
+    "extra.mar?x=1",
+    "~/x.mar",
+    "./extra.mar",
+]
+WORKERS = st.one_of(
+    st.sampled_from([0, 1, 2, -1, 65, 2**31, 2**64, "1.5", "x", "", "1e1", "true", " 1"]), st.text(max_size=5)
+)
 SECONDS = st.sampled_from([-1, 0, 1, 5, 86_400, 86_401, 2**63, 10**30, "nan", "inf", "-inf", "1.5", "x", ""])
 BOOLS = st.sampled_from(["true", "false", "TRUE", "1", "0", "yes", "", "x"])
 
@@ -219,12 +299,17 @@ def params(**fields) -> st.SearchStrategy:
     return st.fixed_dictionaries({}, optional=fields)
 
 
-REGISTER = params(url=st.sampled_from(URLS), model_name=st.sampled_from(["reg", "Reg-2.x", *NAMES]),
-                  initial_workers=WORKERS, synchronous=BOOLS, response_timeout=SECONDS,
-                  batch_size=st.sampled_from([1, 2, 0, "x"]), max_batch_delay=SECONDS,
-                  runtime=st.sampled_from(["python", "", "x" * 300]))
-SCALE = params(min_worker=WORKERS, max_worker=WORKERS, synchronous=BOOLS, timeout=SECONDS,
-               number_gpu=WORKERS)
+REGISTER = params(
+    url=st.sampled_from(URLS),
+    model_name=st.sampled_from(["reg", "Reg-2.x", *NAMES]),
+    initial_workers=WORKERS,
+    synchronous=BOOLS,
+    response_timeout=SECONDS,
+    batch_size=st.sampled_from([1, 2, 0, "x"]),
+    max_batch_delay=SECONDS,
+    runtime=st.sampled_from(["python", "", "x" * 300]),
+)
+SCALE = params(min_worker=WORKERS, max_worker=WORKERS, synchronous=BOOLS, timeout=SECONDS, number_gpu=WORKERS)
 
 
 def query(path: str, values: dict) -> str:
@@ -249,8 +334,9 @@ def register(server: ServerProcess, values: dict, as_json: bool) -> None:
 
 @st.composite
 def management_call(draw):
-    kind = draw(st.sampled_from(["list", "describe", "register", "register_json", "scale",
-                                 "set_default", "unregister", "raw"]))
+    kind = draw(
+        st.sampled_from(["list", "describe", "register", "register_json", "scale", "set_default", "unregister", "raw"])
+    )
     name, version = draw(st.sampled_from(NAMES)), draw(st.sampled_from(["1.0", "2.0", "all", "", "\ud800", "x" * 300]))
     if kind == "list":
         values = draw(params(limit=WORKERS | SECONDS, next_page_token=WORKERS | SECONDS))
@@ -269,16 +355,26 @@ def management_call(draw):
         path = f"/models/{segment(name)}/{segment(version)}/set-default"
         return lambda s: send(s, "PUT", "management", path)
     if kind == "unregister":  # unknown names and versions only
-        target = draw(st.sampled_from([n for n in NAMES if n not in (MODEL, SCALED)] + [f"{SCALED}/9.9", f"{MODEL}/2.0"]))
+        target = draw(
+            st.sampled_from([n for n in NAMES if n not in (MODEL, SCALED)] + [f"{SCALED}/9.9", f"{MODEL}/2.0"])
+        )
         values = draw(params(synchronous=BOOLS, timeout=SECONDS))
         path = query("/models/" + "/".join(segment(p) for p in target.split("/")), values)
         return lambda s: send(s, "DELETE", "management", path)
     method = draw(st.sampled_from(["PATCH", "OPTIONS", "HEAD", "FUZZ", "POST", "GET"]))
-    path = draw(st.sampled_from(["/", "/models/", "/models/fuzz/1.0/set-default", "/models/fuzz/1.0/x/y",
-                                 f"/{segment(name)}"]))
+    path = draw(
+        st.sampled_from(["/", "/models/", "/models/fuzz/1.0/set-default", "/models/fuzz/1.0/x/y", f"/{segment(name)}"])
+    )
     body, token = draw(fv.whole_body()), draw(st.sampled_from(TOKENS))
-    return lambda s: send(s, method, "management", path, None if method in ("GET", "HEAD") else body,
-                          {"Content-Type": "application/json"}, token)
+    return lambda s: send(
+        s,
+        method,
+        "management",
+        path,
+        None if method in ("GET", "HEAD") else body,
+        {"Content-Type": "application/json"},
+        token,
+    )
 
 
 @settings(FUZZ, max_examples=150)
@@ -306,9 +402,15 @@ def test_no_worker_died(server, worker_pid):
     from prometheus_client.parser import text_string_to_metric_families
 
     metrics = text_string_to_metric_families(server.get("metrics", "/metrics").text)
-    generated = sum(s.value for fam in metrics if fam.name == "pagedserve_requests" for s in fam.samples
-                    if s.name.endswith("_total") and s.labels["status"] == "200"
-                    and s.labels["endpoint"] in ("predictions", "completions", "chat_completions"))
+    generated = sum(
+        s.value
+        for fam in metrics
+        if fam.name == "pagedserve_requests"
+        for s in fam.samples
+        if s.name.endswith("_total")
+        and s.labels["status"] == "200"
+        and s.labels["endpoint"] in ("predictions", "completions", "chat_completions")
+    )
     assert generated >= 20, generated
     [worker] = server.get("management", f"/models/{MODEL}").json()[0]["workers"]
     assert worker["pid"] == worker_pid and worker["restarts"] == 0, worker

@@ -32,13 +32,13 @@ def reference(gemma_gguf) -> tuple[list[int], str]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gemma_gguf.parent, gguf_file=gemma_gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gemma_gguf.parent, gguf_file=gemma_gguf.name,
-                                                 dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        gemma_gguf.parent, gguf_file=gemma_gguf.name, dtype=torch.float32
+    ).eval()
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                             do_sample=False)
-    tokens = out[0, ids.shape[1]:].tolist()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
+    tokens = out[0, ids.shape[1] :].tolist()
     assert len(tokens) == NEW_TOKENS  # no end of sequence before 32 tokens
     return tokens, tokenizer.decode(tokens)
 
@@ -47,15 +47,18 @@ def reference(gemma_gguf) -> tuple[list[int], str]:
 def gemma_server(module_server_factory, gemma_gguf):
     # The GGUF lies outside the model store: allowed_urls admits exactly this file.
     return module_server_factory(
-        models=[f"gemma={gemma_gguf}"],
-        config={"allowed_urls": [re.escape(str(gemma_gguf.resolve()))]},
-        ready=True)
+        models=[f"gemma={gemma_gguf}"], config={"allowed_urls": [re.escape(str(gemma_gguf.resolve()))]}, ready=True
+    )
 
 
 def test_greedy_tokens_match_transformers_through_http(gemma_server, reference):
     tokens, text = reference
-    r = gemma_server.request("POST", "inference", "/v1/completions", json_body={
-        "model": "gemma", "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": 0})
+    r = gemma_server.request(
+        "POST",
+        "inference",
+        "/v1/completions",
+        json_body={"model": "gemma", "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": 0},
+    )
     assert r.status == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["text"] == text
@@ -74,7 +77,11 @@ def test_description_names_architecture_and_dequantized_weights(gemma_server):
 
 
 def test_base_model_chat_is_refused_naming_the_template(gemma_server):
-    r = gemma_server.request("POST", "inference", "/v1/chat/completions", json_body={
-        "model": "gemma", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    r = gemma_server.request(
+        "POST",
+        "inference",
+        "/v1/chat/completions",
+        json_body={"model": "gemma", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
     assert r.status == 400, r.text
     assert "chat template" in r.json()["error"]["message"]

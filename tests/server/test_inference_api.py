@@ -48,8 +48,9 @@ def test_predictions_whole_reply(server):
 
 def test_predictions_chunked_stream(server):
     whole = server.predict(MODEL, prompt=PROMPT, max_tokens=10).json()
-    status, headers, lines = stream_lines(server, f"/predictions/{MODEL}",
-                                          {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "stream": True})
+    status, headers, lines = stream_lines(
+        server, f"/predictions/{MODEL}", {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "stream": True}
+    )
     assert status == 200 and headers["transfer-encoding"] == "chunked"
     assert headers["content-type"].startswith("application/x-ndjson") and headers["x-request-id"]
     chunks = [json.loads(line) for line in lines]
@@ -64,11 +65,17 @@ def test_predictions_chunked_stream(server):
 
 
 def test_chat_messages_stop_and_n(server):
-    r = server.post("inference", f"/predictions/{MODEL}", json={
-        "messages": [{"role": "user", "content": "What is 2 plus 2?"}], "max_tokens": 30, "temperature": 0})
+    r = server.post(
+        "inference",
+        f"/predictions/{MODEL}",
+        json={"messages": [{"role": "user", "content": "What is 2 plus 2?"}], "max_tokens": 30, "temperature": 0},
+    )
     assert r.status == 200 and "4" in r.json()["choices"][0]["text"]
-    r = server.post("inference", f"/predictions/{MODEL}", json={
-        "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stop": [" 7"]})
+    r = server.post(
+        "inference",
+        f"/predictions/{MODEL}",
+        json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stop": [" 7"]},
+    )
     [choice] = r.json()["choices"]
     assert choice["text"] == " 5, 6," and choice["finish_reason"] == "stop" and choice["stop_reason"] == " 7"
     r = server.post("inference", f"/predictions/{MODEL}", json={"prompt": PROMPT, "max_tokens": 4, "n": 3, "seed": 1})

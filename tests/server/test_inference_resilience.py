@@ -39,8 +39,11 @@ def test_kill_9_mid_stream_ends_the_stream_with_an_error(server):
     assert error["code"] == 503 and "died" in error["message"]
     assert all("choices" in e for e in events[:-2]) and len(events) < 400
 
-    server.wait_for(lambda: worker(server)["status"] == "READY" and worker(server)["pid"] != before["pid"],
-                    timeout=180, what="worker restarted")
+    server.wait_for(
+        lambda: worker(server)["status"] == "READY" and worker(server)["pid"] != before["pid"],
+        timeout=180,
+        what="worker restarted",
+    )
     r = server.predict(MODEL)
     assert r.status == 200 and r.json()["choices"][0]["text"]
 
@@ -57,8 +60,9 @@ def test_200_streams_from_32_clients_with_disconnects_leave_no_block_behind(serv
         plans.append((kind, prompt, rng.randint(6, 12), hang_up_after))
     before = observe.request_counts(server, MODEL)
 
-    async def one(session: aiohttp.ClientSession, kind: str, prompt: str, max_tokens: int,
-                  hang_up_after: int | None) -> tuple[str, int]:
+    async def one(
+        session: aiohttp.ClientSession, kind: str, prompt: str, max_tokens: int, hang_up_after: int | None
+    ) -> tuple[str, int]:
         if kind == "chat":
             url, sse = server.url("inference", "/v1/chat/completions"), True
             body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}]}

@@ -21,8 +21,12 @@ MAX_REQUEST = 100_000
 
 @pytest.fixture(scope="module")
 def server(inprocess_factory):
-    return inprocess_factory(load_models=[f"{TINY}={TINY_ARCHIVE}"], max_request_size=MAX_REQUEST,
-                             max_response_size=MAX_RESPONSE, job_queue_size=2)
+    return inprocess_factory(
+        load_models=[f"{TINY}={TINY_ARCHIVE}"],
+        max_request_size=MAX_REQUEST,
+        max_response_size=MAX_RESPONSE,
+        job_queue_size=2,
+    )
 
 
 def worker(server) -> dict:
@@ -33,8 +37,11 @@ def worker(server) -> dict:
 
 def server_errors(server) -> list[str]:
     """The 5xx counters of the inference routes on the metrics port."""
-    return [line for line in server.get("metrics", "/metrics").text.splitlines()
-            if line.startswith("pagedserve_requests_total") and 'status="5' in line]
+    return [
+        line
+        for line in server.get("metrics", "/metrics").text.splitlines()
+        if line.startswith("pagedserve_requests_total") and 'status="5' in line
+    ]
 
 
 BAD_INPUT = [
@@ -56,8 +63,12 @@ BAD_INPUT = [
     (f"/predictions/{TINY}", {"prompt": "x", "stop": [""]}, 400, ["stop"]),
     (f"/predictions/{TINY}", {"prompt": "x", "frobnicate": 1}, 400, ["frobnicate"]),
     (f"/predictions/{TINY}", {"messages": "hi"}, 400, ["messages"]),
-    (f"/predictions/{TINY}", {"prompt": "x", "max_tokens": 60, "logprobs": 20, "ignore_eos": True}, 413,
-     ["max_response_size"]),
+    (
+        f"/predictions/{TINY}",
+        {"prompt": "x", "max_tokens": 60, "logprobs": 20, "ignore_eos": True},
+        413,
+        ["max_response_size"],
+    ),
     (f"/predictions/{TINY}", {"prompt": "x" * (MAX_REQUEST + 10)}, 413, ["max_request_size"]),
     ("/predictions/nosuchmodel", {"prompt": "x"}, 404, ["nosuchmodel"]),
     (f"/predictions/{TINY}/9.9", {"prompt": "x"}, 404, ["9.9"]),
@@ -68,10 +79,22 @@ BAD_INPUT = [
     ("/v1/completions", {"model": TINY, "prompt": "x", "max_tokens": "5"}, 400, ["max_tokens"]),
     ("/v1/completions", {"model": TINY, "prompt": "x", "bogus": 1}, 400, ["bogus"]),
     ("/v1/chat/completions", {"model": TINY, "messages": [{"role": "user"}]}, 400, ["content"]),
-    ("/v1/chat/completions", {"model": TINY, "messages": [{"role": "user", "content": "x"}],
-                              "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, 400, ["tools"]),
-    ("/v1/chat/completions", {"model": TINY, "messages": [{"role": "user", "content": "x"}],
-                              "max_completion_tokens": 5000}, 400, ["max_tokens"]),
+    (
+        "/v1/chat/completions",
+        {
+            "model": TINY,
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "bad name!"}}],
+        },
+        400,
+        ["tools"],
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": TINY, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000},
+        400,
+        ["max_tokens"],
+    ),
 ]
 
 
@@ -112,9 +135,11 @@ def test_bad_input_is_refused_with_4xx_and_the_worker_keeps_serving(server):
         assert all(w in message for w in words), (path, message)
         assert r.headers["x-request-id"]
     # A stream whose response grows too large ends with an error event instead.
-    status, _, lines = stream_lines(server, f"/predictions/{TINY}",
-                                    {"prompt": "x", "max_tokens": 60, "logprobs": 20, "ignore_eos": True,
-                                     "stream": True})
+    status, _, lines = stream_lines(
+        server,
+        f"/predictions/{TINY}",
+        {"prompt": "x", "max_tokens": 60, "logprobs": 20, "ignore_eos": True, "stream": True},
+    )
     assert status == 200 and json.loads(lines[-1])["error"]["code"] == 413
     after = worker(server)
     assert after["pid"] == before["pid"] and after["restarts"] == 0 and after["status"] == "READY"
@@ -130,8 +155,11 @@ ROUTES = [  # the health probes answer without a token (tests/server/test_probes
     ("POST", "/v1/completions", {"model": TINY, "prompt": "x", "max_tokens": 1}),
     ("POST", "/v1/chat/completions", {"model": TINY, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
     ("POST", f"/predictions/{TINY}/1.0/v1/completions", {"prompt": "x", "max_tokens": 1}),
-    ("POST", f"/predictions/{TINY}/1.0/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
+    (
+        "POST",
+        f"/predictions/{TINY}/1.0/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
+    ),
 ]
 
 

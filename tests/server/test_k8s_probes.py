@@ -19,8 +19,7 @@ CRASHING_CONFIG = "startupTimeout: 20\nminWorkers: 1\nhandler:\n  max_model_len:
 
 def _probes() -> dict[str, str]:
     container = yaml.safe_load(DEPLOYMENT.read_text())["spec"]["template"]["spec"]["containers"][0]
-    return {kind: container[f"{kind}Probe"]["httpGet"]["path"]
-            for kind in ("startup", "liveness", "readiness")}
+    return {kind: container[f"{kind}Probe"]["httpGet"]["path"] for kind in ("startup", "liveness", "readiness")}
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +28,9 @@ def crashing_archive(tiny_store, tiny_model, tmp_path_factory) -> str:
 
     config = tmp_path_factory.mktemp("crashing") / "model-config.yaml"
     config.write_text(CRASHING_CONFIG)
-    write_archive(tiny_model, tiny_store / "crashing", model_name="crashing", version="1.0",
-                  config_file=config, force=True)
+    write_archive(
+        tiny_model, tiny_store / "crashing", model_name="crashing", version="1.0", config_file=config, force=True
+    )
     return "crashing/crashing.mar"
 
 

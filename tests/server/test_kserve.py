@@ -24,15 +24,17 @@ def expected(tiny_server) -> list[str]:
 
 
 def test_v1_predict_round_trip(tiny_server, expected):
-    r = tiny_server.post("inference", f"/v1/models/{TINY}:predict",
-                         json={"instances": PROMPTS, "parameters": PARAMS})
+    r = tiny_server.post("inference", f"/v1/models/{TINY}:predict", json={"instances": PROMPTS, "parameters": PARAMS})
     assert r.status == 200, r.text
     reply = r.json()
     assert set(reply) == {"predictions", "timings"} and reply["predictions"] == expected
     assert reply["timings"]["total_s"] > 0 and reply["timings"]["decode_s"] is not None  # as elsewhere
     instances = [{"prompt": PROMPTS[0]}, {"text": PROMPTS[1]}]
-    r = tiny_server.post("inference", f"/v1/models/{TINY}:predict",
-                         json={"instances": instances, "parameters": {"max_new_tokens": 4, "temperature": 0}})
+    r = tiny_server.post(
+        "inference",
+        f"/v1/models/{TINY}:predict",
+        json={"instances": instances, "parameters": {"max_new_tokens": 4, "temperature": 0}},
+    )
     assert r.json()["predictions"] == expected
     # /v1/models/{id} is still OpenAI's model route, with KServe v1's model status beside it.
     r = tiny_server.get("inference", f"/v1/models/{TINY}")
@@ -41,17 +43,27 @@ def test_v1_predict_round_trip(tiny_server, expected):
 
 
 def test_v2_infer_round_trip(tiny_server, expected):
-    body = {"id": "req-7", "inputs": [{"name": "text_input", "shape": [2], "datatype": "BYTES", "data": PROMPTS}],
-            "parameters": PARAMS}
+    body = {
+        "id": "req-7",
+        "inputs": [{"name": "text_input", "shape": [2], "datatype": "BYTES", "data": PROMPTS}],
+        "parameters": PARAMS,
+    }
     for path in (f"/v2/models/{TINY}/infer", f"/v2/models/{TINY}/versions/1.0/infer"):
         r = tiny_server.post("inference", path, json=body)
         assert r.status == 200, r.text
         reply = r.json()
         assert reply.pop("timings")["total_s"] > 0
-        assert reply == {"model_name": TINY, "model_version": "1.0", "id": "req-7", "outputs": [
-            {"name": "text_output", "datatype": "BYTES", "shape": [2], "data": expected}]}
-    nested = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "BYTES", "data": [[PROMPTS[0]]]}],
-              "outputs": [{"name": "generated"}], "parameters": PARAMS}
+        assert reply == {
+            "model_name": TINY,
+            "model_version": "1.0",
+            "id": "req-7",
+            "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [2], "data": expected}],
+        }
+    nested = {
+        "inputs": [{"name": "x", "shape": [1, 1], "datatype": "BYTES", "data": [[PROMPTS[0]]]}],
+        "outputs": [{"name": "generated"}],
+        "parameters": PARAMS,
+    }
     r = tiny_server.post("inference", f"/v2/models/{TINY}/infer", json=nested)
     assert r.json()["outputs"] == [{"name": "generated", "datatype": "BYTES", "shape": [1], "data": expected[:1]}]
 
@@ -74,30 +86,43 @@ def _v2(data, **tensor):
     return {"inputs": [{"name": "text_input", "shape": [len(data)], "datatype": "BYTES", "data": data, **tensor}]}
 
 
-@pytest.mark.parametrize("case, path, body, status, words", [
-    ("unknown model v1", "/v1/models/nope:predict", {"instances": ["x"]}, 404, "nope"),
-    ("unknown model v2", "/v2/models/nope/infer", _v2(["x"]), 404, "nope"),
-    ("unknown version", f"/v2/models/{TINY}/versions/9/infer", _v2(["x"]), 404, "9"),
-    ("no instances", f"/v1/models/{TINY}:predict", {"parameters": {}}, 400, "instances"),
-    ("instance not text", f"/v1/models/{TINY}:predict", {"instances": [{"prompt": 3}]}, 400, "instances[0]"),
-    ("instance with two keys", f"/v1/models/{TINY}:predict", {"instances": [{"prompt": "a", "text": "b"}]}, 400,
-     "instances[0]"),
-    ("unknown v1 field", f"/v1/models/{TINY}:predict", {"instances": ["x"], "inputs": []}, 400, "'inputs'"),
-    ("empty instances", f"/v1/models/{TINY}:predict", {"instances": []}, 400, "1 to 32"),
-    ("too many", f"/v1/models/{TINY}:predict", {"instances": ["x"] * 33}, 400, "1 to 32"),
-    ("n refused", f"/v1/models/{TINY}:predict", {"instances": ["x"], "parameters": {"n": 2}}, 400, "parameters.n"),
-    ("bad parameter", f"/v1/models/{TINY}:predict", {"instances": ["x"], "parameters": {"max_tokens": 0}}, 400,
-     "parameters.max_tokens"),
-    ("unknown parameter", f"/v1/models/{TINY}:predict", {"instances": ["x"], "parameters": {"foo": 1}}, 400, "foo"),
-    ("wrong datatype", f"/v2/models/{TINY}/infer", _v2(["x"], datatype="FP32"), 400, "datatype"),
-    ("shape mismatch", f"/v2/models/{TINY}/infer", _v2(["x", "y"], shape=[3]), 400, "shape"),
-    ("negative shape", f"/v2/models/{TINY}/infer", _v2(["x"], shape=[-1]), 400, "shape"),
-    ("numbers as data", f"/v2/models/{TINY}/infer", _v2([1, 2]), 400, "prompt string"),
-    ("two inputs", f"/v2/models/{TINY}/infer", {"inputs": _v2(["x"])["inputs"] * 2}, 400, "exactly one"),
-    ("unknown tensor field", f"/v2/models/{TINY}/infer", _v2(["x"], foo=1), 400, "foo"),
-    ("id not text", f"/v2/models/{TINY}/infer", {**_v2(["x"]), "id": 5}, 400, "id"),
-    ("bad outputs", f"/v2/models/{TINY}/infer", {**_v2(["x"]), "outputs": "text"}, 400, "outputs"),
-])
+@pytest.mark.parametrize(
+    "case, path, body, status, words",
+    [
+        ("unknown model v1", "/v1/models/nope:predict", {"instances": ["x"]}, 404, "nope"),
+        ("unknown model v2", "/v2/models/nope/infer", _v2(["x"]), 404, "nope"),
+        ("unknown version", f"/v2/models/{TINY}/versions/9/infer", _v2(["x"]), 404, "9"),
+        ("no instances", f"/v1/models/{TINY}:predict", {"parameters": {}}, 400, "instances"),
+        ("instance not text", f"/v1/models/{TINY}:predict", {"instances": [{"prompt": 3}]}, 400, "instances[0]"),
+        (
+            "instance with two keys",
+            f"/v1/models/{TINY}:predict",
+            {"instances": [{"prompt": "a", "text": "b"}]},
+            400,
+            "instances[0]",
+        ),
+        ("unknown v1 field", f"/v1/models/{TINY}:predict", {"instances": ["x"], "inputs": []}, 400, "'inputs'"),
+        ("empty instances", f"/v1/models/{TINY}:predict", {"instances": []}, 400, "1 to 32"),
+        ("too many", f"/v1/models/{TINY}:predict", {"instances": ["x"] * 33}, 400, "1 to 32"),
+        ("n refused", f"/v1/models/{TINY}:predict", {"instances": ["x"], "parameters": {"n": 2}}, 400, "parameters.n"),
+        (
+            "bad parameter",
+            f"/v1/models/{TINY}:predict",
+            {"instances": ["x"], "parameters": {"max_tokens": 0}},
+            400,
+            "parameters.max_tokens",
+        ),
+        ("unknown parameter", f"/v1/models/{TINY}:predict", {"instances": ["x"], "parameters": {"foo": 1}}, 400, "foo"),
+        ("wrong datatype", f"/v2/models/{TINY}/infer", _v2(["x"], datatype="FP32"), 400, "datatype"),
+        ("shape mismatch", f"/v2/models/{TINY}/infer", _v2(["x", "y"], shape=[3]), 400, "shape"),
+        ("negative shape", f"/v2/models/{TINY}/infer", _v2(["x"], shape=[-1]), 400, "shape"),
+        ("numbers as data", f"/v2/models/{TINY}/infer", _v2([1, 2]), 400, "prompt string"),
+        ("two inputs", f"/v2/models/{TINY}/infer", {"inputs": _v2(["x"])["inputs"] * 2}, 400, "exactly one"),
+        ("unknown tensor field", f"/v2/models/{TINY}/infer", _v2(["x"], foo=1), 400, "foo"),
+        ("id not text", f"/v2/models/{TINY}/infer", {**_v2(["x"]), "id": 5}, 400, "id"),
+        ("bad outputs", f"/v2/models/{TINY}/infer", {**_v2(["x"]), "outputs": "text"}, 400, "outputs"),
+    ],
+)
 def test_refusals_are_kserve_shaped(tiny_server, case, path, body, status, words):
     r = tiny_server.post("inference", path, json=body)
     assert r.status == status, (case, r.text)
@@ -106,7 +131,9 @@ def test_refusals_are_kserve_shaped(tiny_server, case, path, body, status, words
 
 
 def test_non_json_and_unknown_v2_paths_are_kserve_shaped(tiny_server):
-    r = tiny_server.post("inference", f"/v2/models/{TINY}/infer", data=b"[1, 2", headers={"Content-Type": "application/json"})
+    r = tiny_server.post(
+        "inference", f"/v2/models/{TINY}/infer", data=b"[1, 2", headers={"Content-Type": "application/json"}
+    )
     assert r.status == 400 and "not valid JSON" in r.json()["error"]
     r = tiny_server.get("inference", "/v2/nothing/here")
     assert r.status == 404 and set(r.json()) == {"error"}

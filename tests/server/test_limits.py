@@ -37,6 +37,7 @@ def nested_array_schema(depth: int) -> dict:
 
 # -- constraint bounds ---------------------------------------------------------------------------
 
+
 def test_deep_schema_is_refused_before_xgrammar_sees_it():
     """700 deep took xgrammar minutes; the bound refuses it at once and names the limit."""
     with pytest.raises(ConstraintTooLarge, match=f"nested 701 levels deep; at most {MAX_SCHEMA_DEPTH}"):
@@ -62,6 +63,7 @@ def test_regex_grammar_and_choice_bounds():
 
 
 # -- the grammar-check pool ----------------------------------------------------------------------
+
 
 class Blocking:
     """A check that blocks until released; records the order checks started in."""
@@ -93,8 +95,9 @@ def test_one_client_cannot_hold_more_than_its_share():
 
 async def _one_client_cannot_hold_more_than_its_share():
     blocking = Blocking()
-    checks = GrammarChecks(threads=2, per_client=1, per_client_admitted=3, max_admitted=16,
-                           timeout_s=60, check=blocking)
+    checks = GrammarChecks(
+        threads=2, per_client=1, per_client_admitted=3, max_admitted=16, timeout_s=60, check=blocking
+    )
     try:
         a = [asyncio.create_task(checks.check("attacker", regex(f"slow{i}"))) for i in range(3)]
         await until(lambda: blocking.started == ["slow0"])
@@ -120,8 +123,9 @@ def test_the_queue_is_bounded():
 
 async def _the_queue_is_bounded():
     blocking = Blocking()
-    checks = GrammarChecks(threads=1, per_client=1, per_client_admitted=100, max_admitted=3,
-                           timeout_s=60, check=blocking)
+    checks = GrammarChecks(
+        threads=1, per_client=1, per_client_admitted=100, max_admitted=3, timeout_s=60, check=blocking
+    )
     try:
         tasks = [asyncio.create_task(checks.check(f"c{i}", regex(f"slow{i}"))) for i in range(3)]
         await until(lambda: checks.admitted == 3)
@@ -141,8 +145,9 @@ def test_a_check_over_the_time_limit_is_refused_and_keeps_its_share_until_it_end
 
 async def _a_check_over_the_time_limit_is_refused_and_keeps_its_share_until_it_ends():
     blocking = Blocking()
-    checks = GrammarChecks(threads=2, per_client=1, per_client_admitted=4, max_admitted=16,
-                           timeout_s=0.2, check=blocking)  # the blocked check never ends in time
+    checks = GrammarChecks(
+        threads=2, per_client=1, per_client_admitted=4, max_admitted=16, timeout_s=0.2, check=blocking
+    )  # the blocked check never ends in time
     try:
         with pytest.raises(LimitRefused, match="took longer than 0.2 s to check") as refused:
             await checks.check("attacker", regex("slow0"))
@@ -180,6 +185,7 @@ async def _real_checks_through_the_pool():
 
 # -- the prompt character bound ------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tokenizer():
     from engine.llm import load_tokenizer
@@ -212,5 +218,6 @@ def test_prompt_that_cannot_fit_is_refused_before_tokenizing(tokenizer):
     # Unknown length (no worker yet) or token ids: nothing to bound here.
     bounds.check_prompt_chars(tokenizer, PromptSpec(text="x" * (limit + 1)), None)
     bounds.check_prompt_chars(tokenizer, PromptSpec(token_ids=[1] * 5000), 2048)
-    assert bounds.tokenize(tokenizer, PromptSpec(text="1, 2, 3"), 2048)[1] == \
-        tokenizer.encode("1, 2, 3", add_special_tokens=False)
+    assert bounds.tokenize(tokenizer, PromptSpec(text="1, 2, 3"), 2048)[1] == tokenizer.encode(
+        "1, 2, 3", add_special_tokens=False
+    )

@@ -8,8 +8,8 @@ One in-process server over a store holding the tiny model and adapters made here
 from __future__ import annotations
 
 import http.client
-import re
 import json
+import re
 import shutil
 import threading
 
@@ -34,17 +34,34 @@ def lora_store(tmp_path_factory, tiny_store, tiny_model):
     store = tmp_path_factory.mktemp("lora_store")
     shutil.copy(tiny_store / TINY_ARCHIVE, store / TINY_ARCHIVE)
     torch.manual_seed(5)
-    model = get_peft_model(LlamaForCausalLM.from_pretrained(tiny_model),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                                      init_lora_weights=False))
+    model = get_peft_model(
+        LlamaForCausalLM.from_pretrained(tiny_model),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False),
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.normal_(0, 1.0)
     adapter_dir = tmp_path_factory.mktemp("peft") / "adapter"
     model.save_pretrained(adapter_dir)
-    assert main(["archive", "--lora-dir", str(adapter_dir), "--base-model", f"{TINY}:1.0",
-                 "--model-name", ADAPTER, "--version", "1.0", "--export-path", str(store)]) == 0
+    assert (
+        main(
+            [
+                "archive",
+                "--lora-dir",
+                str(adapter_dir),
+                "--base-model",
+                f"{TINY}:1.0",
+                "--model-name",
+                ADAPTER,
+                "--version",
+                "1.0",
+                "--export-path",
+                str(store),
+            ]
+        )
+        == 0
+    )
     record = {"baseModel": TINY, "baseVersion": None, "baseWeightsSha256": "0" * 64, "rank": 4}
     write_archive(adapter_dir, store, model_name="other-base", version="1.0", lora=record)
     return store
@@ -52,8 +69,7 @@ def lora_store(tmp_path_factory, tiny_store, tiny_model):
 
 @pytest.fixture(scope="module")
 def srv(inprocess_factory, lora_store):
-    return inprocess_factory(model_store=str(lora_store), load_models=[f"{TINY}={TINY_ARCHIVE}"],
-                             enable_model_api=True)
+    return inprocess_factory(model_store=str(lora_store), load_models=[f"{TINY}={TINY_ARCHIVE}"], enable_model_api=True)
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +95,24 @@ def test_archive_manifest_pins_the_base(lora_store):
 def test_archive_cli_refuses_an_unknown_base(lora_store, tmp_path, capsys):
     from server.cli import main
 
-    assert main(["archive", "--lora-dir", str(tmp_path), "--base-model", "nope", "--model-name", "x",
-                 "--version", "1", "--export-path", str(lora_store)]) != 0
+    assert (
+        main(
+            [
+                "archive",
+                "--lora-dir",
+                str(tmp_path),
+                "--base-model",
+                "nope",
+                "--model-name",
+                "x",
+                "--version",
+                "1",
+                "--export-path",
+                str(lora_store),
+            ]
+        )
+        != 0
+    )
     assert "no archive of base model 'nope'" in capsys.readouterr().err
 
 
@@ -107,8 +139,11 @@ def test_requests_name_the_adapter_as_the_model(srv, registered):
     base = srv.predict(TINY, max_tokens=8).json()["choices"][0]["token_ids"]
     tuned = srv.predict(registered, max_tokens=8).json()["choices"][0]["token_ids"]
     assert tuned != base
-    reply = srv.post("inference", "/v1/completions",
-                     json={"model": registered, "prompt": "1, 2, 3, 4,", "max_tokens": 8, "temperature": 0})
+    reply = srv.post(
+        "inference",
+        "/v1/completions",
+        json={"model": registered, "prompt": "1, 2, 3, 4,", "max_tokens": 8, "temperature": 0},
+    )
     assert reply.status == 200 and reply.json()["model"] == registered
     assert srv.predict(registered, max_tokens=8).json()["choices"][0]["token_ids"] == tuned
     assert srv.predict(TINY, max_tokens=8).json()["choices"][0]["token_ids"] == base
@@ -126,8 +161,9 @@ def test_unregister_mid_stream_lets_the_stream_finish(srv, lora_store):
     assert resp.status == 200 and json.loads(first)
     assert adapter.in_flight == 1  # 200 tokens: still generating when the DELETE goes out
     seen_after_delete = []
-    deleted = threading.Thread(target=lambda: seen_after_delete.append(
-        (srv.delete("management", f"/models/{name}"), adapter.in_flight)))
+    deleted = threading.Thread(
+        target=lambda: seen_after_delete.append((srv.delete("management", f"/models/{name}"), adapter.in_flight))
+    )
     deleted.start()
     rest = resp.read().splitlines()
     deleted.join(120)
@@ -143,8 +179,12 @@ def test_unregister_mid_stream_lets_the_stream_finish(srv, lora_store):
 
 def test_structured_output_with_an_adapter(srv, registered):
     """The grammar's mask applies to the adapter's logits like to the base model's."""
-    body = {"prompt": "Answer:", "max_tokens": 12, "temperature": 0,
-            "structured_outputs": {"regex": "(red|green|blue)-[0-9]{3}"}}
+    body = {
+        "prompt": "Answer:",
+        "max_tokens": 12,
+        "temperature": 0,
+        "structured_outputs": {"regex": "(red|green|blue)-[0-9]{3}"},
+    }
     for model in (registered, TINY):
         reply = srv.post("inference", f"/predictions/{model}", json=body)
         assert reply.status == 200, reply.text

@@ -78,14 +78,17 @@ def test_register_the_same_version_again_is_a_conflict(mgmt):
     assert body["code"] == 409 and body["type"] and "already registered" in body["message"]
 
 
-@pytest.mark.parametrize("query, status, words", [
-    ("", 400, "url"),
-    (f"?url={ARCHIVE}&initial_workers=-1", 400, "initial_workers"),
-    (f"?url={ARCHIVE}&synchronous=maybe", 400, "synchronous"),
-    (f"?url={ARCHIVE}&bogus=1", 400, "bogus"),
-    ("?url=missing.mar", 404, "missing.mar"),
-    (f"?url={ARCHIVE}&model_name=bad/name", 400, "model name"),
-])
+@pytest.mark.parametrize(
+    "query, status, words",
+    [
+        ("", 400, "url"),
+        (f"?url={ARCHIVE}&initial_workers=-1", 400, "initial_workers"),
+        (f"?url={ARCHIVE}&synchronous=maybe", 400, "synchronous"),
+        (f"?url={ARCHIVE}&bogus=1", 400, "bogus"),
+        ("?url=missing.mar", 404, "missing.mar"),
+        (f"?url={ARCHIVE}&model_name=bad/name", 400, "model name"),
+    ],
+)
 def test_register_refuses_bad_parameters(mgmt, query, status, words):
     r = mgmt.post("management", f"/models{query}")
     assert r.status == status, r.text
@@ -96,8 +99,13 @@ def test_register_refuses_bad_parameters(mgmt, query, status, words):
 def test_register_refuses_urls_outside_the_store(mgmt, tmp_path, tiny_store, archive_cache):
     outside = tmp_path / "outside.mar"
     os.link(tiny_store / ARCHIVE, outside)  # a valid archive, in the wrong place
-    for url in (str(outside), f"file://{outside}", f"../{outside.parent.name}/outside.mar",
-                "http://127.0.0.1:9/x.mar", "https://example.com/smollm2.mar"):
+    for url in (
+        str(outside),
+        f"file://{outside}",
+        f"../{outside.parent.name}/outside.mar",
+        "http://127.0.0.1:9/x.mar",
+        "https://example.com/smollm2.mar",
+    ):
         r = mgmt.post("management", "/models", json={"url": url, "model_name": "evil"})
         assert r.status == 403, (url, r.text)
         assert r.json()["type"]
@@ -109,8 +117,7 @@ def test_register_a_second_version_asynchronously(mgmt, archive_v2):
     r = mgmt.post("management", "/models", json={"url": archive_v2, "initial_workers": 1})
     assert r.status == 202, r.text  # synchronous defaults to false, as in TorchServe
     assert "Version: 2.0 registered" in r.json()["status"]
-    mgmt.wait_for(lambda: ready_pids(describe(mgmt, f"/models/{MODEL}/2.0")[0]),
-                  what="version 2.0 ready")
+    mgmt.wait_for(lambda: ready_pids(describe(mgmt, f"/models/{MODEL}/2.0")[0]), what="version 2.0 ready")
     versions = describe(mgmt, f"/models/{MODEL}/all")
     assert [d["modelVersion"] for d in versions] == ["1.0", "2.0"]
     assert [d["isDefault"] for d in versions] == [True, False]  # the first stays the default
@@ -135,8 +142,9 @@ def test_list_models_with_paging(mgmt):
     assert r.status == 200, r.text
     assert "registered with 0 initial workers" in r.json()["status"]
     r = mgmt.get("management", "/models")
-    assert r.json() == {"models": [{"modelName": "another", "modelUrl": ARCHIVE},
-                                   {"modelName": MODEL, "modelUrl": ARCHIVE}]}
+    assert r.json() == {
+        "models": [{"modelName": "another", "modelUrl": ARCHIVE}, {"modelName": MODEL, "modelUrl": ARCHIVE}]
+    }
     first = mgmt.get("management", "/models?limit=1").json()
     assert first["models"] == [{"modelName": "another", "modelUrl": ARCHIVE}]
     assert first["nextPageToken"] == "1"
@@ -156,17 +164,28 @@ def test_scale_up_and_down(mgmt):
     # Least loaded routing: two concurrent requests land on different workers (stopped, so
     # both requests stay in flight while we look).
     results = []
-    threads = [threading.Thread(target=lambda: results.append(mgmt.post(
-        "inference", f"/predictions/{MODEL}/1.0", json={
-            "prompt": "Count: 1, 2,", "max_tokens": 64, "temperature": 0, "ignore_eos": True})))
-        for _ in range(2)]
+    threads = [
+        threading.Thread(
+            target=lambda: results.append(
+                mgmt.post(
+                    "inference",
+                    f"/predictions/{MODEL}/1.0",
+                    json={"prompt": "Count: 1, 2,", "max_tokens": 64, "temperature": 0, "ignore_eos": True},
+                )
+            )
+        )
+        for _ in range(2)
+    ]
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:
         for t in threads:
             t.start()
-        mgmt.wait_for(lambda: sum(w["requestsInFlight"] for w in describe(
-            mgmt, f"/models/{MODEL}/1.0")[0]["workers"]) == 2, timeout=30, what="2 in flight")
+        mgmt.wait_for(
+            lambda: sum(w["requestsInFlight"] for w in describe(mgmt, f"/models/{MODEL}/1.0")[0]["workers"]) == 2,
+            timeout=30,
+            what="2 in flight",
+        )
         loads = [w["requestsInFlight"] for w in describe(mgmt, f"/models/{MODEL}/1.0")[0]["workers"]]
     finally:
         for pid in pids:
@@ -178,8 +197,7 @@ def test_scale_up_and_down(mgmt):
 
     r = mgmt.put("management", f"/models/{MODEL}/1.0?min_worker=1")  # asynchronous
     assert r.status == 202 and r.json() == {"status": "Processing worker updates..."}
-    mgmt.wait_for(lambda: len(describe(mgmt, f"/models/{MODEL}/1.0")[0]["workers"]) == 1,
-                  what="scaled down to 1")
+    mgmt.wait_for(lambda: len(describe(mgmt, f"/models/{MODEL}/1.0")[0]["workers"]) == 1, what="scaled down to 1")
     [desc] = describe(mgmt, f"/models/{MODEL}/1.0")
     [kept] = ready_pids(desc)
     [gone] = set(pids) - {kept}
@@ -195,8 +213,7 @@ def test_scale_up_and_down(mgmt):
 def test_set_default_routes_unversioned_requests(mgmt):
     r = mgmt.put("management", f"/models/{MODEL}/2.0/set-default")
     assert r.status == 200, r.text
-    assert r.json() == {"status": f'Default version successfully updated for model "{MODEL}" '
-                                  'to "2.0"'}
+    assert r.json() == {"status": f'Default version successfully updated for model "{MODEL}" to "2.0"'}
     [desc] = describe(mgmt)
     assert desc["modelVersion"] == "2.0" and desc["isDefault"]
     # With version 1.0 at zero workers, only 2.0 can answer an unversioned request.
@@ -211,8 +228,7 @@ def test_set_default_routes_unversioned_requests(mgmt):
 
 
 def test_snapshot_follows_every_change(mgmt):
-    assert {(m["name"], m["version"], m["url"], m["min_workers"], m["default"])
-            for m in snapshot_models(mgmt)} == {
+    assert {(m["name"], m["version"], m["url"], m["min_workers"], m["default"]) for m in snapshot_models(mgmt)} == {
         ("another", "1.0", ARCHIVE, 0, True),
         (MODEL, "1.0", ARCHIVE, 0, False),
         (MODEL, "2.0", TINY_ARCHIVE_V2, 1, True),

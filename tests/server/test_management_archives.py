@@ -28,10 +28,8 @@ def tiny_archives(tiny_store, tiny_model, tmp_path_factory):
     # startupTimeout: a start that hangs instead of failing is still given up on quickly.
     broken.write_text("startupTimeout: 20\nhandler:\n  max_model_len: 256\n  num_kv_blocks: 2\n")
     dest = tiny_store / "tiny"
-    write_archive(tiny_model, dest, model_name="tinyhandler", version="1.0", handler=str(handler),
-                  force=True)
-    write_archive(tiny_model, dest, model_name="tinybroken", version="1.0", config_file=broken,
-                  force=True)
+    write_archive(tiny_model, dest, model_name="tinyhandler", version="1.0", handler=str(handler), force=True)
+    write_archive(tiny_model, dest, model_name="tinybroken", version="1.0", config_file=broken, force=True)
     return {"handler": "tiny/tinyhandler.mar", "broken": "tiny/tinybroken.mar"}
 
 
@@ -64,6 +62,7 @@ def test_worker_that_cannot_start_is_retried_when_asynchronous(mgmt, tiny_archiv
     def failing():
         [w] = mgmt.get("management", "/models/tinybroken").json()[0]["workers"]
         return w["lastError"] and w["status"] in ("RESTARTING", "STARTING")
+
     mgmt.wait_for(failing, timeout=90, what="start failure recorded")
     assert mgmt.predict("tinybroken").status == 503
     assert mgmt.delete("management", "/models/tinybroken").status == 200
@@ -89,14 +88,12 @@ def test_unregister_and_scale_down_while_workers_start(mgmt):
     for _ in range(2):
         r = mgmt.post("management", f"/models?url={ARCHIVE}&initial_workers=2")
         assert r.status == 202, r.text
-        mgmt.wait_for(lambda: len(_workers_of()) == 2, timeout=60,
-                      what="both worker processes loading the model")
+        mgmt.wait_for(lambda: len(_workers_of()) == 2, timeout=60, what="both worker processes loading the model")
         r = mgmt.put("management", f"/models/{MODEL}?min_worker=1")
         assert r.status == 202, r.text
         r = mgmt.delete("management", f"/models/{MODEL}")
         assert r.status == 200, r.text
-        mgmt.wait_for(lambda: not _workers_of(), timeout=30,
-                      what="no worker process left")
+        mgmt.wait_for(lambda: not _workers_of(), timeout=30, what="no worker process left")
     assert mgmt.get("management", "/models").json() == {"models": []}
     r = mgmt.post("management", f"/models?url={ARCHIVE}&synchronous=true")
     assert r.status == 200, r.text
@@ -104,19 +101,29 @@ def test_unregister_and_scale_down_while_workers_start(mgmt):
     assert mgmt.delete("management", f"/models/{MODEL}").status == 200
 
 
-def test_snapshot_entries_that_cannot_be_restored_are_not_lost(inprocess_factory, tiny_archives, tmp_path,
-                                                                caplog):
+def test_snapshot_entries_that_cannot_be_restored_are_not_lost(inprocess_factory, tiny_archives, tmp_path, caplog):
     """A missing archive and a refused one stay in the snapshot for the next start; a version
     whose workers cannot start is registered anyway, its workers retrying in the background."""
     workdir = tmp_path / "srv"
     workdir.mkdir()
     entries = [
-        {"name": "tinybroken", "version": "1.0", "url": tiny_archives["broken"], "min_workers": 1,
-         "max_workers": 1, "default": True},
-        {"name": "gone", "version": "1.0", "url": "tiny/gone.mar", "min_workers": 1, "max_workers": 1,
-         "default": True},
-        {"name": "tinyhandler", "version": "1.0", "url": tiny_archives["handler"], "min_workers": 1,
-         "max_workers": 1, "default": True},
+        {
+            "name": "tinybroken",
+            "version": "1.0",
+            "url": tiny_archives["broken"],
+            "min_workers": 1,
+            "max_workers": 1,
+            "default": True,
+        },
+        {"name": "gone", "version": "1.0", "url": "tiny/gone.mar", "min_workers": 1, "max_workers": 1, "default": True},
+        {
+            "name": "tinyhandler",
+            "version": "1.0",
+            "url": tiny_archives["handler"],
+            "min_workers": 1,
+            "max_workers": 1,
+            "default": True,
+        },
     ]
     (workdir / "snapshot.json").write_text(json.dumps({"format": 1, "models": entries}))
     server = inprocess_factory(snapshot_path=str(workdir / "snapshot.json"), ready=False)
@@ -125,8 +132,11 @@ def test_snapshot_entries_that_cannot_be_restored_are_not_lost(inprocess_factory
     assert [m["modelName"] for m in server.get("management", "/models").json()["models"]] == ["tinybroken"]
     [w] = server.get("management", "/models/tinybroken").json()[0]["workers"]
     assert w["status"] in ("STARTING", "RESTARTING")
-    server.wait_for(lambda: server.get("management", "/models/tinybroken").json()[0]["workers"][0]["lastError"],
-                    timeout=60, what="the start failure recorded")
+    server.wait_for(
+        lambda: server.get("management", "/models/tinybroken").json()[0]["workers"][0]["lastError"],
+        timeout=60,
+        what="the start failure recorded",
+    )
     log = caplog.text
     assert "could not restore gone 1.0" in log and "could not restore tinyhandler 1.0" in log
     saved = json.loads((workdir / "snapshot.json").read_text())["models"]

@@ -18,6 +18,7 @@ from tests.server.conftest import TINY_ARCHIVE as ARCHIVE
 def server(inprocess_factory):
     return inprocess_factory(load_models=[f"{MODEL}={ARCHIVE}"])
 
+
 # (method, path, status with the right token) while the model API is off: register and
 # unregister answer 405 once authorized.
 ROUTES = [
@@ -41,8 +42,7 @@ def test_every_management_route_needs_the_management_key(server, method, path, o
         assert r.status == 401, (method, path, token, r.text)
         body = r.json()
         assert body["code"] == 401 and body["type"] and "Token" in body["message"]
-    r = server.request(method, "management", path, headers={"Authorization": "Basic abc"},
-                       token=None)
+    r = server.request(method, "management", path, headers={"Authorization": "Basic abc"}, token=None)
     assert r.status == 401
     r = server.request(method, "management", path)  # the right key
     assert r.status == ok_status, (method, path, r.text)

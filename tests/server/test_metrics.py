@@ -25,8 +25,7 @@ def scrape(server) -> dict[str, list]:
 
 
 def value(samples, name, **labels) -> float:
-    found = [s.value for s in samples.get(name, []) if all(s.labels.get(k) == v
-                                                           for k, v in labels.items())]
+    found = [s.value for s in samples.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())]
     assert found, (name, labels, sorted(samples))
     return sum(found)
 
@@ -36,8 +35,11 @@ def test_requests_and_engine_figures(server):
         r = server.predict(MODEL, prompt=LONG_PROMPT, max_tokens=6)
         assert r.status == 200, r.text
     assert server.predict("no-such-model").status == 404
-    server.wait_for(lambda: value(scrape(server), "pagedserve_kv_blocks_used", model=MODEL) == 0,
-                    timeout=10, what="KV blocks released")
+    server.wait_for(
+        lambda: value(scrape(server), "pagedserve_kv_blocks_used", model=MODEL) == 0,
+        timeout=10,
+        what="KV blocks released",
+    )
     m = scrape(server)
     assert value(m, "pagedserve_requests_total", model=MODEL, status="200") >= 2
     assert value(m, "pagedserve_requests_total", status="404") >= 1

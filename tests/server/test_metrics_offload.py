@@ -13,15 +13,22 @@ from server.routing import Router
 
 
 def _worker(hits_cpu: int, hits_disk: int, stored: int, offload: bool = True):
-    counters = KVOffloadStats(hit_tokens_cpu=hits_cpu, hit_tokens_disk=hits_disk, stored_tokens=stored,
-                              loaded_bytes=10 * (hits_cpu + hits_disk), load_time_s=0.5, faults=1)
+    counters = KVOffloadStats(
+        hit_tokens_cpu=hits_cpu,
+        hit_tokens_disk=hits_disk,
+        stored_tokens=stored,
+        loaded_bytes=10 * (hits_cpu + hits_disk),
+        load_time_s=0.5,
+        faults=1,
+    )
     stats = SchedulerStats(num_kv_blocks=8, num_free_blocks=8, kv_offload=counters.as_dict() if offload else None)
     return SimpleNamespace(name=f"w{id(stats)}", stats=stats)
 
 
 def _version(name: str, workers: list):
-    return SimpleNamespace(name=name, version="1.0", in_flight=0, router=Router(),
-                           pool=SimpleNamespace(ready_engines=lambda: workers))
+    return SimpleNamespace(
+        name=name, version="1.0", in_flight=0, router=Router(), pool=SimpleNamespace(ready_engines=lambda: workers)
+    )
 
 
 def _samples(metrics: ServerMetrics) -> dict[tuple, float]:

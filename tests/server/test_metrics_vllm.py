@@ -39,8 +39,7 @@ def scrape(server, query: str = "") -> dict[str, dict]:
 
 def value(families, sample: str, default: float | None = None, **labels) -> float:
     for fam in families.values():
-        found = [s.value for s in fam.get(sample, [])
-                 if all(s.labels.get(k) == v for k, v in labels.items())]
+        found = [s.value for s in fam.get(sample, []) if all(s.labels.get(k) == v for k, v in labels.items())]
         if found:
             return sum(found)
     if default is not None:
@@ -49,20 +48,30 @@ def value(families, sample: str, default: float | None = None, **labels) -> floa
 
 
 def complete(server, max_tokens: int, prompt: str = PROMPT) -> dict:
-    r = server.post("inference", "/v1/completions",
-                    json={"model": TINY, "prompt": prompt, "max_tokens": max_tokens,
-                          "temperature": 0, "ignore_eos": True})
+    r = server.post(
+        "inference",
+        "/v1/completions",
+        json={"model": TINY, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status == 200, r.text
     return r.json()
 
 
 def test_vllm_names_move_after_requests(vllm_server):
     # Idle first (the workers push their stats about once a second).
-    vllm_server.wait_for(lambda: value(scrape(vllm_server), "vllm:kv_cache_usage_perc",
-                                       model_name=TINY) == 0, timeout=30, what="KV cache idle")
+    vllm_server.wait_for(
+        lambda: value(scrape(vllm_server), "vllm:kv_cache_usage_perc", model_name=TINY) == 0,
+        timeout=30,
+        what="KV cache idle",
+    )
     before = scrape(vllm_server)
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
+    ):
         assert before[name], name  # the engine families, present before any request
     queries0 = value(before, "vllm:prefix_cache_queries_total", model_name=TINY)
     hits0 = value(before, "vllm:prefix_cache_hits_total", model_name=TINY)
@@ -71,8 +80,11 @@ def test_vllm_names_move_after_requests(vllm_server):
     prompt_tokens = first["usage"]["prompt_tokens"]
     assert second["usage"]["completion_tokens"] == 5
     # The workers push their stats about once a second: wait until the cache counters moved.
-    vllm_server.wait_for(lambda: value(scrape(vllm_server), "vllm:prefix_cache_hits_total",
-                                       model_name=TINY) > hits0, timeout=30, what="cache hits")
+    vllm_server.wait_for(
+        lambda: value(scrape(vllm_server), "vllm:prefix_cache_hits_total", model_name=TINY) > hits0,
+        timeout=30,
+        what="cache hits",
+    )
     after = scrape(vllm_server)
     v = lambda name, **kw: value(after, name, model_name=TINY, **kw)  # noqa: E731
 
@@ -118,11 +130,17 @@ def test_grafana_dashboard_queries_exposed_names(vllm_server):
 
 def test_name_filter_as_torchserve(vllm_server):
     complete(vllm_server, 2, prompt="Filter " + PROMPT)
-    only = scrape(vllm_server, "?name[]=vllm:num_requests_running&name[]=pagedserve_requests_total"
-                               "&name[]=vllm:e2e_request_latency_seconds_bucket")
+    only = scrape(
+        vllm_server,
+        "?name[]=vllm:num_requests_running&name[]=pagedserve_requests_total"
+        "&name[]=vllm:e2e_request_latency_seconds_bucket",
+    )
     # (the text parser reads each counter's and histogram's `_created` sample as a family)
     assert sorted(n for n in only if not n.endswith("_created")) == [
-        "pagedserve_requests", "vllm:e2e_request_latency_seconds", "vllm:num_requests_running"]
+        "pagedserve_requests",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:num_requests_running",
+    ]
     assert "vllm:e2e_request_latency_seconds_count" in only["vllm:e2e_request_latency_seconds"]
     assert scrape(vllm_server, "?name[]=no_such_metric") == {}
 

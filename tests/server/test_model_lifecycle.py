@@ -31,12 +31,17 @@ def lc_store(tmp_path_factory, tiny_model):
     from engine.model.archive import write_archive
 
     store = tmp_path_factory.mktemp("lc_store")
-    for name, version, extra in ((MODEL, "1.0", ""), (MODEL, "2.0", ""), (MODEL, "3.0", ""),
-                                 ("lcka", "1.0", "keepAlive: 1\n")):
+    for name, version, extra in (
+        (MODEL, "1.0", ""),
+        (MODEL, "2.0", ""),
+        (MODEL, "3.0", ""),
+        ("lcka", "1.0", "keepAlive: 1\n"),
+    ):
         config = tmp_path_factory.mktemp("lc-config") / "model-config.yaml"
         config.write_text(CONFIG.format(extra=extra))
-        built = write_archive(tiny_model, tmp_path_factory.mktemp("lc-build"), model_name=name,
-                              version=version, config_file=config)
+        built = write_archive(
+            tiny_model, tmp_path_factory.mktemp("lc-build"), model_name=name, version=version, config_file=config
+        )
         built.rename(store / f"{name}-{version}.mar")
     return store
 
@@ -44,11 +49,11 @@ def lc_store(tmp_path_factory, tiny_model):
 @pytest.fixture(scope="module")
 def srv(inprocess_factory, lc_store, tmp_path_factory):
     snapshot = tmp_path_factory.mktemp("lc-snapshot") / "snapshot.json"
-    server = inprocess_factory(model_store=str(lc_store), enable_model_api=True,
-                               memory_budget="8GiB", snapshot_path=str(snapshot))
+    server = inprocess_factory(
+        model_store=str(lc_store), enable_model_api=True, memory_budget="8GiB", snapshot_path=str(snapshot)
+    )
     for name, version in ((MODEL, "1.0"), (MODEL, "2.0"), (MODEL, "3.0"), ("lcka", "1.0")):
-        r = server.post("management", f"/models?url={name}-{version}.mar&initial_workers=0"
-                                      "&synchronous=true")
+        r = server.post("management", f"/models?url={name}-{version}.mar&initial_workers=0&synchronous=true")
         assert r.status == 200, r.text
     return server
 
@@ -99,8 +104,12 @@ class RssSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            pids = [s.engine.pid for v in list(self.srv.state.registry.all_versions())
-                    for s in list(v.pool.slots) if s.engine is not None and s.engine.pid]
+            pids = [
+                s.engine.pid
+                for v in list(self.srv.state.registry.all_versions())
+                for s in list(v.pool.slots)
+                if s.engine is not None and s.engine.pid
+            ]
             self.peak = max(self.peak, sum(resident_bytes(p) for p in pids))
             self.samples += 1
             self._stop.wait(0.1)
@@ -137,13 +146,14 @@ def test_three_versions_in_a_budget_of_two_lru_pinning_and_requests_in_flight(sr
         assert (desc["state"], desc["pinned"], desc["expiresAt"]) == ("loaded", True, None)
     assert sampler.samples > 5
     assert sampler.peak <= budget, (sampler.peak, budget)
-    gauges = {line.split()[0]: float(line.split()[1])
-              for line in srv.get("metrics", "/metrics").text.splitlines()
-              if line.startswith("pagedserve_memory_budget")}
+    gauges = {
+        line.split()[0]: float(line.split()[1])
+        for line in srv.get("metrics", "/metrics").text.splitlines()
+        if line.startswith("pagedserve_memory_budget")
+    }
     assert gauges["pagedserve_memory_budget_bytes"] == budget
     assert gauges["pagedserve_memory_budget_used_bytes"] >= 2 * footprint["weights"]
-    assert gauges["pagedserve_memory_budget_free_bytes"] == (
-        budget - gauges["pagedserve_memory_budget_used_bytes"])
+    assert gauges["pagedserve_memory_budget_free_bytes"] == (budget - gauges["pagedserve_memory_budget_used_bytes"])
     # A request in flight on 2.0 (held open here) keeps it from being evicted: a load of 1.0
     # that cannot fit otherwise gets 503 with the reason, and nothing serving is disturbed.
     held = entry(srv, "2.0").admit()
@@ -188,17 +198,14 @@ def test_keep_alive_from_the_model_config_from_the_request_zero_and_forever(srv)
     assert out["choices"][0]["token_ids"]
     desc = describe(srv, "2.0")
     assert desc["state"] == "loaded" and desc["expiresAt"] is None
-    srv.wait_for(lambda: describe(srv, "1.0", model="lcka")["state"] == "unloaded", 60,
-                 what="keep-alive unload")
+    srv.wait_for(lambda: describe(srv, "1.0", model="lcka")["state"] == "unloaded", 60, what="keep-alive unload")
     assert describe(srv, "2.0")["state"] == "loaded"
 
 
 def test_bad_keep_alive_is_a_400_naming_the_field(srv):
-    r = srv.post("inference", f"/predictions/{MODEL}/2.0",
-                 json={"prompt": "hi", "max_tokens": 2, "keep_alive": "soon"})
+    r = srv.post("inference", f"/predictions/{MODEL}/2.0", json={"prompt": "hi", "max_tokens": 2, "keep_alive": "soon"})
     assert r.status == 400 and "keep_alive" in r.json()["message"]
-    r = srv.post("inference", "/v1/completions",
-                 json={"model": f"{MODEL}@2.0", "prompt": "hi", "keep_alive": True})
+    r = srv.post("inference", "/v1/completions", json={"model": f"{MODEL}@2.0", "prompt": "hi", "keep_alive": True})
     assert r.status == 400 and r.json()["error"]["param"] == "keep_alive"
 
 
@@ -250,8 +257,7 @@ def test_the_lifecycle_api_needs_the_model_api(inprocess_factory, lc_store):
     assert server.put("management", f"/models/{MODEL}/1.0/sleep", token=None).status == 401
 
 
-def test_the_snapshot_keeps_the_states_and_a_restart_restores_them(srv, inprocess_factory,
-                                                                   lc_store, tmp_path):
+def test_the_snapshot_keeps_the_states_and_a_restart_restores_them(srv, inprocess_factory, lc_store, tmp_path):
     srv.state.registry.lifecycle.budget.total = 8 << 30
     for v in ("1.0", "2.0", "3.0"):
         assert srv.put("management", f"/models/{MODEL}/{v}/unpin").status == 200
@@ -262,16 +268,19 @@ def test_the_snapshot_keeps_the_states_and_a_restart_restores_them(srv, inproces
     predict(srv, "3.0", keep_alive=-1)
     assert srv.put("management", f"/models/{MODEL}/3.0/sleep").status == 200
     assert srv.put("management", f"/models/{MODEL}/1.0/pin").status == 200
-    saved = {e["version"]: (e["state"], e["pinned"])
-             for e in json.loads(open(srv.config.snapshot_path).read())["models"]
-             if e["name"] == MODEL}
+    saved = {
+        e["version"]: (e["state"], e["pinned"])
+        for e in json.loads(open(srv.config.snapshot_path).read())["models"]
+        if e["name"] == MODEL
+    }
     expected = {"1.0": ("unloaded", True), "2.0": ("loaded", False), "3.0": ("sleeping", False)}
     assert saved == expected
     snapshot = tmp_path / "snapshot.json"
     snapshot.write_bytes(open(srv.config.snapshot_path, "rb").read())
     reset(srv)  # the second server's workers must fit beside what is left of this one
-    again = inprocess_factory(model_store=str(lc_store), enable_model_api=True,
-                              memory_budget="8GiB", snapshot_path=str(snapshot))
+    again = inprocess_factory(
+        model_store=str(lc_store), enable_model_api=True, memory_budget="8GiB", snapshot_path=str(snapshot)
+    )
     again.wait_for(lambda: "pagedserve: ready" in again.log_text(), what="restore finished")
     states = {v: (describe(again, v)["state"], describe(again, v)["pinned"]) for v in expected}
     assert states == expected

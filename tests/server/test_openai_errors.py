@@ -29,8 +29,9 @@ ASK = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def server(inprocess_factory):
-    server = inprocess_factory(load_models=[f"{MODEL}={ARCHIVE}"], enable_model_api=True, job_queue_size=1,
-                               max_request_size=MAX_REQUEST)
+    server = inprocess_factory(
+        load_models=[f"{MODEL}={ARCHIVE}"], enable_model_api=True, job_queue_size=1, max_request_size=MAX_REQUEST
+    )
     r = server.post("management", f"/models?url={TINY_ARCHIVE_V2}&response_timeout=3&synchronous=true")
     assert r.status == 200, r.text
     return server
@@ -38,8 +39,9 @@ def server(inprocess_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url("inference", "/v1"), api_key=server.keys["inference"],
-                         max_retries=0, timeout=120)
+    return openai.OpenAI(
+        base_url=server.url("inference", "/v1"), api_key=server.keys["inference"], max_retries=0, timeout=120
+    )
 
 
 def error_of(exc: openai.APIStatusError, status: int, kind: str) -> dict:
@@ -81,8 +83,9 @@ def test_429_when_a_client_exceeds_its_share_of_grammar_checks(server, client):
     grammar.per_client_admitted = 0
     try:
         with pytest.raises(openai.RateLimitError) as err:
-            client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4,
-                                           response_format={"type": "json_object"})
+            client.chat.completions.create(
+                model=MODEL, messages=ASK, max_tokens=4, response_format={"type": "json_object"}
+            )
     finally:
         grammar.per_client_admitted = share
     assert error_of(err.value, 429, "rate_limit_error")["code"] == 429
@@ -93,8 +96,9 @@ def test_503_when_the_queue_is_full(server, client):
     pid = observe.worker(server, MODEL, "1.0")["pid"]
     version = server.state.registry.resolve(MODEL, "1.0")
     answers = []
-    first = threading.Thread(target=lambda: answers.append(
-        client.completions.create(model=f"{MODEL}@1.0", prompt="x", max_tokens=2)))
+    first = threading.Thread(
+        target=lambda: answers.append(client.completions.create(model=f"{MODEL}@1.0", prompt="x", max_tokens=2))
+    )
     os.kill(pid, signal.SIGSTOP)  # the first request stays in flight (jobQueueSize 1)
     try:
         first.start()
@@ -125,8 +129,7 @@ def test_503_while_draining(inprocess_factory):
     draining = inprocess_factory()  # no model: nothing to start
     draining.loop.call_soon_threadsafe(draining.state.drain.begin)
     draining.wait_for(lambda: draining.state.draining, timeout=10, what="draining")
-    client = openai.OpenAI(base_url=draining.url("inference", "/v1"), api_key=draining.keys["inference"],
-                           max_retries=0)
+    client = openai.OpenAI(base_url=draining.url("inference", "/v1"), api_key=draining.keys["inference"], max_retries=0)
     with pytest.raises(openai.InternalServerError) as err:
         client.models.list()
     assert "shutting down" in error_of(err.value, 503, "service_unavailable")["message"]

@@ -26,18 +26,41 @@ class Weather(pydantic.BaseModel, extra="forbid"):
 
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                      "parameters": Weather.model_json_schema()}},
-    {"type": "function", "function": {"name": "get_time", "description": "Current time in a time zone",
-                                      "parameters": {"type": "object", "properties": {"zone": {"type": "string"}},
-                                                     "required": ["zone"], "additionalProperties": False}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": Weather.model_json_schema(),
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Current time in a time zone",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"type": "string"}},
+                "required": ["zone"],
+                "additionalProperties": False,
+            },
+        },
+    },
 ]
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
 def test_required_tool_call_validates_against_the_schema(client):
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
-                                       parallel_tool_calls=False, max_tokens=60, temperature=0)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=60,
+        temperature=0,
+    )
     [choice] = r.choices
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [call] = choice.message.tool_calls
@@ -71,8 +94,9 @@ def test_forced_tool_calls_end_by_themselves(client, tools, choice, parallel):
     finish_reason "length"."""
     kwargs = {} if parallel is None else {"parallel_tool_calls": parallel}
     tool_choice = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
-    r = client.chat.completions.create(model=MODEL, messages=MANY, tools=tools, tool_choice=tool_choice,
-                                       temperature=0, **kwargs)
+    r = client.chat.completions.create(
+        model=MODEL, messages=MANY, tools=tools, tool_choice=tool_choice, temperature=0, **kwargs
+    )
     [choice_out] = r.choices
     assert choice_out.finish_reason == "tool_calls", choice_out
     calls = choice_out.message.tool_calls
@@ -86,23 +110,37 @@ def test_forced_tool_calls_end_by_themselves(client, tools, choice, parallel):
 
 def test_named_function_and_a_round_trip_with_the_tool_result(client):
     r = client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=60,
+        temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     [call] = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
     weather = Weather.model_validate_json(call.function.arguments)
-    history = ASK + [r.choices[0].message.model_dump(exclude_none=True),
-                     {"role": "tool", "tool_call_id": call.id, "content": f"18 degrees {weather.unit}, sunny"}]
-    answer = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none",
-                                            max_tokens=40, temperature=0)
+    history = ASK + [
+        r.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": f"18 degrees {weather.unit}, sunny"},
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=40, temperature=0
+    )
     assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
     plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1).usage.prompt_tokens
     assert answer.usage.prompt_tokens > plain + 20  # the call and its result are in the prompt
 
 
 def test_streamed_tool_call_reassembled_by_the_sdk(client):
-    kwargs = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 60, "temperature": 0,
-              "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    kwargs = {
+        "model": MODEL,
+        "messages": ASK,
+        "tools": TOOLS,
+        "max_tokens": 60,
+        "temperature": 0,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    }
     with client.chat.completions.stream(**kwargs) as stream:
         chunks = [event.chunk for event in stream if event.type == "chunk"]
         final = stream.get_final_completion()
@@ -129,8 +167,14 @@ def test_auto_answers_with_text_or_a_parsed_call(client):
 
 def test_langchain_bind_tools(server):
     langchain_openai = pytest.importorskip("langchain_openai")
-    llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=server.url("inference", "/v1"),
-                                      api_key=server.keys["inference"], temperature=0, max_tokens=60, max_retries=0)
+    llm = langchain_openai.ChatOpenAI(
+        model=MODEL,
+        base_url=server.url("inference", "/v1"),
+        api_key=server.keys["inference"],
+        temperature=0,
+        max_tokens=60,
+        max_retries=0,
+    )
     weather = TOOLS[0]
     message = llm.bind_tools([weather], tool_choice="get_weather").invoke("What is the weather like in Paris?")
     [call] = message.tool_calls
@@ -141,9 +185,17 @@ def test_langchain_bind_tools(server):
 def test_litellm_completion_with_tools(server, monkeypatch):
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import
     litellm = pytest.importorskip("litellm")
-    r = litellm.completion(model=f"openai/{MODEL}", api_base=server.url("inference", "/v1"),
-                           api_key=server.keys["inference"], messages=ASK, tools=TOOLS, tool_choice="required",
-                           parallel_tool_calls=False, max_tokens=60, temperature=0)
+    r = litellm.completion(
+        model=f"openai/{MODEL}",
+        api_base=server.url("inference", "/v1"),
+        api_key=server.keys["inference"],
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=60,
+        temperature=0,
+    )
     [call] = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name in {"get_weather", "get_time"}
     assert isinstance(json.loads(call.function.arguments), dict)

@@ -28,8 +28,11 @@ def server(inprocess_factory):
 
 def served(app: web.Application) -> set[tuple[str, str]]:
     """(method, path) of every route the app serves (aiohttp's automatic HEAD aside)."""
-    return {(r.method.lower(), openapi.PATH_PARAM.sub(r"{\1}", r.resource.canonical))
-            for r in app.router.routes() if r.method != "HEAD"}
+    return {
+        (r.method.lower(), openapi.PATH_PARAM.sub(r"{\1}", r.resource.canonical))
+        for r in app.router.routes()
+        if r.method != "HEAD"
+    }
 
 
 @pytest.mark.parametrize("api", ["inference", "management"])
@@ -57,7 +60,10 @@ def test_the_description_lists_every_route(server, apps, api):
 def test_the_description_carries_bodies_and_query_parameters(server):
     inference = server.get("inference", "/api-description").json()["paths"]
     assert set(inference["/predictions/{model}"]["put"]["requestBody"]["content"]) >= {
-        "application/json", "text/plain", "multipart/form-data"}
+        "application/json",
+        "text/plain",
+        "multipart/form-data",
+    }
     assert "/v1/models/{model}:predict" in inference and "/v2/models/{model}/infer" in inference
     management = server.get("management", "/api-description").json()["paths"]
     register = {p["name"]: p for p in management["/models"]["post"]["parameters"]}

@@ -64,8 +64,9 @@ def test_keys_come_from_flags_and_the_environment(tmp_path):
     add_serve_parser(parser.add_subparsers())
     args = parser.parse_args(["serve", "--inference-key", KEY_A, "--keep-key-file", "--health-needs-token"])
     assert (args.inference_key, args.keep_key_file, args.health_needs_token) == (KEY_A, True, True)
-    config = load_server_config(env={"PAGEDSERVE_INFERENCE_KEY": KEY_A, "PAGEDSERVE_MANAGEMENT_KEY": KEY_B,
-                                     "PAGEDSERVE_KEEP_KEY_FILE": "true"})
+    config = load_server_config(
+        env={"PAGEDSERVE_INFERENCE_KEY": KEY_A, "PAGEDSERVE_MANAGEMENT_KEY": KEY_B, "PAGEDSERVE_KEEP_KEY_FILE": "true"}
+    )
     assert (config.inference_key, config.management_key, config.keep_key_file) == (KEY_A, KEY_B, True)
     for bad in ("short", "has a space in it......", "x" * 513):
         with pytest.raises(ServerConfigError, match="inference_key") as info:
@@ -95,8 +96,14 @@ def test_a_kept_key_file_survives_a_restart(inprocess_factory, tmp_path):
 def test_a_broken_key_file_is_not_kept(tmp_path):
     key_file = tmp_path / "keys.json"
     key_file.write_text('{"inference": {"key": "x"}}')
-    srv = InProcessServer(ServerConfig(key_file=str(key_file), keep_key_file=True, snapshot_path=None,
-                                       **{f"{a}_address": "127.0.0.1:0" for a in ("inference", "management", "metrics")}))
+    srv = InProcessServer(
+        ServerConfig(
+            key_file=str(key_file),
+            keep_key_file=True,
+            snapshot_path=None,
+            **{f"{a}_address": "127.0.0.1:0" for a in ("inference", "management", "metrics")},
+        )
+    )
     try:
         with pytest.raises(ServerConfigError, match="cannot be kept"):
             srv.start()
@@ -110,9 +117,15 @@ def test_a_failed_second_start_leaves_the_key_file_untouched(inprocess_factory):
     key_file = running.config.key_file
     before, mtime = Path(key_file).read_bytes(), os.stat(key_file).st_mtime_ns
     port = running.ports["inference"]
-    second = InProcessServer(ServerConfig(
-        key_file=key_file, snapshot_path=None, inference_address=f"127.0.0.1:{port}",
-        management_address="127.0.0.1:0", metrics_address="127.0.0.1:0"))
+    second = InProcessServer(
+        ServerConfig(
+            key_file=key_file,
+            snapshot_path=None,
+            inference_address=f"127.0.0.1:{port}",
+            management_address="127.0.0.1:0",
+            metrics_address="127.0.0.1:0",
+        )
+    )
     try:
         with pytest.raises(OSError):
             second.start()

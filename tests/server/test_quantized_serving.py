@@ -28,18 +28,31 @@ def quantized_server(inprocess_factory, tiny_model, tmp_path_factory):
 
 
 def test_predictions_and_openai_routes_serve_the_quantized_archive(quantized_server, tiny_model):
-    r = quantized_server.post("inference", f"/predictions/{NAME}",
-                              json={"prompt": "1, 2, 3,", "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+    r = quantized_server.post(
+        "inference",
+        f"/predictions/{NAME}",
+        json={"prompt": "1, 2, 3,", "max_tokens": 5, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status == 200, r.text()
     assert len(r.json()["choices"][0]["token_ids"]) == 5
-    r = quantized_server.post("inference", "/v1/completions",
-                              json={"model": NAME, "prompt": "1, 2, 3,", "max_tokens": 4, "temperature": 0,
-                                    "ignore_eos": True})
+    r = quantized_server.post(
+        "inference",
+        "/v1/completions",
+        json={"model": NAME, "prompt": "1, 2, 3,", "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status == 200, r.text()
     assert r.json()["usage"]["completion_tokens"] == 4
-    r = quantized_server.post("inference", "/v1/chat/completions",
-                              json={"model": NAME, "messages": [{"role": "user", "content": "Hi"}],
-                                    "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+    r = quantized_server.post(
+        "inference",
+        "/v1/chat/completions",
+        json={
+            "model": NAME,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 3,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     assert r.status == 200, r.text()
     assert r.json()["usage"]["completion_tokens"] == 3
     # The worker's pool is sized for fp8 rows (16 codes + a 2-byte scale instead of 16 float32s).

@@ -26,8 +26,10 @@ def paths(tmp_path_factory, tiny_model) -> dict[str, Path]:
     shutil.copytree(tiny_model, base)
     (base / "chat_template.jinja").unlink()  # a base model: no chat template
     out = {"base": base}
-    for name, update in {"gpt2": {"architectures": ["GPT2LMHeadModel"]},
-                         "yarn": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}}.items():
+    for name, update in {
+        "gpt2": {"architectures": ["GPT2LMHeadModel"]},
+        "yarn": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+    }.items():
         folder = root / name
         folder.mkdir()
         config = json.loads((tiny_model / "config.json").read_text())
@@ -70,12 +72,15 @@ def _no_worker_started(mgmt) -> None:
     assert not mgmt.server.state.registry.all_versions()
 
 
-@pytest.mark.parametrize("case, message", [
-    ("gpt2", r"unsupported architecture GPT2LMHeadModel; supported: LlamaForCausalLM, .*Gemma3ForCausalLM"),
-    ("yarn", r"unsupported rope type 'yarn'; supported: default, linear, llama3, longrope"),
-    ("iq2", r"unsupported GGUF tensor type IQ2_XXS in iq2.gguf; supported: F32, .*Q4_K, Q5_K, Q6_K"),
-    ("bert", r"unsupported GGUF architecture 'bert'; supported: llama, .*gemma3"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("gpt2", r"unsupported architecture GPT2LMHeadModel; supported: LlamaForCausalLM, .*Gemma3ForCausalLM"),
+        ("yarn", r"unsupported rope type 'yarn'; supported: default, linear, llama3, longrope"),
+        ("iq2", r"unsupported GGUF tensor type IQ2_XXS in iq2.gguf; supported: F32, .*Q4_K, Q5_K, Q6_K"),
+        ("bert", r"unsupported GGUF architecture 'bert'; supported: llama, .*gemma3"),
+    ],
+)
 def test_unsupported_models_are_refused_naming_them(mgmt, paths, case, message):
     r = _register(mgmt, paths[case])
     assert r.status == 400, r.text
@@ -99,8 +104,11 @@ def test_base_model_completes_but_chat_names_the_missing_template(mgmt, paths):
     try:
         ok = mgmt.post("inference", "/v1/completions", json={"model": "base", "prompt": "1, 2,", "max_tokens": 3})
         assert ok.status == 200, ok.text
-        chat = mgmt.post("inference", "/v1/chat/completions", json={
-            "model": "base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        chat = mgmt.post(
+            "inference",
+            "/v1/chat/completions",
+            json={"model": "base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        )
         assert chat.status == 400, chat.text
         assert "has no chat template" in chat.json()["error"]["message"]
         described = mgmt.get("management", "/models/base").json()[0]["model"]
@@ -113,8 +121,11 @@ def test_a_registration_can_supply_the_chat_template(mgmt, paths):
     r = _register(mgmt, paths["base"], model_name="chatty", chat_template=TEMPLATE)
     assert r.status == 200, r.text
     try:
-        chat = mgmt.post("inference", "/v1/chat/completions", json={
-            "model": "chatty", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        chat = mgmt.post(
+            "inference",
+            "/v1/chat/completions",
+            json={"model": "chatty", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        )
         assert chat.status == 200, chat.text
     finally:
         assert mgmt.request("DELETE", "management", "/models/chatty").status == 200

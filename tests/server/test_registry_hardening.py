@@ -47,8 +47,7 @@ def tiny_store(tiny_model, tmp_path_factory) -> Path:
     config.write_text(TINY_CONFIG)
     build = tmp_path_factory.mktemp("build")
     for version, file_name in (("1.0", "tiny.mar"), ("2.0", "tiny-v2.mar")):
-        written = write_archive(tiny_model, build / version, model_name="tiny", version=version,
-                                config_file=config)
+        written = write_archive(tiny_model, build / version, model_name="tiny", version=version, config_file=config)
         written.rename(store / file_name)
     return store
 
@@ -90,8 +89,9 @@ def test_names_in_torchserve_characters_are_accepted(name):
     assert check_version("1.0-rc_2") == "1.0-rc_2"
 
 
-@pytest.mark.parametrize("name", ["a" * 10_000, "a" * (MAX_NAME_LENGTH + 1), "a/b", "a b", "",
-                                  "1abc", "tiny\n", "ti%2Fny", "é", None, 3])
+@pytest.mark.parametrize(
+    "name", ["a" * 10_000, "a" * (MAX_NAME_LENGTH + 1), "a/b", "a b", "", "1abc", "tiny\n", "ti%2Fny", "é", None, 3]
+)
 def test_names_outside_the_rule_are_refused_naming_it(name):
     with pytest.raises(ValueError, match=f"at most {MAX_NAME_LENGTH} characters"):
         check_model_name(name)
@@ -100,8 +100,7 @@ def test_names_outside_the_rule_are_refused_naming_it(name):
 def test_registration_refuses_a_name_that_could_never_be_unregistered(tiny_store, tmp_path):
     async def scenario(registry, snapshot, archives):
         with pytest.raises(ValueError, match="model name 'aaaa"):
-            await registry.register(archives["tiny.mar"], url="tiny.mar", name="a" * 10_000,
-                                    initial_workers=0)
+            await registry.register(archives["tiny.mar"], url="tiny.mar", name="a" * 10_000, initial_workers=0)
         assert registry.models == {}
         assert not (tmp_path / "snapshot.json").exists()
 
@@ -111,8 +110,7 @@ def test_registration_refuses_a_name_that_could_never_be_unregistered(tiny_store
 # -- finding 8 and 5: worker counts and timeouts ------------------------------------------------
 def test_worker_counts_stay_within_the_versions_maximum(tiny_store, tmp_path):
     async def scenario(registry, snapshot, archives):
-        with pytest.raises(ValueError, match="min_worker: 3 must not exceed the archive's "
-                                             "maxWorkers: 2"):
+        with pytest.raises(ValueError, match="min_worker: 3 must not exceed the archive's maxWorkers: 2"):
             await registry.register(archives["tiny.mar"], url="tiny.mar", initial_workers=3)
         entry = await registry.register(archives["tiny.mar"], url="tiny.mar", initial_workers=0)
         assert (entry.min_workers, entry.max_workers) == (0, 2)
@@ -130,13 +128,12 @@ def test_worker_counts_stay_within_the_versions_maximum(tiny_store, tmp_path):
 
 def test_huge_timeouts_are_refused_naming_them(tiny_store, tmp_path):
     async def scenario(registry, snapshot, archives):
-        with pytest.raises(ValueError, match="response_timeout: must be <= 86400 seconds, got "
-                                             "1000000000000000000000"):
-            await registry.register(archives["tiny.mar"], url="tiny.mar", initial_workers=0,
-                                    response_timeout=10**21)
+        with pytest.raises(ValueError, match="response_timeout: must be <= 86400 seconds, got 1000000000000000000000"):
+            await registry.register(archives["tiny.mar"], url="tiny.mar", initial_workers=0, response_timeout=10**21)
         assert registry.models == {}
-        entry = await registry.register(archives["tiny.mar"], url="tiny.mar", initial_workers=0,
-                                        response_timeout=86_400)
+        entry = await registry.register(
+            archives["tiny.mar"], url="tiny.mar", initial_workers=0, response_timeout=86_400
+        )
         assert entry.model_config.response_timeout == 86_400
         with pytest.raises(ValueError, match="timeout: must be <= 86400 seconds, got 1000"):
             await registry.scale(entry, 0, synchronous=True, timeout=10**400)
@@ -190,13 +187,14 @@ def test_a_failed_save_undoes_every_kind_of_change(tiny_store, tmp_path):
 
 
 def test_malformed_snapshot_entries_are_skipped_and_kept(tmp_path, caplog):
-    good = {"name": "tiny", "version": "1.0", "url": "tiny.mar", "min_workers": 1,
-            "max_workers": 2, "default": True}
-    bad = [{**good, "version": "2.0", "min_workers": "1"},  # a wrong type
-           {k: v for k, v in good.items() if k != "url"} | {"version": "3.0"},  # a missing key
-           {**good, "name": "a" * 10_000},  # a name no URL can hold
-           {**good, "version": "4.0", "workers": 1},  # an unknown key
-           "not an entry"]
+    good = {"name": "tiny", "version": "1.0", "url": "tiny.mar", "min_workers": 1, "max_workers": 2, "default": True}
+    bad = [
+        {**good, "version": "2.0", "min_workers": "1"},  # a wrong type
+        {k: v for k, v in good.items() if k != "url"} | {"version": "3.0"},  # a missing key
+        {**good, "name": "a" * 10_000},  # a name no URL can hold
+        {**good, "version": "4.0", "workers": 1},  # an unknown key
+        "not an entry",
+    ]
     path = tmp_path / "snapshot.json"
     path.write_text(json.dumps({"format": 1, "models": [bad[0], good, *bad[1:]]}))
     snapshot = Snapshotter(path)
@@ -236,8 +234,7 @@ def test_key_file_is_never_written_through_a_planted_link(tmp_path):
     assert planted.is_symlink() and os.readlink(planted) == str(target)
     assert json.loads(key_file.read_text()) == keys.to_json()
     assert not key_file.is_symlink() and (key_file.stat().st_mode & 0o777) == 0o600
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [target.name, key_file.name, planted.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, key_file.name, planted.name])
 
 
 def test_a_link_planted_at_the_exact_temporary_name_is_not_opened(tmp_path, monkeypatch):
@@ -253,8 +250,7 @@ def test_a_link_planted_at_the_exact_temporary_name_is_not_opened(tmp_path, monk
     write_key_file(tmp_path / "key_file.json", keys)
     assert target.read_text() == "precious\n" and planted.is_symlink()
     assert json.loads((tmp_path / "key_file.json").read_text()) == keys.to_json()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [planted.name, "key_file.json", "victim.txt"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([planted.name, "key_file.json", "victim.txt"])
 
 
 def test_key_file_replaces_a_link_at_its_own_name_instead_of_following_it(tmp_path):
@@ -280,8 +276,14 @@ def test_a_write_that_fails_leaves_the_old_file_and_no_temporary_file(tmp_path):
         except OSError as exc:
             print(exc.errno)
     """)
-    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
-                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert out.stdout.strip() == str(errno.EFBIG), out.stderr
     assert path.read_text() == "old\n"
     assert os.listdir(tmp_path) == ["snapshot.json"]
@@ -291,10 +293,18 @@ def test_a_write_that_fails_leaves_the_old_file_and_no_temporary_file(tmp_path):
 # The namespace's root mounts a small tmpfs at $1, seeds it with the snapshot $2, fills what is
 # left, then becomes the server ("$@"): the pid stays the same, and /proc/<pid>/root shows the
 # tmpfs from outside.
-NAMESPACE_SCRIPT = ('mount -t tmpfs -o size=8k tmpfs "$1" && cp "$2" "$1/snapshot.json" && '
-                    '{ head -c 8192 /dev/zero > "$1/filler" 2>/dev/null; shift 2; exec "$@"; }')
-MALFORMED = {"name": "tiny", "version": "9.0", "url": "tiny.mar", "min_workers": "1",
-             "max_workers": 2, "default": False}
+NAMESPACE_SCRIPT = (
+    'mount -t tmpfs -o size=8k tmpfs "$1" && cp "$2" "$1/snapshot.json" && '
+    '{ head -c 8192 /dev/zero > "$1/filler" 2>/dev/null; shift 2; exec "$@"; }'
+)
+MALFORMED = {
+    "name": "tiny",
+    "version": "9.0",
+    "url": "tiny.mar",
+    "min_workers": "1",
+    "max_workers": 2,
+    "default": False,
+}
 
 
 class FullDiskServer(ServerProcess):
@@ -302,8 +312,17 @@ class FullDiskServer(ServerProcess):
     seed: Path = Path()
 
     def command(self) -> list[str]:
-        return ["unshare", "-rm", "sh", "-c", NAMESPACE_SCRIPT, "sh", str(self.disk),
-                str(self.seed), *super().command()]
+        return [
+            "unshare",
+            "-rm",
+            "sh",
+            "-c",
+            NAMESPACE_SCRIPT,
+            "sh",
+            str(self.disk),
+            str(self.seed),
+            *super().command(),
+        ]
 
     def on_disk(self, name: str = "") -> Path:
         """A path on the server's tmpfs, as seen from outside its mount namespace."""
@@ -312,20 +331,23 @@ class FullDiskServer(ServerProcess):
 
 @pytest.fixture(scope="module")
 def full(tiny_store, archive_cache, tmp_path_factory):
-    if shutil.which("unshare") is None or subprocess.run(
-            ["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+    if (
+        shutil.which("unshare") is None
+        or subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0
+    ):
         pytest.skip("needs a private mount namespace (unshare -rm) to mount a small tmpfs")
     workdir = tmp_path_factory.mktemp("server")
     (workdir / "disk").mkdir()
     seed = workdir / "seed.json"
-    good = {"name": "tiny", "version": "1.0", "url": "tiny.mar", "min_workers": 1,
-            "max_workers": 2, "default": True}
+    good = {"name": "tiny", "version": "1.0", "url": "tiny.mar", "min_workers": 1, "max_workers": 2, "default": True}
     seed.write_text(json.dumps({"format": 1, "models": [MALFORMED, good]}))
     server = FullDiskServer(
-        workdir=workdir, model_store=tiny_store, args=["--enable-model-api"],
+        workdir=workdir,
+        model_store=tiny_store,
+        args=["--enable-model-api"],
         env={"PAGEDSERVE_ARCHIVE_DIR": str(archive_cache)},
-        config={"snapshot_path": str(workdir / "disk" / "snapshot.json"),
-                "worker_heartbeat_timeout": 3})
+        config={"snapshot_path": str(workdir / "disk" / "snapshot.json"), "worker_heartbeat_timeout": 3},
+    )
     server.disk, server.seed = workdir / "disk", seed
     try:
         yield server.start()
@@ -341,16 +363,16 @@ def test_the_start_goes_on_past_a_malformed_snapshot_entry(full):
 
 
 def test_names_worker_counts_and_timeouts_are_400s_naming_the_rule(full):
-    r = full.post("management", "/models", json={"url": "tiny-v2.mar", "model_name": "a" * 10_000,
-                                                 "initial_workers": 0})
+    r = full.post(
+        "management", "/models", json={"url": "tiny-v2.mar", "model_name": "a" * 10_000, "initial_workers": 0}
+    )
     assert r.status == 400 and "at most 128 characters" in r.json()["message"], r.text
     r = full.put("management", "/models/tiny/1.0?min_worker=6")
     assert r.status == 400 and "min_worker: 6 must not exceed" in r.text, r.text
     assert "maxWorkers" in r.text and ": 2" in r.text
     r = full.put("management", f"/models/tiny/1.0?min_worker=1&synchronous=true&timeout={10**400}")
     assert r.status == 400 and "timeout" in r.text, r.text
-    r = full.post("management",
-                  f"/models?url=tiny-v2.mar&initial_workers=0&response_timeout={10**30}")
+    r = full.post("management", f"/models?url=tiny-v2.mar&initial_workers=0&response_timeout={10**30}")
     assert r.status == 400 and "response_timeout" in r.text, r.text
     [desc] = full.get("management", "/models/tiny/all").json()
     assert (desc["minWorkers"], desc["maxWorkers"], len(desc["workers"])) == (1, 2, 1)
@@ -374,7 +396,10 @@ def test_a_full_disk_refuses_changes_with_507_and_keeps_the_saved_state(full):
     assert r.status == 200, r.text
     models = json.loads(full.on_disk("snapshot.json").read_text())["models"]
     assert [(m["version"], m["min_workers"]) for m in models] == [
-        ("1.0", 1), ("2.0", 0), ("9.0", "1")]  # the malformed entry is still kept
+        ("1.0", 1),
+        ("2.0", 0),
+        ("9.0", "1"),
+    ]  # the malformed entry is still kept
     assert full.delete("management", "/models/tiny/2.0").status == 200
 
 
@@ -392,6 +417,7 @@ def test_a_stopped_worker_is_reported_and_restarted(full):
     def restarted():
         [w] = full.get("management", "/models/tiny/1.0").json()[0]["workers"]
         return w["status"] == "READY" and w["pid"] != pid and w["restarts"] == 1
+
     full.wait_for(restarted, timeout=120, what="the stalled worker restarted")
     assert full.predict("tiny", "1.0").status == 200
     assert full.get("inference", "/ping").json() == {"status": "Healthy"}

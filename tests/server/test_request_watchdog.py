@@ -36,8 +36,9 @@ def server(inprocess_factory):
 
 
 def blocks_freed(server, version: str) -> None:
-    server.wait_for(lambda: observe.all_blocks_free(server, MODEL, version), timeout=30,
-                    what=f"all KV blocks of {version} free")
+    server.wait_for(
+        lambda: observe.all_blocks_free(server, MODEL, version), timeout=30, what=f"all KV blocks of {version} free"
+    )
     assert observe.worker(server, MODEL, version)["status"] == "READY"
     r = server.predict(MODEL, version)
     assert r.status == 200 and r.json()["choices"][0]["text"], r.text
@@ -48,8 +49,9 @@ def test_whole_reply_past_response_timeout_is_504_and_aborted(server):
     assert desc["responseTimeout"] == 3
     pid = observe.worker(server, MODEL, QUICK)["pid"]
     replies = []
-    asking = threading.Thread(target=lambda: replies.append(
-        server.post("inference", f"/predictions/{MODEL}/{QUICK}", json=LONG)))
+    asking = threading.Thread(
+        target=lambda: replies.append(server.post("inference", f"/predictions/{MODEL}/{QUICK}", json=LONG))
+    )
     os.kill(pid, signal.SIGSTOP)  # the engine gives no output at all
     try:
         asking.start()
@@ -95,8 +97,9 @@ def test_a_whole_reply_that_keeps_progressing_outlives_response_timeout(server):
 def test_stream_with_an_overdue_chunk_ends_with_a_504_event(server):
     pid = observe.worker(server, MODEL, QUICK)["pid"]
     try:  # the engine stalls mid-stream
-        events = observe.stream_and_signal(server, {"model": f"{MODEL}@{QUICK}", **LONG},
-                                           after=1, pid=pid, sig=signal.SIGSTOP)
+        events = observe.stream_and_signal(
+            server, {"model": f"{MODEL}@{QUICK}", **LONG}, after=1, pid=pid, sig=signal.SIGSTOP
+        )
     finally:
         os.kill(pid, signal.SIGCONT)
     assert events[-1] == b"[DONE]"  # after the error event
@@ -115,16 +118,24 @@ def test_hang_up_before_the_first_token_aborts_the_request(server):
     os.kill(pid, signal.SIGSTOP)
     try:
         with socket.create_connection(("127.0.0.1", server.ports["inference"]), timeout=10) as sock:
-            body = (b'{"prompt": "Tell me a long story.", "max_tokens": 200, "ignore_eos": true}')
-            sock.sendall(b"POST /predictions/" + MODEL.encode() + b"/1.0 HTTP/1.1\r\n"
-                         b"Host: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                         b"Authorization: Bearer " + server.keys["inference"].encode() + b"\r\n"
-                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-            server.wait_for(lambda: observe.worker(server, MODEL, "1.0")["requestsInFlight"] == 1,
-                            timeout=10, what="the request in flight")
+            body = b'{"prompt": "Tell me a long story.", "max_tokens": 200, "ignore_eos": true}'
+            sock.sendall(
+                b"POST /predictions/" + MODEL.encode() + b"/1.0 HTTP/1.1\r\n"
+                b"Host: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Authorization: Bearer " + server.keys["inference"].encode() + b"\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
+            server.wait_for(
+                lambda: observe.worker(server, MODEL, "1.0")["requestsInFlight"] == 1,
+                timeout=10,
+                what="the request in flight",
+            )
         # The socket is closed: the server must count the hang-up without any engine output.
-        server.wait_for(lambda: observe.request_counts(server, MODEL).get("predictions:499", 0) == before + 1,
-                        timeout=10, what="the hang-up counted while the worker is stopped")
+        server.wait_for(
+            lambda: observe.request_counts(server, MODEL).get("predictions:499", 0) == before + 1,
+            timeout=10,
+            what="the hang-up counted while the worker is stopped",
+        )
         assert observe.worker(server, MODEL, "1.0")["requestsInFlight"] == 0
     finally:
         os.kill(pid, signal.SIGCONT)

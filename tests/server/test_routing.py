@@ -103,13 +103,13 @@ def test_routing_key_in_model_config():
 
 # ---- end to end: two real workers ---------------------------------------------------------
 
+
 def _store(tmp_path_factory, tiny_model, routing: str):
     from engine.model.archive import write_archive
 
     store = tmp_path_factory.mktemp(f"routing-{routing}")
     config = store.parent / f"{store.name}-model-config.yaml"
-    config.write_text(TINY_MODEL_CONFIG.replace("minWorkers: 1", "minWorkers: 2")
-                      + f"routing: {routing}\n")
+    config.write_text(TINY_MODEL_CONFIG.replace("minWorkers: 1", "minWorkers: 2") + f"routing: {routing}\n")
     write_archive(tiny_model, store, model_name="tiny", version="1.0", config_file=config)
     config.unlink()
     return store
@@ -122,8 +122,11 @@ def affine_server(tmp_path_factory, tiny_model, inprocess_factory):
 
 
 def _chat(server, messages):
-    r = server.post("inference", "/v1/chat/completions",
-                    json={"model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0})
+    r = server.post(
+        "inference",
+        "/v1/chat/completions",
+        json={"model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0},
+    )
     assert r.status == 200, r.body
     body = r.json()
     return body["choices"][0]["message"]["content"], body["usage"], body["timings"]
@@ -142,7 +145,6 @@ def test_multi_turn_chat_stays_on_the_worker_that_holds_its_prefix(affine_server
     router = version.router
     assert sum(router.prefix_hits.values()) >= 3
     metrics = affine_server.get("metrics", "/metrics").text
-    hit_lines = [line for line in metrics.splitlines()
-                 if line.startswith("pagedserve_route_prefix_hits_total{")]
+    hit_lines = [line for line in metrics.splitlines() if line.startswith("pagedserve_route_prefix_hits_total{")]
     assert len(hit_lines) == 2 and any(not line.endswith(" 0.0") for line in hit_lines)
     assert "pagedserve_worker_prefix_cache_hit_tokens_total{" in metrics

@@ -14,8 +14,11 @@ def test_scaling_up_and_down_logs_no_error(inprocess_factory, caplog):
     for workers in (2, 1, 2, 1):
         r = server.put("management", f"/models/{TINY}/1.0?min_worker={workers}&synchronous=true")
         assert r.status == 200, r.text
-        server.wait_for(lambda: len(server.get("management", f"/models/{TINY}").json()[0]["workers"])
-                        == workers, 60, what=f"{workers} worker(s)")
+        server.wait_for(
+            lambda: len(server.get("management", f"/models/{TINY}").json()[0]["workers"]) == workers,
+            60,
+            what=f"{workers} worker(s)",
+        )
     assert server.predict(TINY).status == 200
     errors = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, errors

@@ -26,8 +26,10 @@ def test_snapshot_restores_registrations_across_a_restart(server_factory, archiv
 
     b = server_factory(workdir=workdir)  # no --models: everything comes from the snapshot
     versions = b.get("management", f"/models/{MODEL}/all").json()
-    assert [(d["modelVersion"], d["minWorkers"], d["maxWorkers"], d["isDefault"])
-            for d in versions] == [("1.0", 1, 3, False), ("2.0", 0, 4, True)]
+    assert [(d["modelVersion"], d["minWorkers"], d["maxWorkers"], d["isDefault"]) for d in versions] == [
+        ("1.0", 1, 3, False),
+        ("2.0", 0, 4, True),
+    ]
     assert all(d["loadedAtStartup"] for d in versions)
     assert [w["status"] for w in versions[0]["workers"]] == ["READY"]
     assert b.predict(MODEL, "1.0").status == 200
@@ -39,9 +41,14 @@ def test_snapshot_restores_registrations_across_a_restart(server_factory, archiv
 
 def _long_request(server, results, max_tokens):
     try:
-        results.append(server.post("inference", f"/predictions/{MODEL}", json={
-            "prompt": "Count: 1, 2, 3,", "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True}, timeout=300))
+        results.append(
+            server.post(
+                "inference",
+                f"/predictions/{MODEL}",
+                json={"prompt": "Count: 1, 2, 3,", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+                timeout=300,
+            )
+        )
     except OSError as exc:  # connection closed by the server
         results.append(exc)
 
@@ -50,8 +57,11 @@ def _start_in_flight(server, max_tokens):
     results: list = []
     thread = threading.Thread(target=_long_request, args=(server, results, max_tokens))
     thread.start()
-    server.wait_for(lambda: server.get("management", f"/models/{MODEL}").json()[0]
-                    ["workers"][0]["requestsInFlight"] == 1, timeout=30, what="request in flight")
+    server.wait_for(
+        lambda: server.get("management", f"/models/{MODEL}").json()[0]["workers"][0]["requestsInFlight"] == 1,
+        timeout=30,
+        what="request in flight",
+    )
     return thread, results
 
 
@@ -95,8 +105,7 @@ def test_models_default_archives_the_bundled_model_once(tmp_path):
 
     store, extracted = tmp_path / "model_store", tmp_path / "extracted"
     # Its own extraction folder: this archive is new at every run (not the shared test cache's).
-    s = ServerProcess(tmp_path / "srv", store, models=["default"],
-                      env={"PAGEDSERVE_ARCHIVE_DIR": str(extracted)})
+    s = ServerProcess(tmp_path / "srv", store, models=["default"], env={"PAGEDSERVE_ARCHIVE_DIR": str(extracted)})
     try:
         s.start()
         assert (store / "smollm2.mar").is_file()

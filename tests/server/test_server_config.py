@@ -32,12 +32,18 @@ def test_the_shipped_config_file_holds_the_defaults():
 
 
 def test_precedence_defaults_file_env_flags(tmp_path):
-    path = write(tmp_path, "inference_address: 127.0.0.1:9001\nmanagement_address: 127.0.0.1:9002\n"
-                           "metrics_address: 127.0.0.1:9003\njob_queue_size: 7\n")
-    env = {"PAGEDSERVE_MANAGEMENT_ADDRESS": "127.0.0.1:9102",
-           "PAGEDSERVE_METRICS_ADDRESS": "127.0.0.1:9103",
-           "PAGEDSERVE_LOAD_MODELS": "a=a.mar, b.mar", "PAGEDSERVE_ENABLE_MODEL_API": "true",
-           "PAGEDSERVE_CACHE_DIR": "/elsewhere"}  # an engine variable, not a server key
+    path = write(
+        tmp_path,
+        "inference_address: 127.0.0.1:9001\nmanagement_address: 127.0.0.1:9002\n"
+        "metrics_address: 127.0.0.1:9003\njob_queue_size: 7\n",
+    )
+    env = {
+        "PAGEDSERVE_MANAGEMENT_ADDRESS": "127.0.0.1:9102",
+        "PAGEDSERVE_METRICS_ADDRESS": "127.0.0.1:9103",
+        "PAGEDSERVE_LOAD_MODELS": "a=a.mar, b.mar",
+        "PAGEDSERVE_ENABLE_MODEL_API": "true",
+        "PAGEDSERVE_CACHE_DIR": "/elsewhere",
+    }  # an engine variable, not a server key
     c = load_server_config(path, env=env, overrides={"metrics_address": "127.0.0.1:9203"})
     assert c.inference_address == "127.0.0.1:9001"  # file
     assert c.management_address == "127.0.0.1:9102"  # env beats file
@@ -47,15 +53,18 @@ def test_precedence_defaults_file_env_flags(tmp_path):
     assert c.drain_grace == 30.0  # default
 
 
-@pytest.mark.parametrize("text, words", [
-    ("inference_adress: 127.0.0.1:1\n", "unknown key 'inference_adress'"),
-    ("job_queue_size: 0\n", "job_queue_size: must be >= 1, got 0"),
-    ("enable_model_api: 'yes'\n", "enable_model_api"),
-    ("metrics_address: nowhere\n", "metrics_address"),
-    ("load_models: a.mar\n", "load_models"),
-    ("drain_grace: -1\n", "drain_grace"),
-    ("- a\n- b\n", "mapping"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("inference_adress: 127.0.0.1:1\n", "unknown key 'inference_adress'"),
+        ("job_queue_size: 0\n", "job_queue_size: must be >= 1, got 0"),
+        ("enable_model_api: 'yes'\n", "enable_model_api"),
+        ("metrics_address: nowhere\n", "metrics_address"),
+        ("load_models: a.mar\n", "load_models"),
+        ("drain_grace: -1\n", "drain_grace"),
+        ("- a\n- b\n", "mapping"),
+    ],
+)
 def test_file_errors_name_the_key(tmp_path, text, words):
     path = write(tmp_path, text)
     with pytest.raises(ServerConfigError, match="server-config.yaml") as err:
@@ -63,9 +72,14 @@ def test_file_errors_name_the_key(tmp_path, text, words):
     assert words in str(err.value)
 
 
-@pytest.mark.parametrize("name, value", [
-    ("PAGEDSERVE_ENABLE_MODEL_API", "maybe"), ("PAGEDSERVE_JOB_QUEUE_SIZE", "many"),
-    ("PAGEDSERVE_DRAIN_GRACE", "soon")])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("PAGEDSERVE_ENABLE_MODEL_API", "maybe"),
+        ("PAGEDSERVE_JOB_QUEUE_SIZE", "many"),
+        ("PAGEDSERVE_DRAIN_GRACE", "soon"),
+    ],
+)
 def test_environment_errors_name_the_variable(name, value):
     with pytest.raises(ServerConfigError, match=name):
         load_server_config(env={name: value})
@@ -73,9 +87,15 @@ def test_environment_errors_name_the_variable(name, value):
 
 def test_cli_refuses_a_bad_config_with_exit_2(tmp_path):
     path = write(tmp_path, "enable_model_apis: true\n")
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--config", str(path)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
-                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "server.cli", "serve", "--config", str(path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
     assert proc.returncode == 2
     assert "unknown key 'enable_model_apis'" in proc.stderr
 
@@ -85,11 +105,15 @@ def test_precedence_on_a_real_server(server_factory):
     """File turns the model API off, the environment turns it on; the key file path comes from
     the file, the environment and a flag: the flag wins. Addresses are flags over the env."""
     s = server_factory(
-        config={"enable_model_api": False, "key_file": "file-keys.json",
-                "inference_address": "127.0.0.1:1"},
-        env={"PAGEDSERVE_ENABLE_MODEL_API": "true", "PAGEDSERVE_KEY_FILE": "env-keys.json",
-             "PAGEDSERVE_INFERENCE_ADDRESS": "127.0.0.1:2"},
-        args=["--key-file", "flag-keys.json"], key_file="flag-keys.json")
+        config={"enable_model_api": False, "key_file": "file-keys.json", "inference_address": "127.0.0.1:1"},
+        env={
+            "PAGEDSERVE_ENABLE_MODEL_API": "true",
+            "PAGEDSERVE_KEY_FILE": "env-keys.json",
+            "PAGEDSERVE_INFERENCE_ADDRESS": "127.0.0.1:2",
+        },
+        args=["--key-file", "flag-keys.json"],
+        key_file="flag-keys.json",
+    )
     assert (s.workdir / "flag-keys.json").is_file()
     assert not (s.workdir / "env-keys.json").exists() and not (s.workdir / "file-keys.json").exists()
     r = s.post("management", f"/models?url={ARCHIVE}&initial_workers=0")

@@ -23,8 +23,13 @@ from tests.server.conftest import ARCHIVE, MODEL
 GRACE_S = 4.0
 STREAMS = 3
 WHOLE = 2
-LONG = {"model": MODEL, "prompt": "Tell me a very long story about the sea.", "max_tokens": 1800,
-        "ignore_eos": True, "temperature": 0}
+LONG = {
+    "model": MODEL,
+    "prompt": "Tell me a very long story about the sea.",
+    "max_tokens": 1800,
+    "ignore_eos": True,
+    "temperature": 0,
+}
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, started: asyncio.Event) -> list:
@@ -36,7 +41,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, started: asyncio.Eve
             if not line:
                 continue
             assert line.startswith(b"data: "), line
-            data = line[len(b"data: "):]
+            data = line[len(b"data: ") :]
             events.append(data if data == b"[DONE]" else json.loads(data))
             started.set()
     return events
@@ -53,11 +58,11 @@ async def _observe_drain(server, headers: dict) -> list[tuple[float, object]]:
     url = server.url("inference", "/v1/models")
     while server.proc.poll() is None:
         try:
-            async with aiohttp.ClientSession(headers=headers,
-                                             connector=aiohttp.TCPConnector(force_close=True)) as s, \
-                    s.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
-                seen.append((time.monotonic(), (resp.status, resp.headers.get("Retry-After"),
-                                                await resp.text())))
+            async with (
+                aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(force_close=True)) as s,
+                s.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp,
+            ):
+                seen.append((time.monotonic(), (resp.status, resp.headers.get("Retry-After"), await resp.text())))
         except aiohttp.ClientConnectorError as exc:
             seen.append((time.monotonic(), exc))
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -68,8 +73,9 @@ async def _observe_drain(server, headers: dict) -> list[tuple[float, object]]:
 
 def test_sigterm_under_load_ends_every_stream_and_exits_0(module_server_factory):
     # The C++ kernels are not what this is about (and building them per checkout takes minutes).
-    server = module_server_factory(models=[f"{MODEL}={ARCHIVE}"], config={"drain_grace": GRACE_S},
-                                   env={"PAGEDSERVE_DISABLE_CPU_KERNELS": "1"})
+    server = module_server_factory(
+        models=[f"{MODEL}={ARCHIVE}"], config={"drain_grace": GRACE_S}, env={"PAGEDSERVE_DISABLE_CPU_KERNELS": "1"}
+    )
     workers = psutil.Process(server.proc.pid).children(recursive=True)
     assert workers, "the model's worker process"
     headers = {"Authorization": f"Bearer {server.keys['inference']}"}
@@ -89,8 +95,10 @@ def test_sigterm_under_load_ends_every_stream_and_exits_0(module_server_factory)
     signalled, streams, whole, observed = asyncio.run(run())
     exited = time.monotonic()
     assert server.proc.wait(30) == 0, server.log_tail()
-    print(f"\ndrain: {len(observed)} new requests over {exited - signalled:.1f}s "
-          f"(grace {GRACE_S:g}s); answers {sorted({str(o[0]) if isinstance(o, tuple) else type(o).__name__ for _, o in observed})}")
+    print(
+        f"\ndrain: {len(observed)} new requests over {exited - signalled:.1f}s "
+        f"(grace {GRACE_S:g}s); answers {sorted({str(o[0]) if isinstance(o, tuple) else type(o).__name__ for _, o in observed})}"
+    )
 
     for events in streams:
         assert events[-1] == b"[DONE]", events[-3:]
@@ -109,8 +117,10 @@ def test_sigterm_under_load_ends_every_stream_and_exits_0(module_server_factory)
     # The ports close last, as the process exits: no refusal before the last 503, and the
     # refusals all fall in the final moment (the observer polls every ~50 ms).
     window = exited - min(refused) if refused else 0.0
-    print(f"drain: {len(answered)} answered 503 + Retry-After, {len(refused)} refused in the "
-          f"last {window * 1000:.0f} ms before the exit was seen")
+    print(
+        f"drain: {len(answered)} answered 503 + Retry-After, {len(refused)} refused in the "
+        f"last {window * 1000:.0f} ms before the exit was seen"
+    )
     assert not refused or min(refused) > max(answered)
     assert window < 1.0, window
     gone = psutil.wait_procs(workers, timeout=10)[1]

@@ -42,16 +42,24 @@ def tp_store(tmp_path_factory, tiny_model, default_model_dir):
     store = tmp_path_factory.mktemp("tp_store")
     build = tmp_path_factory.mktemp("tp_build")
     three = build / "three"
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=24, intermediate_size=32, num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=3,
-        vocab_size=64)).save_pretrained(three, safe_serialization=True)
-    for name, model, level, kv, archive_format in (("tinytp", tiny_model, 2, "8MiB", "default"),
-                                                    ("smoltp", default_model_dir, 3, "32MiB", "no-archive"),
-                                                    ("three", three, 2, "8MiB", "default")):
+    transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            hidden_size=24,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=3,
+            num_key_value_heads=3,
+            vocab_size=64,
+        )
+    ).save_pretrained(three, safe_serialization=True)
+    for name, model, level, kv, archive_format in (
+        ("tinytp", tiny_model, 2, "8MiB", "default"),
+        ("smoltp", default_model_dir, 3, "32MiB", "no-archive"),
+        ("three", three, 2, "8MiB", "default"),
+    ):
         config = build / f"{name}.yaml"
         config.write_text(TP_CONFIG.format(level=level, kv=kv))
-        write_archive(model, store, model_name=name, version="1.0", config_file=config,
-                      archive_format=archive_format)
+        write_archive(model, store, model_name=name, version="1.0", config_file=config, archive_format=archive_format)
     yield store
     shutil.rmtree(store, ignore_errors=True)
     shutil.rmtree(build, ignore_errors=True)
@@ -59,8 +67,9 @@ def tp_store(tmp_path_factory, tiny_model, default_model_dir):
 
 @pytest.fixture(scope="module")
 def server(inprocess_factory, tp_store):
-    return inprocess_factory(model_store=str(tp_store), load_models=["tinytp=tinytp.mar", "smoltp=smoltp"],
-                             enable_model_api=True)
+    return inprocess_factory(
+        model_store=str(tp_store), load_models=["tinytp=tinytp.mar", "smoltp=smoltp"], enable_model_api=True
+    )
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +133,11 @@ def test_kill_9_of_a_rank_mid_stream_restarts_the_group(server, expected):
     assert f"rank 1 (pid {rank}) was killed by SIGKILL" in error["message"]
 
     # The worker (rank 0) exits on the failure; the supervisor starts the whole group again.
-    server.wait_for(lambda: (w := observe.worker(server, "tinytp"))["status"] == "READY"
-                    and w["pid"] != before["pid"], timeout=180, what="the group restarted")
+    server.wait_for(
+        lambda: (w := observe.worker(server, "tinytp"))["status"] == "READY" and w["pid"] != before["pid"],
+        timeout=180,
+        what="the group restarted",
+    )
     after = observe.worker(server, "tinytp")
     assert after["restarts"] == 1
     [new_rank] = rank_pids(after["pid"])

@@ -24,8 +24,11 @@ def test_tokenize_and_detokenize(server):
     assert body["count"] == len(body["tokens"]) > 3 and body["max_model_len"] == 2048
     back = server.post("inference", "/detokenize", json={"model": MODEL, "tokens": body["tokens"]}).json()
     assert back["prompt"] == "Hello world, hello pagedserve."
-    chat = server.post("inference", "/tokenize", json={"model": MODEL, "messages": [
-        {"role": "user", "content": "Hello world, hello pagedserve."}]}).json()
+    chat = server.post(
+        "inference",
+        "/tokenize",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hello world, hello pagedserve."}]},
+    ).json()
     assert chat["count"] > body["count"] + 3  # the chat template's tokens around the text
 
 
@@ -35,17 +38,23 @@ def test_version_and_health(server):
     assert r.status == 200 and r.body == b""
 
 
-@pytest.mark.parametrize(("path", "body", "field"), [
-    ("/tokenize", {"model": MODEL}, "prompt"),
-    ("/tokenize", {"model": MODEL, "prompt": 5}, "prompt"),
-    ("/tokenize", {"model": "nosuchmodel", "prompt": "x"}, "model"),
-    ("/detokenize", {"model": MODEL, "tokens": [1, "a"]}, "tokens"),
-    ("/detokenize", {"model": MODEL, "tokens": [10_000_000]}, "tokens"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "priority": "high"}, "priority"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "cache_salt": 5},
-     "cache_salt"),
-    ("/v1/responses", {"model": MODEL, "input": "x", "cache_salt": ""}, "cache_salt"),
-])
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/tokenize", {"model": MODEL}, "prompt"),
+        ("/tokenize", {"model": MODEL, "prompt": 5}, "prompt"),
+        ("/tokenize", {"model": "nosuchmodel", "prompt": "x"}, "model"),
+        ("/detokenize", {"model": MODEL, "tokens": [1, "a"]}, "tokens"),
+        ("/detokenize", {"model": MODEL, "tokens": [10_000_000]}, "tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "priority": "high"}, "priority"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "cache_salt": 5},
+            "cache_salt",
+        ),
+        ("/v1/responses", {"model": MODEL, "input": "x", "cache_salt": ""}, "cache_salt"),
+    ],
+)
 def test_bad_bodies(server, path, body, field):
     r = server.post("inference", path, json=body)
     assert 400 <= r.status < 500, r.text
@@ -63,8 +72,9 @@ def test_cache_salt_isolates_tenants_prefix_cache_hits(client):
             r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={**extra, "priority": 1})
             return r.usage.prompt_tokens_details.cached_tokens
         if route == "chat":
-            r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                               max_tokens=1, extra_body=extra)
+            r = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=1, extra_body=extra
+            )
             return r.usage.prompt_tokens_details.cached_tokens
         r = client.responses.create(model=MODEL, input=prompt, max_output_tokens=1, extra_body=extra)
         return r.usage.input_tokens_details.cached_tokens

@@ -24,14 +24,14 @@ def test_kill_9_worker_is_restarted_with_backoff(inprocess_factory, caplog):
     first = worker(s, MODEL)
     other = worker(s, "other")
     os.kill(first["pid"], signal.SIGKILL)
-    s.wait_for(lambda: worker(s, MODEL)["status"] != "READY" or worker(s, MODEL)["restarts"],
-               timeout=60, what="death detected")
+    s.wait_for(
+        lambda: worker(s, MODEL)["status"] != "READY" or worker(s, MODEL)["restarts"], timeout=60, what="death detected"
+    )
     # The other model never noticed.
     assert s.predict("other").status == 200
     assert worker(s, "other")["pid"] == other["pid"]
 
-    s.wait_for(lambda: worker(s, MODEL)["status"] == "READY", timeout=120,
-               what="worker restarted")
+    s.wait_for(lambda: worker(s, MODEL)["status"] == "READY", timeout=120, what="worker restarted")
     second = worker(s, MODEL)
     assert second["pid"] != first["pid"] and second["id"] == first["id"]
     assert second["restarts"] == 1
@@ -42,8 +42,9 @@ def test_kill_9_worker_is_restarted_with_backoff(inprocess_factory, caplog):
     # Dying again soon after: the back-off doubles.
     os.kill(second["pid"], signal.SIGKILL)
     # One describe per check: two could see the old worker READY, then the count of its death.
-    s.wait_for(lambda: (w := worker(s, MODEL))["status"] == "READY" and w["restarts"] == 2,
-               timeout=120, what="second restart")
+    s.wait_for(
+        lambda: (w := worker(s, MODEL))["status"] == "READY" and w["restarts"] == 2, timeout=120, what="second restart"
+    )
     delays = [float(d) for d in re.findall(r"died; restarting in ([0-9.]+)s", caplog.text)]
     assert delays == [0.5, 1.0]
     assert s.predict(MODEL).status == 200

@@ -25,7 +25,11 @@ from kernels.cpu_fused_ops import CpuFusedOps
 
 class Attention(nn.Module):
     def __init__(
-        self, spec: ModelSpec, layer: int, dtype: torch.dtype, backend: AttentionBackend,
+        self,
+        spec: ModelSpec,
+        layer: int,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
         ops: CpuFusedOps | None = None,
     ) -> None:
         super().__init__()
@@ -48,7 +52,10 @@ class Attention(nn.Module):
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
-        self, h: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], kv_cache: torch.Tensor,
+        self,
+        h: torch.Tensor,
+        rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        kv_cache: torch.Tensor,
         meta: AttentionMetadata | AttentionStep,
         lora: LoRALayer | None = None,
     ) -> torch.Tensor:
@@ -72,8 +79,7 @@ class Attention(nn.Module):
         if isinstance(meta, AttentionStep):  # a compiled forward: one opaque op (engine.attention.compiled_op)
             out = torch.ops.pagedserve.paged_attention(q, k, v, kv_cache, meta, self.scale)
         else:
-            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window,
-                                       softcap=self.softcap)
+            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap)
         out = out.reshape(num_tokens, -1)
         out = self.o_proj(out) if lora is None else lora.add("o", out, self.o_proj(out))
         return out if self.reduce is None else self.reduce(out)

@@ -39,8 +39,13 @@ def dense_mlp(spec: ModelSpec, layer: int, dtype: torch.dtype, ops: CpuFusedOps 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, spec: ModelSpec, layer: int, dtype: torch.dtype, backend: AttentionBackend,
-        ops: CpuFusedOps | None = None, make_mlp: MakeMLP = dense_mlp,
+        self,
+        spec: ModelSpec,
+        layer: int,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        ops: CpuFusedOps | None = None,
+        make_mlp: MakeMLP = dense_mlp,
     ) -> None:
         super().__init__()
         self.input_layernorm = make_norm(spec, spec.hidden_size, dtype, ops)
@@ -49,8 +54,13 @@ class DecoderLayer(nn.Module):
         self.mlp = make_mlp(spec, layer, dtype, ops)
 
     def forward(
-        self, h: torch.Tensor, residual: torch.Tensor | None, rope: Rope, kv_cache: torch.Tensor,
-        meta: AttentionMetadata | AttentionStep, lora: LoRALayer | None = None,
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: Rope,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata | AttentionStep,
+        lora: LoRALayer | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, h = h, self.input_layernorm(h)
@@ -66,8 +76,13 @@ class SandwichDecoderLayer(nn.Module):
     `x + post_ff_norm(mlp(pre_ff_norm(x)))`."""
 
     def __init__(
-        self, spec: ModelSpec, layer: int, dtype: torch.dtype, backend: AttentionBackend,
-        ops: CpuFusedOps | None = None, make_mlp: MakeMLP = dense_mlp,
+        self,
+        spec: ModelSpec,
+        layer: int,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        ops: CpuFusedOps | None = None,
+        make_mlp: MakeMLP = dense_mlp,
     ) -> None:
         super().__init__()
         self.input_layernorm = make_norm(spec, spec.hidden_size, dtype, ops)
@@ -78,8 +93,13 @@ class SandwichDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = make_norm(spec, spec.hidden_size, dtype, ops)
 
     def forward(
-        self, h: torch.Tensor, residual: torch.Tensor | None, rope: Rope, kv_cache: torch.Tensor,
-        meta: AttentionMetadata | AttentionStep, lora: LoRALayer | None = None,
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: Rope,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata | AttentionStep,
+        lora: LoRALayer | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, h = h, self.input_layernorm(h)
@@ -94,15 +114,18 @@ class DecoderModel(nn.Module):
     """`embed_tokens`, `layers`, `norm`: the HF `model.*` names, so checkpoints load by name."""
 
     def __init__(
-        self, spec: ModelSpec, dtype: torch.dtype, backend: AttentionBackend, ops: CpuFusedOps | None = None,
-        layer_cls: type[nn.Module] = DecoderLayer, make_mlp: MakeMLP = dense_mlp,
+        self,
+        spec: ModelSpec,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        ops: CpuFusedOps | None = None,
+        layer_cls: type[nn.Module] = DecoderLayer,
+        make_mlp: MakeMLP = dense_mlp,
     ) -> None:
         super().__init__()
         # Given its (empty) weight, nn.Embedding skips its random init: on the meta device that
         # init alone imports torch._dynamo (seconds of every worker's start); load_weights fills it.
         weight = torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, _weight=weight)
-        self.layers = nn.ModuleList(
-            layer_cls(spec, i, dtype, backend, ops, make_mlp) for i in range(spec.num_layers)
-        )
+        self.layers = nn.ModuleList(layer_cls(spec, i, dtype, backend, ops, make_mlp) for i in range(spec.num_layers))
         self.norm = make_norm(spec, spec.hidden_size, dtype, ops)

@@ -17,8 +17,9 @@ from kernels.cpu_fused_ops import CpuFusedOps
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, ops: CpuFusedOps | None = None,
-                 intermediate_size: int | None = None) -> None:
+    def __init__(
+        self, spec: ModelSpec, dtype: torch.dtype, ops: CpuFusedOps | None = None, intermediate_size: int | None = None
+    ) -> None:
         super().__init__()
         size = intermediate_size or spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * size, bias=spec.mlp_bias, dtype=dtype)

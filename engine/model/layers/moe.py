@@ -64,14 +64,17 @@ class MoESpec:
         if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.top_k} must be between 1 and the {self.num_experts} experts")
         if self.intermediate_size < 1 or self.shared_intermediate_size < 0:
-            raise ValueError(f"expert intermediate sizes must be positive, got {self.intermediate_size} "
-                             f"and {self.shared_intermediate_size}")
+            raise ValueError(
+                f"expert intermediate sizes must be positive, got {self.intermediate_size} "
+                f"and {self.shared_intermediate_size}"
+            )
         if self.shared_gate and not self.shared_intermediate_size:
             raise ValueError("a shared expert gate needs a shared expert")
 
 
-def route(logits: torch.Tensor, top_k: int, scoring: RouterScoring, normalize: bool
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, top_k: int, scoring: RouterScoring, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`logits [T, E]` -> (weights `[T, k]`, expert ids int64 `[T, k]`). The weights are float32
     as transformers computes them (float64 for float64 logits, the tests' reference precision)."""
     dtype = torch.promote_types(logits.dtype, torch.float32)
@@ -105,8 +108,9 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> ExpertGroups:
 class ExpertMLP(nn.Module):
     """One SwiGLU expert: `down(silu(gate(x)) * up(x))`, gate and up fused as `gate_up_proj`."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 ops: CpuFusedOps | None = None) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, ops: CpuFusedOps | None = None
+    ) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
@@ -138,8 +142,9 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(
             ExpertMLP(hidden_size, spec.intermediate_size, dtype, ops) for _ in range(spec.num_experts)
         )
-        self.shared_expert = (ExpertMLP(hidden_size, spec.shared_intermediate_size, dtype, ops)
-                              if spec.shared_intermediate_size else None)
+        self.shared_expert = (
+            ExpertMLP(hidden_size, spec.shared_intermediate_size, dtype, ops) if spec.shared_intermediate_size else None
+        )
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, dtype=dtype) if spec.shared_gate else None
         # Tensor parallelism (engine.parallel.layers): sums the ranks' partial outputs.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -165,7 +170,7 @@ class SparseMoeBlock(nn.Module):
         start = 0
         for expert, count in zip(self.experts, groups.counts):
             if count:
-                results[start:start + count] = expert(rows[start:start + count])
+                results[start : start + count] = expert(rows[start : start + count])
                 start += count
         results *= weights.reshape(-1)[groups.order].to(results.dtype).unsqueeze(1)
         return torch.zeros_like(h).index_add_(0, groups.tokens, results)

@@ -65,8 +65,9 @@ def _attention_factor(spec: ModelSpec) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
-def rope_tables(spec: ModelSpec, max_len: int, dtype: torch.dtype,
-                device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def rope_tables(
+    spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{table name: (cos, sin)}, each `[max_len, head_dim // 2]` in `dtype` (computed in float32
     and cast, like transformers' cast before use). LOCAL only when sliding layers have their own base."""
     positions = torch.arange(max_len, dtype=torch.float32)[:, None]
@@ -84,8 +85,9 @@ def rope_tables(spec: ModelSpec, max_len: int, dtype: torch.dtype,
     return tables
 
 
-def _cos_sin(freqs: torch.Tensor, factor: float, dtype: torch.dtype,
-             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _cos_sin(
+    freqs: torch.Tensor, factor: float, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = freqs.cos(), freqs.sin()
     if factor != 1.0:
         cos, sin = cos * factor, sin * factor
