@@ -375,6 +375,5 @@ def _events(shaped: dict[str, Any] | list[dict[str, Any]] | None) -> list[dict[s
 
 
 async def _end_with_error(stream: ChunkStream, event: dict[str, Any]) -> None:
-    with contextlib.suppress(ConnectionError):
-        await stream.send_error(event)
-        await stream.close(done_marker=False)
+    """The error event, then (in SSE) `[DONE]`: every stream ends the same way."""
+    await stream.fail(event)

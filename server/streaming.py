@@ -88,8 +88,8 @@ class ChunkStream:
         """The last event of a stream that failed (never refused for size)."""
         await self._write(self._frame(encode_json(obj), obj))
 
-    async def close(self, done_marker: bool = True) -> None:
-        if self.format is StreamFormat.SSE and done_marker:
+    async def close(self) -> None:
+        if self.format is StreamFormat.SSE:
             await self._write(b"data: [DONE]\n\n")
         await self.response.write_eof()
         self.request.pop(OPEN_STREAM_KEY, None)

@@ -38,7 +38,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     started = time.monotonic()
     state = request.app[STATE_KEY]
     parsed: AnthropicRequest = handler_call(parse_messages, await read_json(request))
-    version = resolve(request, state, *split_model(parsed.model))
+    version = resolve(request, state, *handler_call(split_model, parsed.model))
     with admitted(request, version, None):
         spec = tool_prompt(parsed.prompt, parsed.tools, getattr(version.tokenizer, "chat_template", None))
         job = await prepare(state, version, spec, parsed.params, client=request.remote or "", lora=lora(request))
@@ -57,7 +57,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     """The prompt's tokens under the model's chat template (tools included)."""
     state = request.app[STATE_KEY]
     parsed: AnthropicRequest = handler_call(parse_count_tokens, await read_json(request))
-    version = resolve(request, state, *split_model(parsed.model))
+    version = resolve(request, state, *handler_call(split_model, parsed.model))
     spec = tool_prompt(parsed.prompt, parsed.tools, getattr(version.tokenizer, "chat_template", None))
     limit = version.max_model_len or (1 << 20)
     loop = asyncio.get_running_loop()

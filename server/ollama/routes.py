@@ -318,7 +318,7 @@ async def model_changes(request: web.Request) -> web.Response:
 def _version_of(request: web.Request, state: ServerState, asked: str) -> ModelVersion:
     """`name`, `name:tag` (latest: the default version) or `name@version`."""
     if "@" in asked:
-        return resolve(request, state, *split_model(asked))
+        return resolve(request, state, *handler_call(split_model, asked))
     name, _, tag = asked.partition(":")
     return resolve(request, state, name, None if tag in ("", "latest") else tag)
 

@@ -54,7 +54,7 @@ async def tokenize(request: web.Request) -> web.Response:
     req: TokenizeBody = handler_call(lambda b: convert_body(b, TokenizeBody), await read_json(request))
     if (req.prompt is None) == (req.messages is None):
         raise ErrorReply(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
-    version = resolve(request, state, *split_model(req.model))
+    version = resolve(request, state, *handler_call(split_model, req.model))
     if req.messages is not None:
         spec = PromptSpec(
             messages=handler_call(chat_messages, req.messages), add_generation_prompt=req.add_generation_prompt
@@ -84,7 +84,7 @@ async def detokenize(request: web.Request) -> web.Response:
     """Token ids -> text."""
     state = request.app[STATE_KEY]
     req: DetokenizeBody = handler_call(lambda b: convert_body(b, DetokenizeBody), await read_json(request))
-    version = resolve(request, state, *split_model(req.model))
+    version = resolve(request, state, *handler_call(split_model, req.model))
     vocab = len(version.tokenizer)
     bad = [t for t in req.tokens if t >= vocab]
     if bad:
