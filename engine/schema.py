@@ -20,6 +20,7 @@ T = TypeVar("T")
 S = TypeVar("S", bound=msgspec.Struct)
 
 _AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_SECRET = re.compile(r"(key|token|secret|password)$", re.IGNORECASE)
 _GOT = re.compile(r"^Expected `(?P<want>[^`]+)`, got `(?P<got>[^`]+)`$")
 _BOUND = re.compile(r"^Expected `(?P<want>[^`]+)` (?P<op>>=|<=|>|<) (?P<limit>\S+)$")
 _LENGTH = re.compile(r"^Expected `(?P<want>[^`]+)` of length (?P<op>>=|<=) (?P<limit>\d+)$")
@@ -76,21 +77,22 @@ def schema_error(exc: msgspec.ValidationError, data: Any = None, schema: Any = N
     allowed values of a Literal or Enum field read from `schema`)."""
     match = _AT.match(str(exc))
     message, path = match["msg"], _field_name(match["path"] or "")
-    value = _lookup(data, match["path"] or "")
+    secret = _SECRET.search(path or "") is not None  # a refused key or token is never echoed
+    value = _MISSING_VALUE if secret else _lookup(data, match["path"] or "")
     if found := _UNKNOWN.match(message):
         return SchemaError(f"{_prefix(path)}unknown field '{found['name']}'", _join(path, found["name"]))
     if found := _MISSING.match(message):
         name = _join(path, found["name"])
         return SchemaError(f"{name}: is required", name)
     if found := _GOT.match(message):
-        text = f"must be {_kind(found['want'])}{_got(value) or ', got ' + found['got']}"
+        text = f"must be {_kind(found['want'])}{_got(value) or ('' if secret else ', got ' + found['got'])}"
     elif found := _BOUND.match(message):
         text = f"must be {found['op']} {found['limit']}{_got(value)}"
     elif (found := _LENGTH.match(message)) and found["op"] == ">=" and found["limit"] == "1":
         text = "must not be empty"
     elif found := _LENGTH.match(message):
         kind = found["want"].split(" ")[0]
-        size = f", got {len(value)}" if isinstance(value, (str, list, dict)) else ""
+        size = f", got {len(value)}" if isinstance(value, (str, list, dict)) else ""  # a length only
         text = f"must have {_SIZE_WORDS[found['op']]} {found['limit']} {_LENGTH_WORDS.get(kind, 'items')}{size}"
         if kind == "str":
             text = f"must be {_SIZE_WORDS[found['op']]} {found['limit']} characters long{size}"

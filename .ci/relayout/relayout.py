@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import os
 import re
 import subprocess
 import sys
@@ -217,7 +216,7 @@ def new_path_of(path: str) -> str:
         return MAPPING[path]
     for old, new in MAPPING.items():
         if path.startswith(old + "/"):
-            return new + path[len(old):]
+            return new + path[len(old) :]
     return path
 
 
@@ -297,6 +296,7 @@ _PATH = re.compile(r"(?<![\w./-])((?:server|handlers|engine|kernels|tests)/[\w./
 def rewrite_dotted(text: str, modules: dict[str, str]) -> str:
     """Every dotted name whose first two or more parts name a project module: that prefix
     renamed (`-m server.cli`, "engine.core_process" logger names, patch targets)."""
+
     def repl(m: re.Match) -> str:
         name = m.group(1)
         parts = name.split(".")
@@ -305,6 +305,7 @@ def rewrite_dotted(text: str, modules: dict[str, str]) -> str:
             if prefix in modules:
                 return ".".join([modules[prefix], *parts[k:]])
         return name
+
     return _DOTTED.sub(repl, text)
 
 
@@ -318,8 +319,9 @@ def rewrite_paths(text: str, paths: dict[str, str]) -> str:
             return paths[p] + trail
         for old, new in paths.items():
             if p.startswith(old + "/"):
-                return new + p[len(old):] + trail
+                return new + p[len(old) :] + trail
         return m.group(1)
+
     return _PATH.sub(repl, text)
 
 
@@ -351,10 +353,13 @@ def rewrite_imports(source: str, modules: dict[str, str], own_module: str | None
                     groups.setdefault(_parent(new_full), []).append(_alias(_leaf(new_full), alias, alias.name))
                 else:
                     groups.setdefault(modules.get(base, _rename_prefix(base, modules)), []).append(
-                        _alias(alias.name, alias, alias.name))
+                        _alias(alias.name, alias, alias.name)
+                    )
             indent = " " * node.col_offset
-            text = "\n".join(f"{indent if i else ''}from {mod} import {', '.join(names)}"
-                             for i, (mod, names) in enumerate(groups.items()))
+            text = "\n".join(
+                f"{indent if i else ''}from {mod} import {', '.join(names)}"
+                for i, (mod, names) in enumerate(groups.items())
+            )
             edits.append((node.lineno, node.col_offset, node.end_lineno, node.end_col_offset, text))
         elif isinstance(node, ast.Import):
             names, changed = [], False
@@ -363,11 +368,12 @@ def rewrite_imports(source: str, modules: dict[str, str], own_module: str | None
                 changed |= new != alias.name
                 names.append(f"{new} as {alias.asname}" if alias.asname else new)
             if changed:
-                edits.append((node.lineno, node.col_offset, node.end_lineno, node.end_col_offset,
-                              f"import {', '.join(names)}"))
+                edits.append(
+                    (node.lineno, node.col_offset, node.end_lineno, node.end_col_offset, f"import {', '.join(names)}")
+                )
     for lineno, col, end_lineno, end_col, text in sorted(edits, reverse=True):
         first, last = lines[lineno - 1], lines[end_lineno - 1]
-        lines[lineno - 1: end_lineno] = [first[:col] + text + last[end_col:]]
+        lines[lineno - 1 : end_lineno] = [first[:col] + text + last[end_col:]]
     return "".join(lines)
 
 
@@ -431,12 +437,12 @@ def adjust_parents(text: str, delta: int) -> str:
     """`Path(__file__)...parents[k]` in a test file moved `delta` folders deeper."""
     if not delta:
         return text
-    return re.sub(r"(__file__\)(?:\.resolve\(\))?\.parents\[)(\d+)\]",
-                  lambda m: f"{m.group(1)}{int(m.group(2)) + delta}]", text)
+    return re.sub(
+        r"(__file__\)(?:\.resolve\(\))?\.parents\[)(\d+)\]", lambda m: f"{m.group(1)}{int(m.group(2)) + delta}]", text
+    )
 
 
-def rewrite_tree(repo: Path, modules: dict[str, str], paths: dict[str, str],
-                 moves: dict[str, str], dry: bool) -> int:
+def rewrite_tree(repo: Path, modules: dict[str, str], paths: dict[str, str], moves: dict[str, str], dry: bool) -> int:
     changed = 0
     for f in tracked_files(repo):
         p = repo / f
@@ -507,17 +513,25 @@ def packaging(repo: Path, dry: bool) -> None:
     if dockerfile.exists() and not dry:
         docker = dockerfile.read_text()
         if "setup.py" not in docker:
-            dockerfile.write_text(docker.replace("COPY pyproject.toml README.md ./", "COPY pyproject.toml setup.py README.md ./"))
+            dockerfile.write_text(
+                docker.replace("COPY pyproject.toml README.md ./", "COPY pyproject.toml setup.py README.md ./")
+            )
     pyproject = repo / "pyproject.toml"
     text = pyproject.read_text()
     text = re.sub(r"\[tool\.setuptools\.packages\.find\]\ninclude = \[[^\]]*\]\n", "", text)
     text = _import_contracts(text)
-    text = text.replace('known-first-party = ["server", "handlers", "engine", "kernels", "tests"]',
-                        'known-first-party = ["pagedserve", "tests"]')
+    text = text.replace(
+        'known-first-party = ["server", "handlers", "engine", "kernels", "tests"]',
+        'known-first-party = ["pagedserve", "tests"]',
+    )
     text = text.replace('files = ["engine", "server"]\n', "")
     if '"kernels>=' not in text:  # Hugging Face's kernels, beside which the wheel test imports ours
-        text = text.replace('    "peft>=0.17",\n', '    "peft>=0.17",\n    # Hugging Face\'s `kernels` (a transformers extra): the wheel test imports it beside ours\n'
-                            '    "kernels>=0.10",\n', 1)
+        text = text.replace(
+            '    "peft>=0.17",\n',
+            '    "peft>=0.17",\n    # Hugging Face\'s `kernels` (a transformers extra): the wheel test imports it beside ours\n'
+            '    "kernels>=0.10",\n',
+            1,
+        )
     if not dry:
         pyproject.write_text(text)
 
@@ -595,11 +609,11 @@ def _import_contracts(text: str) -> str:
     """The import-linter section over the namespace; the acyclic contract's ignore_imports (the
     open circles, already renamed) are kept."""
     start = text.find("[tool.importlinter]")
-    if start < 0 or "pagedserve.server" in text[start:start + 200]:
+    if start < 0 or "pagedserve.server" in text[start : start + 200]:
         return text
     end = text.find("\n[tool.", text.find("ancestors", start))
-    section = text[start:end if end >= 0 else len(text)]
-    ignore = section[section.find("# Circles still open"):] if "ignore_imports" in section else ""
+    section = text[start : end if end >= 0 else len(text)]
+    ignore = section[section.find("# Circles still open") :] if "ignore_imports" in section else ""
     return text[:start] + CONTRACTS + ignore.rstrip() + "\n" + (text[end:] if end >= 0 else "")
 
 
@@ -611,8 +625,7 @@ def ruff(repo: Path, dry: bool) -> None:
     if not tool.exists():
         print("ruff not found beside this python: run `ruff check --fix . && ruff format .` yourself")
         return
-    for argv in ([str(tool), "check", "--fix", "--select", "I", "."],
-                 [str(tool), "format", "."]):
+    for argv in ([str(tool), "check", "--fix", "--select", "I", "."], [str(tool), "format", "."]):
         out = sh(*argv, cwd=repo, check=False)
         print(" ".join(argv[1:]), "->", (out.stdout.strip().splitlines() or [""])[-1])
 

@@ -28,8 +28,10 @@ def run(argv: list[str], cwd: Path, timeout: float = 900) -> subprocess.Complete
 def test_the_wheel_installs_beside_hugging_faces_kernels(tmp_path, default_model_dir):
     pytest.importorskip("kernels")  # Hugging Face's, from the test extra
     dist = tmp_path / "dist"
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(REPO)],
-        cwd=tmp_path)
+    run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(REPO)],
+        cwd=tmp_path,
+    )
     wheel = next(dist.glob("pagedserve-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
@@ -44,12 +46,17 @@ def test_the_wheel_installs_beside_hugging_faces_kernels(tmp_path, default_model
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"
-    site = Path(run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                    cwd=tmp_path).stdout.strip())
+    site = Path(
+        run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp_path
+        ).stdout.strip()
+    )
     outer = [p for p in sys.path if p.rstrip("/").endswith("site-packages") and Path(p).is_dir()]
     (site / "outer_site.pth").write_text("".join(f"{p}\n" for p in outer or [sysconfig.get_paths()["purelib"]]))
-    run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--force-reinstall", str(wheel)],
-        cwd=tmp_path)
+    run(
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--force-reinstall", str(wheel)],
+        cwd=tmp_path,
+    )
 
     outside = tmp_path / "elsewhere"
     outside.mkdir()

@@ -140,12 +140,12 @@ def test_redis_down_or_not_answering_costs_a_recompute_a_warning_and_a_count(
 @pytest.mark.parametrize(
     "url, message",
     [
-        ("http://127.0.0.1:6379", "scheme must be one of redis, rediss"),
+        ("http://127.0.0.1:6379", r"kv_offload.remote_url: must match \^rediss\?://"),
         ("redis://127.0.0.1", "needs a host and a port"),
         ("redis://:6379", "needs a host and a port"),
         ("redis://127.0.0.1:99999", "not a valid URL"),
         ("redis://127.0.0.1:6379/cache", "database number"),
-        (6379, "must be a URL"),
+        (6379, "kv_offload.remote_url: must be a string or null"),
     ],
 )
 def test_remote_url_is_checked(url, message):

@@ -157,7 +157,7 @@ def test_backend_refuses_a_cache_of_the_wrong_kind():
 
 def test_config_checks_kv_cache_dtype():
     assert EngineConfig(model="m", kv_cache_dtype="FP8_E4M3").kv_cache_dtype == "fp8_e4m3"
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3, int8, got 'fp16'"):
+    with pytest.raises(ValueError, match='kv_cache_dtype: must be one of "auto", "fp8_e4m3", "int8", got "fp16"'):
         EngineConfig(model="m", kv_cache_dtype="fp16")
 
 

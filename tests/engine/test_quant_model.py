@@ -133,9 +133,9 @@ def test_quantized_at_archive_time_loads_the_same_layers(tmp_path):
 
 
 def test_bad_options_are_refused():
-    with pytest.raises(ValueError, match="quantization must be one of"):
+    with pytest.raises(ValueError, match="quantization: must be one of"):
         LLM(default_model_dir(), quantization="int3")
-    with pytest.raises(ValueError, match="quant_group_size must be 32, 64 or 128"):
+    with pytest.raises(ValueError, match="quant_group_size: must be one of 32, 64, 128, got 48"):
         LLM(default_model_dir(), quantization="int4", quant_group_size=48)
 
 
