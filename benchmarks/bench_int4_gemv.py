@@ -96,7 +96,7 @@ def main() -> None:
         summary[label] = {"speedup": med, "rounds": ratios[label], "native_gbs": gbs}
         lines.append(f"| {label} | {' '.join(f'{x:.2f}' for x in ratios[label])} | {med:.2f} | {gbs:.1f} |")
     RESULTS.mkdir(exist_ok=True)
-    result_path(args.name, "json").write_text(json.dumps(summary, indent=1))
+    result_path(args.name, "json").write_text(json.dumps({"cpu": cpu_description(), **summary}, indent=1))
     result_path(args.name, "md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -206,7 +206,7 @@ def report(args, modes: list[str], results: dict, rounds_done: int) -> None:
     ]
     RESULTS.mkdir(exist_ok=True)
     result_path(f"{args.name}", "json").write_text(
-        json.dumps({"args": vars(args), "summary": summary}, indent=2) + "\n"
+        json.dumps({"cpu": cpu_description(), "args": vars(args), "summary": summary}, indent=2) + "\n"
     )
     result_path(f"{args.name}", "md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
