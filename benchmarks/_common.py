@@ -99,7 +99,7 @@ def start_server(workdir: Path, models: list[str], timeout: float) -> tuple[subp
     cmd = [
         sys.executable,
         "-m",
-        "server.cli",
+        "pagedserve.server.cli",
         "serve",
         "--model-store",
         str(workdir / "store"),

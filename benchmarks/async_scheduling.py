@@ -29,7 +29,7 @@ MIN_ROUNDS = 5
 
 
 def phase(args, async_scheduling: bool) -> dict:
-    from engine import LLM, SamplingParams
+    from pagedserve.engine import LLM, SamplingParams
 
     # Seeded token ids: _common.make_prompts draws words from the tokenizer's vocabulary in its
     # dict order, which differs between processes, and the two sides must run the same prompts.
@@ -72,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     if args.model is None:
-        from engine.model.default_model import default_model_dir
+        from pagedserve.engine.model.default_model import default_model_dir
 
         args.model = str(default_model_dir())
     if args.phase:

@@ -167,8 +167,8 @@ async def phase(base: str, name: str | None, args) -> dict:
 def write_store(store: Path) -> None:
     import yaml
 
-    from engine.model.archive import write_archive
-    from engine.model.default_model import default_model_dir
+    from pagedserve.engine.model.archive import write_archive
+    from pagedserve.engine.model.default_model import default_model_dir
 
     config = store.parent / "model-config.yaml"
     config.write_text(

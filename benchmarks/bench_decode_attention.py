@@ -42,12 +42,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import write_kv_cache
-from engine.attention.kv_quant import KVCacheDtype, quantize_kv
-from engine.attention.metadata import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend, _build_decode_plan
-from engine.process_setup import tune_glibc_malloc
-from kernels.cpu_paged_attention import load_cpu_kernels
+from pagedserve.engine.attention.backend import write_kv_cache
+from pagedserve.engine.attention.kv_quant import KVCacheDtype, quantize_kv
+from pagedserve.engine.attention.metadata import AttentionMetadata
+from pagedserve.engine.attention.torch_backend import TorchAttentionBackend, _build_decode_plan
+from pagedserve.engine.platform.process_setup import tune_glibc_malloc
+from pagedserve.kernels.cpu_paged_attention import load_cpu_kernels
 
 
 def context_lengths(kind: str, batch: int, g: torch.Generator) -> list[int]:

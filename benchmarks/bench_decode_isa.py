@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import RESULTS, cpu_description, result_path  # noqa: E402
-from engine.attention.kv_quant import KVCacheDtype, quantize_kv  # noqa: E402
-from kernels.cpu_native import available_isas, load_native  # noqa: E402
+from pagedserve.engine.attention.kv_quant import KVCacheDtype, quantize_kv  # noqa: E402
+from pagedserve.kernels.cpu_native import available_isas, load_native  # noqa: E402
 
 
 def _case(batch: int, context: int, kv: str):

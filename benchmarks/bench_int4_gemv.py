@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import RESULTS, cpu_description, result_path  # noqa: E402
-from engine.model.quant_linear import Int4Linear  # noqa: E402
-from kernels.cpu_int4_dequant import packed_block_n, scale_and_shift  # noqa: E402
-from kernels.cpu_native import load_native  # noqa: E402
+from pagedserve.engine.model.quant_linear import Int4Linear  # noqa: E402
+from pagedserve.kernels.cpu_int4_dequant import packed_block_n, scale_and_shift  # noqa: E402
+from pagedserve.kernels.cpu_native import load_native  # noqa: E402
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 

@@ -54,7 +54,7 @@ def bench_shapes(rounds: int) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from kernels.cpu_packed_linear import PackedLinear
+    from pagedserve.kernels.cpu_packed_linear import PackedLinear
 
     rows = []
     for m in (64, 2048):
@@ -84,9 +84,9 @@ def bench_shapes(rounds: int) -> list[dict]:
 
 
 def bench_engine(rounds: int) -> dict:
-    from engine import LLM, SamplingParams
-    from engine.model import loader
-    from engine.model.default_model import default_model_dir
+    from pagedserve.engine import LLM, SamplingParams
+    from pagedserve.engine.model import loader
+    from pagedserve.engine.model.default_model import default_model_dir
 
     model = default_model_dir()
     options = {"dtype": "bfloat16", "kv_cache_memory": "1GiB", "num_threads": 2, "enable_prefix_caching": False}

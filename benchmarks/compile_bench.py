@@ -1,4 +1,4 @@
-"""Compiled forward (engine.model.compile) vs eager, on the default model, paired rounds.
+"""Compiled forward (pagedserve.engine.model.compile) vs eager, on the default model, paired rounds.
 
 Cases: batch-1 decode, batch-16 decode (contexts of 256 tokens), one 512-token prefill; each in
 float32 and bfloat16 (one process per dtype, run one after the other). Both sides are the same
@@ -74,17 +74,12 @@ def _cases(torch, AttentionMetadata):
 def run_dtype(dtype_name: str, rounds: int, threads: int, cache_dir: str) -> dict:
     import torch
 
-    from engine.attention.metadata import AttentionMetadata
-    from engine.attention.selector import select_backend
-    from engine.model.compile import CompiledForward
-    from engine.model.default_model import default_model_dir
-    from engine.model.loader import (
-        allocate_kv_caches,
-        load_model,
-        read_config,
-        select_fused_ops,
-    )
-    from engine.process_setup import tune_glibc_malloc
+    from pagedserve.engine.attention.metadata import AttentionMetadata
+    from pagedserve.engine.attention.selector import select_backend
+    from pagedserve.engine.model.compile import CompiledForward
+    from pagedserve.engine.model.default_model import default_model_dir
+    from pagedserve.engine.model.loader import allocate_kv_caches, load_model, read_config, select_fused_ops
+    from pagedserve.engine.platform.process_setup import tune_glibc_malloc
 
     tune_glibc_malloc()
     torch.set_num_threads(threads)

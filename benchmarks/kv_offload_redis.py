@@ -45,7 +45,7 @@ def make_prompt(tokenizer, length: int, seed: int) -> list[int]:
 
 
 def make_llm(args):
-    from engine import LLM
+    from pagedserve.engine import LLM
 
     pool_tokens = (args.prompt_len // BLOCK + 8 + args.check_tokens // BLOCK + 1) * BLOCK
     return LLM(
@@ -60,7 +60,7 @@ def make_llm(args):
 
 
 def ttft(llm, ids) -> float:
-    from engine import SamplingParams
+    from pagedserve.engine import SamplingParams
 
     start = time.perf_counter()
     llm.generate([ids], SamplingParams(max_tokens=1, temperature=0))
@@ -68,7 +68,7 @@ def ttft(llm, ids) -> float:
 
 
 def continuation(llm, ids, n: int) -> list[int]:
-    from engine import SamplingParams
+    from pagedserve.engine import SamplingParams
 
     return list(
         llm.generate([ids], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
@@ -185,11 +185,11 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     if args.model is None:
-        from engine.model.default_model import default_model_dir
+        from pagedserve.engine.model.default_model import default_model_dir
 
         args.model = str(default_model_dir())
     if args.phase:
-        from engine.llm import load_tokenizer
+        from pagedserve.engine.llm import load_tokenizer
 
         print(json.dumps(phase(args, load_tokenizer(args.model))))
         return

@@ -49,7 +49,7 @@ def make_prompt(tokenizer, length: int, seed: int) -> list[int]:
 
 
 def make_llm(args, disk: str):
-    from engine import LLM
+    from pagedserve.engine import LLM
 
     pool_tokens = (args.prompt_len // BLOCK + 8) * BLOCK
     return LLM(
@@ -64,7 +64,7 @@ def make_llm(args, disk: str):
 
 
 def ttft(llm, ids) -> float:
-    from engine import SamplingParams
+    from pagedserve.engine import SamplingParams
 
     start = time.perf_counter()
     llm.generate([ids], SamplingParams(max_tokens=1, temperature=0))
@@ -182,7 +182,7 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     if args.model is None:
-        from engine.model.default_model import default_model_dir
+        from pagedserve.engine.model.default_model import default_model_dir
 
         args.model = str(default_model_dir())
     if args.phase:

@@ -44,7 +44,7 @@ def _prompts(n_decode: int, n_ttft: int) -> tuple[list[int], list[int], list[int
     """The decode prompt and two TTFT prompts (warm-up, timed) as token ids of the model's tokenizer."""
     from transformers import AutoTokenizer
 
-    from engine.model.default_model import default_model_dir
+    from pagedserve.engine.model.default_model import default_model_dir
 
     tok = AutoTokenizer.from_pretrained(default_model_dir())
     ttft = make_prompts(tok, 2, n_ttft, seed=2)
@@ -67,8 +67,8 @@ def read_bandwidth_gbs(threads: int, mib: int = 256, repeats: int = 5) -> float:
 
 
 def pagedserve_phase(args) -> dict:
-    from engine import LLM, SamplingParams
-    from engine.model.default_model import default_model_dir
+    from pagedserve.engine import LLM, SamplingParams
+    from pagedserve.engine.model.default_model import default_model_dir
 
     quant = None if args.mode == "bf16" else args.mode
     llm = LLM(
@@ -105,7 +105,7 @@ def pagedserve_phase(args) -> dict:
 def _checkpoint_numel(model_dir) -> int:
     from safetensors import safe_open
 
-    from engine.model.loader import safetensors_files
+    from pagedserve.engine.model.loader import safetensors_files
 
     total = 0
     for path in safetensors_files(model_dir):
@@ -195,7 +195,7 @@ def main() -> None:
         return
     if not Path(args.llama_python).exists():
         sys.exit(f"no llama-cpp-python interpreter at {args.llama_python}; see this script's docstring")
-    from engine.model.default_model import default_gguf_path
+    from pagedserve.engine.model.default_model import default_gguf_path
 
     gguf = default_gguf_path()
     decode, warm, timed = _prompts(32, args.ttft_len)

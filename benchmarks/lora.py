@@ -7,7 +7,7 @@ the 4 adapters takes a quarter of the rows, rank 16, all seven projections). The
 alternate for `--rounds` paired rounds, the order flipping every round; the reported ratio is
 the median of the per-round ratios (mixed tok/s / plain tok/s). Peak RSS of the process.
 
-Registering an adapter is timed as the server does it (engine.lora.archive + server.adapters):
+Registering an adapter is timed as the server does it (pagedserve.engine.lora.archive + pagedserve.server.workers.adapters):
 archive the adapter (`write_lora_archive`), open and verify the archive (`load_archive`), read
 and check its factors against the base (`load_adapter`), and, in the worker, its first load
 into a slot. Adapters are random PEFT folders written here (adapter_config.json +
@@ -41,7 +41,7 @@ def write_adapter(folder: Path, spec, rank: int, seed: int) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from engine.lora.adapter import lora_shapes
+    from pagedserve.engine.lora.adapter import lora_shapes
 
     shapes = lora_shapes(spec)
     g = torch.Generator().manual_seed(seed)
@@ -63,11 +63,11 @@ def write_adapter(folder: Path, spec, rank: int, seed: int) -> Path:
 
 def time_registration(model_dir: Path, spec, tmp: Path, rank: int) -> dict:
     """Seconds for each step of registering one adapter on the server, and its first slot load."""
-    from engine.lora.adapter import load_adapter, lora_shapes
-    from engine.lora.archive import write_lora_archive
-    from engine.lora.slots import LoRASlots
-    from engine.model.archive_write import write_archive
-    from server.archives import load_archive
+    from pagedserve.engine.lora.adapter import load_adapter, lora_shapes
+    from pagedserve.engine.lora.archive import write_lora_archive
+    from pagedserve.engine.lora.slots import LoRASlots
+    from pagedserve.engine.model.archive_write import write_archive
+    from pagedserve.server.workers.archives import load_archive
 
     store = tmp / "store"
     write_archive(model_dir, store, model_name="base", version="1.0", archive_format="no-archive")
@@ -111,8 +111,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
-    from engine import LLM, LoRARequest, SamplingParams
-    from engine.model.default_model import default_model_dir
+    from pagedserve.engine import LLM, LoRARequest, SamplingParams
+    from pagedserve.engine.model.default_model import default_model_dir
 
     tmp = Path(tempfile.mkdtemp(prefix="pagedserve-lora-bench-"))
     llm = LLM(

@@ -1,7 +1,7 @@
 """Model lifecycle: time to first token for a request to a loaded, a sleeping and an unloaded
 version of the default model (median of 5 each), and the memory of each state.
 
-One in-process server (server.serve.Server on its own loop thread, real HTTP on free ports,
+One in-process server (pagedserve.server.app.serve.Server on its own loop thread, real HTTP on free ports,
 token auth off) over a temporary model store holding the default model archived with
 minWorkers 0 (bfloat16, a 256 MiB KV pool). Per case, five rounds of one greedy request of
 8 tokens; before each round the version is put in the state under test:
@@ -54,8 +54,8 @@ handler:
 
 class Bench:
     def __init__(self, store: Path, workdir: Path, threads: int) -> None:
-        from server.config import ServerConfig
-        from server.serve import Server
+        from pagedserve.server.app.serve import Server
+        from pagedserve.server.common.config import ServerConfig
 
         config = ServerConfig(
             model_store=str(store),
@@ -93,7 +93,7 @@ class Bench:
         )
 
     def memory(self) -> dict:
-        from engine.process_setup import resident_bytes
+        from pagedserve.engine.platform.process_setup import resident_bytes
 
         registry = self.server.state.registry
         entry = registry.resolve(MODEL, "1.0")
@@ -123,8 +123,8 @@ def main() -> None:
             render(json.loads(result_path("model_lifecycle", "json").read_text()))
         )
         return
-    from engine.model.archive import write_archive
-    from engine.model.default_model import default_model_dir
+    from pagedserve.engine.model.archive import write_archive
+    from pagedserve.engine.model.default_model import default_model_dir
 
     tmp = Path(tempfile.mkdtemp(prefix="lifecycle-bench-"))
     os.environ.setdefault("PAGEDSERVE_ARCHIVE_DIR", str(tmp / "archives"))

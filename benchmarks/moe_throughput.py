@@ -78,7 +78,7 @@ def build_model(args) -> Path:
     import torch
     import transformers
 
-    from engine.model.default_model import default_model_dir
+    from pagedserve.engine.model.default_model import default_model_dir
 
     config_cls, model_cls, moe = ARCHS[args.arch]
     config = getattr(transformers, config_cls)(**SIZES, **moe)
@@ -138,7 +138,7 @@ class ShareTimer:
     busy machine a wall clock charges whichever op was running when the process was descheduled."""
 
     def __init__(self, model) -> None:
-        from engine.model.layers.moe import SparseMoeBlock
+        from pagedserve.engine.model.layers.moe import SparseMoeBlock
 
         self.totals = {"expert_gemm_s": 0.0, "moe_block_s": 0.0}
         self.handles = []
@@ -166,7 +166,7 @@ class ShareTimer:
 
 
 def phase_engine(args) -> dict:
-    from engine import LLM, SamplingParams
+    from pagedserve.engine import LLM, SamplingParams
 
     llm = LLM(
         args.model,

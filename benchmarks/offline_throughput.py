@@ -43,7 +43,7 @@ TTFT_TRIALS = 5
 
 
 def phase_engine(args, prompts, caching: bool, profile: bool = False) -> dict:
-    from engine import LLM, SamplingParams
+    from pagedserve.engine import LLM, SamplingParams
 
     # KV budget: 64 x (200 + 128) tokens need ~1,350 blocks of 16 (368 KiB each in bf16).
     llm = LLM(
@@ -158,7 +158,7 @@ def _latency(args, tokenizer, generate) -> dict:
 
 
 def phase_latency_engine(args, tokenizer) -> dict:
-    from engine import LLM, SamplingParams
+    from pagedserve.engine import LLM, SamplingParams
 
     # Prefix caching off: every TTFT prompt is computed in full, as transformers does.
     llm = LLM(
@@ -206,7 +206,7 @@ def phase_floor(args) -> dict:
     import torch
     from safetensors import safe_open
 
-    from engine.model.loader import safetensors_files
+    from pagedserve.engine.model.loader import safetensors_files
 
     torch.set_num_threads(2)
     numel = 0
@@ -230,7 +230,7 @@ def phase_floor(args) -> dict:
 
 
 def phase_ttft(args, tokenizer) -> dict:
-    from engine import LLM, SamplingParams
+    from pagedserve.engine import LLM, SamplingParams
 
     llm = LLM(args.model, dtype="bfloat16", num_threads=2, kv_cache_memory="1GiB", max_num_batched_tokens=2048)
     one = SamplingParams(max_tokens=1, temperature=0)
@@ -453,7 +453,7 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     if args.model is None:
-        from engine.model.default_model import default_model_dir
+        from pagedserve.engine.model.default_model import default_model_dir
 
         args.model = str(default_model_dir())
     if args.phase:

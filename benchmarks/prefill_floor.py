@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_dtype(dtype_name: str, tokens: int, rounds: int, threads: int) -> dict:
     import torch
 
-    from engine import LLM, SamplingParams
-    from engine.model.default_model import default_model_dir
+    from pagedserve.engine import LLM, SamplingParams
+    from pagedserve.engine.model.default_model import default_model_dir
 
     llm = LLM(
         default_model_dir(),

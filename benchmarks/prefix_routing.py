@@ -49,8 +49,8 @@ POLICIES = {"ll": "least_loaded", "pa": "prefix_affinity"}
 def write_store(store: Path, args) -> None:
     import yaml
 
-    from engine.model.archive import write_archive
-    from engine.model.default_model import default_model_dir
+    from pagedserve.engine.model.archive import write_archive
+    from pagedserve.engine.model.default_model import default_model_dir
 
     store.mkdir(parents=True)
     for name, routing in POLICIES.items():

@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 from _common import RESULTS, result_path
 
-from engine import LLM
-from engine.attention.metadata import AttentionMetadata
-from engine.model.default_model import default_gguf_path, default_model_dir
-from engine.model.quant_convert import convert_gguf_quantized
+from pagedserve.engine import LLM
+from pagedserve.engine.attention.metadata import AttentionMetadata
+from pagedserve.engine.model.default_model import default_gguf_path, default_model_dir
+from pagedserve.engine.model.quant_convert import convert_gguf_quantized
 
 TEXT = Path(__file__).parent / "data" / "coriolanus_act1.txt"
 

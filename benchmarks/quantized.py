@@ -44,7 +44,7 @@ def _rss_mib() -> float:
 def _checkpoint_numel(model_dir) -> int:
     from safetensors import safe_open
 
-    from engine.model.loader import safetensors_files
+    from pagedserve.engine.model.loader import safetensors_files
 
     total = 0
     for path in safetensors_files(model_dir):
@@ -56,8 +56,8 @@ def _checkpoint_numel(model_dir) -> int:
 
 
 def _llm(args, mode: str, **opts):
-    from engine import LLM
-    from engine.model.default_model import default_model_dir
+    from pagedserve.engine import LLM
+    from pagedserve.engine.model.default_model import default_model_dir
 
     if mode == "fp8kv":  # bf16 weights, fp8 KV cache (kv_cache_dtype fp8_e4m3)
         return LLM(default_model_dir(), dtype="bfloat16", num_threads=args.threads, kv_cache_dtype="fp8_e4m3", **opts)
@@ -67,7 +67,7 @@ def _llm(args, mode: str, **opts):
 
 def phase(args) -> dict:
     """One mode, in this (fresh) process: load once, then every measurement of `args.phases`."""
-    from engine import SamplingParams
+    from pagedserve.engine import SamplingParams
 
     # Prefix caching off: the TTFT prompt and the batch's prompts are computed in full.
     llm = _llm(

@@ -99,7 +99,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def phase_offline(args, prompts) -> dict:
-    from engine import LLM, SamplingParams
+    from pagedserve.engine import LLM, SamplingParams
 
     llm = LLM(args.model, num_threads=args.threads, **engine_options(args))
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
@@ -139,7 +139,7 @@ def free_port() -> int:
 def write_store(args, store: Path) -> None:
     import yaml
 
-    from engine.model.archive import write_archive
+    from pagedserve.engine.model.archive import write_archive
 
     config = store.parent / "model-config.yaml"
     config.write_text(yaml.safe_dump({"minWorkers": 1, "maxWorkers": 1, "handler": engine_options(args)}))
@@ -158,7 +158,7 @@ def phase_http(args, prompts, workdir: Path) -> dict:
     cmd = [
         sys.executable,
         "-m",
-        "server.cli",
+        "pagedserve.server.cli",
         "serve",
         "--model-store",
         str(workdir / "store"),
@@ -359,11 +359,11 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     if args.model is None:
-        from engine.model.default_model import default_model_dir
+        from pagedserve.engine.model.default_model import default_model_dir
 
         args.model = str(default_model_dir())
     if args.phase:
-        from engine.llm import load_tokenizer
+        from pagedserve.engine.llm import load_tokenizer
 
         # Stopped from outside: unwind, so the server process of the http phase is stopped too.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))

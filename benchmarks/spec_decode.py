@@ -74,8 +74,8 @@ CASES = [("chat", 1), ("chat", 8), ("chat", 32), ("edit", 1), ("edit", 8), ("age
 
 def phase(args) -> dict:
     sys.path.insert(0, str(REPO))
-    from engine import LLM, SamplingParams
-    from engine.model.default_model import default_model_dir
+    from pagedserve.engine import LLM, SamplingParams
+    from pagedserve.engine.model.default_model import default_model_dir
 
     speculative = None if args.phase == "plain" else {"method": args.phase, "num_speculative_tokens": args.k}
     llm = LLM(

@@ -47,7 +47,7 @@ def environment(checkout: Path, cache: Path | None) -> dict[str, str]:
 
 def pagedserve(checkout: Path) -> list[str]:
     """The checkout's own CLI, whatever package the venv's `pagedserve` script points at."""
-    return [sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())"]
+    return [sys.executable, "-c", "import sys; from pagedserve.server.cli import main; sys.exit(main())"]
 
 
 def time_prepare(checkout: Path, env: dict[str, str]) -> dict:

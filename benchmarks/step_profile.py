@@ -82,8 +82,8 @@ class StepProfile:
         """Time `llm`'s parts from now on; returns self."""
         from torch import nn
 
-        from engine.detokenizer import IncrementalDetokenizer
-        from engine.output_processor import OutputProcessor
+        from pagedserve.engine.core.output_processor import OutputProcessor
+        from pagedserve.engine.request.detokenizer import IncrementalDetokenizer
 
         core = llm.engine
         runner = core.runner

@@ -26,8 +26,8 @@ from benchmarks._common import RESULTS, cpu_description, make_prompts, result_pa
 
 
 def phase(args: argparse.Namespace) -> dict:
-    from engine import LLM, SamplingParams
-    from engine.model.default_model import default_model_dir
+    from pagedserve.engine import LLM, SamplingParams
+    from pagedserve.engine.model.default_model import default_model_dir
 
     start = time.perf_counter()
     llm = LLM(
@@ -72,8 +72,8 @@ def main() -> None:
     if args.phase_tp is not None:
         print(json.dumps(phase(args)))
         return
-    from engine.llm import load_tokenizer
-    from engine.model.default_model import default_model_dir
+    from pagedserve.engine.llm import load_tokenizer
+    from pagedserve.engine.model.default_model import default_model_dir
 
     # Made once here: make_prompts draws from the vocabulary in its dict order, which differs
     # from one process to the next, so each phase reads the same prompts from a file.

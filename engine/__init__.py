@@ -1,7 +1,7 @@
 """pagedserve's engine: paged KV cache, token-budget scheduler, model runner, offline API.
 
-`from engine import LLM, SamplingParams` works, but importing the package (or any submodule,
-such as `engine.kv_cache.block_pool`) loads nothing else: the names below are imported on first
+`from pagedserve.engine import LLM, SamplingParams` works, but importing the package (or any submodule,
+such as `pagedserve.engine.kv_cache.block_pool`) loads nothing else: the names below are imported on first
 access (PEP 562), so a light module never pays for torch, the model code or transformers.
 """
 
@@ -12,23 +12,23 @@ __all__ = ["LLM", "CompletionOutput", "EngineConfig", "LoRARequest", "RequestOut
 
 def __getattr__(name: str):
     if name == "LLM":
-        from engine.llm import LLM
+        from pagedserve.engine.llm import LLM
 
         return LLM
     if name == "EngineConfig":
-        from engine.config import EngineConfig
+        from pagedserve.engine.config.engine import EngineConfig
 
         return EngineConfig
     if name == "SamplingParams":
-        from engine.sampling_params import SamplingParams
+        from pagedserve.engine.sampling.params import SamplingParams
 
         return SamplingParams
     if name == "LoRARequest":
-        from engine.lora.request import LoRARequest
+        from pagedserve.engine.lora.request import LoRARequest
 
         return LoRARequest
     if name in ("CompletionOutput", "RequestOutput"):
-        from engine import outputs
+        from pagedserve.engine.request import outputs
 
         return getattr(outputs, name)
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

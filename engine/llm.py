@@ -1,6 +1,6 @@
 """Offline batch generation: `LLM(model=...).generate(prompts, params)`, like vLLM's.
 
-The same request path as the server's: prepare (engine.inputs) -> generate (the n-way fan-out in
+The same request path as the server's: prepare (pagedserve.engine.request.inputs) -> generate (the n-way fan-out in
 OutputProcessor.add_request, an in-process engine client) -> RequestOutputs."""
 
 from __future__ import annotations
@@ -9,16 +9,16 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
-from engine.config import EngineConfig
-from engine.core_client import InprocClient
-from engine.engine_core import EngineCore
-from engine.inputs import EngineInput, PromptSpec, pooling_sampling_params, prepare_input
-from engine.lora.request import LoRARequest
-from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
-from engine.pooling import PoolingParams
-from engine.process_setup import configure_engine_process
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config.engine import EngineConfig
+from pagedserve.engine.core.client import InprocClient
+from pagedserve.engine.core.engine_core import EngineCore
+from pagedserve.engine.core.output_processor import OutputProcessor
+from pagedserve.engine.lora.request import LoRARequest
+from pagedserve.engine.platform.process_setup import configure_engine_process
+from pagedserve.engine.request.inputs import EngineInput, PromptSpec, pooling_sampling_params, prepare_input
+from pagedserve.engine.request.outputs import RequestOutput
+from pagedserve.engine.request.pooling import PoolingParams
+from pagedserve.engine.sampling.params import SamplingParams
 
 PromptType = str | Sequence[int]
 Message = dict[str, str]
@@ -69,7 +69,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         pooling: PoolingParams | None = None,
     ) -> list[list[float]]:
-        """Each prompt's embedding (engine.pooling: the last token's final hidden state,
+        """Each prompt's embedding (pagedserve.engine.request.pooling: the last token's final hidden state,
         L2-normalised by default), in prompt order."""
         pooling = pooling or PoolingParams()
         inputs = [

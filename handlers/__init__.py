@@ -1,7 +1,7 @@
 """TorchServe-style handlers: the contract (`base_handler`) and the built-in `llm` handler."""
 
-from handlers.base_handler import BaseHandler, Context, HandlerError
-from handlers.llm_handler import LLMHandler, handle_batch
+from pagedserve.handlers.base_handler import BaseHandler, Context, HandlerError
+from pagedserve.handlers.llm_handler import LLMHandler, handle_batch
 
 # Handlers shipped with pagedserve, by the name an archive's manifest gives.
 BUILTIN_HANDLERS: dict[str, type[BaseHandler]] = {"llm": LLMHandler}

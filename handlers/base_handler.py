@@ -2,7 +2,7 @@
 `initialize(context)` once, then per batch `preprocess` (raw requests -> what to generate) and
 `postprocess` (finished outputs -> reply bodies). Generating in between is not the handler's:
 the server's engine workers do it (with streaming, timeouts and aborts), or, without a server,
-an offline `LLM` through `handlers.llm_handler.handle_batch`."""
+an offline `LLM` through `pagedserve.handlers.llm_handler.handle_batch`."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.model.model_config import ModelConfig
-from handlers.errors import HandlerError
+from pagedserve.engine.model.model_config import ModelConfig
+from pagedserve.handlers.errors import HandlerError
 
 if TYPE_CHECKING:
-    from engine.outputs import RequestOutput
-    from handlers.llm_input import ParsedBody
+    from pagedserve.engine.request.outputs import RequestOutput
+    from pagedserve.handlers.llm_input import ParsedBody
 
 __all__ = ["BaseHandler", "Context", "HandlerError"]
 

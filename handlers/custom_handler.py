@@ -1,7 +1,7 @@
 """Custom handlers: a handler class shipped as Python code inside an archive.
 
 The server runs one only when the operator allows custom handlers (the archive is refused
-otherwise, see engine.model.archive_manifest.resolve_handler). The manifest's `handler` names
+otherwise, see pagedserve.engine.model.archive_manifest.resolve_handler). The manifest's `handler` names
 the file and optionally the class: `my_handler.py`, `my_handler`, `my_handler:MyHandler`.
 Without a class name the module must define exactly one concrete `BaseHandler` subclass.
 
@@ -24,7 +24,7 @@ import inspect
 import sys
 from pathlib import Path
 
-from handlers.base_handler import BaseHandler
+from pagedserve.handlers.base_handler import BaseHandler
 
 
 class CustomHandlerError(ValueError):

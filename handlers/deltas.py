@@ -4,7 +4,7 @@ The engine hands back a cumulative `RequestOutput` each time a request changes. 
 only what is new. Text that may still turn into a stop string (a suffix of the text that is a
 proper prefix of a stop string) is held back until it is settled, so a client never sees text
 that the final answer does not contain: the streamed deltas concatenate to the final text.
-The check looks only at the text's last characters (engine/stop_strings.py), so its cost per
+The check looks only at the text's last characters (engine/request/stop_strings.py), so its cost per
 chunk does not grow with the output or the number of stop strings.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.outputs import FinishReason, RequestOutput, TokenLogprob
-from engine.stop_strings import StopStrings
+from pagedserve.engine.request.outputs import FinishReason, RequestOutput, TokenLogprob
+from pagedserve.engine.request.stop_strings import StopStrings
 
 
 @dataclass(slots=True)

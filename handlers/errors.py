@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.inputs import InvalidInput
+from pagedserve.engine.request.inputs import InvalidInput
 
 
 class HandlerError(ValueError):

@@ -17,8 +17,8 @@ from typing import Any
 
 import msgspec
 
-from engine.schema import show
-from handlers.errors import HandlerError
+from pagedserve.engine.config.schema import show
+from pagedserve.handlers.errors import HandlerError
 
 MAX_JSON_DEPTH = 64  # objects and arrays inside each other (a JSON schema of ~30 levels fits)
 

@@ -9,22 +9,22 @@ requests of the batch still run.
 - `postprocess` turns each finished `RequestOutput` into the /predictions reply.
 Generating in between is the server's workers' (or, in-process, `handle_batch` with an offline
 `LLM`). The server's built-in /predictions route calls the same parsing and shaping code
-(`handlers.llm_input`, `handlers.llm_output`); a custom handler, usually a subclass of this
-one, is called around the workers (see handlers.custom_handler).
+(`pagedserve.handlers.llm_input`, `pagedserve.handlers.llm_output`); a custom handler, usually a subclass of this
+one, is called around the workers (see pagedserve.handlers.custom_handler).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.inputs import InvalidInput
-from engine.outputs import RequestOutput
-from handlers.base_handler import BaseHandler, HandlerError
-from handlers.llm_input import ParsedBody, decode_body, parse_predictions_body
-from handlers.llm_output import prediction_response
+from pagedserve.engine.request.inputs import InvalidInput
+from pagedserve.engine.request.outputs import RequestOutput
+from pagedserve.handlers.base_handler import BaseHandler, HandlerError
+from pagedserve.handlers.llm_input import ParsedBody, decode_body, parse_predictions_body
+from pagedserve.handlers.llm_output import prediction_response
 
 if TYPE_CHECKING:
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
 # system_properties["engine"] in the Context the server gives its handlers: its engine workers
 # generate (a custom handler may read it; nothing here depends on it).

@@ -3,7 +3,7 @@
 `parse_predictions_body` converts a /predictions body to its declared schema (`PredictionsBody`
 for the prompt, `SamplingParams` for the rest) on the event loop and returns a `PromptSpec`
 (re-exported here for custom handlers) with the params; the prepare step that follows
-(tokenize, chat template, length rules) is the engine's, engine.inputs. Every refusal is a
+(tokenize, chat template, length rules) is the engine's, pagedserve.engine.request.inputs. Every refusal is a
 `HandlerError` (HTTP 400 by default) whose message and `param` name the field.
 """
 
@@ -15,11 +15,11 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from engine.inputs import PromptSpec
-from engine.sampling_params import SamplingParams, TokenId
-from engine.schema import SchemaError, convert
-from handlers.errors import HandlerError
-from handlers.json_body import decode_json_body
+from pagedserve.engine.config.schema import SchemaError, convert
+from pagedserve.engine.request.inputs import PromptSpec
+from pagedserve.engine.sampling.params import SamplingParams, TokenId
+from pagedserve.handlers.errors import HandlerError
+from pagedserve.handlers.json_body import decode_json_body
 
 TokenIds = Annotated[list[TokenId], msgspec.Meta(min_length=1)]
 
@@ -73,12 +73,12 @@ class ParsedBody:
 
 
 def decode_body(raw: Any, max_bytes: int | None = None) -> dict[str, Any]:
-    """Bytes, text or an already decoded object -> a JSON object (handlers.json_body)."""
+    """Bytes, text or an already decoded object -> a JSON object (pagedserve.handlers.json_body)."""
     return decode_json_body(raw, max_bytes)
 
 
 def convert_body(data: Any, schema: type[Any]) -> Any:
-    """`engine.schema.convert` with a HandlerError (400, `param` = the field) on refusal."""
+    """`pagedserve.engine.config.schema.convert` with a HandlerError (400, `param` = the field) on refusal."""
     try:
         return convert(data, schema)
     except SchemaError as exc:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.outputs import FinishReason, RequestOutput, TokenLogprob
-from handlers.deltas import ChoiceDelta
+from pagedserve.engine.request.outputs import FinishReason, RequestOutput, TokenLogprob
+from pagedserve.handlers.deltas import ChoiceDelta
 
 TIMING_KEYS = ("queued_s", "prefill_s", "decode_s", "ttft_s")
 

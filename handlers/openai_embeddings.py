@@ -1,7 +1,7 @@
 """POST /v1/embeddings: the body (declared once), its prompts, and OpenAI's reply.
 
 The served model embeds a text as the final hidden state of its last token, L2-normalised
-(engine.pooling: a pooling request on the engine's one request path). `input` is a string, a
+(pagedserve.engine.request.pooling: a pooling request on the engine's one request path). `input` is a string, a
 list of token ids, or a list of up to MAX_INPUTS strings or token-id lists (OpenAI's limit);
 each is its own engine request. `encoding_format` is `float` (a list of numbers) or `base64`
 (the little-endian float32 bytes, base64-encoded: what the official SDK asks for by default and
@@ -18,11 +18,11 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
-from engine.inputs import PromptSpec
-from engine.outputs import RequestOutput
-from engine.sampling_params import TokenId
-from handlers.errors import HandlerError
-from handlers.llm_input import convert_body
+from pagedserve.engine.request.inputs import PromptSpec
+from pagedserve.engine.request.outputs import RequestOutput
+from pagedserve.engine.sampling.params import TokenId
+from pagedserve.handlers.errors import HandlerError
+from pagedserve.handlers.llm_input import convert_body
 
 MAX_INPUTS = 2048  # inputs in one body (OpenAI's limit)
 EncodingFormat = Literal["float", "base64"]

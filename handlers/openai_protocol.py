@@ -22,17 +22,11 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from engine.sampling_params import MAX_LOGPROBS, MAX_TOKENS, SamplingParams, TokenId
-from engine.structured_output_params import StructuredOutputsParams
-from handlers.errors import HandlerError
-from handlers.llm_input import (
-    ChatMessages,
-    PromptSpec,
-    chat_messages,
-    convert_body,
-    make_sampling_params,
-)
-from handlers.openai_tools import ToolChoice, ToolRequest, Tools, tool_request
+from pagedserve.engine.sampling.params import MAX_LOGPROBS, MAX_TOKENS, SamplingParams, TokenId
+from pagedserve.engine.structured_output.params import StructuredOutputsParams
+from pagedserve.handlers.errors import HandlerError
+from pagedserve.handlers.llm_input import ChatMessages, PromptSpec, chat_messages, convert_body, make_sampling_params
+from pagedserve.handlers.openai_tools import ToolChoice, ToolRequest, Tools, tool_request
 
 # SamplingParams fields a body sets under their own names; max_tokens, logprobs and structured
 # output have route-specific forms (below).
@@ -65,7 +59,7 @@ class OpenAIRequest:
     logprobs: bool = False  # answer with logprobs
     top_logprobs: int = 0  # alternatives per token (completions: the `logprobs` integer)
     echo: bool = False  # completions: each choice's text starts with its prompt
-    tools: ToolRequest | None = None  # chat: the tools offered (handlers.openai_tools)
+    tools: ToolRequest | None = None  # chat: the tools offered (pagedserve.handlers.openai_tools)
     priority: int = 0  # vLLM's: lower first under scheduling_policy "priority"
     cache_salt: str | None = None  # vLLM's: prefix-cache hits only among requests with the same salt
 

@@ -1,7 +1,7 @@
 """Engine outputs -> OpenAI response bodies and stream chunks (completions and chat), with
 `usage` (cached prompt tokens in `prompt_tokens_details`) and pagedserve's `timings`.
 
-A chat request with tools has its calls read out of each finished choice (handlers.openai_tools):
+A chat request with tools has its calls read out of each finished choice (pagedserve.handlers.openai_tools):
 the message gets `tool_calls` and the finish_reason `tool_calls`. Streamed, such a choice's text
 is held until it finishes (a call cannot be told from text before then); then it is sent as
 OpenAI streams calls: the content, if any, then per call a `tool_calls` delta with the call's
@@ -15,11 +15,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.outputs import FinishReason, RequestOutput, TokenLogprob
-from handlers.deltas import ChoiceDelta
-from handlers.llm_output import timings, usage
-from handlers.openai_protocol import Endpoint, OpenAIRequest
-from handlers.openai_tools import ToolParser, parse_output
+from pagedserve.engine.request.outputs import FinishReason, RequestOutput, TokenLogprob
+from pagedserve.handlers.deltas import ChoiceDelta
+from pagedserve.handlers.llm_output import timings, usage
+from pagedserve.handlers.openai_protocol import Endpoint, OpenAIRequest
+from pagedserve.handlers.openai_tools import ToolParser, parse_output
 
 
 def openai_usage(out: RequestOutput) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """POST /v1/responses (OpenAI's Responses API), stateless: the body becomes a chat request
-(handlers.openai_protocol) and the engine's output becomes a `response` object or its stream
+(pagedserve.handlers.openai_protocol) and the engine's output becomes a `response` object or its stream
 of typed events.
 
 Supported: `input` as text or a list of items (messages with text content, `function_call` and
@@ -26,14 +26,14 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from engine.outputs import FinishReason, RequestOutput
-from engine.sampling_params import MAX_TOKENS
-from handlers.deltas import ChoiceDelta
-from handlers.errors import HandlerError
-from handlers.llm_input import convert_body
-from handlers.llm_output import timings
-from handlers.openai_protocol import OpenAIRequest, parse_chat_request
-from handlers.openai_tools import ToolParser, parse_output
+from pagedserve.engine.request.outputs import FinishReason, RequestOutput
+from pagedserve.engine.sampling.params import MAX_TOKENS
+from pagedserve.handlers.deltas import ChoiceDelta
+from pagedserve.handlers.errors import HandlerError
+from pagedserve.handlers.llm_input import convert_body
+from pagedserve.handlers.llm_output import timings
+from pagedserve.handlers.openai_protocol import OpenAIRequest, parse_chat_request
+from pagedserve.handlers.openai_tools import ToolParser, parse_output
 
 
 class FunctionTool(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -190,14 +190,14 @@ def _messages(req: ResponsesBody) -> list[dict[str, Any]]:
 
 @dataclass(slots=True)
 class ResponsesShaper:
-    """A `server.generation.Shaper` for /v1/responses: the response object, or its events."""
+    """A `pagedserve.server.serving.generation.Shaper` for /v1/responses: the response object, or its events."""
 
     request: ResponsesRequest
     response_id: str
     model: str
     created: int
     tool_parser: ToolParser = ToolParser.HERMES
-    stream_format: Any = None  # server.streaming.StreamFormat.SSE, set by the route
+    stream_format: Any = None  # pagedserve.server.serving.streaming.StreamFormat.SSE, set by the route
     _seq: int = 0
     _text: str = ""
     _message_id: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)

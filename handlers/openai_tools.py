@@ -35,8 +35,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from engine.inputs import PromptSpec
-from handlers.errors import HandlerError
+from pagedserve.engine.request.inputs import PromptSpec
+from pagedserve.handlers.errors import HandlerError
 
 MAX_TOOLS = 128
 MAX_PARALLEL_CALLS = 8  # calls in one `required` answer (at most one per offered tool)

@@ -1,6 +1,6 @@
 """Fused elementwise ops of the Llama decoder for CPU (C++ extension), with plain-torch references.
 
-The references are exactly the torch code of `engine.model.layers`; the kernels reproduce their
+The references are exactly the torch code of `pagedserve.engine.model.layers`; the kernels reproduce their
 rounding (per-op bf16 rounding, torch's float32 sum order for the RMSNorm mean, Sleef's exp for
 SiLU), so the fused path gives bit-identical results. `load_fused_ops()` returns a `CpuFusedOps`
 or None where the extension cannot be built.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_native import load_native
+from pagedserve.kernels.cpu_native import load_native
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -81,7 +81,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"weight must be contiguous {x.dtype} [{x.shape[-1]}]")
 
 
-# -- plain-torch references: exactly the code of engine.model.layers -----------------------------
+# -- plain-torch references: exactly the code of pagedserve.engine.model.layers -----------------------------
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from kernels.cpu_native import load_native
+from pagedserve.kernels.cpu_native import load_native
 
 
 @functools.cache
@@ -35,7 +35,7 @@ def unpack_codes(packed: torch.Tensor, block_n: int) -> torch.Tensor:
 
 
 def load_int4_dequant():
-    """The native extension (kernels.cpu_native), which has these kernels; None if unavailable."""
+    """The native extension (pagedserve.kernels.cpu_native), which has these kernels; None if unavailable."""
     return load_native()
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kernels.cpu_build import CpuExtension
+from pagedserve.kernels.cpu_build import CpuExtension
 
 ISA_NAMES = ("scalar", "avx2", "avx512", "avx512_bf16")  # in order: each runs where the next does
 

@@ -1,10 +1,10 @@
 """Paged decode attention for CPU as a small C++ extension, with its plain-torch reference.
 
-The kernel is part of the native extension (`kernels.cpu_native`, g++ and ninja). Where it
+The kernel is part of the native extension (`pagedserve.kernels.cpu_native`, g++ and ninja). Where it
 cannot be built, `load_cpu_kernels()` returns None and callers use the torch path.
 
 It also reads a quantized KV cache (`kv_quant` "fp8_e4m3" or "int8"; the format is the engine's
-`engine.attention.kv_quant`: uint8 rows of `D + 2` bytes per token and KV head, D codes then a
+`pagedserve.engine.attention.kv_quant`: uint8 rows of `D + 2` bytes per token and KV head, D codes then a
 bf16 scale), de-quantizing in the inner loop; `gather_dequantize` de-quantizes one sequence's rows.
 """
 
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_native import load_native
+from pagedserve.kernels.cpu_native import load_native
 
 
 def load_cpu_kernels():
-    """The native extension (kernels.cpu_native), which has this kernel; None if unavailable."""
+    """The native extension (pagedserve.kernels.cpu_native), which has this kernel; None if unavailable."""
     return load_native()
 
 
@@ -41,7 +41,7 @@ def paged_decode_attention(
     isa: str = "",
 ) -> torch.Tensor:
     """Launcher: checks and normalises inputs, then runs the extension's kernel (`isa`: "" for
-    the CPU's best path, or one of `kernels.cpu_native.ISA_NAMES` to force it).
+    the CPU's best path, or one of `pagedserve.kernels.cpu_native.ISA_NAMES` to force it).
 
     query [B, H, D] float32 or bfloat16; k_cache/v_cache [num_blocks, block_size, KVH, D] in
     query's dtype, or with `kv_quant` uint8 [num_blocks, block_size, KVH, D + 2] rows;

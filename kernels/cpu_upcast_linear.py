@@ -1,7 +1,7 @@
 """bfloat16 linear layers for CPUs without bf16 dot products: float32 GEMMs on weight chunks.
 
 Where the CPU lacks avx512_bf16 / AMX, oneDNN emulates a bf16 GEMM and runs it ~4-5x slower than
-the float32 GEMM of the same shape once a call has a few rows (`kernels.cpu_isa`). `UpcastLinear`
+the float32 GEMM of the same shape once a call has a few rows (`pagedserve.kernels.cpu_isa`). `UpcastLinear`
 keeps the weight in bf16 (memory unchanged) and, for calls of `min_rows` rows or more, converts
 it to float32 one chunk of output rows at a time (a chunk stays in cache) and multiplies in
 float32 into the matching columns of the output, which is rounded to bf16 once. Products of two
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_native import load_native
+from pagedserve.kernels.cpu_native import load_native
 
 UPCAST_MIN_ROWS = 4  # fewer rows: bf16 F.linear (the weight read dominates)
 CHUNK_ROWS = 512
@@ -30,7 +30,7 @@ GEMV_MAX_ROWS = 8  # the C++ kernel's limit  # output rows converted at a time: 
 
 
 def load_gemv():
-    """The native extension (kernels.cpu_native), which has the few-rows kernel; None if unavailable."""
+    """The native extension (pagedserve.kernels.cpu_native), which has the few-rows kernel; None if unavailable."""
     return load_native()
 
 

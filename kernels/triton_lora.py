@@ -3,7 +3,7 @@
     out[t, n] (+)= sum_k x[t, k] * W[idx[t]][n, k]          (rows with idx[t] < 0 are skipped)
 
 `W` is a stack of per-adapter matrices addressed by strides, so the same kernel serves both
-halves of a LoRA product over the engine's stacked slots (see engine.lora.slots):
+halves of a LoRA product over the engine's stacked slots (see pagedserve.engine.lora.slots):
 
 - shrink: `W = A` viewed as `[S, R, K]` (slot s owns rows `[s*R, (s+1)*R)` of A `[S*R, K]`):
   strides (R*K, K, 1); out `[T, R]` is overwritten (rows without an adapter get 0);

@@ -1,6 +1,6 @@
 """Paged attention as one Triton kernel, for prefills, prefill chunks and decodes in one launch.
 
-The batch layout is the engine's (engine.attention.metadata, restated here because kernels
+The batch layout is the engine's (pagedserve.engine.attention.metadata, restated here because kernels
 never import engine): `num_seqs` sequences laid out one after another in `query [T, H, D]`
 (sequence i owns rows `query_start_loc[i]:query_start_loc[i+1]`); each sequence's query tokens
 are the last `query_len` of its `seq_len` context tokens; keys/values live in a paged cache
@@ -15,7 +15,7 @@ block (a group of 3 is padded to 4), so K and V are read once per group. It walk
 table), with an online softmax in float32.
 
 A quantized KV cache (`kv_quant` "fp8_e4m3" or "int8"; the format is the engine's
-`engine.attention.kv_quant`) is uint8 rows of `D + 2` bytes per token and KV head: D codes, then
+`pagedserve.engine.attention.kv_quant`) is uint8 rows of `D + 2` bytes per token and KV head: D codes, then
 the row's bfloat16 scale. The kernel loads the codes and the scale's two bytes and de-quantizes
 in float32 (`KV_QUANT`); e4m3 is decoded with integer ops, which the interpreter and every GPU
 run alike.

@@ -6,15 +6,15 @@ import argparse
 import sys
 import time
 
-from server.archive_cli import add_archive_parser
-from server.bench.cli import add_bench_parser
-from server.prepare import add_prepare_parser
-from server.serve_cli import add_serve_parser
+from pagedserve.server.commands.archive import add_archive_parser
+from pagedserve.server.commands.bench.cli import add_bench_parser
+from pagedserve.server.commands.prepare import add_prepare_parser
+from pagedserve.server.commands.serve import add_serve_parser
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
-    from engine.model.default_model import default_model_dir
+    from pagedserve.engine import LLM, SamplingParams
+    from pagedserve.engine.model.default_model import default_model_dir
 
     model = args.model or str(default_model_dir())
     llm = LLM(model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory)
@@ -37,7 +37,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.model.registry import describe_support
+    from pagedserve.engine.model.registry import describe_support
 
     parser = argparse.ArgumentParser(
         prog="pagedserve",

@@ -29,7 +29,7 @@ def pytest_configure(config) -> None:
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The default model converted to a plain directory in the user cache (converted once)."""
-    from engine.model.default_model import default_gguf_path, default_model_dir
+    from pagedserve.engine.model.default_model import default_gguf_path, default_model_dir
 
     try:
         default_gguf_path()

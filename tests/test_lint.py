@@ -46,7 +46,7 @@ def test_import_contracts_are_kept():
 
 def test_the_circle_contract_catches_a_type_only_circle(tmp_path):
     """The acyclic contract as configured here refuses a circle made only of TYPE_CHECKING
-    imports, like the ones this codebase had (engine.request <-> engine.structured_output)."""
+    imports, like the ones this codebase had (pagedserve.engine.request.request <-> pagedserve.engine.structured_output.manager)."""
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
@@ -119,9 +119,9 @@ def test_the_front_end_imports_no_torch():
         "-X",
         "importtime",
         "-c",
-        "import server.cli, server.serve, server.inference_app, server.management_app",
+        "import pagedserve.server.cli, pagedserve.server.app.serve, pagedserve.server.app.inference, pagedserve.server.management.app",
     )
     assert out.returncode == 0, out.stderr[-3000:]
     loaded = [line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line]
-    assert "server.inference_app" in loaded  # the import really happened
+    assert "pagedserve.server.app.inference" in loaded  # the import really happened
     assert not [name for name in loaded if name == "torch" or name.startswith("torch.")]

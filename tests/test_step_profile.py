@@ -23,7 +23,7 @@ def _load_step_profile():
 @pytest.fixture(scope="module")
 def tiny_llm(tmp_path_factory, default_model_dir):
     transformers = pytest.importorskip("transformers")
-    from engine import LLM
+    from pagedserve.engine import LLM
 
     model = tmp_path_factory.mktemp("tiny-profile") / "model"
     config = transformers.LlamaConfig(
@@ -44,8 +44,8 @@ def tiny_llm(tmp_path_factory, default_model_dir):
 
 
 def test_the_breakdown_adds_up_and_detach_restores_the_engine(tiny_llm):
-    from engine import SamplingParams
-    from engine.output_processor import OutputProcessor
+    from pagedserve.engine import SamplingParams
+    from pagedserve.engine.core.output_processor import OutputProcessor
 
     step_profile = _load_step_profile()
     original = OutputProcessor.process_outputs

@@ -13,9 +13,9 @@ nothing):
    and run the script again.
 2. One import namespace: every project module `X` (server, handlers, engine, kernels) becomes
    `pagedserve.X` (setuptools package-dir mapping: the folders stay at the top level; see
-   setup.py, written here). Every import statement, dotted module string (`-m server.cli`,
+   setup.py, written here). Every import statement, dotted module string (`-m pagedserve.server.cli`,
    mock/patch targets, logger names, entry points, import-linter contracts, mypy overrides) and
-   file path (`engine/model_runner.py` in docs and comments) is rewritten by the same table.
+   file path (`engine/runner/model_runner.py` in docs and comments) is rewritten by the same table.
 3. kernels/__init__.py is removed: the top-level `kernels/` folder is then only a namespace
    portion, and a regular package of the same name (Hugging Face's `kernels`, a transformers
    dependency) always wins over it, whatever sys.path holds (a repo-root sys.path entry added by
@@ -46,126 +46,126 @@ MAPPING: dict[str, str] = {
     # server/ is layered bottom-up, package by package (the acyclic contract checks it):
     # common <- workers <- metrics <- serving <- (torchserve, kserve, management) <- app <- commands
     # --- server/common: what every part uses: errors, atomic writes, keys, settings, OpenAPI
-    "server/errors.py": "server/common/errors.py",
-    "server/safe_write.py": "server/common/safe_write.py",
-    "server/auth.py": "server/common/auth.py",
-    "server/config.py": "server/common/config.py",
-    "server/openapi.py": "server/common/openapi.py",
-    "server/keep_alive.py": "server/common/keep_alive.py",
+    "server/common/errors.py": "server/common/errors.py",
+    "server/common/safe_write.py": "server/common/safe_write.py",
+    "server/common/auth.py": "server/common/auth.py",
+    "server/common/config.py": "server/common/config.py",
+    "server/common/openapi.py": "server/common/openapi.py",
+    "server/common/keep_alive.py": "server/common/keep_alive.py",
     # --- server/workers: models -> versions -> workers, archives, lifecycle, memory, routing ---
-    "server/registry.py": "server/workers/registry.py",
-    "server/workers.py": "server/workers/pool.py",
-    "server/lifecycle.py": "server/workers/lifecycle.py",
-    "server/memory_budget.py": "server/workers/memory_budget.py",
-    "server/routing.py": "server/workers/routing.py",
-    "server/adapters.py": "server/workers/adapters.py",
-    "server/archives.py": "server/workers/archives.py",
-    "server/snapshot.py": "server/workers/snapshot.py",
-    "server/management_params.py": "server/workers/params.py",
-    "server/devices.py": "server/workers/devices.py",
+    "server/workers/registry.py": "server/workers/registry.py",
+    "server/workers/pool.py": "server/workers/pool.py",
+    "server/workers/lifecycle.py": "server/workers/lifecycle.py",
+    "server/workers/memory_budget.py": "server/workers/memory_budget.py",
+    "server/workers/routing.py": "server/workers/routing.py",
+    "server/workers/adapters.py": "server/workers/adapters.py",
+    "server/workers/archives.py": "server/workers/archives.py",
+    "server/workers/snapshot.py": "server/workers/snapshot.py",
+    "server/workers/params.py": "server/workers/params.py",
+    "server/workers/devices.py": "server/workers/devices.py",
     # --- server/metrics ---------------------------------------------------------------------
-    "server/metrics.py": "server/metrics/families.py",
-    "server/metrics_vllm.py": "server/metrics/vllm.py",
+    "server/metrics/families.py": "server/metrics/families.py",
+    "server/metrics/vllm.py": "server/metrics/vllm.py",
     # --- server/serving: what every route's request goes through: the server state, the one
     # generation path (prepare -> respond, whole or streamed, shaped), limits, error middleware
-    "server/state.py": "server/serving/state.py",
-    "server/generation.py": "server/serving/generation.py",
-    "server/fanout.py": "server/serving/fanout.py",
-    "server/shapers.py": "server/serving/shapers.py",
-    "server/streaming.py": "server/serving/streaming.py",
-    "server/limits.py": "server/serving/limits.py",
-    "server/middleware.py": "server/serving/middleware.py",
-    "server/connections.py": "server/serving/connections.py",
-    "server/body_encoding.py": "server/serving/body_encoding.py",
-    "server/request_scope.py": "server/serving/request_scope.py",
+    "server/serving/state.py": "server/serving/state.py",
+    "server/serving/generation.py": "server/serving/generation.py",
+    "server/serving/fanout.py": "server/serving/fanout.py",
+    "server/serving/shapers.py": "server/serving/shapers.py",
+    "server/serving/streaming.py": "server/serving/streaming.py",
+    "server/serving/limits.py": "server/serving/limits.py",
+    "server/serving/middleware.py": "server/serving/middleware.py",
+    "server/serving/connections.py": "server/serving/connections.py",
+    "server/serving/body_encoding.py": "server/serving/body_encoding.py",
+    "server/serving/request_scope.py": "server/serving/request_scope.py",
     # --- API surfaces (ollama/ and anthropic/ arrive as packages already) --------------------
-    "server/request_bodies.py": "server/torchserve/bodies.py",
-    "server/kserve.py": "server/kserve/routes.py",
-    "server/management_app.py": "server/management/app.py",
-    "server/lifecycle_routes.py": "server/management/lifecycle_routes.py",
+    "server/torchserve/bodies.py": "server/torchserve/bodies.py",
+    "server/kserve/routes.py": "server/kserve/routes.py",
+    "server/management/app.py": "server/management/app.py",
+    "server/management/lifecycle_routes.py": "server/management/lifecycle_routes.py",
     # --- the console (management port): its module next to its static files ------------------
-    "server/console.py": "server/console/app.py",
-    "server/console_history.py": "server/console/history.py",
-    "server/console_static": "server/console/console_static",
+    "server/console/app.py": "server/console/app.py",
+    "server/console/history.py": "server/console/history.py",
+    "server/console/console_static": "server/console/console_static",
     # --- server/app: the three apps assembled and run -----------------------------------------
-    "server/serve.py": "server/app/serve.py",
-    "server/inference_app.py": "server/app/inference.py",
+    "server/app/serve.py": "server/app/serve.py",
+    "server/app/inference.py": "server/app/inference.py",
     # --- server/commands: the CLI's commands (server/cli.py, the dispatcher, stays) ------------
-    "server/serve_cli.py": "server/commands/serve.py",
-    "server/archive_cli.py": "server/commands/archive.py",
-    "server/prepare.py": "server/commands/prepare.py",
-    "server/bench": "server/commands/bench",
+    "server/commands/serve.py": "server/commands/serve.py",
+    "server/commands/archive.py": "server/commands/archive.py",
+    "server/commands/prepare.py": "server/commands/prepare.py",
+    "server/commands/bench": "server/commands/bench",
     # --- engine/config: every engine-side config schema and the schema helpers -----------------
-    "engine/config.py": "engine/config/engine.py",
-    "engine/schema.py": "engine/config/schema.py",
-    "engine/kv_offload/config.py": "engine/config/kv_offload.py",
-    "engine/spec_decode/config.py": "engine/config/speculative.py",
+    "engine/config/engine.py": "engine/config/engine.py",
+    "engine/config/schema.py": "engine/config/schema.py",
+    "engine/config/kv_offload.py": "engine/config/kv_offload.py",
+    "engine/config/speculative.py": "engine/config/speculative.py",
     # --- engine/request: a request and its outputs ------------------------------------------------
-    "engine/request.py": "engine/request/request.py",
-    "engine/inputs.py": "engine/request/inputs.py",
-    "engine/outputs.py": "engine/request/outputs.py",
-    "engine/detokenizer.py": "engine/request/detokenizer.py",
-    "engine/stop_strings.py": "engine/request/stop_strings.py",
-    "engine/pooling.py": "engine/request/pooling.py",
+    "engine/request/request.py": "engine/request/request.py",
+    "engine/request/inputs.py": "engine/request/inputs.py",
+    "engine/request/outputs.py": "engine/request/outputs.py",
+    "engine/request/detokenizer.py": "engine/request/detokenizer.py",
+    "engine/request/stop_strings.py": "engine/request/stop_strings.py",
+    "engine/request/pooling.py": "engine/request/pooling.py",
     # --- engine/sampling ----------------------------------------------------------------------------
-    "engine/sampling_params.py": "engine/sampling/params.py",
-    "engine/sampler.py": "engine/sampling/sampler.py",
-    "engine/sampling_metadata.py": "engine/sampling/metadata.py",
-    "engine/logits_processors.py": "engine/sampling/logits_processors.py",
+    "engine/sampling/params.py": "engine/sampling/params.py",
+    "engine/sampling/sampler.py": "engine/sampling/sampler.py",
+    "engine/sampling/metadata.py": "engine/sampling/metadata.py",
+    "engine/sampling/logits_processors.py": "engine/sampling/logits_processors.py",
     # --- engine/structured_output ---------------------------------------------------------------------
-    "engine/structured_output.py": "engine/structured_output/manager.py",
-    "engine/structured_output_params.py": "engine/structured_output/params.py",
-    "engine/constraint_limits.py": "engine/structured_output/limits.py",
+    "engine/structured_output/manager.py": "engine/structured_output/manager.py",
+    "engine/structured_output/params.py": "engine/structured_output/params.py",
+    "engine/structured_output/limits.py": "engine/structured_output/limits.py",
     # --- engine/core: the engine core, its process, its clients, their messages ---------------------
-    "engine/engine_core.py": "engine/core/engine_core.py",
-    "engine/core_process.py": "engine/core/process.py",
-    "engine/core_client.py": "engine/core/client.py",
-    "engine/core_messages.py": "engine/core/messages.py",
-    "engine/async_llm.py": "engine/core/async_llm.py",
-    "engine/output_processor.py": "engine/core/output_processor.py",
+    "engine/core/engine_core.py": "engine/core/engine_core.py",
+    "engine/core/process.py": "engine/core/process.py",
+    "engine/core/client.py": "engine/core/client.py",
+    "engine/core/messages.py": "engine/core/messages.py",
+    "engine/core/async_llm.py": "engine/core/async_llm.py",
+    "engine/core/output_processor.py": "engine/core/output_processor.py",
     # --- engine/runner: the model runner and its persistent input batch -------------------------------
-    "engine/model_runner.py": "engine/runner/model_runner.py",
-    "engine/input_batch.py": "engine/runner/input_batch.py",
+    "engine/runner/model_runner.py": "engine/runner/model_runner.py",
+    "engine/runner/input_batch.py": "engine/runner/input_batch.py",
     # --- engine/platform: the process's settings (threads, seeds, malloc, memory) ----------------------
-    "engine/process_setup.py": "engine/platform/process_setup.py",
+    "engine/platform/process_setup.py": "engine/platform/process_setup.py",
     # --- tests mirror the layout ---------------------------------------------------------------
-    "tests/engine/test_async_llm.py": "tests/engine/core/test_async_llm.py",
-    "tests/engine/test_async_scheduling.py": "tests/engine/core/test_async_scheduling.py",
-    "tests/engine/test_heartbeat.py": "tests/engine/core/test_heartbeat.py",
-    "tests/engine/test_process_setup.py": "tests/engine/core/test_process_setup.py",
-    "tests/engine/test_worker_refusals.py": "tests/engine/core/test_worker_refusals.py",
-    "tests/engine/test_output_protocol.py": "tests/engine/core/test_output_protocol.py",
-    "tests/engine/test_engine_invariants.py": "tests/engine/core/test_engine_invariants.py",
-    "tests/engine/test_inputs.py": "tests/engine/request/test_inputs.py",
-    "tests/engine/test_detokenizer.py": "tests/engine/request/test_detokenizer.py",
-    "tests/engine/test_detokenizer_sentencepiece.py": "tests/engine/request/test_detokenizer_sentencepiece.py",
-    "tests/engine/test_stop_strings.py": "tests/engine/request/test_stop_strings.py",
-    "tests/engine/test_pooling.py": "tests/engine/request/test_pooling.py",
-    "tests/engine/test_sampler.py": "tests/engine/sampling/test_sampler.py",
-    "tests/engine/test_logit_bias.py": "tests/engine/sampling/test_logit_bias.py",
-    "tests/engine/test_structured_output.py": "tests/engine/structured_output/test_structured_output.py",
-    "tests/engine/test_input_batch.py": "tests/engine/runner/test_input_batch.py",
-    "tests/engine/test_config.py": "tests/engine/config/test_config.py",
-    "tests/engine/test_output_processor.py": "tests/engine/core/test_output_processor.py",
-    "tests/engine/test_block_pool.py": "tests/engine/kv_cache/test_block_pool.py",
-    "tests/engine/test_hashing.py": "tests/engine/kv_cache/test_hashing.py",
-    "tests/engine/test_kv_manager.py": "tests/engine/kv_cache/test_kv_manager.py",
-    "tests/engine/test_scheduler.py": "tests/engine/scheduler/test_scheduler.py",
-    "tests/server/test_kserve.py": "tests/server/kserve/test_kserve.py",
-    "tests/server/test_management.py": "tests/server/management/test_management.py",
-    "tests/server/test_management_archives.py": "tests/server/management/test_management_archives.py",
-    "tests/server/test_management_auth.py": "tests/server/management/test_management_auth.py",
-    "tests/server/test_metrics.py": "tests/server/metrics/test_metrics.py",
-    "tests/server/test_metrics_offload.py": "tests/server/metrics/test_metrics_offload.py",
-    "tests/server/test_metrics_vllm.py": "tests/server/metrics/test_metrics_vllm.py",
-    "tests/server/test_routing.py": "tests/server/workers/test_routing.py",
-    "tests/server/test_worker_restart.py": "tests/server/workers/test_worker_restart.py",
-    "tests/server/test_worker_threads.py": "tests/server/workers/test_worker_threads.py",
-    "tests/server/test_registry_hardening.py": "tests/server/workers/test_registry_hardening.py",
-    "tests/server/test_model_lifecycle.py": "tests/server/workers/test_model_lifecycle.py",
-    "tests/server/test_archive_cli.py": "tests/server/commands/test_archive_cli.py",
-    "tests/server/test_prepare.py": "tests/server/commands/test_prepare.py",
-    "tests/server/test_bench.py": "tests/server/commands/test_bench.py",
+    "tests/engine/core/test_async_llm.py": "tests/engine/core/test_async_llm.py",
+    "tests/engine/core/test_async_scheduling.py": "tests/engine/core/test_async_scheduling.py",
+    "tests/engine/core/test_heartbeat.py": "tests/engine/core/test_heartbeat.py",
+    "tests/engine/core/test_process_setup.py": "tests/engine/core/test_process_setup.py",
+    "tests/engine/core/test_worker_refusals.py": "tests/engine/core/test_worker_refusals.py",
+    "tests/engine/core/test_output_protocol.py": "tests/engine/core/test_output_protocol.py",
+    "tests/engine/core/test_engine_invariants.py": "tests/engine/core/test_engine_invariants.py",
+    "tests/engine/request/test_inputs.py": "tests/engine/request/test_inputs.py",
+    "tests/engine/request/test_detokenizer.py": "tests/engine/request/test_detokenizer.py",
+    "tests/engine/request/test_detokenizer_sentencepiece.py": "tests/engine/request/test_detokenizer_sentencepiece.py",
+    "tests/engine/request/test_stop_strings.py": "tests/engine/request/test_stop_strings.py",
+    "tests/engine/request/test_pooling.py": "tests/engine/request/test_pooling.py",
+    "tests/engine/sampling/test_sampler.py": "tests/engine/sampling/test_sampler.py",
+    "tests/engine/sampling/test_logit_bias.py": "tests/engine/sampling/test_logit_bias.py",
+    "tests/engine/structured_output/test_structured_output.py": "tests/engine/structured_output/test_structured_output.py",
+    "tests/engine/runner/test_input_batch.py": "tests/engine/runner/test_input_batch.py",
+    "tests/engine/config/test_config.py": "tests/engine/config/test_config.py",
+    "tests/engine/core/test_output_processor.py": "tests/engine/core/test_output_processor.py",
+    "tests/engine/kv_cache/test_block_pool.py": "tests/engine/kv_cache/test_block_pool.py",
+    "tests/engine/kv_cache/test_hashing.py": "tests/engine/kv_cache/test_hashing.py",
+    "tests/engine/kv_cache/test_kv_manager.py": "tests/engine/kv_cache/test_kv_manager.py",
+    "tests/engine/scheduler/test_scheduler.py": "tests/engine/scheduler/test_scheduler.py",
+    "tests/server/kserve/test_kserve.py": "tests/server/kserve/test_kserve.py",
+    "tests/server/management/test_management.py": "tests/server/management/test_management.py",
+    "tests/server/management/test_management_archives.py": "tests/server/management/test_management_archives.py",
+    "tests/server/management/test_management_auth.py": "tests/server/management/test_management_auth.py",
+    "tests/server/metrics/test_metrics.py": "tests/server/metrics/test_metrics.py",
+    "tests/server/metrics/test_metrics_offload.py": "tests/server/metrics/test_metrics_offload.py",
+    "tests/server/metrics/test_metrics_vllm.py": "tests/server/metrics/test_metrics_vllm.py",
+    "tests/server/workers/test_routing.py": "tests/server/workers/test_routing.py",
+    "tests/server/workers/test_worker_restart.py": "tests/server/workers/test_worker_restart.py",
+    "tests/server/workers/test_worker_threads.py": "tests/server/workers/test_worker_threads.py",
+    "tests/server/workers/test_registry_hardening.py": "tests/server/workers/test_registry_hardening.py",
+    "tests/server/workers/test_model_lifecycle.py": "tests/server/workers/test_model_lifecycle.py",
+    "tests/server/commands/test_archive_cli.py": "tests/server/commands/test_archive_cli.py",
+    "tests/server/commands/test_prepare.py": "tests/server/commands/test_prepare.py",
+    "tests/server/commands/test_bench.py": "tests/server/commands/test_bench.py",
 }
 
 # Files that stay at a package's root: its entry points (named in ARCHITECTURE.md).
@@ -200,7 +200,7 @@ def sh(*argv: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess
 
 
 def module_of(path: str) -> str | None:
-    """'engine/kv_cache/block.py' -> 'engine.kv_cache.block' ('x/__init__.py' -> 'x')."""
+    """'engine/kv_cache/block.py' -> 'pagedserve.engine.kv_cache.block' ('x/__init__.py' -> 'x')."""
     p = Path(path)
     if p.suffix != ".py" or not p.parts or p.parts[0] not in ROOTS + ("tests",):
         return None
@@ -262,7 +262,7 @@ def _ensure_packages(repo: Path, folder: str) -> None:
 def module_table(repo: Path, files_before: list[str]) -> dict[str, str]:
     """old dotted module -> new dotted module: every current module of the four roots (and of
     tests, which keep no namespace), then MAPPING's own entries, which win (so that a file
-    merged in after a first run, still naming `server.workers`, gets `server.workers.pool`)."""
+    merged in after a first run, still naming `pagedserve.server.workers.pool`, gets `pagedserve.server.workers.pool.pool`)."""
     table: dict[str, str] = {}
 
     def ns(module: str) -> str:
@@ -284,7 +284,7 @@ def module_table(repo: Path, files_before: list[str]) -> dict[str, str]:
 
 def path_table(files_before: list[str]) -> dict[str, str]:
     table = {f: new_path_of(f) for f in files_before if new_path_of(f) != f}
-    for old, new in MAPPING.items():  # folders, written as `server/bench/`
+    for old, new in MAPPING.items():  # folders, written as `server/commands/bench/`
         table.setdefault(old, new)
     return table
 
@@ -295,7 +295,7 @@ _PATH = re.compile(r"(?<![\w./-])((?:server|handlers|engine|kernels|tests)/[\w./
 
 def rewrite_dotted(text: str, modules: dict[str, str]) -> str:
     """Every dotted name whose first two or more parts name a project module: that prefix
-    renamed (`-m server.cli`, "engine.core_process" logger names, patch targets)."""
+    renamed (`-m pagedserve.server.cli`, "pagedserve.engine.core.process" logger names, patch targets)."""
 
     def repl(m: re.Match) -> str:
         name = m.group(1)
@@ -408,7 +408,7 @@ def _rewrite_text(text: str, modules: dict[str, str], paths: dict[str, str]) -> 
 
 def rewrite_python_text(source: str, rewrite) -> str:
     """`rewrite` applied to the string literals and comments of a Python source only: in code, a
-    name such as `server.config` is a variable's attribute, not a module."""
+    name such as `pagedserve.server.common.config` is a variable's attribute, not a module."""
     import io
     import tokenize
 

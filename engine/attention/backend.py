@@ -1,9 +1,9 @@
-"""The attention-backend interface (backend selection: `engine.attention.selector`).
+"""The attention-backend interface (backend selection: `pagedserve.engine.attention.selector`).
 
 A backend owns one step of paged attention for one layer: it stores the step's new keys/values
 in the layer's KV cache and attends every query token to its own sequence's context. The
-contract for the batch layout is `engine.attention.metadata.AttentionMetadata`. With a quantized
-KV cache (`engine.attention.kv_quant`) the backend quantizes the new keys/values as it stores them
+contract for the batch layout is `pagedserve.engine.attention.metadata.AttentionMetadata`. With a quantized
+KV cache (`pagedserve.engine.attention.kv_quant`) the backend quantizes the new keys/values as it stores them
 and de-quantizes what it reads.
 """
 
@@ -13,8 +13,8 @@ import abc
 
 import torch
 
-from engine.attention.kv_quant import KVCacheDtype, dequantize_kv, kv_row_width, quantize_kv
-from engine.attention.metadata import AttentionMetadata
+from pagedserve.engine.attention.kv_quant import KVCacheDtype, dequantize_kv, kv_row_width, quantize_kv
+from pagedserve.engine.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(abc.ABC):

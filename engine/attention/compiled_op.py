@@ -10,7 +10,7 @@ The step's backend and metadata travel into the op as an `AttentionStep`, a *ref
 object (torch._library.opaque_object): a graph input that compiled code passes through without
 looking inside, so a new step never recompiles and no module-level "current batch" is needed.
 
-The compiled forward pads the step's tokens to a bucket size (engine.model.compile): rows past
+The compiled forward pads the step's tokens to a bucket size (pagedserve.engine.model.compile): rows past
 `meta.num_tokens` are padding; the op neither writes their keys/values nor attends for them
 (their output rows are zeros).
 """
@@ -22,8 +22,8 @@ import functools
 import torch
 from torch._opaque_base import OpaqueBase
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.metadata import AttentionMetadata
+from pagedserve.engine.attention.backend import AttentionBackend
+from pagedserve.engine.attention.metadata import AttentionMetadata
 
 OP_NAME = "pagedserve::paged_attention"
 

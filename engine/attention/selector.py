@@ -1,6 +1,6 @@
 """Attention backend selection: which `AttentionBackend` serves a device.
 
-Kept apart from the interface (`engine.attention.backend`) so that the concrete backends can
+Kept apart from the interface (`pagedserve.engine.attention.backend`) so that the concrete backends can
 import the interface without a cycle; they are imported here only when chosen.
 """
 
@@ -11,8 +11,8 @@ import os
 
 import torch
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.kv_quant import KVCacheDtype
+from pagedserve.engine.attention.backend import AttentionBackend
+from pagedserve.engine.attention.kv_quant import KVCacheDtype
 
 BACKEND_NAMES = ("auto", "torch", "triton")
 
@@ -33,10 +33,10 @@ def select_backend(
         raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
     if name == "triton" or (name == "auto" and device.type == "cuda" and _triton_installed()):
         return _triton_backend(device, kv_dtype)
-    from engine.attention.torch_backend import TorchAttentionBackend
+    from pagedserve.engine.attention.torch_backend import TorchAttentionBackend
 
     if device.type == "cpu":
-        from kernels.cpu_paged_attention import load_cpu_kernels
+        from pagedserve.kernels.cpu_paged_attention import load_cpu_kernels
 
         return TorchAttentionBackend(cpu_kernels=load_cpu_kernels(), kv_dtype=kv_dtype)
     return TorchAttentionBackend(kv_dtype=kv_dtype)
@@ -54,6 +54,6 @@ def _triton_backend(device: torch.device, kv_dtype: KVCacheDtype) -> AttentionBa
             "the triton attention backend runs on CUDA; on a CPU only in Triton's "
             "interpreter (set TRITON_INTERPRET=1; slow, for tests)"
         )
-    from engine.attention.triton_backend import TritonAttentionBackend
+    from pagedserve.engine.attention.triton_backend import TritonAttentionBackend
 
     return TritonAttentionBackend(kv_dtype)

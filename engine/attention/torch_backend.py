@@ -18,7 +18,7 @@ to the query's dtype exactly as `kv_quant.dequantize_kv` rounds), so a prompt se
 (quantized) K/V whether or not its prefix was cached.
 
 On glibc the speed can depend heavily on the allocator: the process that runs the model tunes
-it once (`engine.process_setup.tune_glibc_malloc`). Without it one process ran the batch-64
+it once (`pagedserve.engine.platform.process_setup.tune_glibc_malloc`). Without it one process ran the batch-64
 decode path in 24 ms instead of 2.5 ms (2 threads, page faults on every temporary); another showed no difference.
 """
 
@@ -29,11 +29,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention import windowed
-from engine.attention.backend import AttentionBackend
-from engine.attention.kv_quant import KVCacheDtype
-from engine.attention.metadata import AttentionMetadata
-from kernels.cpu_paged_attention import gather_dequantize, paged_decode_attention
+from pagedserve.engine.attention import windowed
+from pagedserve.engine.attention.backend import AttentionBackend
+from pagedserve.engine.attention.kv_quant import KVCacheDtype
+from pagedserve.engine.attention.metadata import AttentionMetadata
+from pagedserve.kernels.cpu_paged_attention import gather_dequantize, paged_decode_attention
 
 # Decodes are split into groups of similar context length so that one long sequence does not
 # pad the whole batch to its length. A group costs a fixed overhead worth about this many padded
@@ -162,7 +162,7 @@ class TorchAttentionBackend(AttentionBackend):
         super().__init__(kv_dtype)
         self._plan: _DecodePlan | None = None
         self._short: _ShortChunks | None = None
-        # The compiled CPU decode kernel (kernels.cpu_paged_attention), or None for pure torch;
+        # The compiled CPU decode kernel (pagedserve.kernels.cpu_paged_attention), or None for pure torch;
         # it reads model-dtype and quantized caches (`_kv_quant`, its name for the kind).
         self._cpu_kernels = cpu_kernels
         self._kv_quant = kv_dtype.value if kv_dtype.quantized else None
@@ -227,7 +227,7 @@ class TorchAttentionBackend(AttentionBackend):
         window: int | None,
         softcap: float | None,
     ) -> torch.Tensor:
-        """A sliding-window or soft-capped layer (engine.attention.windowed): decodes batched over
+        """A sliding-window or soft-capped layer (pagedserve.engine.attention.windowed): decodes batched over
         their windows, prefill chunks one sequence at a time."""
         out = torch.empty_like(query)
         n = meta.num_decodes

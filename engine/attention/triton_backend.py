@@ -1,4 +1,4 @@
-"""Paged attention through the Triton kernel (kernels.triton_paged_attention): the GPU path.
+"""Paged attention through the Triton kernel (pagedserve.kernels.triton_paged_attention): the GPU path.
 
 After the base class has written the step's keys/values into the cache, one kernel launch
 attends every query token of the step (decodes, prefill chunks and whole prompts alike), reading
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.metadata import AttentionMetadata
-from kernels.triton_paged_attention import paged_attention
+from pagedserve.engine.attention.backend import AttentionBackend
+from pagedserve.engine.attention.metadata import AttentionMetadata
+from pagedserve.kernels.triton_paged_attention import paged_attention
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.attention.metadata import AttentionMetadata
+from pagedserve.engine.attention.metadata import AttentionMetadata
 
 # (cache rows [n, kv_heads, width]) -> values in the query's dtype (de-quantized when needed)
 ReadRows = Callable[[torch.Tensor, torch.dtype], torch.Tensor]

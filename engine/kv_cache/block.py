@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.kv_cache.hashing import BlockHash
+from pagedserve.engine.kv_cache.hashing import BlockHash
 
 
 @dataclass(slots=True, eq=False)

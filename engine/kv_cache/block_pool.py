@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.kv_cache.block import FreeBlockQueue, KVCacheBlock
-from engine.kv_cache.hashing import BlockHash
+from pagedserve.engine.kv_cache.block import FreeBlockQueue, KVCacheBlock
+from pagedserve.engine.kv_cache.hashing import BlockHash
 
 
 class BlockPool:

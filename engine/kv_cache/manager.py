@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from engine.kv_cache.block import KVCacheBlock
-from engine.kv_cache.block_pool import BlockPool
-from engine.kv_cache.hashing import BlockHash, HashFn, hash_request_blocks
+from pagedserve.engine.kv_cache.block import KVCacheBlock
+from pagedserve.engine.kv_cache.block_pool import BlockPool
+from pagedserve.engine.kv_cache.hashing import BlockHash, HashFn, hash_request_blocks
 
 
 class Request(Protocol):
-    """What the KV manager reads of a request (engine.request.Request has it): the cache is
+    """What the KV manager reads of a request (pagedserve.engine.request.request.Request has it): the cache is
     below the request in the layering, so it names only these."""
 
     request_id: str

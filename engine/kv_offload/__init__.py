@@ -4,6 +4,6 @@
 loaded only when an engine has `kv_offload` set.
 """
 
-from engine.kv_offload.config import KVOffloadConfig, merge_kv_offload
+from pagedserve.engine.config.kv_offload import KVOffloadConfig, merge_kv_offload
 
 __all__ = ["KVOffloadConfig", "merge_kv_offload"]

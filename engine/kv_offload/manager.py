@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
-from engine.kv_cache.hashing import BlockHash, hash_block, root_hash, sha256
-from engine.kv_offload.config import KVOffloadConfig
-from engine.kv_offload.disk import DiskBudget, check_writable
-from engine.kv_offload.remote import RemoteProbe, RemoteState, close_redis_backend
-from engine.kv_offload.stats import KVOffloadStats
+from pagedserve.engine.config.kv_offload import KVOffloadConfig
+from pagedserve.engine.kv_cache.hashing import BlockHash, hash_block, root_hash, sha256
+from pagedserve.engine.kv_offload.disk import DiskBudget, check_writable
+from pagedserve.engine.kv_offload.remote import RemoteProbe, RemoteState, close_redis_backend
+from pagedserve.engine.kv_offload.stats import KVOffloadStats
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class KVOffloadManager:
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.metadata import LMCacheMetadata
 
-        from engine.kv_offload.connector import PagedKVConnector
+        from pagedserve.engine.kv_offload.connector import PagedKVConnector
 
         self.config = config
         self.block_size = block_size

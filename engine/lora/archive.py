@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, read_adapter_config
-from engine.model.archive_manifest import MANIFEST_PATH, ArchiveError, ArchiveFormat
+from pagedserve.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, read_adapter_config
+from pagedserve.engine.model.archive_manifest import MANIFEST_PATH, ArchiveError, ArchiveFormat
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -140,7 +140,7 @@ def write_lora_archive(
 ) -> Path:
     """Package a PEFT adapter folder bound to base model `base_model[:base_version]`, whose
     archive is looked up in `model_store` for its weights' hash; returns the archive's path."""
-    from engine.model.archive_write import write_archive
+    from pagedserve.engine.model.archive_write import write_archive
 
     adapter_dir = Path(adapter_dir)
     base = find_base_manifest(Path(model_store), base_model, base_version)

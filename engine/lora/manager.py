@@ -7,10 +7,10 @@ from collections import OrderedDict
 
 import torch
 
-from engine.lora.adapter import LoRAAdapter, LoRAShapes, load_adapter
-from engine.lora.punica import LoRABatch
-from engine.lora.request import LoRARequest
-from engine.lora.slots import LoRASlots
+from pagedserve.engine.lora.adapter import LoRAAdapter, LoRAShapes, load_adapter
+from pagedserve.engine.lora.punica import LoRABatch
+from pagedserve.engine.lora.request import LoRARequest
+from pagedserve.engine.lora.slots import LoRASlots
 
 
 class LoRAManager:

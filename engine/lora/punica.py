@@ -1,6 +1,6 @@
 """One step's LoRA: every token row with its adapter slot, applied to a projection's output.
 
-For a fused projection group with slots stacked as in engine.lora.slots (A `[S*R, in]`, B
+For a fused projection group with slots stacked as in pagedserve.engine.lora.slots (A `[S*R, in]`, B
 `[out, S*R]`, block-diagonal per slot), a row t whose request uses slot s gains
 
     out[t] += (x[t] @ A_s.T) @ B_s.T
@@ -10,7 +10,7 @@ against every used slot (`x @ A[:n*R].T`, `[T, n*R]`), zero the columns of the s
 not use, expand (`addmm` into `out`). No per-adapter loop, no data-dependent shapes; the extra
 shrink work is `n*R` columns, small next to the projection itself. Rows of the base model
 (slot -1) gain exactly 0. On CUDA the same product runs as the Triton BGMV kernels
-(kernels.triton_lora), which read only each row's own slot.
+(pagedserve.kernels.triton_lora), which read only each row's own slot.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.lora.slots import GroupWeights
+from pagedserve.engine.lora.slots import GroupWeights
 
 
 @dataclass(slots=True)
@@ -34,7 +34,7 @@ class LoRALayer:
         b = self.batch
         r = g.rank_per_slot
         if b.use_triton:
-            from kernels.triton_lora import bgmv_expand, bgmv_shrink
+            from pagedserve.kernels.triton_lora import bgmv_expand, bgmv_shrink
 
             y = bgmv_shrink(x.contiguous(), g.a, b.slot_index, r)
             return bgmv_expand(y, g.b, b.slot_index, out)

@@ -1,6 +1,6 @@
 """How a request names its LoRA adapter: a name and the PEFT folder it loads from.
 
-A msgspec Struct, so it crosses the socket to a worker as it is (engine.core_messages). The
+A msgspec Struct, so it crosses the socket to a worker as it is (pagedserve.engine.core.messages). The
 folder is read by the engine the first time a request names the adapter; a worker restarted
 later loads it again from the same place, with nothing to re-register.
 """

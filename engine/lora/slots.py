@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.lora.adapter import TARGETS, LoRAAdapter, LoRAShapes
+from pagedserve.engine.lora.adapter import TARGETS, LoRAAdapter, LoRAShapes
 
 GROUPS = ("qkv", "o", "gate_up", "down")
 

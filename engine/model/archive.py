@@ -6,18 +6,9 @@ The pieces live in `archive_manifest` (schema, checks, handler resolution), `arc
 
 from __future__ import annotations
 
-from engine.model.archive_manifest import (
-    BUILTIN_HANDLER,
-    MANIFEST_PATH,
-    ArchiveError,
-    ArchiveFormat,
-)
-from engine.model.archive_read import (
-    DEFAULT_MAX_TOTAL_BYTES,
-    OpenedArchive,
-    open_archive,
-)
-from engine.model.archive_write import write_archive
+from pagedserve.engine.model.archive_manifest import BUILTIN_HANDLER, MANIFEST_PATH, ArchiveError, ArchiveFormat
+from pagedserve.engine.model.archive_read import DEFAULT_MAX_TOTAL_BYTES, OpenedArchive, open_archive
+from pagedserve.engine.model.archive_write import write_archive
 
 __all__ = [
     "BUILTIN_HANDLER",

@@ -26,7 +26,7 @@ ARCHIVER_VERSION = "pagedserve-archive-1"
 CREATED_ON_FORMAT = "%d/%m/%Y %H:%M:%S"
 BUILTIN_HANDLER = "llm"
 # Names of the built-in handler: ours, and TorchServe's vLLM handler (its archives ship no code;
-# their model-config is read by engine.model.vllm_config).
+# their model-config is read by pagedserve.engine.model.vllm_config).
 BUILTIN_HANDLERS = (BUILTIN_HANDLER, "vllm_handler")
 CUSTOM_HANDLER_HINT = (
     "it runs only if the operator allows custom handlers explicitly (open_archive(..., allow_custom_handlers=True))"
@@ -35,7 +35,7 @@ CUSTOM_HANDLER_HINT = (
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 CONVERT_HINT = (
     "pagedserve loads safetensors only (pickle can run arbitrary code): convert the "
-    "model with engine.model.convert.convert_model(source_dir, dest_dir) and archive "
+    "model with pagedserve.engine.model.convert.convert_model(source_dir, dest_dir) and archive "
     "the converted directory"
 )
 # TorchServe's rule for model names (they become URL path segments and file names).

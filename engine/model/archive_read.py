@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from engine.model.archive_manifest import (
+from pagedserve.engine.model.archive_manifest import (
     CONVERT_HINT,
     MANIFEST_PATH,
     ArchiveError,
@@ -37,7 +37,7 @@ from engine.model.archive_manifest import (
     resolve_handler,
     validate_manifest,
 )
-from engine.model.model_config import ModelConfig, ModelConfigError, load_model_config
+from pagedserve.engine.model.model_config import ModelConfig, ModelConfigError, load_model_config
 
 DEFAULT_MAX_TOTAL_BYTES = 64 << 30
 MAX_ENTRIES = 100_000
@@ -342,8 +342,8 @@ def _verify(top: Path, hashes: dict[str, str], allow_custom_handlers: bool) -> O
     custom = resolve_handler(model["handler"], {n: root / n for n in content}, allow_custom_handlers)
     if "files" in manifest:
         _check_hashes(manifest["files"], content)
-    if "lora" in model:  # a LoRA adapter archive (engine.lora.archive): no model of its own
-        from engine.lora.archive import check_lora_record
+    if "lora" in model:  # a LoRA adapter archive (pagedserve.engine.lora.archive): no model of its own
+        from pagedserve.engine.lora.archive import check_lora_record
 
         check_lora_record(model["lora"], content)
         return OpenedArchive(root, manifest, None, custom)
@@ -355,7 +355,7 @@ def _verify(top: Path, hashes: dict[str, str], allow_custom_handlers: bool) -> O
         raise ArchiveError(f"cannot find the model directory: it needs exactly one config.json, found {where}")
     model_prefix = f"{model_rel}/" if model_rel else ""
     hf_config = _read_json(root / model_prefix / "config.json", "config.json", "invalid")
-    from engine.model.registry import architecture_of  # the families import torch: only here
+    from pagedserve.engine.model.registry import architecture_of  # the families import torch: only here
 
     try:
         architecture_of(hf_config)
@@ -383,8 +383,8 @@ def _check_tensor_parallel(config: ModelConfig, hf_config: Any) -> None:
     size = config.engine_options().get("tensor_parallel_size", 1)
     if size == 1:
         return
-    from engine.model.registry import check_tensor_parallel_support, parse_config
-    from engine.parallel.sharding import check_tensor_parallel
+    from pagedserve.engine.model.registry import check_tensor_parallel_support, parse_config
+    from pagedserve.engine.parallel.sharding import check_tensor_parallel
 
     try:
         spec = parse_config(hf_config)

@@ -22,7 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from engine.model.archive_manifest import (
+from pagedserve.engine.model.archive_manifest import (
     ARCHIVER_VERSION,
     BUILTIN_HANDLER,
     CONVERT_HINT,
@@ -33,7 +33,7 @@ from engine.model.archive_manifest import (
     check_model_name,
     is_pickle_weights,
 )
-from engine.model.quant_spec import QuantSpec, checkpoint_spec
+from pagedserve.engine.model.quant_spec import QuantSpec, checkpoint_spec
 
 CHUNK_BYTES = 1 << 20
 ProgressFn = Callable[[int, int], None]
@@ -80,7 +80,7 @@ def write_archive(
     which is copied in. `MAR-INF/MANIFEST.json` follows TorchServe's schema plus a `files` map
     of each file's sha256 (see `archive_manifest`). `progress(bytes_done, bytes_total)` is called
     as data is copied. Refuses an existing destination unless `force`. With `lora` (the
-    manifest's `model.lora` record, see engine.lora.archive) `model_dir` is a PEFT adapter folder.
+    manifest's `model.lora` record, see pagedserve.engine.lora.archive) `model_dir` is a PEFT adapter folder.
     """
     fmt = ArchiveFormat(archive_format)
     check_model_name(model_name)
@@ -194,7 +194,7 @@ def _check_model(sources: dict[str, _Source]) -> tuple[str, QuantSpec | None]:
         raise ValueError("the model directory has no config.json")
     with open(sources["config.json"].path, "rb") as f:
         config = json.load(f)
-    from engine.model.registry import architecture_of  # the families import torch: only here
+    from pagedserve.engine.model.registry import architecture_of  # the families import torch: only here
 
     architecture_of(config)  # ValueError names the architecture and what is supported
     quant = checkpoint_spec(config)  # ValueError on a malformed record
@@ -208,7 +208,7 @@ def _check_model(sources: dict[str, _Source]) -> tuple[str, QuantSpec | None]:
 
 
 def _check_adapter(sources: dict[str, _Source]) -> str:
-    from engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, read_adapter_config
+    from pagedserve.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, read_adapter_config
 
     missing = [name for name in (CONFIG_FILE, WEIGHTS_FILE) if name not in sources]
     if missing:

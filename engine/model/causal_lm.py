@@ -1,14 +1,14 @@
-"""The causal LM every family builds on: the decoder stack of engine.model.layers, the LM head,
+"""The causal LM every family builds on: the decoder stack of pagedserve.engine.model.layers, the LM head,
 RoPE tables, quantized layers, packing for CPU, and checkpoint loading by HF name.
 
-A family (engine.model.registry) is a subclass that says only what differs: its decoder layer
+A family (pagedserve.engine.model.registry) is a subclass that says only what differs: its decoder layer
 class, its MLP (a mixture of experts), whether its checkpoint already fuses q/k/v and gate/up.
 
 Differences from the HF modules, all invisible in the numbers: q/k/v are one fused linear
 (`qkv_proj`, rows q|k|v) and gate/up are one (`gate_up_proj`, rows gate|up); `load_weights`
 maps the HF checkpoint names onto them. RoPE cos/sin are precomputed in float32 and stored in
 the model dtype (HF casts them the same way), so float32 runs match HF to rounding. With
-`fused_ops` (the CPU extension of `kernels.cpu_fused_ops`) the add+norm, RoPE and SiLU-and-mul
+`fused_ops` (the CPU extension of `pagedserve.kernels.cpu_fused_ops`) the add+norm, RoPE and SiLU-and-mul
 run as single C++ ops that round exactly like the torch code they replace.
 """
 
@@ -21,13 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.compiled_op import AttentionStep
-from engine.attention.metadata import AttentionMetadata
-from engine.lora.punica import LoRABatch
-from engine.model.layers.decoder import DecoderLayer, DecoderModel, MakeMLP, dense_mlp
-from engine.model.layers.rotary import rope_tables
-from engine.model.quant_linear import (
+from pagedserve.engine.attention.backend import AttentionBackend
+from pagedserve.engine.attention.compiled_op import AttentionStep
+from pagedserve.engine.attention.metadata import AttentionMetadata
+from pagedserve.engine.lora.punica import LoRABatch
+from pagedserve.engine.model.layers.decoder import DecoderLayer, DecoderModel, MakeMLP, dense_mlp
+from pagedserve.engine.model.layers.rotary import rope_tables
+from pagedserve.engine.model.quant_linear import (
     HEAD_WEIGHT_ONLY_MAX_ROWS,
     Int4Linear,
     Int8Embedding,
@@ -36,16 +36,16 @@ from engine.model.quant_linear import (
     make_quant_linear,
     unpack_nibbles,
 )
-from engine.model.quant_spec import QUANT_LEAVES, QuantSpec
-from engine.model.spec import ModelSpec
-from kernels.cpu_fused_ops import CpuFusedOps
-from kernels.cpu_int4_dequant import load_int4_dequant
-from kernels.cpu_int8_mm_io import load_int8_mm_io
-from kernels.cpu_packed_linear import PackedLinear
-from kernels.cpu_upcast_linear import UpcastLinear
+from pagedserve.engine.model.quant_spec import QUANT_LEAVES, QuantSpec
+from pagedserve.engine.model.spec import ModelSpec
+from pagedserve.kernels.cpu_fused_ops import CpuFusedOps
+from pagedserve.kernels.cpu_int4_dequant import load_int4_dequant
+from pagedserve.kernels.cpu_int8_mm_io import load_int8_mm_io
+from pagedserve.kernels.cpu_packed_linear import PackedLinear
+from pagedserve.kernels.cpu_upcast_linear import UpcastLinear
 
 if TYPE_CHECKING:
-    from engine.parallel.group import TensorParallelGroup
+    from pagedserve.engine.parallel.group import TensorParallelGroup
 
 # HF projection name -> (fused module name, shard index).
 _FUSED = {
@@ -63,13 +63,13 @@ _PROJECTION_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 class CausalLM(nn.Module):
     """A decoder-only causal LM. Weights start uninitialised: fill them with `load_weights`.
 
-    `spec`: the ModelSpec (an HF config parsed by its family: engine.model.registry.parse_config).
+    `spec`: the ModelSpec (an HF config parsed by its family: pagedserve.engine.model.registry.parse_config).
     `max_model_len` (default: the config's max_position_embeddings) bounds the RoPE tables.
     `fused_ops` (CPU, float32/bfloat16 only) replaces the elementwise glue with fused C++ ops.
     `quant` swaps the projections, the embedding and the LM head for quantized layers (see
-    engine.model.quant_spec for which); they are filled by `load_weights` from full-precision
+    pagedserve.engine.model.quant_spec for which); they are filled by `load_weights` from full-precision
     tensors (quantized one tensor at a time) or from a quantized checkpoint's tensors.
-    `tp` makes this model one rank's shard of a tensor-parallel model (engine.parallel): its
+    `tp` makes this model one rank's shard of a tensor-parallel model (pagedserve.engine.parallel): its
     modules are sized by `rank_spec` (its heads, MLP and vocabulary slices; `spec` stays the
     whole model's), `load_weights` expects the rank's slices, and `compute_logits` returns the
     whole vocabulary on rank 0 and None on the others.
@@ -95,14 +95,14 @@ class CausalLM(nn.Module):
         super().__init__()
         if not isinstance(spec, ModelSpec):
             raise TypeError(
-                f"{type(self).__name__} takes a ModelSpec (engine.model.registry.parse_config), "
+                f"{type(self).__name__} takes a ModelSpec (pagedserve.engine.model.registry.parse_config), "
                 f"got {type(spec).__name__}"
             )
         self.tp = tp
         if tp is None:
             self.rank_spec = spec
         else:
-            from engine.parallel.sharding import shard_spec
+            from pagedserve.engine.parallel.sharding import shard_spec
 
             self.rank_spec = shard_spec(spec, tp.size)
         max_len = max_model_len or spec.max_position_embeddings
@@ -116,7 +116,7 @@ class CausalLM(nn.Module):
             if quant is not None and quant.method is not QuantMethod.NONE:
                 self._swap_quantized(quant)
             if tp is not None:
-                from engine.parallel.layers import parallelize
+                from pagedserve.engine.parallel.layers import parallelize
 
                 parallelize(self.model, tp, local.vocab_size)
         # to_empty's empty_like on meta tensors goes through torch's Python refs, whose first use
@@ -146,7 +146,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run `input_ids [T]` at `positions [T]` (int64); returns final-normed hidden states [T, hidden].
         `meta`: the step's AttentionMetadata, or under torch.compile an AttentionStep (attention
-        then runs as one opaque custom op, engine.attention.compiled_op).
+        then runs as one opaque custom op, pagedserve.engine.attention.compiled_op).
         `lora`: each row's LoRA adapter slot and the resident adapters (None: the base model only)."""
         if len(kv_caches) != self.spec.num_layers:
             raise ValueError(f"expected {self.spec.num_layers} KV caches, got {len(kv_caches)}")

@@ -7,7 +7,7 @@
   machine (`AUTO_POLICY`); elsewhere eager. See benchmarks/results/compile.xeon.md.
 - "always": compiled for every bucket (for benchmarks and parity tests).
 
-How: the attention of each layer is one opaque custom op (engine.attention.compiled_op), so the
+How: the attention of each layer is one opaque custom op (pagedserve.engine.attention.compiled_op), so the
 graph is split there and attention runs in the eager backend; the glue and matmuls between
 attention calls are compiled. A step's token count is padded up to a bucket (powers of two up to
 `max_num_batched_tokens`, and that maximum itself), one static-shape graph per bucket, so the
@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.compiled_op import AttentionStep, paged_attention_op
-from engine.attention.metadata import AttentionMetadata
-from engine.config import CompileMode, EngineConfig
+from pagedserve.engine.attention.backend import AttentionBackend
+from pagedserve.engine.attention.compiled_op import AttentionStep, paged_attention_op
+from pagedserve.engine.attention.metadata import AttentionMetadata
+from pagedserve.engine.config.engine import CompileMode, EngineConfig
 
 if TYPE_CHECKING:
-    from engine.model.causal_lm import CausalLM
+    from pagedserve.engine.model.causal_lm import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def token_buckets(max_num_batched_tokens: int, largest: int | None = None) -> tu
 
 def default_cache_dir() -> Path:
     """`<PAGEDSERVE_CACHE_DIR or ~/.cache/pagedserve>/inductor`."""
-    from engine.model import default_model
+    from pagedserve.engine.model import default_model
 
     return default_model.default_cache_dir() / "inductor"
 
@@ -189,7 +189,7 @@ def compiled_forward_for(
     """The engine's compiled forward over `buckets` (compile_buckets), warmed up; None for none."""
     if not buckets or model.spec.needs_plain_attention:  # windows / soft-caps: not in the compiled op
         return None
-    if model.spec.moe is not None:  # experts' segment sizes are data (engine.model.layers.moe): eager
+    if model.spec.moe is not None:  # experts' segment sizes are data (pagedserve.engine.model.layers.moe): eager
         return None
     compiled = CompiledForward(model, backend, buckets, config.compile_cache_dir)
     start = time.perf_counter()

@@ -11,7 +11,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from engine.model.convert import FORMAT_VERSION, SOURCE_RECORD, convert_model
+from pagedserve.engine.model.convert import FORMAT_VERSION, SOURCE_RECORD, convert_model
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

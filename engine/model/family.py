@@ -1,4 +1,4 @@
-"""What the registry knows about one model family (engine.model.registry holds them all)."""
+"""What the registry knows about one model family (pagedserve.engine.model.registry holds them all)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.model.causal_lm import CausalLM
-    from engine.model.spec import ModelSpec
+    from pagedserve.engine.model.causal_lm import CausalLM
+    from pagedserve.engine.model.spec import ModelSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,7 +18,7 @@ class Family:
 
     `parse(config, architecture)` raises ValueError (naming the field) on anything the family
     does not run. `gguf_architectures`: the GGUF `general.architecture` values it loads.
-    `tensor_parallel`: whether engine.parallel's sharding covers its checkpoint names.
+    `tensor_parallel`: whether pagedserve.engine.parallel's sharding covers its checkpoint names.
     """
 
     name: str

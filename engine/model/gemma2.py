@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from engine.model.causal_lm import CausalLM
-from engine.model.family import Family
-from engine.model.layers.decoder import SandwichDecoderLayer
-from engine.model.spec import ModelSpec, NormKind, base_fields, layer_types_of
+from pagedserve.engine.model.causal_lm import CausalLM
+from pagedserve.engine.model.family import Family
+from pagedserve.engine.model.layers.decoder import SandwichDecoderLayer
+from pagedserve.engine.model.spec import ModelSpec, NormKind, base_fields, layer_types_of
 
 
 class Gemma2ForCausalLM(CausalLM):

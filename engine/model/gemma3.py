@@ -1,4 +1,4 @@
-"""Gemma 3 (text): Gemma 2's layout (engine.model.gemma2) with q/k RMSNorms per head, no
+"""Gemma 3 (text): Gemma 2's layout (pagedserve.engine.model.gemma2) with q/k RMSNorms per head, no
 soft-capping by default, five sliding layers to each global one, and the sliding layers' own
 RoPE base (`rope_local_base_freq`, plain RoPE; the global layers keep the config's scaling)."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from engine.model.causal_lm import CausalLM
-from engine.model.family import Family
-from engine.model.gemma2 import gemma_fields
-from engine.model.layers.decoder import SandwichDecoderLayer
-from engine.model.spec import ModelSpec, rope_params
+from pagedserve.engine.model.causal_lm import CausalLM
+from pagedserve.engine.model.family import Family
+from pagedserve.engine.model.gemma2 import gemma_fields
+from pagedserve.engine.model.layers.decoder import SandwichDecoderLayer
+from pagedserve.engine.model.spec import ModelSpec, rope_params
 
 
 class Gemma3ForCausalLM(CausalLM):

@@ -1,15 +1,15 @@
 """The Llama family: Llama (2, 3 with its rope scaling), Mistral (a sliding window on every
 layer) and Qwen2 (q/k/v biases; sliding layers from `layer_types`). The shared decoder
-(engine.model.causal_lm) is exactly this family; only the config parsing differs."""
+(pagedserve.engine.model.causal_lm) is exactly this family; only the config parsing differs."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from engine.model.causal_lm import CausalLM
-from engine.model.family import Family
-from engine.model.spec import ModelSpec, base_fields, layer_types_of
+from pagedserve.engine.model.causal_lm import CausalLM
+from pagedserve.engine.model.family import Family
+from pagedserve.engine.model.spec import ModelSpec, base_fields, layer_types_of
 
 
 class LlamaForCausalLM(CausalLM):

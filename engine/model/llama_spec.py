@@ -1,11 +1,11 @@
 """Old import path of the model spec, kept for code written before the family registry:
-`LlamaSpec` is `engine.model.spec.ModelSpec`, `architecture_of` is the registry's."""
+`LlamaSpec` is `pagedserve.engine.model.spec.ModelSpec`, `architecture_of` is the registry's."""
 
 from __future__ import annotations
 
-from engine.model.layers.rotary import rope_inv_freq
-from engine.model.registry import architecture_of, supported_architectures
-from engine.model.spec import SUPPORTED_ROPE_TYPES, ModelSpec
+from pagedserve.engine.model.layers.rotary import rope_inv_freq
+from pagedserve.engine.model.registry import architecture_of, supported_architectures
+from pagedserve.engine.model.spec import SUPPORTED_ROPE_TYPES, ModelSpec
 
 LlamaSpec = ModelSpec
 SUPPORTED_ARCHITECTURES = supported_architectures()

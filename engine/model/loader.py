@@ -15,20 +15,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.kv_quant import KVCacheDtype, kv_row_width, kv_storage_dtype
-from engine.config import EngineConfig, resolve_dtype
-from engine.model.causal_lm import CausalLM
-from engine.model.quant_spec import QuantSpec
-from engine.model.registry import family_of, parse_config
-from engine.model.spec import ModelSpec
-from kernels.cpu_fused_ops import CpuFusedOps, load_fused_ops
-from kernels.cpu_isa import cpu_has_bf16_dot
-from kernels.cpu_packed_linear import PackedLinear, packed_linear_supported
-from kernels.cpu_upcast_linear import UpcastLinear, load_gemv
+from pagedserve.engine.attention.backend import AttentionBackend
+from pagedserve.engine.attention.kv_quant import KVCacheDtype, kv_row_width, kv_storage_dtype
+from pagedserve.engine.config.engine import EngineConfig, resolve_dtype
+from pagedserve.engine.model.causal_lm import CausalLM
+from pagedserve.engine.model.quant_spec import QuantSpec
+from pagedserve.engine.model.registry import family_of, parse_config
+from pagedserve.engine.model.spec import ModelSpec
+from pagedserve.kernels.cpu_fused_ops import CpuFusedOps, load_fused_ops
+from pagedserve.kernels.cpu_isa import cpu_has_bf16_dot
+from pagedserve.kernels.cpu_packed_linear import PackedLinear, packed_linear_supported
+from pagedserve.kernels.cpu_upcast_linear import UpcastLinear, load_gemv
 
 if TYPE_CHECKING:
-    from engine.parallel.group import TensorParallelGroup
+    from pagedserve.engine.parallel.group import TensorParallelGroup
 
 _INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -93,8 +93,8 @@ def load_model(
     inductor freezes and packs itself.
     Raises ValueError for an unsupported architecture/config, a missing or unexpected tensor,
     a shape mismatch, or a directory with only pickle checkpoints. `quant` (see
-    `engine.model.quant_spec.resolve_spec`) loads quantized layers, tensor by tensor. `tp`: this
-    process's rank of a tensor-parallel group; only its shard is built and read (engine.parallel).
+    `pagedserve.engine.model.quant_spec.resolve_spec`) loads quantized layers, tensor by tensor. `tp`: this
+    process's rank of a tensor-parallel group; only its shard is built and read (pagedserve.engine.parallel).
     """
     config = read_config(model_dir)
     files = safetensors_files(model_dir)
@@ -112,7 +112,7 @@ def load_model(
     if tp is None:
         model.load_weights(iter_safetensors(files))
     else:
-        from engine.parallel.sharding import iter_rank_tensors
+        from pagedserve.engine.parallel.sharding import iter_rank_tensors
 
         model.load_weights(iter_rank_tensors(files, model.spec, tp.rank, tp.size))
     if pack_linear and model.dtype == torch.bfloat16 and model.device.type == "cpu":
@@ -160,7 +160,7 @@ def allocate_kv_caches(
     kv_dtype: KVCacheDtype = KVCacheDtype.AUTO,
 ) -> list[torch.Tensor]:
     """One zero-filled `[2, num_blocks, block_size, kv_heads, head_dim]` tensor per layer (a
-    quantized `kv_dtype`: uint8 rows of `head_dim + 2`, see engine.attention.kv_quant)."""
+    quantized `kv_dtype`: uint8 rows of `head_dim + 2`, see pagedserve.engine.attention.kv_quant)."""
     spec = _spec(config)
     shape = (2, num_blocks, block_size, spec.num_kv_heads, kv_row_width(spec.head_dim, kv_dtype))
     storage = kv_storage_dtype(kv_dtype, resolve_dtype(dtype))

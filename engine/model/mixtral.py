@@ -8,10 +8,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from engine.model.family import Family
-from engine.model.layers.moe import MoESpec, RouterScoring
-from engine.model.moe_lm import MoECausalLM, num_experts
-from engine.model.spec import ModelSpec, base_fields
+from pagedserve.engine.model.family import Family
+from pagedserve.engine.model.layers.moe import MoESpec, RouterScoring
+from pagedserve.engine.model.moe_lm import MoECausalLM, num_experts
+from pagedserve.engine.model.spec import ModelSpec, base_fields
 
 _EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.")
 _PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}

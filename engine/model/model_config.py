@@ -21,9 +21,9 @@ import msgspec
 import yaml
 from msgspec import Meta
 
-from engine.config import EngineConfig, EngineFields
-from engine.model import vllm_config
-from engine.schema import SchemaError, convert
+from pagedserve.engine.config.engine import EngineConfig, EngineFields
+from pagedserve.engine.config.schema import SchemaError, convert
+from pagedserve.engine.model import vllm_config
 
 logger = logging.getLogger(__name__)
 MAX_CONFIG_BYTES = 1 << 20  # a model-config.yaml is a few lines; refuse to parse a huge one
@@ -70,17 +70,17 @@ class ModelConfigFile(msgspec.Struct, forbid_unknown_fields=True, rename="camel"
     startup_timeout: _Seconds = 120  # seconds
     device_type: str | None = None  # a DeviceType; None: the server's default device
     # GPUs (indexes as the server sees them) the workers share round-robin; None: every visible
-    # one (server/devices.py).
+    # one (server/workers/devices.py).
     device_ids: list[Annotated[int, Meta(ge=0, le=1023)]] | None = None
     parallel_type: str | None = None  # a ParallelType
     parallel_level: Annotated[int, Meta(ge=1, le=MAX_WORKERS)] = 1
     job_queue_size: Annotated[int, Meta(ge=1, le=1 << 20)] = 100
-    # How /v1/chat/completions reads tool calls the model wrote (handlers.openai_tools).
+    # How /v1/chat/completions reads tool calls the model wrote (pagedserve.handlers.openai_tools).
     tool_parser: typing.Literal["hermes", "llama3_json", "pythonic"] = "hermes"
     # Seconds a version with minWorkers 0 stays loaded after its last request (negative:
     # forever); None: the server's keep_alive.
     keep_alive: Annotated[float, Meta(ge=-1, le=MAX_TIMEOUT_S)] | None = None
-    # How the front end picks among the version's workers (server.routing).
+    # How the front end picks among the version's workers (pagedserve.server.workers.routing).
     routing: typing.Literal["least_loaded", "prefix_affinity"] = "least_loaded"
     # Output tokens of a request that names no limit (capped by the context left after its prompt).
     default_max_tokens: Annotated[int, Meta(ge=1, le=1 << 20)] = DEFAULT_MAX_TOKENS

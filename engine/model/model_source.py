@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from engine.model.archive import MANIFEST_PATH, open_archive
+from pagedserve.engine.model.archive import MANIFEST_PATH, open_archive
 
 ARCHIVE_SUFFIXES = (".mar", ".zip", ".tar.gz", ".tgz")
 

@@ -1,5 +1,5 @@
 """The causal LM of the mixture-of-experts families (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE): the
-shared decoder whose MLPs are sparse blocks (engine.model.layers.moe), except the layers the
+shared decoder whose MLPs are sparse blocks (pagedserve.engine.model.layers.moe), except the layers the
 spec's `moe.dense_layers` keeps dense. Each family file parses its config into the spec's
 `moe` and, where its checkpoint names differ from the block's, renames them (`checkpoint_name`).
 """
@@ -12,11 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.model.causal_lm import CausalLM
-from engine.model.layers.mlp import GatedMLP
-from engine.model.layers.moe import SparseMoeBlock
-from engine.model.spec import ModelSpec
-from kernels.cpu_fused_ops import CpuFusedOps
+from pagedserve.engine.model.causal_lm import CausalLM
+from pagedserve.engine.model.layers.mlp import GatedMLP
+from pagedserve.engine.model.layers.moe import SparseMoeBlock
+from pagedserve.engine.model.spec import ModelSpec
+from pagedserve.kernels.cpu_fused_ops import CpuFusedOps
 
 
 def moe_mlp(spec: ModelSpec, layer: int, dtype: torch.dtype, ops: CpuFusedOps | None) -> nn.Module:

@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from engine.model.family import Family
-from engine.model.layers.moe import MoESpec, RouterScoring
-from engine.model.moe_lm import MoECausalLM, num_experts
-from engine.model.spec import ModelSpec, base_fields
+from pagedserve.engine.model.family import Family
+from pagedserve.engine.model.layers.moe import MoESpec, RouterScoring
+from pagedserve.engine.model.moe_lm import MoECausalLM, num_experts
+from pagedserve.engine.model.spec import ModelSpec, base_fields
 
 
 class OlmoeForCausalLM(MoECausalLM):

@@ -5,7 +5,7 @@ The archive is built once per content: its key is the sha256 of the source's fil
 once per file version and remembered beside the cache, keyed by path, size and mtime), so the
 same file registered again — under any name or path — reuses it. A GGUF is checked before any
 work (its architecture and every tensor type against what is supported), then de-quantized to
-float32 (engine.model.convert) and archived; a folder is archived as it is (its weights keep
+float32 (pagedserve.engine.model.convert) and archived; a folder is archived as it is (its weights keep
 their dtype). The archive is a plain folder (`MAR-INF/MANIFEST.json` + the model files) under
 `<cache>/from-path/`.
 """
@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from engine.model.archive_manifest import MANIFEST_PATH, ArchiveFormat
+from pagedserve.engine.model.archive_manifest import MANIFEST_PATH, ArchiveFormat
 
 SOURCE_INFO = "pagedserve_source_info.json"  # what the archive was built from, for descriptions
 
@@ -35,7 +35,7 @@ def is_model_path(path: Path) -> bool:
 
 
 def from_path_cache_dir() -> Path:
-    from engine.model.default_model import default_cache_dir
+    from pagedserve.engine.model.default_model import default_cache_dir
 
     return default_cache_dir() / "from-path"
 
@@ -117,7 +117,7 @@ def archive_from_path(path: str | Path, cache_dir: Path | None = None, chat_temp
 
     Raises ValueError for an unsupported architecture, rope type or GGUF tensor type (before
     anything is converted or copied), FileNotFoundError for a missing path."""
-    from engine.model.archive import write_archive
+    from pagedserve.engine.model.archive import write_archive
 
     path = Path(path).expanduser().resolve()
     if not path.exists():
@@ -150,7 +150,7 @@ def archive_from_path(path: str | Path, cache_dir: Path | None = None, chat_temp
         try:
             model_dir = path
             if is_gguf:
-                from engine.model.convert import convert_model
+                from pagedserve.engine.model.convert import convert_model
 
                 model_dir = convert_model(path, work / "model")
             extras = [work / SOURCE_INFO]
@@ -201,6 +201,6 @@ def describe_model(model_dir: Path) -> dict[str, Any]:
 def _registry():
     """The family registry, imported on use: the families import torch, and the front end
     reaches this module (archives by path) without needing them."""
-    from engine.model import registry
+    from pagedserve.engine.model import registry
 
     return registry

@@ -12,7 +12,7 @@ From a GGUF (Llama architecture), tensor by tensor, never de-quantizing the whol
 - fused partners (q/k/v, gate/up) must share a layout: if one is int8, all become int8.
 The Q/K rows are un-permuted from llama.cpp's rotary layout (as transformers does).
 
-The output layout is described in engine.model.quant_spec.
+The output layout is described in pagedserve.engine.model.quant_spec.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from engine.model import convert
-from engine.model.gguf_blocks import GGUFBlockType, block_type, decode, int4_groups
-from engine.model.quant_linear import QuantMethod, pack_nibbles, quantize_int4, quantize_int8
-from engine.model.quant_spec import CONFIG_KEY, QuantSpec, parse_method
+from pagedserve.engine.model import convert
+from pagedserve.engine.model.gguf_blocks import GGUFBlockType, block_type, decode, int4_groups
+from pagedserve.engine.model.quant_linear import QuantMethod, pack_nibbles, quantize_int4, quantize_int8
+from pagedserve.engine.model.quant_spec import CONFIG_KEY, QuantSpec, parse_method
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -168,7 +168,7 @@ def quantize_model_dir(
 ) -> Path:
     """Write `dest`, a copy of the plain model directory `source` with its projections quantized
     (`int8`, `int4` with `group_size`, or `w8a8`), its embedding / LM head int8; tensor by tensor."""
-    from engine.model.loader import iter_safetensors, read_config, safetensors_files
+    from pagedserve.engine.model.loader import iter_safetensors, read_config, safetensors_files
 
     source, dest = Path(source).expanduser().resolve(), Path(dest).expanduser().absolute()
     method = parse_method(method)

@@ -28,9 +28,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.quant_spec import INT4_GROUP_SIZES, QuantMethod
-from kernels.cpu_int4_dequant import int4pack_dequant_t, int4pack_linear, packed_block_n, scale_and_shift, unpack_codes
-from kernels.cpu_isa import cpu_has_bf16_dot
+from pagedserve.engine.model.quant_spec import INT4_GROUP_SIZES, QuantMethod
+from pagedserve.kernels.cpu_int4_dequant import (
+    int4pack_dequant_t,
+    int4pack_linear,
+    packed_block_n,
+    scale_and_shift,
+    unpack_codes,
+)
+from pagedserve.kernels.cpu_isa import cpu_has_bf16_dot
 
 INT8_WEIGHT_ONLY_MAX_ROWS = 16  # more rows: torch._int_mm on activations quantized per token
 # Mode int8 from this many rows on (prefill-sized calls) de-quantizes the weight for the call:
@@ -108,7 +114,7 @@ def _w8a8_mm(
     """`x [M, K]` quantized per row to int8 (symmetric), `torch._int_mm` with int32 sums, rescaled;
     the `outliers` input channels of largest max |x| over the call's rows are left out of the
     int8 product and added back as a float32 product with the same int8 weight columns.
-    `io`: the loaded int8_mm_io extension (kernels.cpu_int8_mm_io), which does the quantization
+    `io`: the loaded int8_mm_io extension (pagedserve.kernels.cpu_int8_mm_io), which does the quantization
     and the rescaling with the outlier product as one C++ pass each; None: torch ops (the reference)."""
     outliers = min(outliers, x.shape[1])
     if io is not None and x.dtype in (torch.float32, torch.bfloat16):
@@ -261,7 +267,7 @@ class Int4Linear(_QuantBase):
         if out_features % _INT4_BLOCK_N:
             raise ValueError(f"int4 needs output features divisible by {_INT4_BLOCK_N}, got {out_features}; use int8")
         self.group_size = group_size
-        # `dequant`: the loaded int4_dequant extension (kernels.cpu_int4_dequant), which makes
+        # `dequant`: the loaded int4_dequant extension (pagedserve.kernels.cpu_int4_dequant), which makes
         # de-quantizing for a call cheap (~0.2 ms for 1536 x 576 on one thread): calls above
         # INT4_KERNEL_MAX_ROWS rows then run one GEMM on the de-quantized weight on every CPU.
         self.dequant = dequant
@@ -336,7 +342,7 @@ class Int4Linear(_QuantBase):
 def _dequantized_linear(rows: torch.Tensor, weight_in, dtype: torch.dtype) -> torch.Tensor:
     """`rows @ weight.T` with the weight de-quantized for this call by `weight_in(dtype)`: in
     `dtype`, except bf16 on a CPU without bf16 dot products, which multiplies in float32 (an
-    emulated bf16 GEMM is ~4-5x slower there, kernels.cpu_isa)."""
+    emulated bf16 GEMM is ~4-5x slower there, pagedserve.kernels.cpu_isa)."""
     if dtype == torch.bfloat16 and rows.device.type == "cpu" and not cpu_has_bf16_dot():
         return F.linear(rows.float(), weight_in(torch.float32)).to(dtype)
     return F.linear(rows.to(dtype), weight_in(dtype))
@@ -374,8 +380,8 @@ def make_quant_linear(
     int8_mm_io=None,
 ) -> _QuantBase:
     """The quantized layer of `method`; `int4_dequant` is the loaded int4_dequant extension
-    (`kernels.cpu_int4_dequant.load_int4_dequant()`) for int4, `int8_mm_io` the int8_mm_io one
-    (`kernels.cpu_int8_mm_io.load_int8_mm_io()`) for int8 / w8a8, or None."""
+    (`pagedserve.kernels.cpu_int4_dequant.load_int4_dequant()`) for int4, `int8_mm_io` the int8_mm_io one
+    (`pagedserve.kernels.cpu_int8_mm_io.load_int8_mm_io()`) for int8 / w8a8, or None."""
     if method is QuantMethod.INT8:
         return Int8Linear(in_features, out_features, bias, dtype, io=int8_mm_io)
     if method is QuantMethod.W8A8:

@@ -18,13 +18,13 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernels.cpu_isa import cpu_has_vnni
+from pagedserve.kernels.cpu_isa import cpu_has_vnni
 
 INT4_GROUP_SIZES = (32, 64, 128)
 
 
 class QuantMethod(enum.Enum):
-    """The quantized layers' layout (engine.model.quant_linear holds the layers)."""
+    """The quantized layers' layout (pagedserve.engine.model.quant_linear holds the layers)."""
 
     NONE = "none"
     INT8 = "int8"

@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from engine.model.family import Family
-from engine.model.layers.moe import MoESpec, RouterScoring
-from engine.model.llama import sliding_fields
-from engine.model.moe_lm import MoECausalLM, num_experts, qwen_dense_layers
-from engine.model.spec import ModelSpec, base_fields
+from pagedserve.engine.model.family import Family
+from pagedserve.engine.model.layers.moe import MoESpec, RouterScoring
+from pagedserve.engine.model.llama import sliding_fields
+from pagedserve.engine.model.moe_lm import MoECausalLM, num_experts, qwen_dense_layers
+from pagedserve.engine.model.spec import ModelSpec, base_fields
 
 
 class Qwen2MoeForCausalLM(MoECausalLM):

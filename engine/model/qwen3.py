@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from engine.model.causal_lm import CausalLM
-from engine.model.family import Family
-from engine.model.llama import sliding_fields
-from engine.model.spec import ModelSpec, base_fields
+from pagedserve.engine.model.causal_lm import CausalLM
+from pagedserve.engine.model.family import Family
+from pagedserve.engine.model.llama import sliding_fields
+from pagedserve.engine.model.spec import ModelSpec, base_fields
 
 
 class Qwen3ForCausalLM(CausalLM):

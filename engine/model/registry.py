@@ -1,7 +1,7 @@
 """The one list of supported model families, and the look-ups built on it.
 
 Each family lives in its own file (engine/model/<family>.py) and declares a `Family`
-(engine.model.family): the HF architectures it serves, its config parser and its model class.
+(pagedserve.engine.model.family): the HF architectures it serves, its config parser and its model class.
 Everything that asks "is this model supported, and how is it built" asks here: the loader, the
 archive checks, `GET /models/{name}` and `pagedserve --help`.
 """
@@ -11,17 +11,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from engine.model.family import Family
-from engine.model.gemma2 import GEMMA2
-from engine.model.gemma3 import GEMMA3
-from engine.model.llama import LLAMA, MISTRAL, QWEN2
-from engine.model.mixtral import MIXTRAL
-from engine.model.olmoe import OLMOE
-from engine.model.phi3 import PHI3
-from engine.model.qwen2_moe import QWEN2_MOE
-from engine.model.qwen3 import QWEN3
-from engine.model.qwen3_moe import QWEN3_MOE
-from engine.model.spec import SUPPORTED_ROPE_TYPES, ModelSpec, as_dict
+from pagedserve.engine.model.family import Family
+from pagedserve.engine.model.gemma2 import GEMMA2
+from pagedserve.engine.model.gemma3 import GEMMA3
+from pagedserve.engine.model.llama import LLAMA, MISTRAL, QWEN2
+from pagedserve.engine.model.mixtral import MIXTRAL
+from pagedserve.engine.model.olmoe import OLMOE
+from pagedserve.engine.model.phi3 import PHI3
+from pagedserve.engine.model.qwen2_moe import QWEN2_MOE
+from pagedserve.engine.model.qwen3 import QWEN3
+from pagedserve.engine.model.qwen3_moe import QWEN3_MOE
+from pagedserve.engine.model.spec import SUPPORTED_ROPE_TYPES, ModelSpec, as_dict
 
 FAMILIES: tuple[Family, ...] = (
     LLAMA,
@@ -37,7 +37,7 @@ FAMILIES: tuple[Family, ...] = (
     OLMOE,
 )
 # GGML tensor types a GGUF may hold (de-quantized at load by the gguf package through
-# transformers, engine.model.convert); any other type is refused by name.
+# transformers, pagedserve.engine.model.convert); any other type is refused by name.
 SUPPORTED_GGUF_TYPES = (
     "F32",
     "F16",
@@ -101,7 +101,7 @@ def family_of(config: Any) -> Family:
 
 def check_tensor_parallel_support(spec: ModelSpec, size: int) -> None:
     """ValueError when `size` > 1 ranks are asked of a family whose checkpoint names the
-    sharding (engine.parallel.sharding) does not cover."""
+    sharding (pagedserve.engine.parallel.sharding) does not cover."""
     if size > 1 and not family_of(spec).tensor_parallel:
         names = ", ".join(a for f in FAMILIES if f.tensor_parallel for a in f.architectures)
         raise ValueError(f"tensor parallelism is not supported for {spec.architecture}; supported: {names}")

@@ -1,6 +1,6 @@
 """What a decoder-only model reads from an HF config.json, checked once: `ModelSpec`.
 
-One spec type serves every family (`engine.model.registry.parse_config` parses an HF config): the fields common to all decoders,
+One spec type serves every family (`pagedserve.engine.model.registry.parse_config` parses an HF config): the fields common to all decoders,
 plus the few knobs where families differ (activation, q/k norms, Gemma's norms and scales,
 soft-capping, sliding-window layers, a local RoPE base). Each family's file parses its config
 into a spec with `base_fields` and its own differences; the shared layers read the knobs.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.model.layers.moe import MoESpec
+    from pagedserve.engine.model.layers.moe import MoESpec
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -75,7 +75,7 @@ class ModelSpec:
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
     local_rope_theta: float | None = None  # sliding layers' RoPE base (plain RoPE), Gemma 3
     qk_norm_full: bool = False  # with qk_norm: one norm over all query heads and one over all KV heads (OLMoE)
-    moe: MoESpec | None = None  # mixture-of-experts MLPs (engine.model.layers.moe); None: dense
+    moe: MoESpec | None = None  # mixture-of-experts MLPs (pagedserve.engine.model.layers.moe); None: dense
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -27,23 +27,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.attention.kv_quant import parse_kv_cache_dtype
-from engine.config import EngineConfig
-from engine.model.loader import kv_pool_size, read_config
-from engine.model.quant_spec import QuantMethod, QuantSpec
-from engine.model.registry import check_tensor_parallel_support, parse_config
-from engine.parallel.group import LOOPBACK, TensorParallelGroup, rank_device
-from engine.parallel.messages import Kind, Message, forward_message
-from engine.parallel.rank_worker import (
-    STORE_TIMEOUT,
-    RankArgs,
-    error_key,
-    load_rank,
-    ready_key,
-    run_rank,
-)
-from engine.parallel.sharding import shard_spec
-from engine.process_setup import rank_threads
+from pagedserve.engine.attention.kv_quant import parse_kv_cache_dtype
+from pagedserve.engine.config.engine import EngineConfig
+from pagedserve.engine.model.loader import kv_pool_size, read_config
+from pagedserve.engine.model.quant_spec import QuantMethod, QuantSpec
+from pagedserve.engine.model.registry import check_tensor_parallel_support, parse_config
+from pagedserve.engine.parallel.group import LOOPBACK, TensorParallelGroup, rank_device
+from pagedserve.engine.parallel.messages import Kind, Message, forward_message
+from pagedserve.engine.parallel.rank_worker import STORE_TIMEOUT, RankArgs, error_key, load_rank, ready_key, run_rank
+from pagedserve.engine.parallel.sharding import shard_spec
+from pagedserve.engine.platform.process_setup import rank_threads
 
 RANK_START_TIMEOUT_S = STORE_TIMEOUT.total_seconds()
 STOP_WAIT_S = 5.0  # how long a stopped rank may take to exit before it is killed

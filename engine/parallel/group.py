@@ -6,7 +6,7 @@ nothing process-wide: several groups can live in one process, e.g. a test's engi
 - compute: the model's all-reduces and the logits gather; gloo on CPU, NCCL on CUDA (each rank
   on its own device). A collective waits at most `COMPUTE_TIMEOUT` for a silent rank; a rank
   that died is noticed at once (its sockets close) and the collective raises.
-- control: rank 0's messages to the others (engine.parallel.messages), always gloo over CPU
+- control: rank 0's messages to the others (pagedserve.engine.parallel.messages), always gloo over CPU
   tensors. The other ranks wait on it between steps, for as long as the worker stays idle (up
   to `IDLE_TIMEOUT`, a year: past it a rank exits, and rank 0's health check restarts the worker).
 Both rendezvous through a TCPStore that rank 0 opens on a free loopback port.
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.parallel.messages import Message, decode, encode
+from pagedserve.engine.parallel.messages import Message, decode, encode
 
 COMPUTE_TIMEOUT = timedelta(seconds=300)  # a rank this late inside a step is stuck
 IDLE_TIMEOUT = timedelta(days=365)  # the other ranks wait this long for rank 0's next step

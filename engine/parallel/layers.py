@@ -1,6 +1,6 @@
 """The layers that differ on a tensor-parallel rank, as in Megatron-LM and vLLM.
 
-A rank's projections are built at its shard's sizes (engine.parallel.sharding), so the
+A rank's projections are built at its shard's sizes (pagedserve.engine.parallel.sharding), so the
 column-parallel ones (q/k/v, gate/up: a slice of the output rows) need nothing more. The
 row-parallel ones (o_proj, down_proj: a slice of the input columns) each give a partial sum of
 the whole output, which an all-reduce completes; the embedding holds a slice of the vocabulary
@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from engine.model.layers.decoder import DecoderModel
-    from engine.parallel.group import TensorParallelGroup
+    from pagedserve.engine.model.layers.decoder import DecoderModel
+    from pagedserve.engine.parallel.group import TensorParallelGroup
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -2,7 +2,7 @@
 
 A message is a msgpack header (its kind, plain fields, and the name, dtype and shape of each
 tensor) followed by the tensors' raw bytes: typed, no pickle, and sent with one broadcast of
-its bytes (after one of its length, see engine.parallel.group). The step's work travels as the
+its bytes (after one of its length, see pagedserve.engine.parallel.group). The step's work travels as the
 prepared flattened inputs (token ids, positions and the attention metadata), not as the
 SchedulerOutput: the other ranks keep no request state, they run the forward pass on what they
 are given against their own KV cache.
@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from pagedserve.engine.attention.metadata import AttentionMetadata
 
 _DTYPES = {
     str(d).removeprefix("torch."): d

@@ -1,5 +1,5 @@
 """A tensor-parallel rank other than 0: a process rank 0 spawns, which loads its shard, then runs
-whatever rank 0 broadcasts (engine.parallel.messages) until told to stop or until the group breaks.
+whatever rank 0 broadcasts (pagedserve.engine.parallel.messages) until told to stop or until the group breaks.
 
 It never outlives rank 0: Linux SIGKILLs it when the thread that spawned it ends
 (PR_SET_PDEATHSIG), a watchdog thread exits it when its parent process is gone, and a dead rank 0
@@ -20,14 +20,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.attention.kv_quant import parse_kv_cache_dtype
-from engine.attention.selector import select_backend
-from engine.config import EngineConfig
-from engine.model.causal_lm import CausalLM
-from engine.model.loader import allocate_kv_caches, load_model, select_fused_ops
-from engine.parallel.group import LOOPBACK, TensorParallelGroup, rank_device
-from engine.parallel.messages import Kind, read_forward
-from engine.process_setup import die_with_parent, tune_glibc_malloc
+from pagedserve.engine.attention.kv_quant import parse_kv_cache_dtype
+from pagedserve.engine.attention.selector import select_backend
+from pagedserve.engine.config.engine import EngineConfig
+from pagedserve.engine.model.causal_lm import CausalLM
+from pagedserve.engine.model.loader import allocate_kv_caches, load_model, select_fused_ops
+from pagedserve.engine.parallel.group import LOOPBACK, TensorParallelGroup, rank_device
+from pagedserve.engine.parallel.messages import Kind, read_forward
+from pagedserve.engine.platform.process_setup import die_with_parent, tune_glibc_malloc
 
 logger = logging.getLogger(__name__)
 

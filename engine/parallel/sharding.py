@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.model.spec import ModelSpec
+from pagedserve.engine.model.spec import ModelSpec
 
 _LAYER_TENSOR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
 # An expert's projection (Qwen / OLMoE names, and Mixtral's w1 = gate, w3 = up, w2 = down).
@@ -74,7 +74,7 @@ def shard_spec(spec: ModelSpec, size: int) -> ModelSpec:
     the MLP and of the vocabulary. Hidden size, layers and head size are the model's."""
     check_tensor_parallel(spec, size)
     moe = spec.moe
-    if moe is not None:  # every rank holds every expert, a slice of each (engine.model.layers.moe)
+    if moe is not None:  # every rank holds every expert, a slice of each (pagedserve.engine.model.layers.moe)
         moe = dataclasses.replace(
             moe,
             intermediate_size=moe.intermediate_size // size,
@@ -138,7 +138,7 @@ def tensor_slice(name: str, spec: ModelSpec, rank: int, size: int) -> TensorSlic
 
 
 def iter_rank_tensors(files: list[Path], spec: ModelSpec, rank: int, size: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Like engine.model.loader.iter_safetensors, but only this rank's slice of each tensor is
+    """Like pagedserve.engine.model.loader.iter_safetensors, but only this rank's slice of each tensor is
     read from disk."""
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-from engine.lora.request import LoRARequest
-from engine.outputs import FinishReason
-from engine.pooling import PoolingParams
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.lora.request import LoRARequest
+from pagedserve.engine.request.outputs import FinishReason
+from pagedserve.engine.request.pooling import PoolingParams
+from pagedserve.engine.sampling.params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -7,8 +7,8 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from engine.config import SchedulingPolicy
-from engine.request import Request
+from pagedserve.engine.config.engine import SchedulingPolicy
+from pagedserve.engine.request.request import Request
 
 
 class FCFSQueue:

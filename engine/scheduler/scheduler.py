@@ -7,21 +7,21 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.config import SchedulingPolicy
-from engine.kv_cache.block import KVCacheBlock
-from engine.kv_cache.manager import KVCacheManager
-from engine.request import FinishReason, Request, RequestStatus
-from engine.scheduler.output import (
+from pagedserve.engine.config.engine import SchedulingPolicy
+from pagedserve.engine.kv_cache.block import KVCacheBlock
+from pagedserve.engine.kv_cache.manager import KVCacheManager
+from pagedserve.engine.request.request import FinishReason, Request, RequestStatus
+from pagedserve.engine.scheduler.output import (
     CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
-from engine.scheduler.queues import make_waiting_queue
+from pagedserve.engine.scheduler.queues import make_waiting_queue
 
 if TYPE_CHECKING:
-    from engine.kv_offload.manager import KVOffloadManager
+    from pagedserve.engine.kv_offload.manager import KVOffloadManager
 
 
 _FINISHED_STATUS = {status.finish_reason: status for status in RequestStatus if status.is_finished}

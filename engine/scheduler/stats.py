@@ -17,7 +17,7 @@ class SchedulerStats:
     num_threads: int | None = None  # torch intra-op threads the engine steps with (None: not reported yet)
     spec_draft_tokens: int = 0  # cumulative: draft tokens verified (speculative decoding)
     spec_accepted_tokens: int = 0  # cumulative: of those, kept
-    # method auto (engine.spec_decode.adaptive): cumulative (request, step) pairs given drafts
+    # method auto (pagedserve.engine.spec_decode.adaptive): cumulative (request, step) pairs given drafts
     # and given none; the decayed per-token acceptance rate; a draft token's cost ratio c.
     spec_requests_drafted: int = 0
     spec_requests_skipped: int = 0
@@ -26,7 +26,7 @@ class SchedulerStats:
     # method suffix / auto: the global suffix trie's tokens and memory (upper bound, bytes).
     spec_suffix_global_tokens: int = 0
     spec_suffix_global_bytes: int = 0
-    # KV offload counters (engine.kv_offload.stats.KVOffloadStats.as_dict()); None when off.
+    # KV offload counters (pagedserve.engine.kv_offload.stats.KVOffloadStats.as_dict()); None when off.
     kv_offload: dict | None = None
 
     @property

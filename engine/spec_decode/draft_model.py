@@ -9,7 +9,7 @@ each last row is draft 1; then k - 1 batched one-token forwards give drafts 2..k
 positions are never counted as cached: the next step recomputes the kept ones with the
 target's token, so a refused draft's KV is simply overwritten.
 
-Greedy drafts are a point mass, so the engine's rejection sampler (engine.spec_decode.rejection)
+Greedy drafts are a point mass, so the engine's rejection sampler (pagedserve.engine.spec_decode.rejection)
 keeps sampled output exact; greedy output equals plain decoding's.
 """
 
@@ -19,14 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
-from engine.attention.selector import select_backend
-from engine.model.loader import (
-    allocate_kv_caches,
-    kv_cache_bytes_per_block,
-    load_model,
-    read_config,
-)
+from pagedserve.engine.attention.metadata import AttentionMetadata
+from pagedserve.engine.attention.selector import select_backend
+from pagedserve.engine.model.loader import allocate_kv_caches, kv_cache_bytes_per_block, load_model, read_config
 
 
 @dataclass(slots=True)

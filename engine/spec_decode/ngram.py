@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.sampling.params import SamplingParams
 
 
 def can_draft(params: SamplingParams) -> bool:

@@ -7,15 +7,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from engine.request import Request
-from engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from engine.spec_decode.adaptive import AdaptiveSpeculation
-from engine.spec_decode.config import SpecMethod, SpeculativeConfig
-from engine.spec_decode.ngram import NgramProposer, can_draft
-from engine.spec_decode.suffix import SuffixProposer
+from pagedserve.engine.config.speculative import SpecMethod, SpeculativeConfig
+from pagedserve.engine.request.request import Request
+from pagedserve.engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.engine.spec_decode.adaptive import AdaptiveSpeculation
+from pagedserve.engine.spec_decode.ngram import NgramProposer, can_draft
+from pagedserve.engine.spec_decode.suffix import SuffixProposer
 
 if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
+    from pagedserve.engine.runner.model_runner import ModelRunner
 
 
 class Speculator:
@@ -31,7 +31,7 @@ class Speculator:
         self.draft_model = None
         if config.method is SpecMethod.DRAFT:
             # imported here: only this method loads a second model
-            from engine.spec_decode.draft_model import DraftModelProposer
+            from pagedserve.engine.spec_decode.draft_model import DraftModelProposer
 
             self.draft_model = DraftModelProposer(
                 config.draft_model,
@@ -114,7 +114,7 @@ class Speculator:
                 request.spec_token_ids = request.spec_token_ids[: request.grammar.valid_prefix(request.spec_token_ids)]
 
     def stats(self) -> dict:
-        """SchedulerStats fields of speculation (engine.scheduler.stats)."""
+        """SchedulerStats fields of speculation (pagedserve.engine.scheduler.stats)."""
         out = {}
         if self.adaptive is not None:
             a = self.adaptive.stats

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from engine.spec_decode.suffix_trie import Draft, SuffixTrie
+from pagedserve.engine.spec_decode.suffix_trie import Draft, SuffixTrie
 
 
 @dataclass(slots=True)

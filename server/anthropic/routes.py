@@ -4,7 +4,7 @@
   POST /v1/messages/count_tokens  {"input_tokens": N}: the prompt as the model would see it
 
 Auth: the inference token as `x-api-key` (what Anthropic's SDKs send) or a bearer token.
-Errors are Anthropic's `{"type": "error", "error": {"type", "message"}}` (server.inference_app
+Errors are Anthropic's `{"type": "error", "error": {"type", "message"}}` (pagedserve.server.app.inference
 shapes them by route).
 """
 
@@ -15,19 +15,15 @@ import time
 
 from aiohttp import web
 
-from engine.inputs import InvalidInput
-from handlers.base_handler import HandlerError
-from handlers.openai_protocol import split_model
-from handlers.openai_tools import ToolParser, tool_prompt
-from server.anthropic.schemas import (
-    AnthropicRequest,
-    parse_count_tokens,
-    parse_messages,
-)
-from server.anthropic.shaping import AnthropicShaper
-from server.generation import REQUEST_ID_KEY, ErrorReply, prepare, respond
-from server.request_scope import admitted, handler_call, lora, read_json, resolve
-from server.state import STATE_KEY
+from pagedserve.engine.request.inputs import InvalidInput
+from pagedserve.handlers.base_handler import HandlerError
+from pagedserve.handlers.openai_protocol import split_model
+from pagedserve.handlers.openai_tools import ToolParser, tool_prompt
+from pagedserve.server.anthropic.schemas import AnthropicRequest, parse_count_tokens, parse_messages
+from pagedserve.server.anthropic.shaping import AnthropicShaper
+from pagedserve.server.serving.generation import REQUEST_ID_KEY, ErrorReply, prepare, respond
+from pagedserve.server.serving.request_scope import admitted, handler_call, lora, read_json, resolve
+from pagedserve.server.serving.state import STATE_KEY
 
 routes = web.RouteTableDef()
 

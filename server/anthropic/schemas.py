@@ -1,5 +1,5 @@
 """Anthropic Messages request bodies, declared once as msgspec Structs, and what they become:
-chat messages for the model's template, the tools offered (handlers.openai_tools) and
+chat messages for the model's template, the tools offered (pagedserve.handlers.openai_tools) and
 SamplingParams.
 
 - `max_tokens` is required, as Anthropic requires it; `temperature` is in [0, 1].
@@ -24,11 +24,11 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from engine.inputs import PromptSpec
-from engine.sampling_params import MAX_TOKENS, SamplingParams
-from handlers.base_handler import HandlerError
-from handlers.llm_input import convert_body, make_sampling_params
-from handlers.openai_tools import MAX_TOOLS, FunctionDef, ToolDef, ToolName, ToolRequest
+from pagedserve.engine.request.inputs import PromptSpec
+from pagedserve.engine.sampling.params import MAX_TOKENS, SamplingParams
+from pagedserve.handlers.base_handler import HandlerError
+from pagedserve.handlers.llm_input import convert_body, make_sampling_params
+from pagedserve.handlers.openai_tools import MAX_TOOLS, FunctionDef, ToolDef, ToolName, ToolRequest
 
 _Text = Annotated[str, Meta(min_length=1)]
 

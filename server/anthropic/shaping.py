@@ -1,5 +1,5 @@
 """Engine outputs -> Anthropic Messages replies and stream events, as a
-`server.generation.Shaper`.
+`pagedserve.server.serving.generation.Shaper`.
 
 A reply is a `message` with content blocks (`text`, `tool_use` with `input` as an object),
 `stop_reason` (`end_turn`, `max_tokens`, `stop_sequence` with the `stop_sequence` that ended it,
@@ -21,11 +21,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engine.outputs import RequestOutput
-from handlers.deltas import ChoiceDelta
-from handlers.llm_output import timings
-from handlers.openai_tools import ToolParser, ToolRequest, parse_output
-from server.streaming import StreamFormat
+from pagedserve.engine.request.outputs import RequestOutput
+from pagedserve.handlers.deltas import ChoiceDelta
+from pagedserve.handlers.llm_output import timings
+from pagedserve.handlers.openai_tools import ToolParser, ToolRequest, parse_output
+from pagedserve.server.serving.streaming import StreamFormat
 
 ERROR_TYPES = {
     400: "invalid_request_error",

@@ -1,4 +1,4 @@
-"""Ollama's API on the inference port, over the shared generation path (server.generation).
+"""Ollama's API on the inference port, over the shared generation path (pagedserve.server.serving.generation).
 
   POST /api/generate   a prompt (the chat template applied unless `raw`); an empty prompt only
                        loads the model (`keep_alive: 0`: unloads it), as Ollama does
@@ -16,8 +16,8 @@
 
 A name is `model`, `model:tag` (`latest`: the default version; otherwise a version) or
 `model@version`. `keep_alive` (seconds, a duration, 0, -1) drives the memory budget's
-keep-alive (server.lifecycle) for versions loaded on demand. Errors are Ollama's
-`{"error": "..."}` with the HTTP status (server.inference_app shapes them by route).
+keep-alive (pagedserve.server.workers.lifecycle) for versions loaded on demand. Errors are Ollama's
+`{"error": "..."}` with the HTTP status (pagedserve.server.app.inference shapes them by route).
 """
 
 from __future__ import annotations
@@ -29,14 +29,11 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.inputs import PromptSpec, pooling_sampling_params
-from engine.pooling import PoolingParams
-from handlers.openai_protocol import split_model
-from handlers.openai_tools import ToolParser, tool_prompt
-from server.fanout import FanOut
-from server.generation import ErrorReply, prepare, respond
-from server.lifecycle import state_of
-from server.ollama.schemas import (
+from pagedserve.engine.request.inputs import PromptSpec, pooling_sampling_params
+from pagedserve.engine.request.pooling import PoolingParams
+from pagedserve.handlers.openai_protocol import split_model
+from pagedserve.handlers.openai_tools import ToolParser, tool_prompt
+from pagedserve.server.ollama.schemas import (
     EmbedBody,
     EmbeddingsBody,
     ModelBody,
@@ -45,17 +42,13 @@ from server.ollama.schemas import (
     parse_chat,
     parse_generate,
 )
-from server.ollama.shaping import EmbedShaper, OllamaShaper, now_iso
-from server.registry import ModelVersion
-from server.request_scope import (
-    admitted,
-    handler_call,
-    keep_alive,
-    lora,
-    read_json,
-    resolve,
-)
-from server.state import STATE_KEY, ServerState
+from pagedserve.server.ollama.shaping import EmbedShaper, OllamaShaper, now_iso
+from pagedserve.server.serving.fanout import FanOut
+from pagedserve.server.serving.generation import ErrorReply, prepare, respond
+from pagedserve.server.serving.request_scope import admitted, handler_call, keep_alive, lora, read_json, resolve
+from pagedserve.server.serving.state import STATE_KEY, ServerState
+from pagedserve.server.workers.lifecycle import state_of
+from pagedserve.server.workers.registry import ModelVersion
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama API version these routes follow
 routes = web.RouteTableDef()

@@ -20,12 +20,12 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from engine.inputs import PromptSpec
-from engine.sampling_params import SamplingParams
-from engine.structured_output_params import StructuredOutputsParams
-from handlers.base_handler import HandlerError
-from handlers.llm_input import convert_body, make_sampling_params
-from handlers.openai_tools import ToolDef, ToolRequest
+from pagedserve.engine.request.inputs import PromptSpec
+from pagedserve.engine.sampling.params import SamplingParams
+from pagedserve.engine.structured_output.params import StructuredOutputsParams
+from pagedserve.handlers.base_handler import HandlerError
+from pagedserve.handlers.llm_input import convert_body, make_sampling_params
+from pagedserve.handlers.openai_tools import ToolDef, ToolRequest
 
 _Name = Annotated[str, Meta(min_length=1)]
 
@@ -189,7 +189,7 @@ def parse_chat(body: dict[str, Any]) -> OllamaRequest:
 
 
 def _message(m: Message, i: int) -> dict[str, Any]:
-    """An Ollama message -> the chat template's shape (handlers.openai_tools renders tool turns)."""
+    """An Ollama message -> the chat template's shape (pagedserve.handlers.openai_tools renders tool turns)."""
     _refuse(bool(m.images), f"messages[{i}].images", "images are not supported: the models served here read text only")
     entry: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.tool_calls:

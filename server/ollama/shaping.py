@@ -1,4 +1,4 @@
-"""Engine outputs -> Ollama's replies, as `server.generation.Shaper`s: /api/generate's
+"""Engine outputs -> Ollama's replies, as `pagedserve.server.serving.generation.Shaper`s: /api/generate's
 `response` and /api/chat's `message`, whole or streamed as NDJSON (one object per line, the
 last with `done: true`, `done_reason` and the timing fields), and the embeddings replies.
 
@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from engine.outputs import RequestOutput
-from handlers.deltas import ChoiceDelta
-from handlers.llm_output import timings
-from handlers.openai_tools import ToolParser, ToolRequest, parse_output
-from server.streaming import StreamFormat
+from pagedserve.engine.request.outputs import RequestOutput
+from pagedserve.handlers.deltas import ChoiceDelta
+from pagedserve.handlers.llm_output import timings
+from pagedserve.handlers.openai_tools import ToolParser, ToolRequest, parse_output
+from pagedserve.server.serving.streaming import StreamFormat
 
 NS = 1_000_000_000
 

@@ -6,7 +6,7 @@
   GET  /version     {"version"}: pagedserve's
   GET  /health      200 (empty) while every version that should serve can; 503 otherwise
 
-Errors are OpenAI-shaped, as on /v1/* (server.inference_app shapes them by route).
+Errors are OpenAI-shaped, as on /v1/* (pagedserve.server.app.inference shapes them by route).
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta
 
-from engine.inputs import InvalidInput, PromptSpec
-from engine.sampling_params import TokenId
-from handlers.base_handler import HandlerError
-from handlers.llm_input import ChatMessages, chat_messages, convert_body
-from handlers.openai_protocol import split_model
-from server.generation import ErrorReply
-from server.registry import ModelVersion
-from server.request_scope import handler_call, read_json, resolve
-from server.state import STATE_KEY
+from pagedserve.engine.request.inputs import InvalidInput, PromptSpec
+from pagedserve.engine.sampling.params import TokenId
+from pagedserve.handlers.base_handler import HandlerError
+from pagedserve.handlers.llm_input import ChatMessages, chat_messages, convert_body
+from pagedserve.handlers.openai_protocol import split_model
+from pagedserve.server.serving.generation import ErrorReply
+from pagedserve.server.serving.request_scope import handler_call, read_json, resolve
+from pagedserve.server.serving.state import STATE_KEY
+from pagedserve.server.workers.registry import ModelVersion
 
 routes = web.RouteTableDef()
 

@@ -58,10 +58,10 @@ def test_mkdocs_build_strict(tmp_path):
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     page = (tmp_path / "site" / "configuration" / "index.html").read_text()
     # the reference is generated from the declarations: every declared key is on the page
-    from engine.config import EngineFields
-    from engine.kv_offload.config import KVOffloadConfig
-    from engine.model.model_config import ModelConfigFile
-    from server.config import ServerConfig
+    from pagedserve.engine.config.engine import EngineFields
+    from pagedserve.engine.config.kv_offload import KVOffloadConfig
+    from pagedserve.engine.model.model_config import ModelConfigFile
+    from pagedserve.server.common.config import ServerConfig
 
     for schema in (EngineFields, KVOffloadConfig, ModelConfigFile, ServerConfig):
         for field in msgspec.structs.fields(schema):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import itertools
 
-from engine.config import PrefixCacheHash
-from engine.kv_cache.hashing import get_hash_fn
-from engine.kv_cache.manager import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config.engine import PrefixCacheHash
+from pagedserve.engine.kv_cache.hashing import get_hash_fn
+from pagedserve.engine.kv_cache.manager import KVCacheManager
+from pagedserve.engine.request.request import Request
+from pagedserve.engine.sampling.params import SamplingParams
 
 _ids = itertools.count()
 

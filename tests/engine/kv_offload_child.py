@@ -28,7 +28,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    from engine import LLM, SamplingParams
+    from pagedserve.engine import LLM, SamplingParams
 
     with open(args.prompts) as f:
         prompts = json.load(f)

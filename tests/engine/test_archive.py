@@ -17,14 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.model import archive_write
-from engine.model.archive import (
-    MANIFEST_PATH,
-    ArchiveError,
-    OpenedArchive,
-    open_archive,
-    write_archive,
-)
+from pagedserve.engine.model import archive_write
+from pagedserve.engine.model.archive import MANIFEST_PATH, ArchiveError, OpenedArchive, open_archive, write_archive
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -453,7 +447,7 @@ def test_folder_is_verified_in_place(tmp_path, model_dir):
 
 @pytest.mark.parametrize("fmt", ["default", "tgz"])
 def test_interrupted_open_leaves_nothing(tmp_path, model_dir, monkeypatch, fmt):
-    from engine.model import archive_read
+    from pagedserve.engine.model import archive_read
 
     out = write_archive(model_dir, tmp_path / "store", model_name="tiny", version="1", archive_format=fmt)
 
@@ -493,7 +487,7 @@ def tiny_hf_model(tmp_path_factory) -> Path:
     )
     transformers.LlamaForCausalLM(config).save_pretrained(d, safe_serialization=True)
     try:
-        from engine.model.default_model import default_model_dir
+        from pagedserve.engine.model.default_model import default_model_dir
 
         source = default_model_dir()
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -554,7 +548,7 @@ def test_torch_model_archiver_archive_generates_like_transformers(tmp_path, tiny
     import torch
     import transformers
 
-    from engine import LLM, SamplingParams
+    from pagedserve.engine import LLM, SamplingParams
 
     work = tmp_path / "work"
     work.mkdir()

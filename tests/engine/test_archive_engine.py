@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.model.archive import ArchiveError, write_archive
-from engine.model.model_source import resolve_model_dir
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.model.archive import ArchiveError, write_archive
+from pagedserve.engine.model.model_source import resolve_model_dir
 
 pytestmark = pytest.mark.slow
 

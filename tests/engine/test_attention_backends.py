@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.metadata import AttentionMetadata
-from engine.attention.selector import select_backend
-from engine.attention.torch_backend import TorchAttentionBackend, group_decodes
-from engine.config import EngineConfig
-from kernels.cpu_paged_attention import load_cpu_kernels
+from pagedserve.engine.attention.metadata import AttentionMetadata
+from pagedserve.engine.attention.selector import select_backend
+from pagedserve.engine.attention.torch_backend import TorchAttentionBackend, group_decodes
+from pagedserve.engine.config.engine import EngineConfig
+from pagedserve.kernels.cpu_paged_attention import load_cpu_kernels
 
 BLOCK_SIZE, NUM_BLOCKS, HEADS, KV_HEADS, HEAD_DIM = 16, 64, 6, 2, 8
 

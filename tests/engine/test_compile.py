@@ -1,4 +1,4 @@
-"""The compiled forward (engine.model.compile): bucketing, the option, and greedy parity.
+"""The compiled forward (pagedserve.engine.model.compile): bucketing, the option, and greedy parity.
 
 Compiling is slow (a bucket of the tiny model took 40+ s cold on a busy 2-core machine, one of
 the real model 1-5 minutes), so the tiny model compiles one bucket (4 tokens) into a tmp_path
@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.model.compile import (
+from pagedserve.engine.config.engine import EngineConfig
+from pagedserve.engine.core.engine_core import EngineCore
+from pagedserve.engine.model.compile import (
     AUTO_POLICY,
     CompiledForward,
     CompileMode,
@@ -22,9 +22,9 @@ from engine.model.compile import (
     compiled_forward_for,
     token_buckets,
 )
-from engine.model.model_config import HANDLER_KEYS
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.model.model_config import HANDLER_KEYS
+from pagedserve.engine.request.request import Request
+from pagedserve.engine.sampling.params import SamplingParams
 
 
 def test_token_buckets_are_powers_of_two_up_to_the_budget():
@@ -134,7 +134,7 @@ def test_real_model_greedy_unchanged_with_compiled_decode(default_model_dir, tmp
     """The default model in bfloat16 (plain weights that inductor freezes and packs, against
     the eager engine's packed ones), decode steps compiled (bucket 1): the same greedy tokens,
     "1, 2, 3, 4," -> " 5, 6, 7"."""
-    from engine.llm import load_tokenizer
+    from pagedserve.engine.llm import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_dir)
     prompt = tokenizer.encode("1, 2, 3, 4,", add_special_tokens=False)

@@ -13,8 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from engine.model import convert, default_model  # noqa: E402 (after the importorskips)
-from engine.model.convert import SOURCE_RECORD, convert_model  # noqa: E402
+from pagedserve.engine.model import convert, default_model  # noqa: E402 (after the importorskips)
+from pagedserve.engine.model.convert import SOURCE_RECORD, convert_model  # noqa: E402
 
 WORDS = ["hello", "world", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", "1", "2", ","]
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]

@@ -10,11 +10,11 @@ import pytest
 import torch
 import transformers
 
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.model.registry import FAMILIES, supported_architectures
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config.engine import EngineConfig
+from pagedserve.engine.core.engine_core import EngineCore
+from pagedserve.engine.model.registry import FAMILIES, supported_architectures
+from pagedserve.engine.request.request import Request
+from pagedserve.engine.sampling.params import SamplingParams
 
 BLOCK_SIZE = 4
 NEW_TOKENS = 32

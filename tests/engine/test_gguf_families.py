@@ -1,6 +1,6 @@
 """GGUF files of another supported architecture than the default model's, in the block types
 users bring: a tiny random Qwen3 written as a GGUF (llama.cpp's tensor names, the default model's
-GGUF tokenizer) in Q8_0 and Q4_0 (Q4_1: the default model; Q5_0, Q4_K, Q6_K: Gemma 3 270M), archived from its path (engine.model.path_source:
+GGUF tokenizer) in Q8_0 and Q4_0 (Q4_1: the default model; Q5_0, Q4_K, Q6_K: Gemma 3 270M), archived from its path (pagedserve.engine.model.path_source:
 checked, de-quantized to float32) and run through the engine: greedy 32 tokens identical to
 transformers loading the same GGUF, and logprobs within 1e-4. (K-quants — Q4_K_M, Q6_K — are
 covered by the real Gemma 3 270M file, tests/server/test_gguf_gemma.py.)"""
@@ -13,10 +13,10 @@ import pytest
 import torch
 import transformers
 
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config.engine import EngineConfig
+from pagedserve.engine.core.engine_core import EngineCore
+from pagedserve.engine.request.request import Request
+from pagedserve.engine.sampling.params import SamplingParams
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.timeout(1800)  # conversion + transformers' own GGUF load, per block type
@@ -28,7 +28,7 @@ HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTER = 64, 2, 4, 2, 128, 96
 
 
 def _tokenizer_fields():
-    from engine.model.default_model import default_gguf_path
+    from pagedserve.engine.model.default_model import default_gguf_path
 
     try:
         path = default_gguf_path()
@@ -98,7 +98,7 @@ def hf_qwen3():
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])  # Q4_1: the default model; Q5_0: Gemma 3 270M
 def test_qwen3_gguf_matches_transformers(hf_qwen3, qtype, tmp_path, monkeypatch):
-    from engine.model.path_source import archive_from_path
+    from pagedserve.engine.model.path_source import archive_from_path
 
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / f"tiny-qwen3-{qtype}.gguf"

@@ -12,8 +12,8 @@ import itertools
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.request import Request
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.request.request import Request
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ def _text(n_items: int, start: int = 0) -> str:
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model_dir):
-    from engine.llm import load_tokenizer
+    from pagedserve.engine.llm import load_tokenizer
 
     return load_tokenizer(default_model_dir)
 

@@ -13,10 +13,9 @@ import time
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.kv_offload.config import KVOffloadConfig
-
-from .redis_server import RedisServer
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.config.kv_offload import KVOffloadConfig
+from tests.engine.redis_server import RedisServer
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +33,7 @@ def _text(n_items: int, start: int = 0, title: str = "Inventory list") -> str:
 
 @pytest.fixture(scope="module")
 def prompts(default_model_dir) -> dict[str, list[int]]:
-    from engine.llm import load_tokenizer
+    from pagedserve.engine.llm import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_dir)
     enc = lambda t: tokenizer.encode(t, add_special_tokens=False)
@@ -113,7 +112,7 @@ def test_a_prompt_prefilled_by_one_engine_is_restored_by_another(default_model_d
 def test_redis_down_or_not_answering_costs_a_recompute_a_warning_and_a_count(
     default_model_dir, prompts, reference, tmp_path, caplog
 ):
-    caplog.set_level(logging.WARNING, logger="engine.kv_offload.manager")
+    caplog.set_level(logging.WARNING, logger="pagedserve.engine.kv_offload.manager")
     server = RedisServer(tmp_path / "redis").start()
     llm = make_llm(default_model_dir, server.url)
     try:

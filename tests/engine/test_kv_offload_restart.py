@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pagedserve.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def prompts(default_model_dir) -> list[list[int]]:
-    from engine.llm import load_tokenizer
+    from pagedserve.engine.llm import load_tokenizer
 
     tok = load_tokenizer(default_model_dir)
     text = "Shipping log.\n" + "\n".join(f"Crate {i} holds {i * 3 % 11 + 1} tins of tea." for i in range(20))

@@ -9,13 +9,13 @@ import os
 import pytest
 import torch
 
-from engine.attention.kv_quant import KVCacheDtype, quantize_kv
-from engine.config import EngineConfig
-from engine.kv_offload.config import KVOffloadConfig, merge_kv_offload
-from engine.kv_offload.disk import DiskBudget
-from engine.model.model_config import ModelConfig, ModelConfigError
-from engine.scheduler.output import ModelRunnerOutput
-from engine.scheduler.scheduler import Scheduler
+from pagedserve.engine.attention.kv_quant import KVCacheDtype, quantize_kv
+from pagedserve.engine.config.engine import EngineConfig
+from pagedserve.engine.config.kv_offload import KVOffloadConfig, merge_kv_offload
+from pagedserve.engine.kv_offload.disk import DiskBudget
+from pagedserve.engine.model.model_config import ModelConfig, ModelConfigError
+from pagedserve.engine.scheduler.output import ModelRunnerOutput
+from pagedserve.engine.scheduler.scheduler import Scheduler
 from tests.engine.kv_helpers import make_manager, make_request
 
 # -- settings -------------------------------------------------------------------------------
@@ -166,7 +166,7 @@ L, NB, BS, H, D, C = 3, 48, 16, 2, 8, 64
 
 
 def _manager(tmp_path, kv, disk=True):
-    from engine.kv_offload.manager import KVOffloadManager
+    from pagedserve.engine.kv_offload.manager import KVOffloadManager
 
     options = {"cpu_size_gb": 0.01, "chunk_size": C}
     if disk:
@@ -272,7 +272,7 @@ def test_chunk_keys_are_the_prefix_cache_block_hashes(tmp_path):
     """LMCache's keys for a prompt come from the prefix cache's own `hash_block` (SHA-256): the
     first chunk chains from its seeded root, later chunks from the previous hash's first 8
     bytes (LMCache carries the chain as a 64-bit int). Model and salt stay in the key."""
-    from engine.kv_cache.hashing import BlockHash, hash_block, root_hash, sha256
+    from pagedserve.engine.kv_cache.hashing import BlockHash, hash_block, root_hash, sha256
 
     kv = [torch.zeros(2, NB, BS, H, D) for _ in range(L)]
     mgr = _manager(tmp_path, kv, disk=False)

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.kv_quant import KVCacheDtype, dequantize_kv, quantize_kv
-from engine.attention.selector import select_backend
-from engine.attention.torch_backend import SHORT_CHUNK_TOKENS, TorchAttentionBackend
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.model.loader import kv_cache_bytes_per_block
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.attention.kv_quant import KVCacheDtype, dequantize_kv, quantize_kv
+from pagedserve.engine.attention.selector import select_backend
+from pagedserve.engine.attention.torch_backend import SHORT_CHUNK_TOKENS, TorchAttentionBackend
+from pagedserve.engine.config.engine import EngineConfig
+from pagedserve.engine.core.engine_core import EngineCore
+from pagedserve.engine.model.loader import kv_cache_bytes_per_block
+from pagedserve.engine.request.request import Request
+from pagedserve.engine.sampling.params import SamplingParams
 from tests.engine.test_attention_backends import (
     BLOCK_SIZE,
     HEAD_DIM,
@@ -104,7 +104,7 @@ def test_attention_reads_the_quantized_cache(kind, make_backend, dtype, tol, seq
 def test_cpu_backend_reads_the_quantized_cache_with_the_kernel(kind):
     """On CPU the backend's decodes are the compiled kernel's output on the quantized rows (not
     the gather + SDPA path), and its prefills see the same de-quantized values as the torch path."""
-    from kernels.cpu_paged_attention import load_cpu_kernels, paged_decode_attention
+    from pagedserve.kernels.cpu_paged_attention import load_cpu_kernels, paged_decode_attention
 
     ext = load_cpu_kernels()
     if ext is None:
@@ -207,7 +207,7 @@ def test_engine_with_quantized_kv(tiny_model_dir):
 
 def test_offload_keys_tell_kv_dtypes_apart(tiny_model_dir):
     """One disk folder shared by a bf16-KV and an fp8-KV engine of one model never mixes their chunks."""
-    from engine.kv_offload.manager import model_fingerprint
+    from pagedserve.engine.kv_offload.manager import model_fingerprint
 
     keys = {model_fingerprint(tiny_model_dir, torch.bfloat16, kind) for kind in ("auto", "fp8_e4m3", "int8")}
     assert len(keys) == 3

@@ -11,14 +11,9 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 
-from engine.attention.metadata import AttentionMetadata
-from engine.attention.selector import select_backend
-from engine.model.loader import (
-    allocate_kv_caches,
-    kv_cache_bytes_per_block,
-    load_model,
-    select_fused_ops,
-)
+from pagedserve.engine.attention.metadata import AttentionMetadata
+from pagedserve.engine.attention.selector import select_backend
+from pagedserve.engine.model.loader import allocate_kv_caches, kv_cache_bytes_per_block, load_model, select_fused_ops
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
@@ -287,9 +282,9 @@ def test_bfloat16_on_cpu_runs_packed_linears(checkpoint):
     """bf16 models on CPU run their projections and LM head through PackedLinear, or through
     UpcastLinear where the CPU has no bf16 dot products (the full-model closeness to HF is
     test_bfloat16_stays_close); logits match F.linear."""
-    from kernels.cpu_isa import cpu_has_bf16_dot
-    from kernels.cpu_packed_linear import PackedLinear, packed_linear_supported
-    from kernels.cpu_upcast_linear import UpcastLinear
+    from pagedserve.kernels.cpu_isa import cpu_has_bf16_dot
+    from pagedserve.kernels.cpu_packed_linear import PackedLinear, packed_linear_supported
+    from pagedserve.kernels.cpu_upcast_linear import UpcastLinear
 
     native = cpu_has_bf16_dot()
     if native and not packed_linear_supported():

@@ -11,15 +11,15 @@ import pytest
 import torch
 import transformers
 
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.lora.adapter import load_adapter, lora_shapes
-from engine.lora.request import LoRARequest
-from engine.lora.slots import LoRASlots
-from engine.model.llama_spec import LlamaSpec
-from engine.model.registry import parse_config
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config.engine import EngineConfig
+from pagedserve.engine.core.engine_core import EngineCore
+from pagedserve.engine.lora.adapter import load_adapter, lora_shapes
+from pagedserve.engine.lora.request import LoRARequest
+from pagedserve.engine.lora.slots import LoRASlots
+from pagedserve.engine.model.llama_spec import LlamaSpec
+from pagedserve.engine.model.registry import parse_config
+from pagedserve.engine.request.request import Request
+from pagedserve.engine.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 TARGETS = [

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, LoRARequest, SamplingParams
+from pagedserve.engine import LLM, LoRARequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 

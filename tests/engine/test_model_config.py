@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.model.archive import ArchiveError, open_archive, write_archive
-from engine.model.model_config import (
+from pagedserve.engine.config.engine import EngineConfig
+from pagedserve.engine.model.archive import ArchiveError, open_archive, write_archive
+from pagedserve.engine.model.model_config import (
     FRONTEND_KEYS,
     HANDLER_KEYS,
     HANDLER_OPTIONS_KEY,

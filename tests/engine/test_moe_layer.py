@@ -1,4 +1,4 @@
-"""The shared MoE block (engine.model.moe) against a float64 per-token reference: routing of each
+"""The shared MoE block (pagedserve.engine.model.moe) against a float64 per-token reference: routing of each
 kind, grouped experts with and without a gated shared expert, in float64 / float32 / bfloat16;
 every chosen expert runs once per step over all its tokens; the fused SiLU op changes nothing."""
 
@@ -8,14 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model.layers.moe import (
-    MoESpec,
-    RouterScoring,
-    SparseMoeBlock,
-    group_by_expert,
-    route,
-)
-from kernels.cpu_fused_ops import load_fused_ops
+from pagedserve.engine.model.layers.moe import MoESpec, RouterScoring, SparseMoeBlock, group_by_expert, route
+from pagedserve.kernels.cpu_fused_ops import load_fused_ops
 
 HIDDEN = 48
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 import transformers
 
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config.engine import EngineConfig
+from pagedserve.engine.core.engine_core import EngineCore
+from pagedserve.engine.request.request import Request
+from pagedserve.engine.sampling.params import SamplingParams
 
 NEW_TOKENS = 32
 VOCAB = 512
@@ -172,7 +172,7 @@ def test_greedy_tokens_and_logits_match_transformers(family):
 
 def test_lora_adapters_are_refused_naming_the_model(family, tmp_path):
     """Experts take no LoRA adapter: a request with one is refused before it runs."""
-    from engine.lora.request import LoRARequest
+    from pagedserve.engine.lora.request import LoRARequest
 
     _, path, model = family
     engine = make_engine(path)

@@ -11,19 +11,14 @@ import torch
 import transformers
 from torch import nn
 
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.model.layers.moe import MoESpec, RouterScoring, SparseMoeBlock, route
-from engine.model.quant_convert import quantize_model_dir
-from engine.model.quant_linear import (
-    Int4Linear,
-    Int8Linear,
-    QuantMethod,
-    make_quant_linear,
-)
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from kernels.cpu_isa import cpu_has_vnni
+from pagedserve.engine.config.engine import EngineConfig
+from pagedserve.engine.core.engine_core import EngineCore
+from pagedserve.engine.model.layers.moe import MoESpec, RouterScoring, SparseMoeBlock, route
+from pagedserve.engine.model.quant_convert import quantize_model_dir
+from pagedserve.engine.model.quant_linear import Int4Linear, Int8Linear, QuantMethod, make_quant_linear
+from pagedserve.engine.request.request import Request
+from pagedserve.engine.sampling.params import SamplingParams
+from pagedserve.kernels.cpu_isa import cpu_has_vnni
 from tests.engine.test_moe_layer import make_block
 
 COMMON = {
@@ -180,7 +175,7 @@ def test_a_moe_gguf_is_refused_naming_its_architecture(tmp_path, arch):
     import numpy as np
     from gguf import GGUFWriter
 
-    from engine.model.path_source import gguf_summary
+    from pagedserve.engine.model.path_source import gguf_summary
 
     path = tmp_path / "moe.gguf"
     writer = GGUFWriter(str(path), arch)

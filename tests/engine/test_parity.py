@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pagedserve.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ def _long_text(n_items: int) -> str:
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model_dir):
-    from engine.llm import load_tokenizer
+    from pagedserve.engine.llm import load_tokenizer
 
     return load_tokenizer(default_model_dir)
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.model.default_model import default_gguf_path
-from engine.model.gguf_blocks import GGUFBlockType, decode, int4_groups
+from pagedserve.engine.model.default_model import default_gguf_path
+from pagedserve.engine.model.gguf_blocks import GGUFBlockType, decode, int4_groups
 
 QUANTIZABLE = [GGUFBlockType.Q4_0, GGUFBlockType.Q4_1, GGUFBlockType.Q8_0]  # gguf quantizes these
 
@@ -84,7 +84,7 @@ def test_a_type_with_no_decoder_is_refused_naming_the_tensor():
     """Q8_1 has no decoder here and gguf cannot de-quantize it either: a clear error, no fallback."""
     from types import SimpleNamespace
 
-    from engine.model.quant_convert import _float
+    from pagedserve.engine.model.quant_convert import _float
 
     raw = torch.zeros(1, gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1][1], dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight: type Q8_1 has no decoder.*native: Q4_0"):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.quant_linear import (
+from pagedserve.engine.model.quant_linear import (
     INT4_KERNEL_MAX_ROWS,
     INT8_WEIGHT_ONLY_MAX_ROWS,
     W8A8_OUTLIER_CHANNELS,
@@ -76,7 +76,7 @@ def test_int4_matches_reference(in_f, out_f, group, rows):
 def test_int4_with_the_dequant_kernel_matches_reference(in_f, out_f, rows):
     """Above INT4_KERNEL_MAX_ROWS rows an int4 layer given the int4_dequant extension
     de-quantizes with it and runs one GEMM."""
-    from kernels.cpu_int4_dequant import load_int4_dequant
+    from pagedserve.kernels.cpu_int4_dequant import load_int4_dequant
 
     ext = load_int4_dequant()
     if ext is None:

@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine import LLM, SamplingParams
-from engine.model.default_model import default_gguf_path, default_model_dir
-from engine.model.quant_convert import convert_gguf_quantized, quantize_model_dir
-from engine.model.quant_linear import Int4Linear, Int8Embedding, Int8Linear, unpack_nibbles
-from kernels.cpu_isa import cpu_has_vnni
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.model.default_model import default_gguf_path, default_model_dir
+from pagedserve.engine.model.quant_convert import convert_gguf_quantized, quantize_model_dir
+from pagedserve.engine.model.quant_linear import Int4Linear, Int8Embedding, Int8Linear, unpack_nibbles
+from pagedserve.kernels.cpu_isa import cpu_has_vnni
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT, ANSWER = "1, 2, 3, 4,", " 5, 6, 7"  # a robust greedy check (notes: margin 3.5 nats)
@@ -31,7 +31,7 @@ def q41_dir(tmp_path_factory):
 def _archive_cli(*args: str, cwd) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
-        [sys.executable, "-m", "server.cli", "archive", *args],
+        [sys.executable, "-m", "pagedserve.server.cli", "archive", *args],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -141,7 +141,7 @@ def test_bad_options_are_refused():
 
 def test_w8a8_without_vnni_is_refused_naming_what_to_use(monkeypatch):
     """On a CPU that reports no VNNI / AMX (simulated: this one has it), w8a8 says to use int8 or int4."""
-    import engine.model.quant_spec as quant_spec
+    import pagedserve.engine.model.quant_spec as quant_spec
 
     monkeypatch.setattr(quant_spec, "cpu_has_vnni", lambda: False)
     with pytest.raises(ValueError, match=r"w8a8' needs a CPU with VNNI.*use 'int8' or 'int4'"):

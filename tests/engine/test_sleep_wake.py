@@ -1,4 +1,4 @@
-"""EngineCore.sleep / wake in process (the worker's side of server.lifecycle): sleeping drops
+"""EngineCore.sleep / wake in process (the worker's side of pagedserve.server.workers.lifecycle): sleeping drops
 the model and the KV pool, refuses requests, and waking gives the same greedy output; a busy
 engine does not sleep."""
 
@@ -9,10 +9,10 @@ import weakref
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config.engine import EngineConfig
+from pagedserve.engine.core.engine_core import EngineCore
+from pagedserve.engine.request.request import Request
+from pagedserve.engine.sampling.params import SamplingParams
 
 PROMPT = [3, 14, 15, 9, 26, 5]
 

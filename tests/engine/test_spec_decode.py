@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.request import FinishReason
-from engine.scheduler.output import ModelRunnerOutput
-from engine.spec_decode.config import SpecMethod, SpeculativeConfig
-from engine.spec_decode.ngram import NgramProposer, can_draft
-from engine.spec_decode.rejection import rejection_sample, verify_greedy
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.config.engine import EngineConfig
+from pagedserve.engine.config.speculative import SpecMethod, SpeculativeConfig
+from pagedserve.engine.request.request import FinishReason
+from pagedserve.engine.scheduler.output import ModelRunnerOutput
+from pagedserve.engine.spec_decode.ngram import NgramProposer, can_draft
+from pagedserve.engine.spec_decode.rejection import rejection_sample, verify_greedy
 from tests.engine.kv_helpers import make_request
-from tests.engine.test_scheduler import make_scheduler
+from tests.engine.scheduler.test_scheduler import make_scheduler
 
 # -- the drafter ------------------------------------------------------------------------------------
 

@@ -10,11 +10,11 @@ import json
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.request import Request
-from engine.spec_decode.adaptive import PROBE_STEPS, AdaptiveSpeculation
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.config.engine import EngineConfig
+from pagedserve.engine.core.engine_core import EngineCore
+from pagedserve.engine.request.request import Request
+from pagedserve.engine.spec_decode.adaptive import PROBE_STEPS, AdaptiveSpeculation
 
 METHODS = ["ngram", "suffix", "auto", "draft"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.spec_decode.suffix import SuffixProposer
-from engine.spec_decode.suffix_trie import NODE_BYTES, SuffixTrie
+from pagedserve.engine.spec_decode.suffix import SuffixProposer
+from pagedserve.engine.spec_decode.suffix_trie import NODE_BYTES, SuffixTrie
 
 
 def counts(trie: SuffixTrie) -> dict[tuple[int, ...], int]:

@@ -17,24 +17,19 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine import LLM, SamplingParams
-from engine.attention.kv_quant import KVCacheDtype
-from engine.attention.metadata import AttentionMetadata
-from engine.config import EngineConfig
-from engine.model.archive import ArchiveError, open_archive, write_archive
-from engine.model.llama_spec import LlamaSpec
-from engine.model.loader import kv_pool_size, read_config, safetensors_files
-from engine.model.model_config import ModelConfig, ModelConfigError
-from engine.model.registry import parse_config
-from engine.parallel.driver import TensorParallelError
-from engine.parallel.messages import decode, encode, forward_message, read_forward
-from engine.parallel.sharding import (
-    TensorSlice,
-    check_tensor_parallel,
-    iter_rank_tensors,
-    tensor_slice,
-)
-from engine.process_setup import resident_bytes
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.attention.kv_quant import KVCacheDtype
+from pagedserve.engine.attention.metadata import AttentionMetadata
+from pagedserve.engine.config.engine import EngineConfig
+from pagedserve.engine.model.archive import ArchiveError, open_archive, write_archive
+from pagedserve.engine.model.llama_spec import LlamaSpec
+from pagedserve.engine.model.loader import kv_pool_size, read_config, safetensors_files
+from pagedserve.engine.model.model_config import ModelConfig, ModelConfigError
+from pagedserve.engine.model.registry import parse_config
+from pagedserve.engine.parallel.driver import TensorParallelError
+from pagedserve.engine.parallel.messages import decode, encode, forward_message, read_forward
+from pagedserve.engine.parallel.sharding import TensorSlice, check_tensor_parallel, iter_rank_tensors, tensor_slice
+from pagedserve.engine.platform.process_setup import resident_bytes
 
 PROMPTS = ["1, 2, 3, 4,", "The capital of Germany is", "def fibonacci(n):"]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, logprobs=3)

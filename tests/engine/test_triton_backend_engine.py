@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pagedserve.engine import LLM, SamplingParams
 
 pytest.importorskip("triton")
 

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from engine.model import vllm_config
-from engine.model.model_config import ModelConfig, ModelConfigError
+from pagedserve.engine.model import vllm_config
+from pagedserve.engine.model.model_config import ModelConfig, ModelConfigError
 
 VLLM = {
     "minWorkers": 1,

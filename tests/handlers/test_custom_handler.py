@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from handlers import LLMHandler
-from handlers.custom_handler import CustomHandlerError, load_custom_handler
+from pagedserve.handlers import LLMHandler
+from pagedserve.handlers.custom_handler import CustomHandlerError, load_custom_handler
 
 ONE_CLASS = """
-from handlers import LLMHandler
+from pagedserve.handlers import LLMHandler
 from helper_words import WORD
 
 class Shouting(LLMHandler):
@@ -33,7 +33,9 @@ def test_the_only_handler_class_is_loaded_with_its_folder_importable(tmp_path):
 
 
 def test_the_named_class_among_several(tmp_path):
-    path = write(tmp_path, "from handlers import LLMHandler\nclass A(LLMHandler): pass\nclass B(LLMHandler): pass\n")
+    path = write(
+        tmp_path, "from pagedserve.handlers import LLMHandler\nclass A(LLMHandler): pass\nclass B(LLMHandler): pass\n"
+    )
     assert type(load_custom_handler(path, "my_handler:B")).__name__ == "B"
     with pytest.raises(CustomHandlerError, match=r"several handler classes \(A, B\).*my_handler:A"):
         load_custom_handler(path, "my_handler")
@@ -45,7 +47,9 @@ def test_two_files_of_the_same_name_stay_apart(tmp_path):
     paths = {}
     for tag in ("a", "b"):
         (tmp_path / tag).mkdir()
-        paths[tag] = write(tmp_path / tag, f"from handlers import LLMHandler\nclass H(LLMHandler): tag = {tag!r}\n")
+        paths[tag] = write(
+            tmp_path / tag, f"from pagedserve.handlers import LLMHandler\nclass H(LLMHandler): tag = {tag!r}\n"
+        )
     assert load_custom_handler(paths["a"], "my_handler").tag == "a"
     assert load_custom_handler(paths["b"], "my_handler").tag == "b"
 
@@ -64,13 +68,13 @@ def test_two_files_of_the_same_name_stay_apart(tmp_path):
             "not a handler class.*function entry point",
         ),
         (
-            "from handlers import BaseHandler\nclass Half(BaseHandler):\n    def preprocess(self, r): return r\n",
+            "from pagedserve.handlers import BaseHandler\nclass Half(BaseHandler):\n    def preprocess(self, r): return r\n",
             "my_handler:Half",
             "Half leaves postprocess abstract",
         ),
         ("import no_such_module_here\n", "my_handler", "failed to import: ModuleNotFoundError"),
         (
-            "from handlers import LLMHandler\nclass Bad(LLMHandler):\n    def __init__(self):\n        raise OSError('no gpu')\n",
+            "from pagedserve.handlers import LLMHandler\nclass Bad(LLMHandler):\n    def __init__(self):\n        raise OSError('no gpu')\n",
             "my_handler",
             r"Bad\(\) failed: OSError: no gpu",
         ),

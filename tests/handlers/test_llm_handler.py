@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from engine import LLM
-from engine.model.archive import open_archive, write_archive
-from handlers import BUILTIN_HANDLERS, Context
-from handlers.llm_handler import handle_batch
+from pagedserve.engine import LLM
+from pagedserve.engine.model.archive import open_archive, write_archive
+from pagedserve.handlers import BUILTIN_HANDLERS, Context
+from pagedserve.handlers.llm_handler import handle_batch
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def handler_and_llm(default_model_dir, tmp_path_factory):
         archive_format="no-archive",
     )
     opened = open_archive(archive, tmp / "unused")
-    from engine.model.model_config import load_model_config
+    from pagedserve.engine.model.model_config import load_model_config
 
     context = Context("smollm2", opened.root, opened.manifest, load_model_config(opened.model_config))
     handler = BUILTIN_HANDLERS[opened.manifest["model"]["handler"]]()

@@ -6,20 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from engine.inputs import render_prompt
-from engine.llm import load_tokenizer
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from engine.structured_output_params import StructuredOutputsParams
-from handlers.base_handler import HandlerError
-from handlers.deltas import DeltaTracker, held_back
-from handlers.llm_input import decode_body, parse_predictions_body
-from handlers.openai_protocol import (
-    Endpoint,
-    parse_chat_request,
-    parse_completion_request,
-    split_model,
-)
-from handlers.openai_responses import OpenAIFormatter
+from pagedserve.engine.llm import load_tokenizer
+from pagedserve.engine.request.inputs import render_prompt
+from pagedserve.engine.request.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from pagedserve.engine.structured_output.params import StructuredOutputsParams
+from pagedserve.handlers.base_handler import HandlerError
+from pagedserve.handlers.deltas import DeltaTracker, held_back
+from pagedserve.handlers.llm_input import decode_body, parse_predictions_body
+from pagedserve.handlers.openai_protocol import Endpoint, parse_chat_request, parse_completion_request, split_model
+from pagedserve.handlers.openai_responses import OpenAIFormatter
 
 
 @pytest.fixture(scope="module")

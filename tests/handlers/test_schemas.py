@@ -9,14 +9,14 @@ import json
 import msgspec
 import pytest
 
-from engine.core_messages import EngineCoreRequest, make_input_decoder
-from engine.sampling_params import MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
-from engine.schema import SchemaError
-from handlers.base_handler import HandlerError
-from handlers.json_body import MAX_JSON_DEPTH, decode_json_body
-from handlers.llm_input import parse_predictions_body
-from handlers.openai_protocol import parse_chat_request, parse_completion_request
-from server.management_params import MAX_TIMEOUT_S, RegisterParams, ScaleParams, read_params
+from pagedserve.engine.config.schema import SchemaError
+from pagedserve.engine.core.messages import EngineCoreRequest, make_input_decoder
+from pagedserve.engine.sampling.params import MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
+from pagedserve.handlers.base_handler import HandlerError
+from pagedserve.handlers.json_body import MAX_JSON_DEPTH, decode_json_body
+from pagedserve.handlers.llm_input import parse_predictions_body
+from pagedserve.handlers.openai_protocol import parse_chat_request, parse_completion_request
+from pagedserve.server.workers.params import MAX_TIMEOUT_S, RegisterParams, ScaleParams, read_params
 
 BIG = 2**64  # msgpack cannot carry it: it used to reach the encoder and answer 500
 CHAT = [{"role": "user", "content": "hi"}]
@@ -156,7 +156,7 @@ def test_scale_timeout_is_bounded():
 # -- finding 8: worker counts and n ------------------------------------------------------------
 
 # (min_worker above max_worker / maxWorkers: the registry's rule, for every caller —
-# tests/server/test_registry_hardening.py::test_worker_counts_stay_within_the_versions_maximum)
+# tests/server/workers/test_registry_hardening.py::test_worker_counts_stay_within_the_versions_maximum)
 
 
 def test_n_has_the_same_bound_on_every_route():

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from engine.inputs import PromptSpec
-from handlers.base_handler import HandlerError
-from handlers.openai_protocol import parse_chat_request
-from handlers.openai_tools import ToolParser, parse_output, tool_prompt
+from pagedserve.engine.request.inputs import PromptSpec
+from pagedserve.handlers.base_handler import HandlerError
+from pagedserve.handlers.openai_protocol import parse_chat_request
+from pagedserve.handlers.openai_tools import ToolParser, parse_output, tool_prompt
 
 WEATHER = {
     "type": "function",
@@ -181,9 +181,9 @@ def test_streamed_calls_are_sent_as_openai_streams_them_and_the_sdk_reassembles_
     streaming = pytest.importorskip("openai.lib.streaming.chat")
     from openai.types.chat import ChatCompletionChunk
 
-    from engine.outputs import CompletionOutput, FinishReason, RequestOutput
-    from handlers.deltas import DeltaTracker
-    from handlers.openai_responses import OpenAIFormatter
+    from pagedserve.engine.request.outputs import CompletionOutput, FinishReason, RequestOutput
+    from pagedserve.handlers.deltas import DeltaTracker
+    from pagedserve.handlers.openai_responses import OpenAIFormatter
 
     text = (
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris, France", "days": 2}}\n</tool_call>'

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from kernels.cpu_build import build_tag
+from pagedserve.kernels.cpu_build import build_tag
 
 FLAGS = ("-O3", "-fopenmp")
 
@@ -27,7 +27,7 @@ def test_the_tag_follows_content_flags_and_the_source_path(tmp_path):
 
 
 def test_an_empty_cache_has_nothing_built_and_disabled_kernels_load_as_none(tmp_path, monkeypatch):
-    from kernels.cpu_native import EXTENSION
+    from pagedserve.kernels.cpu_native import EXTENSION
 
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
     assert EXTENSION.folder.parent == tmp_path / "torch_extensions"
@@ -40,7 +40,7 @@ def test_an_empty_cache_has_nothing_built_and_disabled_kernels_load_as_none(tmp_
 def test_a_built_extension_loads_without_cpp_extension_and_without_a_message(monkeypatch, caplog):
     from torch.utils import cpp_extension
 
-    from kernels.cpu_native import EXTENSION
+    from pagedserve.kernels.cpu_native import EXTENSION
 
     if EXTENSION.load() is None:  # built here once (shared cache) unless there is no compiler
         pytest.skip("the CPU extension cannot be built on this machine")
@@ -50,7 +50,7 @@ def test_a_built_extension_loads_without_cpp_extension_and_without_a_message(mon
         raise AssertionError("a built extension must not go through cpp_extension")
 
     monkeypatch.setattr(cpp_extension, "load", no_build)
-    with caplog.at_level(logging.DEBUG, logger="kernels.cpu_build"):
+    with caplog.at_level(logging.DEBUG, logger="pagedserve.kernels.cpu_build"):
         module = EXTENSION.load()
     assert callable(module.paged_decode_attention)
     assert caplog.records == []
@@ -73,7 +73,7 @@ def test_a_lock_left_by_a_killed_build_does_not_stall_the_next_build(tmp_path, m
     (tmp_path / "k.cpp").write_text(PYBIND_ONLY)
     script = textwrap.dedent(f"""
         from pathlib import Path
-        from kernels.cpu_build import CpuExtension
+        from pagedserve.kernels.cpu_build import CpuExtension
         ext = CpuExtension("stale_lock_test", Path({str(tmp_path / "k.cpp")!r}), ("-O0",))
         ext.folder.mkdir(parents=True)
         (ext.folder / "lock").write_text("")  # what a build killed mid-compile leaves

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_fused_ops import (
+from pagedserve.kernels.cpu_fused_ops import (
     load_fused_ops,
     reference_fused_add_rms_norm,
     reference_rms_norm,

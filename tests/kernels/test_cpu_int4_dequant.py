@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.quant_linear import Int4Linear
-from kernels.cpu_int4_dequant import (
+from pagedserve.engine.model.quant_linear import Int4Linear
+from pagedserve.kernels.cpu_int4_dequant import (
     int4pack_dequant_t,
     int4pack_linear,
     load_int4_dequant,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.quant_linear import _w8a8_mm, quantize_int8
-from kernels.cpu_int8_mm_io import load_int8_mm_io
+from pagedserve.engine.model.quant_linear import _w8a8_mm, quantize_int8
+from pagedserve.kernels.cpu_int8_mm_io import load_int8_mm_io
 from tests.kernels import built_or_skip
 
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from kernels.cpu_native import ISA_NAMES, available_isas, load_native
+from pagedserve.kernels.cpu_native import ISA_NAMES, available_isas, load_native
 from tests.kernels import built_or_skip
 
 
@@ -47,7 +47,7 @@ def test_the_default_path_is_the_best_one_and_an_unknown_or_missing_isa_is_refus
 
 
 def test_the_environment_caps_the_path_in_a_fresh_process(ext):
-    code = "from kernels.cpu_native import load_native; print(load_native().cpu_isa())"
+    code = "from pagedserve.kernels.cpu_native import load_native; print(load_native().cpu_isa())"
     env = dict(os.environ, PAGEDSERVE_CPU_ISA="scalar")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "scalar"
@@ -68,7 +68,7 @@ def test_bf16_gemv_against_float64(ext, isas, rows, k, n):
 
 
 def _pack_int4(codes: torch.Tensor, block_n: int) -> torch.Tensor:
-    """The inverse of kernels.cpu_int4_dequant.unpack_codes: uint8 [N, K / 2]."""
+    """The inverse of pagedserve.kernels.cpu_int4_dequant.unpack_codes: uint8 [N, K / 2]."""
     n, k = codes.shape
     blocks = codes.view(n // block_n, block_n, k).permute(0, 2, 1)  # [N / B, K, B]
     half = block_n // 2
@@ -211,7 +211,7 @@ def test_paged_decode_against_float64(ext, isas, heads, kv_heads, head_dim, bloc
 @pytest.mark.parametrize("kv_quant", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("head_dim", [64, 24, 20])
 def test_quantized_decode_and_gather_against_float64(ext, isas, kv_quant, head_dim):
-    from engine.attention.kv_quant import KVCacheDtype, dequantize_kv, quantize_kv
+    from pagedserve.engine.attention.kv_quant import KVCacheDtype, dequantize_kv, quantize_kv
 
     kind = KVCacheDtype(kv_quant)
     q, k, v, tables, seq_lens = _decode_inputs(torch.float32, 6, 2, head_dim, 8, [1, 19, 40], head_dim + 7)
@@ -254,7 +254,7 @@ def test_avx2_forced_equals_avx512_for_every_kernel(ext, isas):
     rope_x = torch.randn(5, 3, 64, generator=g).bfloat16()
     ang = torch.rand(5, 32, generator=g)
     q, k, v, tables, lens = _decode_inputs(torch.bfloat16, 9, 3, 64, 16, [1, 17, 63, 130], 5)
-    from engine.attention.kv_quant import KVCacheDtype, quantize_kv
+    from pagedserve.engine.attention.kv_quant import KVCacheDtype, quantize_kv
 
     kq, vq = quantize_kv(k.float(), KVCacheDtype.INT8), quantize_kv(v.float(), KVCacheDtype.INT8)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_packed_linear import PackedLinear, packed_linear_supported
+from pagedserve.kernels.cpu_packed_linear import PackedLinear, packed_linear_supported
 
 pytestmark = pytest.mark.skipif(not packed_linear_supported(), reason="no oneDNN bf16 linear here")
 

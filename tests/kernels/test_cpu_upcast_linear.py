@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_isa import cpu_flags, cpu_has_bf16_dot, cpu_has_vnni
-from kernels.cpu_upcast_linear import GEMV_MAX_ROWS, UpcastLinear, load_gemv, upcast_linear
+from pagedserve.kernels.cpu_isa import cpu_flags, cpu_has_bf16_dot, cpu_has_vnni
+from pagedserve.kernels.cpu_upcast_linear import GEMV_MAX_ROWS, UpcastLinear, load_gemv, upcast_linear
 from tests.kernels import built_or_skip
 
 

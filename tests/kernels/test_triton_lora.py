@@ -1,5 +1,5 @@
 """The Triton LoRA BGMV kernels against their plain-torch reference, and against the engine's
-CPU path (engine.lora.punica) on the same stacked slots.
+CPU path (pagedserve.engine.lora.punica) on the same stacked slots.
 
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET),
 so shapes stay tiny.
@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.triton_lora import bgmv_expand, bgmv_reference, bgmv_shrink
+from pagedserve.kernels.triton_lora import bgmv_expand, bgmv_reference, bgmv_shrink
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -51,10 +51,10 @@ def test_launcher_refuses_bad_shapes():
 
 
 def test_engine_batch_gives_the_same_delta_on_both_paths():
-    """engine.lora.punica's torch path (dense shrink, one-hot mask, addmm) and its Triton path
+    """pagedserve.engine.lora.punica's torch path (dense shrink, one-hot mask, addmm) and its Triton path
     add the same LoRA delta to a fused projection's output."""
-    from engine.lora.punica import LoRABatch
-    from engine.lora.slots import GroupWeights
+    from pagedserve.engine.lora.punica import LoRABatch
+    from pagedserve.engine.lora.slots import GroupWeights
 
     x, a, b, idx, out = _inputs(torch.float32)
     layers = [{"qkv": GroupWeights(a, b, 8)}]

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.triton_paged_attention import paged_attention, paged_attention_reference
+from pagedserve.kernels.triton_paged_attention import paged_attention, paged_attention_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

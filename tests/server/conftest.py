@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from server.config import ServerConfig
+from pagedserve.server.common.config import ServerConfig
 from tests.server.inprocess import InProcessServer
 from tests.server.server_process import ServerProcess
 
@@ -44,7 +44,7 @@ handler:
 def _test_cache() -> Path:
     """Archives of the default model built for tests, and their extractions: in the user cache,
     built once per machine (not once per xdist worker in the temp folder: 540 MB each)."""
-    from engine.model.default_model import default_cache_dir
+    from pagedserve.engine.model.default_model import default_cache_dir
 
     return default_cache_dir() / "tests"
 
@@ -56,8 +56,8 @@ def _write_archive(store: Path, tmp: Path, file_name: str, version: str) -> Path
     import hashlib
     import os
 
-    from engine.model.archive import write_archive
-    from engine.model.default_model import default_gguf_path, default_model_dir
+    from pagedserve.engine.model.archive import write_archive
+    from pagedserve.engine.model.default_model import default_gguf_path, default_model_dir
 
     try:
         default_gguf_path()
@@ -99,7 +99,7 @@ def tiny_model(tmp_path_factory) -> Path:
     """A tiny random-weight Llama with the default model's tokenizer: workers start in seconds."""
     transformers = pytest.importorskip("transformers")
 
-    from engine.model.default_model import default_model_dir
+    from pagedserve.engine.model.default_model import default_model_dir
 
     model = tmp_path_factory.mktemp("tiny") / "model"
     config = transformers.LlamaConfig(
@@ -226,7 +226,7 @@ def server(shared_server) -> ServerProcess:
 @pytest.fixture(scope="session")
 def tiny_store(tmp_path_factory, tiny_model) -> Path:
     """A model store with `tiny.mar`: the tiny random-weight model as model "tiny" 1.0."""
-    from engine.model.archive import write_archive
+    from pagedserve.engine.model.archive import write_archive
 
     store = tmp_path_factory.mktemp("tiny_store")
     config = tmp_path_factory.mktemp("tiny-config") / "model-config.yaml"

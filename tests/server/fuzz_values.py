@@ -18,13 +18,13 @@ from urllib.parse import quote
 import msgspec
 from hypothesis import strategies as st
 
-from engine.sampling_params import SamplingParams
-from engine.structured_output_params import StructuredOutputsParams
-from handlers.llm_input import ChatMessage, PredictionsBody
-from handlers.openai_protocol import ChatBody, CompletionBody, StreamOptions
-from server.anthropic import schemas as anthropic_schemas
-from server.ollama import schemas as ollama_schemas
-from server.vllm import routes as vllm_routes
+from pagedserve.engine.sampling.params import SamplingParams
+from pagedserve.engine.structured_output.params import StructuredOutputsParams
+from pagedserve.handlers.llm_input import ChatMessage, PredictionsBody
+from pagedserve.handlers.openai_protocol import ChatBody, CompletionBody, StreamOptions
+from pagedserve.server.anthropic import schemas as anthropic_schemas
+from pagedserve.server.ollama import schemas as ollama_schemas
+from pagedserve.server.vllm import routes as vllm_routes
 
 
 @dataclass(frozen=True, slots=True)

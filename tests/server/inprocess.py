@@ -1,7 +1,7 @@
-"""The real server (`server.serve.Server`: apps, middlewares, connection limits, lifecycle,
+"""The real server (`pagedserve.server.app.serve.Server`: apps, middlewares, connection limits, lifecycle,
 registry, engine-core worker processes) running inside the test process, on its own event loop
 in a thread, on free loopback ports. Tests talk to it over real HTTP with the same helpers as a
-spawned server (`HttpApi`), or reach into its state (`server.state`, `server.call`).
+spawned server (`HttpApi`), or reach into its state (`pagedserve.server.serving.state`, `server.call`).
 
     srv = InProcessServer(ServerConfig(model_store=..., load_models=["tiny=tiny.mar"])).start()
     assert srv.predict("tiny").status == 200
@@ -20,8 +20,8 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from server.config import ServerConfig
-from server.serve import Server
+from pagedserve.server.app.serve import Server
+from pagedserve.server.common.config import ServerConfig
 from tests.server.server_process import HttpApi
 
 START_TIMEOUT_S = 300.0

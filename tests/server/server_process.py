@@ -148,7 +148,7 @@ class ServerProcess(HttpApi):
         cmd = [
             sys.executable,
             "-m",
-            "server.cli",
+            "pagedserve.server.cli",
             "serve",
             "--model-store",
             str(self.model_store),

@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server.conftest import (
-    MODEL,
-    server,  # noqa: F401 -- the shared real server
-)
+from tests.server.conftest import MODEL, server
 
 anthropic = pytest.importorskip("anthropic")
 pydantic = pytest.importorskip("pydantic")

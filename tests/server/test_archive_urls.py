@@ -1,11 +1,11 @@
-"""Which registration URLs are allowed (server.archives.resolve_url): the model store by
+"""Which registration URLs are allowed (pagedserve.server.workers.archives.resolve_url): the model store by
 default, `allowed_urls` patterns on the resolved location otherwise, never a download."""
 
 from __future__ import annotations
 
 import pytest
 
-from server.archives import ArchiveNotFoundError, UrlNotAllowedError, resolve_url
+from pagedserve.server.workers.archives import ArchiveNotFoundError, UrlNotAllowedError, resolve_url
 
 
 @pytest.fixture

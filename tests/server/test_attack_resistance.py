@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from engine.constraint_limits import MAX_SCHEMA_DEPTH
+from pagedserve.engine.structured_output.limits import MAX_SCHEMA_DEPTH
 from tests.server.conftest import MODEL
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The operator's console (server/console.py, server/console_static/) in a real headless
+"""The operator's console (server/console/app.py, server/console/console_static/) in a real headless
 Chromium (Debian's, installed by .ci/install-test-system; nothing downloaded) driven by
 Playwright, against one real `pagedserve serve` for the whole module: the default model at
 start, the model API on, a tiny second archive in the store to register and unload.
@@ -59,7 +59,7 @@ def _write_adapter(store: Path, tiny_model: Path, work: Path) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
-    from server.cli import main
+    from pagedserve.server.cli import main
 
     torch.manual_seed(3)
     with pytest.MonkeyPatch.context() as mp:

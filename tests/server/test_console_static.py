@@ -13,14 +13,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from server.config import ServerConfig
-from server.console import (
-    STATIC_DIR,
-    console_origin_allowed,
-    inference_origin,
-    load_static,
-    page_csp,
-)
+from pagedserve.server.common.config import ServerConfig
+from pagedserve.server.console.app import STATIC_DIR, console_origin_allowed, inference_origin, load_static, page_csp
 
 REPO = Path(__file__).resolve().parents[2]
 PORTS = {"inference": 8080, "management": 8081, "metrics": 8082}
@@ -100,8 +94,8 @@ def test_inference_origin_and_csp():
 
 
 def test_history_keeps_fifteen_minutes_and_answers_since():
-    from server.console_history import CHART_FAMILIES, MetricsHistory
-    from server.metrics import ServerMetrics
+    from pagedserve.server.console.history import CHART_FAMILIES, MetricsHistory
+    from pagedserve.server.metrics.families import ServerMetrics
 
     metrics = ServerMetrics()
     metrics.generation_tokens.labels("m").inc(5)
@@ -119,9 +113,9 @@ def test_history_keeps_fifteen_minutes_and_answers_since():
 
 
 def test_the_printed_link_carries_the_keys_only_when_asked(tmp_path):
-    from server.auth import ApiKeys, KeyStore
-    from server.console import sign_in_line
-    from server.serve import build_state
+    from pagedserve.server.app.serve import build_state
+    from pagedserve.server.common.auth import ApiKeys, KeyStore
+    from pagedserve.server.console.app import sign_in_line
 
     keys = KeyStore(ApiKeys.generate(), tmp_path / "key_file.json")
     state = build_state(ServerConfig(management_address="0.0.0.0:8081"), make_engine=None, keys=keys)

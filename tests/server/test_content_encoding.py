@@ -3,7 +3,7 @@ can stall the server). A body that fails to decompress only at its end (deflate 
 arrives in a later packet than its headers made aiohttp 3.14 queue the error as a new message
 while the route waited for ever on the body; it must be a prompt 400 naming the encoding, as it
 is when headers and body come in one piece, the connection must serve its next request (issue
-34: the app decodes, server.body_encoding), and a valid compressed body must still be read."""
+34: the app decodes, pagedserve.server.serving.body_encoding), and a valid compressed body must still be read."""
 
 from __future__ import annotations
 

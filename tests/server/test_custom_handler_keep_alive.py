@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-HANDLER = "from handlers import LLMHandler\n\n\nclass JsonHandler(LLMHandler):\n    pass\n"
+HANDLER = "from pagedserve.handlers import LLMHandler\n\n\nclass JsonHandler(LLMHandler):\n    pass\n"
 
 
 @pytest.fixture(scope="module")
 def srv(inprocess_factory, tiny_model, tiny_store, tmp_path_factory):
-    from engine.model.archive import write_archive
+    from pagedserve.engine.model.archive import write_archive
 
     tmp = tmp_path_factory.mktemp("custom-keep-alive")
     (tmp / "json_handler.py").write_text(HANDLER)

@@ -12,8 +12,8 @@ import pytest
 pytestmark = pytest.mark.slow
 
 HANDLER = '''
-from handlers import HandlerError, LLMHandler
-from handlers.llm_input import ParsedBody, PromptSpec, make_sampling_params
+from pagedserve.handlers import HandlerError, LLMHandler
+from pagedserve.handlers.llm_input import ParsedBody, PromptSpec, make_sampling_params
 from plain_settings import MAX_TOKENS
 
 
@@ -42,7 +42,7 @@ class PlainText(LLMHandler):
 
 @pytest.fixture(scope="module")
 def archives(model_store, tiny_model, tmp_path_factory):
-    from engine.model.archive import write_archive
+    from pagedserve.engine.model.archive import write_archive
 
     tmp = tmp_path_factory.mktemp("custom")
     (tmp / "plain_handler.py").write_text(HANDLER)

@@ -41,7 +41,7 @@ handler:
 @pytest.fixture(scope="module")
 def tiny40(inprocess_factory, tiny_model, tmp_path_factory):
     """An in-process server over the tiny model with defaultMaxTokens: 40."""
-    from engine.model.archive import write_archive
+    from pagedserve.engine.model.archive import write_archive
 
     store = tmp_path_factory.mktemp("limits_store")
     config = tmp_path_factory.mktemp("limits-config") / "model-config.yaml"

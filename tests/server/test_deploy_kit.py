@@ -17,8 +17,8 @@ import jsonschema
 import pytest
 import yaml
 
-from server.cli import build_parser
-from server.config import ServerConfig, parse_address
+from pagedserve.server.cli import build_parser
+from pagedserve.server.common.config import ServerConfig, parse_address
 
 DEPLOY = Path(__file__).resolve().parents[2] / "config" / "deploy"
 K8S_VERSION = "1.30"  # the oldest Kubernetes the manifests are meant for

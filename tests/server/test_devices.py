@@ -1,4 +1,4 @@
-"""Worker -> GPU assignment (server/devices.py), without a GPU: the table for 1-8 visible GPUs,
+"""Worker -> GPU assignment (server/workers/devices.py), without a GPU: the table for 1-8 visible GPUs,
 `deviceIds` subsets, tensor-parallel groups of 2 and 4 (consecutive devices), and the
 `CUDA_VISIBLE_DEVICES` a worker gets."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.devices import DeviceAssignmentError, assign_devices, cuda_visible_devices
+from pagedserve.server.workers.devices import DeviceAssignmentError, assign_devices, cuda_visible_devices
 
 
 def table(visible: int, workers: int, device_ids=None, group: int = 1) -> list[tuple[int, ...]]:
@@ -85,7 +85,7 @@ def test_cuda_visible_devices_translates_through_the_servers_own_list():
 def test_device_ids_is_a_model_config_key_and_is_checked():
     import yaml
 
-    from engine.model.model_config import ModelConfig, ModelConfigError
+    from pagedserve.engine.model.model_config import ModelConfig, ModelConfigError
 
     config = ModelConfig.from_dict(yaml.safe_load("deviceType: gpu\ndeviceIds: [1, 3]\n"))
     assert config.device_ids == [1, 3]
@@ -96,9 +96,9 @@ def test_device_ids_is_a_model_config_key_and_is_checked():
 def test_a_gpu_model_on_a_machine_without_one_fails_to_start_saying_why(
     inprocess_factory, tiny_model, tiny_store, tmp_path_factory
 ):
-    """The assignment runs where each worker is made (server.serve): on this CPU-only machine
+    """The assignment runs where each worker is made (pagedserve.server.app.serve): on this CPU-only machine
     it refuses with its own words rather than a CUDA error from inside the worker."""
-    from engine.model.archive import write_archive
+    from pagedserve.engine.model.archive import write_archive
 
     config = tmp_path_factory.mktemp("gpu-config") / "model-config.yaml"
     config.write_text(

@@ -1,4 +1,4 @@
-"""The front end's own behaviour, in-process (server.serve.Server on a loop of its own, real
+"""The front end's own behaviour, in-process (pagedserve.server.app.serve.Server on a loop of its own, real
 HTTP on loopback, real engine workers on the tiny random-weight model): errors shaped by route
 (OpenAI on /v1/*, TorchServe elsewhere) for every status the middlewares make, the drain (503
 shaped by route, waited on until the last request ends), the lifecycle stopping the workers,
@@ -19,9 +19,9 @@ import zlib
 
 import pytest
 
-from server.config import ServerConfig, ServerConfigError
-from server.serve import Server, check_secure
-from server.shapers import OpenAIShaper, PredictionShaper
+from pagedserve.server.app.serve import Server, check_secure
+from pagedserve.server.common.config import ServerConfig, ServerConfigError
+from pagedserve.server.serving.shapers import OpenAIShaper, PredictionShaper
 from tests.server.conftest import TINY, TINY_ARCHIVE
 from tests.server.server_process import REPO
 
@@ -235,7 +235,7 @@ def test_serve_refuses_to_start_insecure_and_listens_with_allow_insecure(tmp_pat
         [
             sys.executable,
             "-m",
-            "server.cli",
+            "pagedserve.server.cli",
             "serve",
             "--disable-token-auth",
             "--inference-address",

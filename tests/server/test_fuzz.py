@@ -66,7 +66,7 @@ class Reply:
 def server(tiny_model, archive_cache, tmp_path_factory) -> Iterator[ServerProcess]:
     """The server, with a model store of its own: the tiny model as `fuzz.mar` (registered at
     start) and as `extra.mar` (registered by the fixture as `scaled`; both maxWorkers 2)."""
-    from engine.model.archive import write_archive
+    from pagedserve.engine.model.archive import write_archive
 
     store, build = tmp_path_factory.mktemp("fuzz-store"), tmp_path_factory.mktemp("fuzz-build")
     (build / "model-config.yaml").write_text(CONFIG)

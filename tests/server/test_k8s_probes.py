@@ -24,7 +24,7 @@ def _probes() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def crashing_archive(tiny_store, tiny_model, tmp_path_factory) -> str:
-    from engine.model.archive import write_archive
+    from pagedserve.engine.model.archive import write_archive
 
     config = tmp_path_factory.mktemp("crashing") / "model-config.yaml"
     config.write_text(CRASHING_CONFIG)

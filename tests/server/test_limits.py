@@ -1,4 +1,4 @@
-"""Front-end limits in-process (server/limits.py, engine/constraint_limits.py): constraint size
+"""Front-end limits in-process (server/serving/limits.py, engine/structured_output/limits.py): constraint size
 and nesting bounds, the grammar-check pool's share per client, queue bound and time limit, and
 the prompt character bound, with the default model's real tokenizer.
 
@@ -15,17 +15,17 @@ import threading
 
 import pytest
 
-from engine.constraint_limits import (
+from pagedserve.engine.structured_output.limits import (
     MAX_CHOICE_CHARS,
     MAX_GROUP_DEPTH,
     MAX_SCHEMA_DEPTH,
     ConstraintTooLarge,
     check_constraint_size,
 )
-from engine.structured_output_params import StructuredOutputsParams, check_grammar
-from handlers.base_handler import HandlerError
-from handlers.llm_input import PromptSpec
-from server.limits import GrammarChecks, LimitRefused, PromptBounds
+from pagedserve.engine.structured_output.params import StructuredOutputsParams, check_grammar
+from pagedserve.handlers.base_handler import HandlerError
+from pagedserve.handlers.llm_input import PromptSpec
+from pagedserve.server.serving.limits import GrammarChecks, LimitRefused, PromptBounds
 
 
 def nested_array_schema(depth: int) -> dict:
@@ -188,8 +188,8 @@ async def _real_checks_through_the_pool():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from engine.llm import load_tokenizer
-    from engine.model.default_model import default_model_dir
+    from pagedserve.engine.llm import load_tokenizer
+    from pagedserve.engine.model.default_model import default_model_dir
 
     try:
         return load_tokenizer(default_model_dir())

@@ -28,8 +28,8 @@ def lora_store(tmp_path_factory, tiny_store, tiny_model):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
-    from engine.model.archive import write_archive
-    from server.cli import main
+    from pagedserve.engine.model.archive import write_archive
+    from pagedserve.server.cli import main
 
     store = tmp_path_factory.mktemp("lora_store")
     shutil.copy(tiny_store / TINY_ARCHIVE, store / TINY_ARCHIVE)
@@ -83,7 +83,7 @@ def registered(srv):
 
 
 def test_archive_manifest_pins_the_base(lora_store):
-    from engine.lora.archive import find_base_manifest, read_manifest, weights_digest
+    from pagedserve.engine.lora.archive import find_base_manifest, read_manifest, weights_digest
 
     model = read_manifest(lora_store / f"{ADAPTER}.mar")["model"]
     base = find_base_manifest(lora_store, TINY, "1.0")
@@ -93,7 +93,7 @@ def test_archive_manifest_pins_the_base(lora_store):
 
 
 def test_archive_cli_refuses_an_unknown_base(lora_store, tmp_path, capsys):
-    from server.cli import main
+    from pagedserve.server.cli import main
 
     assert (
         main(

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from server.memory_budget import kv_pool_bytes
+from pagedserve.engine.config.engine import EngineConfig
+from pagedserve.server.workers.memory_budget import kv_pool_bytes
 
 LAYERS, HIDDEN, HEADS = 2, 32, 4
 HEAD_DIM = HIDDEN // HEADS

@@ -11,10 +11,7 @@ import json
 
 import pytest
 
-from tests.server.conftest import (
-    MODEL,
-    server,  # noqa: F401 -- the shared real server
-)
+from tests.server.conftest import MODEL, server
 
 ollama = pytest.importorskip("ollama")
 pydantic = pytest.importorskip("pydantic")

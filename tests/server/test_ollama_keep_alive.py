@@ -25,7 +25,7 @@ handler:
 
 @pytest.fixture(scope="module")
 def srv(inprocess_factory, tiny_model, tmp_path_factory):
-    from engine.model.archive import write_archive
+    from pagedserve.engine.model.archive import write_archive
 
     store = tmp_path_factory.mktemp("ollama_store")
     config = tmp_path_factory.mktemp("ollama-config") / "model-config.yaml"

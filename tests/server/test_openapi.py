@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 
-from server import openapi
-from server.config import ServerConfig
-from server.inference_app import build_inference_app
-from server.management_app import build_management_app
-from server.serve import build_state
+from pagedserve.server.app.inference import build_inference_app
+from pagedserve.server.app.serve import build_state
+from pagedserve.server.common import openapi
+from pagedserve.server.common.config import ServerConfig
+from pagedserve.server.management.app import build_management_app
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from server.config import ServerConfig, ServerConfigError, load_server_config
-from server.serve_cli import add_serve_parser
+from pagedserve.server.commands.serve import add_serve_parser
+from pagedserve.server.common.config import ServerConfig, ServerConfigError, load_server_config
 from tests.server.conftest import TINY, TINY_ARCHIVE
 from tests.server.inprocess import InProcessServer
 

@@ -132,7 +132,7 @@ def test_a_registration_can_supply_the_chat_template(mgmt, paths):
 
 
 def test_the_archive_is_built_once_per_content(mgmt, paths, tmp_path):
-    from engine.model.path_source import archive_from_path
+    from pagedserve.engine.model.path_source import archive_from_path
 
     first = archive_from_path(paths["base"])
     copy = tmp_path / "same-content"

@@ -22,5 +22,7 @@ def test_scaling_up_and_down_logs_no_error(inprocess_factory, caplog):
     assert server.predict(TINY).status == 200
     errors = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, errors
-    stopped = [r for r in caplog.records if "stopped" in r.getMessage() and r.name == "engine.async_llm"]
+    stopped = [
+        r for r in caplog.records if "stopped" in r.getMessage() and r.name == "pagedserve.engine.core.async_llm"
+    ]
     assert all(r.levelno == logging.INFO for r in stopped)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from server.config import ServerConfig, ServerConfigError, load_server_config
+from pagedserve.server.common.config import ServerConfig, ServerConfigError, load_server_config
 from tests.server.conftest import ARCHIVE, MODEL
 from tests.server.server_process import REPO
 
@@ -88,7 +88,7 @@ def test_environment_errors_name_the_variable(name, value):
 def test_cli_refuses_a_bad_config_with_exit_2(tmp_path):
     path = write(tmp_path, "enable_model_apis: true\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "server.cli", "serve", "--config", str(path)],
+        [sys.executable, "-m", "pagedserve.server.cli", "serve", "--config", str(path)],
         cwd=tmp_path,
         capture_output=True,
         text=True,

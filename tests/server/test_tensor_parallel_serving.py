@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.model.archive import write_archive
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.model.archive import write_archive
 from tests.server import observe
 
 PROMPTS = ["1, 2, 3, 4,", "The capital of Germany is", "def fibonacci(n):"]

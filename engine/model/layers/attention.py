@@ -13,14 +13,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.compiled_op import AttentionStep
-from engine.attention.metadata import AttentionMetadata
-from engine.lora.punica import LoRALayer
-from engine.model.layers.norm import eager_ops, make_norm
-from engine.model.layers.rotary import apply_rope, table_of
-from engine.model.spec import ModelSpec
-from kernels.cpu_fused_ops import CpuFusedOps
+from pagedserve.engine.attention.backend import AttentionBackend
+from pagedserve.engine.attention.compiled_op import AttentionStep
+from pagedserve.engine.attention.metadata import AttentionMetadata
+from pagedserve.engine.lora.punica import LoRALayer
+from pagedserve.engine.model.layers.norm import eager_ops, make_norm
+from pagedserve.engine.model.layers.rotary import apply_rope, table_of
+from pagedserve.engine.model.spec import ModelSpec
+from pagedserve.kernels.cpu_fused_ops import CpuFusedOps
 
 
 class Attention(nn.Module):
@@ -48,7 +48,7 @@ class Attention(nn.Module):
         self.rope_table = table_of(spec, layer)
         self.backend = backend
         self.ops = ops
-        # Tensor parallelism (engine.parallel.layers): sums the ranks' partial o_proj outputs.
+        # Tensor parallelism (pagedserve.engine.parallel.layers): sums the ranks' partial o_proj outputs.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
@@ -76,7 +76,9 @@ class Attention(nn.Module):
         qk = ops.rotary_embedding_(qk, cos, sin) if ops else apply_rope(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if isinstance(meta, AttentionStep):  # a compiled forward: one opaque op (engine.attention.compiled_op)
+        if isinstance(
+            meta, AttentionStep
+        ):  # a compiled forward: one opaque op (pagedserve.engine.attention.compiled_op)
             out = torch.ops.pagedserve.paged_attention(q, k, v, kv_cache, meta, self.scale)
         else:
             out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap)

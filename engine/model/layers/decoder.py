@@ -17,15 +17,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.compiled_op import AttentionStep
-from engine.attention.metadata import AttentionMetadata
-from engine.lora.punica import LoRALayer
-from engine.model.layers.attention import Attention
-from engine.model.layers.mlp import GatedMLP
-from engine.model.layers.norm import make_norm
-from engine.model.spec import ModelSpec
-from kernels.cpu_fused_ops import CpuFusedOps
+from pagedserve.engine.attention.backend import AttentionBackend
+from pagedserve.engine.attention.compiled_op import AttentionStep
+from pagedserve.engine.attention.metadata import AttentionMetadata
+from pagedserve.engine.lora.punica import LoRALayer
+from pagedserve.engine.model.layers.attention import Attention
+from pagedserve.engine.model.layers.mlp import GatedMLP
+from pagedserve.engine.model.layers.norm import make_norm
+from pagedserve.engine.model.spec import ModelSpec
+from pagedserve.kernels.cpu_fused_ops import CpuFusedOps
 
 Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]
 # (spec, layer index, dtype, fused ops) -> the layer's MLP module (`forward(h, lora)`)

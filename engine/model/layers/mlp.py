@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.lora.punica import LoRALayer
-from engine.model.layers.norm import eager_ops
-from engine.model.spec import ModelSpec
-from kernels.cpu_fused_ops import CpuFusedOps
+from pagedserve.engine.lora.punica import LoRALayer
+from pagedserve.engine.model.layers.norm import eager_ops
+from pagedserve.engine.model.spec import ModelSpec
+from pagedserve.kernels.cpu_fused_ops import CpuFusedOps
 
 
 class GatedMLP(nn.Module):
@@ -26,7 +26,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(size, spec.hidden_size, bias=spec.mlp_bias, dtype=dtype)
         self.gelu = spec.hidden_act == "gelu_pytorch_tanh"
         self.ops = ops
-        # Tensor parallelism (engine.parallel.layers): sums the ranks' partial down_proj outputs.
+        # Tensor parallelism (pagedserve.engine.parallel.layers): sums the ranks' partial down_proj outputs.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, h: torch.Tensor, lora: LoRALayer | None = None) -> torch.Tensor:

@@ -12,10 +12,10 @@ over tokens. The weighted results are summed back per token with one `index_add_
 order, the order transformers adds them in.
 
 Each expert is a pair of ordinary projections (`gate_up_proj` rows gate|up, `down_proj`), so the
-model's quantized layers (engine.model.quant_linear) and CPU packing apply to experts as they do
+model's quantized layers (pagedserve.engine.model.quant_linear) and CPU packing apply to experts as they do
 to any projection; the router and the shared expert's gate (one output) stay in the model dtype.
 
-Tensor parallelism (engine.parallel): every rank holds every expert, each with its slice of the
+Tensor parallelism (pagedserve.engine.parallel): every rank holds every expert, each with its slice of the
 expert's intermediate size (rows of gate/up, columns of down), like the dense MLP; the router is
 replicated, so all ranks route identically, and one all-reduce (`reduce`) sums the ranks' partial
 outputs of the routed and shared experts together.
@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.lora.punica import LoRALayer
-from engine.model.layers.norm import eager_ops
-from kernels.cpu_fused_ops import CpuFusedOps
+from pagedserve.engine.lora.punica import LoRALayer
+from pagedserve.engine.model.layers.norm import eager_ops
+from pagedserve.kernels.cpu_fused_ops import CpuFusedOps
 
 
 class RouterScoring(enum.Enum):
@@ -146,7 +146,7 @@ class SparseMoeBlock(nn.Module):
             ExpertMLP(hidden_size, spec.shared_intermediate_size, dtype, ops) if spec.shared_intermediate_size else None
         )
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, dtype=dtype) if spec.shared_gate else None
-        # Tensor parallelism (engine.parallel.layers): sums the ranks' partial outputs.
+        # Tensor parallelism (pagedserve.engine.parallel.layers): sums the ranks' partial outputs.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, h: torch.Tensor, lora: LoRALayer | None = None) -> torch.Tensor:

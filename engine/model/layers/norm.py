@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model.spec import ModelSpec, NormKind
-from kernels.cpu_fused_ops import CpuFusedOps
+from pagedserve.engine.model.spec import ModelSpec, NormKind
+from pagedserve.kernels.cpu_fused_ops import CpuFusedOps
 
 
 def eager_ops(ops: CpuFusedOps | None) -> CpuFusedOps | None:
@@ -22,7 +22,7 @@ def eager_ops(ops: CpuFusedOps | None) -> CpuFusedOps | None:
 
 class RMSNorm(nn.Module):
     """HF LlamaRMSNorm: normalise in float32, cast back, then scale by the weight. With the
-    fused ops (kernels.cpu_fused_ops) the add + norm is one C++ op that rounds the same way (it
+    fused ops (pagedserve.kernels.cpu_fused_ops) the add + norm is one C++ op that rounds the same way (it
     updates `residual` in place)."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, ops: CpuFusedOps | None = None) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engine.model.spec import ModelSpec
+from pagedserve.engine.model.spec import ModelSpec
 
 GLOBAL, LOCAL = "global", "local"
 

@@ -1,0 +1,1 @@
+"""The engine process's settings: threads, seeds, malloc tuning, resident memory."""

@@ -1,0 +1,1 @@
+"""The model runner and its persistent input batch."""

@@ -1,0 +1,1 @@
+"""Sampling: the parameters (SamplingParams), their per-step metadata, logits processors, the sampler."""

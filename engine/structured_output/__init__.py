@@ -1,0 +1,1 @@
+"""Structured output: the constraint (params and limits) and the grammar manager (xgrammar)."""

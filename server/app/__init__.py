@@ -1,0 +1,1 @@
+"""The three apps (inference, management, metrics) assembled, started, drained."""

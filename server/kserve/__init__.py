@@ -1,0 +1,1 @@
+"""KServe's v1 and open-inference v2 surface."""

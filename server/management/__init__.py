@@ -1,0 +1,1 @@
+"""TorchServe's management API: its routes and the lifecycle routes."""

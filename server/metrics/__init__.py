@@ -1,0 +1,1 @@
+"""The metrics port: pagedserve's families and vLLM's names."""

@@ -1,0 +1,1 @@
+"""TorchServe's /predictions surface: request bodies (JSON, text, forms, uploads)."""
