@@ -1,5 +1,6 @@
 """Packaging: one import namespace, `pagedserve`, over the top-level folders (package-dir
-mapping; the same for the editable install and the wheel). Metadata is in pyproject.toml."""
+mapping; the same for the editable install and the wheel). Metadata and package data are in
+pyproject.toml."""
 
 from setuptools import find_namespace_packages, setup
 
@@ -12,6 +13,4 @@ packages = [
 setup(
     packages=packages,
     package_dir={f"pagedserve.{root}": root for root in ROOTS},
-    package_data={"": ["*.cpp", "*.h", "*.json", "*.yaml", "*.html", "*.js", "*.css", "*.jinja", "py.typed"]},
-    include_package_data=True,
 )
