@@ -62,7 +62,9 @@ class EngineCore:
         self.max_model_len = config.resolve_max_model_len(int(self.hf_config.get("max_position_embeddings", 2048)))
         self.eos_token_ids = read_eos_token_ids(model_dir, self.hf_config)
         self.sleeping = False
-        self.runner = ModelRunner(config, str(model_dir), self.hf_config, self.eos_token_ids, self.max_model_len)
+        self._runner: ModelRunner | None = ModelRunner(
+            config, str(model_dir), self.hf_config, self.eos_token_ids, self.max_model_len
+        )
         # Loading leaves its temporaries (float32 shards, quantization's work tensors) in malloc's
         # free lists, which tune_glibc_malloc keeps from being trimmed: return them now, or the
         # worker keeps them resident for its whole life (measured: +95 MiB for int4).
@@ -151,7 +153,7 @@ class EngineCore:
         if self.kv_offload is not None:
             raise RuntimeError("a worker with KV offload on cannot sleep")
         self.runner.shutdown()  # tensor-parallel ranks exit: wake starts them again
-        self.runner = None  # the model's parameters and the KV tensors go with it
+        self._runner = None  # the model's parameters and the KV tensors go with it
         self.sleeping = True
         if torch.device(self.config.device).type == "cuda":
             # Off the device for real: torch's caching allocator keeps freed blocks reserved
@@ -159,12 +161,19 @@ class EngineCore:
             gc.collect()
             torch.cuda.empty_cache()
 
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner (a sleeping worker has none: its weights and KV pool are freed)."""
+        if self._runner is None:
+            raise RuntimeError("the worker is asleep")
+        return self._runner
+
     def wake(self) -> None:
         """Load the weights again from the model directory (the page cache keeps them warm)
         and allocate a fresh KV pool; the prefix cache starts empty (its blocks are gone)."""
         if not self.sleeping:
             return
-        self.runner = ModelRunner(
+        self._runner = ModelRunner(
             self.config, str(self.model_dir), self.hf_config, self.eos_token_ids, self.max_model_len
         )
         self.kv_manager = self._new_kv_manager()
@@ -212,8 +221,8 @@ class EngineCore:
             self._forward_thread.shutdown(wait=True)
         if self.kv_offload is not None:
             self.kv_offload.close()
-        if self.runner is not None:
-            self.runner.shutdown()
+        if self._runner is not None:
+            self._runner.shutdown()
         self.structured_output.shutdown()
 
     def kv_offload_stats(self) -> dict | None:
@@ -239,8 +248,8 @@ class EngineCore:
 
     def set_num_threads(self, n: int) -> None:
         """Torch intra-op threads for the following steps (shared among tensor-parallel ranks)."""
-        if self.runner is not None and self.runner.tp is not None:
-            self.runner.tp.set_num_threads(n)
+        if self._runner is not None and self._runner.tp is not None:
+            self._runner.tp.set_num_threads(n)
         else:
             torch.set_num_threads(n)
         if self._forward_thread is not None:  # a thread reads torch's setting once: tell it too
@@ -249,8 +258,8 @@ class EngineCore:
     def check_health(self) -> None:
         """Raise (TensorParallelError) when a part of the engine outside this process, a
         tensor-parallel rank, is gone: the engine cannot step any more."""
-        if self.runner is not None and self.runner.tp is not None:
-            self.runner.tp.check_health()
+        if self._runner is not None and self._runner.tp is not None:
+            self._runner.tp.check_health()
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, execute, update. Returns the news of every request that got a token, and
@@ -279,6 +288,7 @@ class EngineCore:
             self.runner.record(prev_step, runner_output)
         if step is not None:
             self.runner.launch(step)  # its inputs need the tokens just recorded
+            assert self._forward_thread is not None  # async scheduling has its forward thread
             self._in_flight = (scheduler_output, step, self._forward_thread.submit(self.runner.run_step, step))
         if previous is None:
             return []
@@ -317,14 +327,14 @@ class EngineCore:
         now = time.monotonic()
         outputs = []
         for req_id, request in list(self._compiling.items()):
-            if request.is_finished or request.grammar.poll(now):
+            grammar = request.grammar
+            assert grammar is not None  # _compiling holds constrained requests
+            if request.is_finished or grammar.poll(now):
                 del self._compiling[req_id]
-            elif request.grammar.error is not None:
+            elif grammar.error is not None:
                 del self._compiling[req_id]
                 self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
-                outputs.append(
-                    EngineCoreOutput(req_id, [], finish_reason=FinishReason.ABORT, error=request.grammar.error)
-                )
+                outputs.append(EngineCoreOutput(req_id, [], finish_reason=FinishReason.ABORT, error=grammar.error))
         return outputs
 
     def _add_grammar_bitmask(self, so: SchedulerOutput) -> None:

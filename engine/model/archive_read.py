@@ -10,6 +10,7 @@ files: a link that stays inside the archive and names a file is materialised as 
 from __future__ import annotations
 
 import enum
+import functools
 import gzip
 import hashlib
 import json
@@ -125,7 +126,7 @@ def open_archive(
         return None if p is None else dest / p.relative_to(tmp)
 
     return OpenedArchive(
-        rebase(opened.root), opened.manifest, rebase(opened.model_config), rebase(opened.custom_handler)
+        dest / opened.root.relative_to(tmp), opened.manifest, rebase(opened.model_config), rebase(opened.custom_handler)
     )
 
 
@@ -141,7 +142,7 @@ def _open_members(path: Path) -> Iterator[tuple[list[_Entry], OpenMember]]:
             yield _zip_entries(zf), lambda e: zf.open(e.member)
     elif tarfile.is_tarfile(path):
         with tarfile.open(path, "r:*") as tf:
-            yield _tar_entries(tf), lambda e: tf.extractfile(e.member)
+            yield _tar_entries(tf), functools.partial(_open_tar_member, tf)
     else:
         raise ArchiveError(f"{path.name} is neither a zip (.mar) nor a tar (.tar.gz) archive")
 
@@ -170,8 +171,15 @@ def _zip_entries(zf: zipfile.ZipFile) -> list[_Entry]:
     return entries
 
 
+def _open_tar_member(tf: tarfile.TarFile, entry: _Entry) -> IO[bytes]:
+    file = tf.extractfile(entry.member)
+    if file is None:  # only regular files are FILE entries
+        raise ArchiveError(f"{entry.name} is not a regular file")
+    return file
+
+
 def _tar_entries(tf: tarfile.TarFile) -> list[_Entry]:
-    entries = []
+    entries: list[_Entry] = []
     for member in tf:  # reads headers only; stops early on the first refusal
         if len(entries) >= MAX_ENTRIES:
             raise ArchiveError(f"archive has more than {MAX_ENTRIES} entries")

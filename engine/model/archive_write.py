@@ -286,7 +286,7 @@ def _write_tgz(tmp: Path, sources: list[_Source], model: dict[str, Any], tracker
         # level 1: weights barely compress, and level 9 costs several times the time
         with tarfile.open(
             fileobj=raw, mode="w:gz", compresslevel=1, format=tarfile.PAX_FORMAT, copybufsize=CHUNK_BYTES
-        ) as tf:
+        ) as tf:  # type: ignore[call-overload]  # typeshed's tarfile.open omits TarFile's copybufsize
             for s in sources:
                 info = _tar_info(s.arcname, s.size, s.path.stat().st_mtime)
                 with open(s.path, "rb") as f:

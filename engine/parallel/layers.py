@@ -10,7 +10,8 @@ The LM head's slice of the logits is gathered to rank 0 by `CausalLM.compute_log
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,12 @@ from torch import nn
 if TYPE_CHECKING:
     from pagedserve.engine.model.layers.decoder import DecoderModel
     from pagedserve.engine.parallel.group import TensorParallelGroup
+
+
+class _Reduced(Protocol):
+    """A block whose output a tensor-parallel rank completes (attention, MLP, MoE)."""
+
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -43,10 +50,11 @@ def parallelize(model: DecoderModel, group: TensorParallelGroup, vocab_per_rank:
     """Make `model` (built at its rank's sizes, on the meta device, before its weights load)
     rank `group.rank`'s part: a vocabulary-parallel embedding, and an all-reduce after every
     row-parallel projection."""
-    hidden = model.embed_tokens.embedding_dim
+    embedding = model.embed_tokens
+    assert isinstance(embedding, nn.Embedding)  # tensor parallelism takes no quantized embedding
     model.embed_tokens = VocabParallelEmbedding(
-        vocab_per_rank, hidden, model.embed_tokens.weight.dtype, group.rank * vocab_per_rank, group
+        vocab_per_rank, embedding.embedding_dim, embedding.weight.dtype, group.rank * vocab_per_rank, group
     )
     for layer in model.layers:
-        layer.self_attn.reduce = group.all_reduce
-        layer.mlp.reduce = group.all_reduce
+        for part in ("self_attn", "mlp"):  # row-parallel projections inside: all-reduce their sums
+            cast(_Reduced, layer.get_submodule(part)).reduce = group.all_reduce

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -21,6 +21,9 @@ from pagedserve.server.serving.generation import MODEL_KEY, ErrorReply
 from pagedserve.server.serving.state import STATE_KEY, ServerState
 from pagedserve.server.workers.adapters import RegisteredAdapter
 from pagedserve.server.workers.registry import InvalidNameError, ModelNotFoundError, ModelVersion
+
+_In = TypeVar("_In")
+_Out = TypeVar("_Out")
 
 ADAPTER_KEY = web.RequestKey("pagedserve_adapter", RegisteredAdapter)  # a request naming a LoRA adapter
 
@@ -88,7 +91,7 @@ def raw_keep_alive(raw: bytes) -> tuple[bytes, float | None]:
     return json.dumps(body).encode(), seconds
 
 
-def handler_call(parse: Callable[[dict[str, Any]], Any], body: dict[str, Any]) -> Any:
+def handler_call(parse: Callable[[_In], _Out], body: _In) -> _Out:
     """`parse(body)` with a handler's refusal as an ErrorReply (its status, naming the field)."""
     try:
         return parse(body)
