@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import cast
 from pathlib import Path
+from typing import cast
 
 from pagedserve.engine.config.engine import EngineConfig
 from pagedserve.engine.core.client import InprocClient

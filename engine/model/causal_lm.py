@@ -42,7 +42,6 @@ from pagedserve.kernels.cpu_fused_ops import CpuFusedOps
 from pagedserve.kernels.cpu_int4_dequant import load_int4_dequant
 from pagedserve.kernels.cpu_int8_mm_io import load_int8_mm_io
 from pagedserve.kernels.cpu_packed_linear import PackedLinear
-from pagedserve.kernels.cpu_upcast_linear import UpcastLinear
 
 if TYPE_CHECKING:
     from pagedserve.engine.parallel.group import TensorParallelGroup
