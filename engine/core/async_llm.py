@@ -12,7 +12,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field, replace
 
 from pagedserve.engine.config.engine import EngineConfig
@@ -212,7 +212,7 @@ class AsyncLLM:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Generate for a prepared input (pagedserve.engine.request.inputs); cumulative outputs until finished.
         InvalidInput (a ValueError) for input the engine would refuse, before it is queued."""
         validate_input(inp.token_ids, inp.params, self.limits)

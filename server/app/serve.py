@@ -81,9 +81,10 @@ def startup_models(config: ServerConfig) -> list[StartupModel]:
     store = config.model_store_path
     out: list[StartupModel] = []
     for item in config.load_models:
-        name, sep, url = item.partition("=")
+        given, sep, url = item.partition("=")
+        name: str | None = given if sep else None
         if not sep:
-            name, url = None, item
+            url = item
         if url == "all":
             out.extend(StartupModel(None, path.name, path.resolve()) for path in store_archives(store))
             continue
@@ -262,9 +263,15 @@ class Server:
         with_keys = config.console_link_keys
         self.out(sign_in_line(state, sys.stdout.isatty() if with_keys is None else with_keys))
 
+    def _started(self) -> ServerState:
+        """The server's state, built by `start`."""
+        if self.state is None:
+            raise RuntimeError("the server is not started")
+        return self.state
+
     async def _register_at_start(self, restored, opened) -> None:
         """The snapshot's models, then the `load_models` archives (the lifecycle's task)."""
-        registry = self.state.registry
+        registry = self._started().registry
         registry.on_change = self._rebalance_threads
         registry.lifecycle.progress = self.out  # a line per worker ready while starting
         try:
@@ -293,7 +300,7 @@ class Server:
         await asyncio.gather(*(self._restore_one(e) for e in entries))
 
     async def _restore_one(self, e) -> None:
-        registry = self.state.registry
+        registry = self._started().registry
         store = self.config.model_store_path
         try:
             path = resolve_url(e.url, store, self.config.allowed_urls)
@@ -336,12 +343,13 @@ class Server:
                 e.version,
                 exc,
             )
-            self.snapshot.carry(e)
+            if self.snapshot is not None:  # (entries come from it)
+                self.snapshot.carry(e)
 
     async def _restore_adapter(self, e) -> None:
         try:
             path = resolve_url(e.url, self.config.model_store_path, self.config.allowed_urls)
-            archive = await self.state.registry.open(path)
+            archive = await self._started().registry.open(path)
             if not is_adapter(archive):
                 raise ValueError(f"{e.url} is not a LoRA adapter archive")
             await self._register_adapter(archive, e.url, e.name, quiet=False)
@@ -349,12 +357,13 @@ class Server:
             logger.error(
                 "snapshot: could not restore adapter %s: %s; it stays in the snapshot for the next start", e.name, exc
             )
-            self.snapshot.carry_adapter(e)
+            if self.snapshot is not None:
+                self.snapshot.carry_adapter(e)
 
     async def _register_adapter(self, archive: LoadedArchive, url: str, name: str | None, quiet: bool = True) -> None:
         """A LoRA adapter onto its base version (given with --models, or from the snapshot)."""
         try:
-            adapter = await self.state.adapters.register(self.state.registry, archive, url, name)
+            adapter = await self._started().adapters.register(self._started().registry, archive, url, name)
         except ConflictError:
             logger.info("adapter %s is already registered", name or archive.name)
             return
@@ -369,7 +378,7 @@ class Server:
 
     async def _register_startup(self, archive: LoadedArchive, url: str, name: str | None) -> None:
         try:
-            entry = await self.state.registry.register(
+            entry = await self._started().registry.register(
                 archive, url=url, name=name, synchronous=True, loaded_at_startup=True
             )
         except ConflictError:
@@ -416,7 +425,7 @@ class Server:
         configured = entry.model_config.engine_options().get("num_threads")
         if configured is not None:
             return configured
-        return worker_threads(self.config.worker_threads, self.state.registry.total_workers())
+        return worker_threads(self.config.worker_threads, self._started().registry.total_workers())
 
     def _rebalance_threads(self) -> None:
         """Size the ready workers again when their number changed: a worker sized for fewer

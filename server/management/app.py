@@ -159,9 +159,7 @@ async def list_models(request: web.Request) -> web.Response:
     start, limit = params.next_page_token, min(params.limit, MAX_PAGE)
     models = state.registry.sorted_models()
     page = models[start : start + limit]
-    body: dict[str, Any] = {
-        "models": [{"modelName": m.name, "modelUrl": m.versions[m.default_version].url} for m in page]
-    }
+    body: dict[str, Any] = {"models": [{"modelName": m.name, "modelUrl": m.default.url} for m in page]}
     if start + limit >= len(models):  # LoRA adapters after the models, on the last page
         body["models"] += [
             {"modelName": a.name, "modelUrl": a.url, "parent": a.base.name} for a in state.adapters.sorted()

@@ -124,7 +124,7 @@ class _Only:
 
 
 # (stats field, family key / name suffix, help, extra labels); hit tokens first, by tier.
-_OFFLOAD_COUNTERS = (
+_OFFLOAD_COUNTERS: tuple[tuple[str, str, str, list[str]], ...] = (
     ("hit_tokens", "hit_tokens", "Prompt tokens restored from the KV offload tiers", ["tier"]),
     ("stored_tokens", "stored_tokens", "Prompt tokens stored to the KV offload tiers", []),
     ("loaded_bytes", "loaded_bytes", "Bytes of KV restored from the offload tiers", []),
@@ -147,7 +147,7 @@ class EngineCollector:
 
     def collect(self) -> Iterator:
         labels = ["model", "version"]
-        fams = {
+        fams: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             "workers": GaugeMetricFamily("pagedserve_workers_ready", "Ready workers", labels=labels),
             "running": GaugeMetricFamily(
                 "pagedserve_num_requests_running", "Requests running in the engines", labels=labels

@@ -100,7 +100,8 @@ TOKEN_GAP_BUCKETS = (
 
 def buckets_1_2_5(limit: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to `limit` (token-count histograms)."""
-    out, scale = [], 1
+    out: list[int] = []
+    scale = 1
     while True:
         for m in (1, 2, 5):
             if m * scale > limit:

@@ -27,13 +27,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import msgspec
 from aiohttp import web
 
-from pagedserve.engine.core.async_llm import AsyncLLM, EngineDeadError
+from pagedserve.engine.core.async_llm import EngineDeadError
 from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.request.inputs import EngineInput, InputLimits, InvalidInput, PromptSpec, validate_input
 from pagedserve.engine.request.outputs import RequestOutput
@@ -86,7 +87,7 @@ class Watchdog:
     """
 
     def __init__(
-        self, request: web.Request, worker: AsyncLLM, request_id: str, timeout_s: float, *, per_chunk: bool
+        self, request: web.Request, worker: Worker, request_id: str, timeout_s: float, *, per_chunk: bool
     ) -> None:
         self._loop = asyncio.get_running_loop()
         self._request = request
@@ -147,9 +148,19 @@ class Shaper(WholeShaper, Protocol):
     def closing(self, deltas: list[ChoiceDelta], out: RequestOutput, total_s: float) -> list[dict[str, Any]]: ...
 
 
+class Worker(Protocol):
+    """What runs a prepared request: a worker's AsyncLLM, or a fan-out over several."""
+
+    def generate(
+        self, request_id: str, inp: EngineInput, *, arrival_time: float | None = None, priority: int = 0
+    ) -> AsyncGenerator[RequestOutput, None]: ...
+
+    def interrupt(self, request_id: str, error: BaseException) -> None: ...
+
+
 @dataclass(slots=True)
 class Prepared:
-    worker: AsyncLLM
+    worker: Worker
     input: EngineInput
 
 
@@ -295,7 +306,7 @@ async def _collect(
     return web.Response(body=body, content_type="application/json", headers={"x-request-id": request[REQUEST_ID_KEY]})
 
 
-def _encode_whole(shaper: Shaper, out: RequestOutput, total_s: float, limit: int) -> bytes:
+def _encode_whole(shaper: WholeShaper, out: RequestOutput, total_s: float, limit: int) -> bytes:
     try:
         return check_size(encode_json(shaper.whole(out, total_s)), limit)
     except ResponseTooLarge as exc:

@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pagedserve.server.workers.memory_budget import Footprint, MemoryBudget, ModelTooLargeError, fmt, version_sizes
 from pagedserve.server.workers.pool import NoWorkerError, WorkerSlot, WorkerStartFailed, WorkerStatus
@@ -299,7 +299,9 @@ class ModelLifecycle:
                 raise LifecycleConflict(
                     f"model {entry.name!r} version {entry.version!r} has no loaded worker to put to sleep"
                 )
-            answers = await asyncio.gather(*(s.engine.sleep(SLEEP_TIMEOUT_S) for s in slots), return_exceptions=True)
+            answers = await asyncio.gather(
+                *(s.started_engine().sleep(SLEEP_TIMEOUT_S) for s in slots), return_exceptions=True
+            )
             failed = []
             for slot, answer in zip(slots, answers):
                 if isinstance(answer, BaseException):  # busy after all, or KV offload on
@@ -327,7 +329,7 @@ class ModelLifecycle:
             for slot in slots:  # counted awake from here on
                 slot.status = WorkerStatus.STARTING
                 slot.sleep_rss = None
-        answers = await asyncio.gather(*(s.engine.wake() for s in slots), return_exceptions=True)
+        answers = await asyncio.gather(*(s.started_engine().wake() for s in slots), return_exceptions=True)
         for slot, answer in zip(slots, answers):
             if isinstance(answer, BaseException):
                 logger.error(
@@ -364,7 +366,7 @@ class ModelLifecycle:
             task.cancel()
 
 
-def state_of(entry: ModelVersion) -> str:
+def state_of(entry: ModelVersion) -> Literal["unloaded", "loading", "loaded", "sleeping"]:
     """unloaded, loading, loaded or sleeping."""
     pool = entry.pool
     if pool.sleeping_slots():

@@ -42,7 +42,7 @@ from pagedserve.server.workers.lifecycle import ModelLifecycle
 from pagedserve.server.workers.memory_budget import MemoryBudget, ModelTooLargeError, resolve_budget
 from pagedserve.server.workers.params import MAX_TIMEOUT_S, MAX_WORKERS
 from pagedserve.server.workers.pool import NoWorkerError, WorkerPool
-from pagedserve.server.workers.routing import Router
+from pagedserve.server.workers.routing import Router, RoutingPolicy
 
 if TYPE_CHECKING:
     from pagedserve.engine.config.engine import EngineConfig
@@ -201,6 +201,11 @@ class RegisteredModel:
     versions: dict[str, ModelVersion] = field(default_factory=dict)
     default_version: str | None = None
 
+    @property
+    def default(self) -> ModelVersion:
+        """The default version (a model is registered with one; KeyError otherwise)."""
+        return self.versions[self.default_version or ""]
+
 
 # make_engine(model_version, worker_name, on_dead) -> a not-started AsyncLLM
 EngineBuilder = Callable[[ModelVersion, str, Callable[["AsyncLLM"], None]], "AsyncLLM"]
@@ -354,7 +359,7 @@ class ModelRegistry:
                 job_queue_size=queue,
                 loaded_at_startup=loaded_at_startup,
                 handler=archive.handler,
-                router=Router(config.routing, block_size=config.engine_options().get("block_size", 16)),
+                router=Router(RoutingPolicy(config.routing), block_size=config.engine_options().get("block_size", 16)),
             )
             entry.pool = WorkerPool(
                 f"{name}/{version}",
@@ -477,11 +482,11 @@ class ModelRegistry:
         self._save(lambda: setattr(model, "default_version", old_default))
         return entry
 
-    def save_change(self, undo: Callable[[], None] | None) -> None:
+    def save_change(self, undo: Callable[[], object] | None) -> None:
         """Persist a change made beside the registry (a LoRA adapter registered or removed)."""
         self._save(undo)
 
-    def _save(self, undo: Callable[[], None] | None) -> None:
+    def _save(self, undo: Callable[[], object] | None) -> None:
         """Persist a change just made in memory. If that fails, `undo` it and raise
         SaveFailedError (`undo` None: keep it, and log that the snapshot is behind)."""
         if self.persist is not None:
