@@ -18,7 +18,7 @@ SamplingParams.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -134,7 +134,7 @@ class AnthropicRequest:
     model: str
     prompt: PromptSpec
     tools: ToolRequest | None
-    params: SamplingParams | None = None  # None for count_tokens
+    params: SamplingParams = field(default_factory=SamplingParams)  # count_tokens: the defaults, unused
     stream: bool = False
 
 
