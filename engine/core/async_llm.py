@@ -19,7 +19,7 @@ from pagedserve.engine.config.engine import EngineConfig
 from pagedserve.engine.core.client import EngineDeadError, EngineStartError, MPClient
 from pagedserve.engine.core.messages import EngineInfo, SleepState
 from pagedserve.engine.core.output_processor import OutputProcessor
-from pagedserve.engine.request.inputs import EngineInput, InputLimits, validate_input
+from pagedserve.engine.request.inputs import EngineInput, InputLimits
 from pagedserve.engine.request.outputs import RequestMetrics, RequestOutput
 from pagedserve.engine.scheduler.stats import SchedulerStats
 
@@ -213,9 +213,9 @@ class AsyncLLM:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Generate for a prepared input (pagedserve.engine.request.inputs); cumulative outputs until finished.
-        InvalidInput (a ValueError) for input the engine would refuse, before it is queued."""
-        validate_input(inp.token_ids, inp.params, self.limits)
+        """Generate for a prepared input; cumulative outputs until finished. `inp` was checked
+        where the request entered (pagedserve.engine.request.inputs.validate_input against
+        `limits`, by the front end's prepare step): nothing is checked again on the way down."""
         if not self.is_ready:
             raise EngineDeadError(f"{self.name} is not running: {self.dead_reason or 'shutting down'}")
         arrival = arrival_time if arrival_time is not None else time.monotonic()

@@ -16,7 +16,7 @@ from pagedserve.engine.kv_cache.hashing import get_hash_fn
 from pagedserve.engine.kv_cache.manager import KVCacheManager
 from pagedserve.engine.model.model_source import resolve_model_dir
 from pagedserve.engine.platform.process_setup import release_free_memory
-from pagedserve.engine.request.inputs import InputLimits, validate_input
+from pagedserve.engine.request.inputs import InputLimits
 from pagedserve.engine.request.request import FinishReason, Request, RequestStatus
 from pagedserve.engine.runner.model_runner import ModelRunner, PreparedStep
 from pagedserve.engine.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
@@ -24,7 +24,6 @@ from pagedserve.engine.scheduler.scheduler import Scheduler
 from pagedserve.engine.scheduler.stats import SchedulerStats
 from pagedserve.engine.spec_decode.speculator import Speculator
 from pagedserve.engine.structured_output.manager import StructuredOutputManager
-from pagedserve.engine.structured_output.params import check_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -180,17 +179,9 @@ class EngineCore:
         self.scheduler = self._new_scheduler()
         self.sleeping = False
 
-    def validate_request(self, request: Request) -> None:
-        """Raise ValueError for input the engine must refuse (before anything is allocated): the
-        front ends' own checks (pagedserve.engine.request.inputs), applied again where the request lands."""
-        validate_input(request.prompt_token_ids, request.sampling_params, self.input_limits)
-        if request.sampling_params.structured_outputs is not None:
-            check_grammar(request.sampling_params.structured_outputs)
-
     def add_request(self, request: Request) -> None:
         if self.sleeping:
             raise ValueError("the worker is asleep: wake it first")
-        self.validate_request(request)
         if request.lora is not None:  # read the adapter now: a bad one refuses the request
             request.lora_id = self.runner.lora.load(request.lora).key
         request.eos_token_ids = self.eos_token_ids

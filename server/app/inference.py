@@ -47,7 +47,8 @@ from pagedserve.server.serving.shapers import openai_error
 from pagedserve.server.serving.state import STATE_KEY, ServerState
 from pagedserve.server.torchserve import routes as torchserve
 from pagedserve.server.vllm import routes as vllm
-from pagedserve.server.workers.registry import NoWorkerError, QueueFullError
+from pagedserve.server.workers.pool import NoWorkerError
+from pagedserve.server.workers.rules import QueueFullError
 
 # Routes whose errors are OpenAI-shaped: OpenAI's and vLLM's extra routes.
 OPENAI_ENDPOINTS = openai.ENDPOINTS | {"tokenize", "detokenize", "vllm_version", "health"}

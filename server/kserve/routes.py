@@ -40,7 +40,8 @@ from pagedserve.server.serving.request_scope import read_json
 from pagedserve.server.serving.state import STATE_KEY, ServerState
 from pagedserve.server.serving.streaming import StreamFormat
 from pagedserve.server.workers.adapters import RegisteredAdapter
-from pagedserve.server.workers.registry import InvalidNameError, ModelNotFoundError, ModelVersion
+from pagedserve.server.workers.rules import InvalidNameError, ModelNotFoundError
+from pagedserve.server.workers.version import ModelVersion
 
 MAX_PROMPTS = 32  # instances (v1) or tensor elements (v2) per request
 INSTANCE_KEYS = ("prompt", "text", "data")

@@ -48,15 +48,9 @@ from pagedserve.server.workers.params import (
     UnregisterParams,
     read_params,
 )
-from pagedserve.server.workers.pool import WorkerStartFailed
-from pagedserve.server.workers.registry import (
-    ConflictError,
-    ForbiddenError,
-    ModelNotFoundError,
-    ModelVersion,
-    NoWorkerError,
-    SaveFailedError,
-)
+from pagedserve.server.workers.pool import NoWorkerError, WorkerStartFailed
+from pagedserve.server.workers.rules import ConflictError, ForbiddenError, ModelNotFoundError, SaveFailedError
+from pagedserve.server.workers.version import ModelVersion
 
 
 async def _register_params(request: web.Request) -> RegisterParams:

@@ -24,7 +24,7 @@ from pagedserve.server.metrics.vllm import VllmMetrics
 
 if TYPE_CHECKING:
     from pagedserve.engine.request.outputs import RequestOutput
-    from pagedserve.server.workers.registry import ModelVersion
+    from pagedserve.server.workers.version import ModelVersion
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5, 10)

@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from pagedserve.engine.request.outputs import RequestOutput
-    from pagedserve.server.workers.registry import ModelVersion
+    from pagedserve.server.workers.version import ModelVersion
 
 LABEL = "model_name"
 # Seconds; wide enough for a CPU-only machine's long requests.

@@ -48,7 +48,7 @@ from pagedserve.server.serving.generation_request import GenerationRequest, run_
 from pagedserve.server.serving.request_scope import admitted, handler_call, keep_alive, lora, read_json, resolve
 from pagedserve.server.serving.state import STATE_KEY, ServerState
 from pagedserve.server.workers.lifecycle import state_of
-from pagedserve.server.workers.registry import ModelVersion
+from pagedserve.server.workers.version import ModelVersion
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama API version these routes follow
 routes = web.RouteTableDef()

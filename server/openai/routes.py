@@ -36,7 +36,7 @@ from pagedserve.server.serving.shapers import EmbeddingsShaper, OpenAIShaper
 from pagedserve.server.serving.state import STATE_KEY, ServerState
 from pagedserve.server.serving.streaming import StreamFormat
 from pagedserve.server.workers.adapters import RegisteredAdapter
-from pagedserve.server.workers.registry import ModelVersion
+from pagedserve.server.workers.version import ModelVersion
 
 # The route names of this API: the inference app shapes their errors OpenAI's way.
 ENDPOINTS = frozenset({"completions", "chat_completions", "responses", "embeddings", "models", "model"})

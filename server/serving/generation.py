@@ -45,7 +45,7 @@ from pagedserve.handlers.deltas import ChoiceDelta, DeltaTracker
 from pagedserve.server.serving.limits import LimitRefused, PromptBounds
 from pagedserve.server.serving.state import ServerState
 from pagedserve.server.serving.streaming import ChunkStream, ResponseTooLarge, StreamFormat, check_size, encode_json
-from pagedserve.server.workers.registry import ModelVersion
+from pagedserve.server.workers.version import ModelVersion
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from pagedserve.engine.sampling.params import SamplingParams
 from pagedserve.server.serving.fanout import FanOut
 from pagedserve.server.serving.generation import ErrorReply, WholeShaper, prepare, respond
 from pagedserve.server.serving.state import ServerState
-from pagedserve.server.workers.registry import ModelVersion
+from pagedserve.server.workers.version import ModelVersion
 
 
 @dataclass(slots=True)

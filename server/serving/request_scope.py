@@ -20,7 +20,8 @@ from pagedserve.server.common.keep_alive import KeepAliveError, take_keep_alive
 from pagedserve.server.serving.generation import MODEL_KEY, ErrorReply
 from pagedserve.server.serving.state import STATE_KEY, ServerState
 from pagedserve.server.workers.adapters import RegisteredAdapter
-from pagedserve.server.workers.registry import InvalidNameError, ModelNotFoundError, ModelVersion
+from pagedserve.server.workers.rules import InvalidNameError, ModelNotFoundError
+from pagedserve.server.workers.version import ModelVersion
 
 _In = TypeVar("_In")
 _Out = TypeVar("_Out")

@@ -25,7 +25,9 @@ from pagedserve.engine.lora.adapter import load_adapter, lora_shapes
 from pagedserve.engine.lora.archive import model_dir_digest
 from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.server.workers.archives import LoadedArchive
-from pagedserve.server.workers.registry import ConflictError, ModelRegistry, ModelVersion, check_model_name
+from pagedserve.server.workers.registry import ModelRegistry
+from pagedserve.server.workers.rules import ConflictError, check_model_name
+from pagedserve.server.workers.version import ModelVersion
 
 DEFAULT_MAX_LORA_RANK = 16  # EngineConfig's default
 

@@ -27,14 +27,15 @@ import logging
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pagedserve.server.workers.memory_budget import Footprint, MemoryBudget, ModelTooLargeError, fmt, version_sizes
 from pagedserve.server.workers.pool import NoWorkerError, WorkerSlot, WorkerStartFailed, WorkerStatus
 
 if TYPE_CHECKING:
+    from pagedserve.engine.config.engine import EngineConfig
     from pagedserve.engine.core.async_llm import AsyncLLM
-    from pagedserve.server.workers.registry import ModelRegistry, ModelVersion
+    from pagedserve.server.workers.version import ModelVersion
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +47,23 @@ class LifecycleConflict(RuntimeError):
     """A sleep that cannot happen (requests in flight, nothing loaded, KV offload on): 409."""
 
 
+class Registry(Protocol):
+    """What the lifecycle reads of the registry that owns it
+    (pagedserve.server.workers.registry.ModelRegistry)."""
+
+    @property
+    def startup_done(self) -> bool: ...
+    def all_versions(self) -> list[ModelVersion]: ...
+    def engine_config(self, entry: ModelVersion) -> EngineConfig: ...
+    def save_state(self) -> None: ...
+
+
 class ModelLifecycle:
     """The budget's book and every change that adds or frees a worker's memory."""
 
     def __init__(
         self,
-        registry: ModelRegistry,
+        registry: Registry,
         budget: MemoryBudget,
         default_keep_alive: float,
         sizes_of: Callable[[ModelVersion], tuple[int, int]] | None = None,

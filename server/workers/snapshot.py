@@ -25,7 +25,7 @@ import msgspec
 from pagedserve.server.common.safe_write import write_atomically
 from pagedserve.server.workers.lifecycle import state_of
 from pagedserve.server.workers.params import MAX_WORKERS
-from pagedserve.server.workers.registry import MAX_NAME_LENGTH, NAME_PATTERN, VERSION_PATTERN
+from pagedserve.server.workers.rules import MAX_NAME_LENGTH, NAME_PATTERN, VERSION_PATTERN
 
 if TYPE_CHECKING:
     from pagedserve.server.workers.adapters import AdapterRegistry
