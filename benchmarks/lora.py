@@ -7,7 +7,7 @@ the 4 adapters takes a quarter of the rows, rank 16, all seven projections). The
 alternate for `--rounds` paired rounds, the order flipping every round; the reported ratio is
 the median of the per-round ratios (mixed tok/s / plain tok/s). Peak RSS of the process.
 
-Registering an adapter is timed as the server does it (pagedserve.engine.lora.archive + pagedserve.server.workers.adapters):
+Registering an adapter is timed as the server does it (pagedserve.engine.model.lora_archive + pagedserve.server.workers.adapters):
 archive the adapter (`write_lora_archive`), open and verify the archive (`load_archive`), read
 and check its factors against the base (`load_adapter`), and, in the worker, its first load
 into a slot. Adapters are random PEFT folders written here (adapter_config.json +
@@ -64,9 +64,9 @@ def write_adapter(folder: Path, spec, rank: int, seed: int) -> Path:
 def time_registration(model_dir: Path, spec, tmp: Path, rank: int) -> dict:
     """Seconds for each step of registering one adapter on the server, and its first slot load."""
     from pagedserve.engine.lora.adapter import load_adapter, lora_shapes
-    from pagedserve.engine.lora.archive import write_lora_archive
     from pagedserve.engine.lora.slots import LoRASlots
     from pagedserve.engine.model.archive_write import write_archive
+    from pagedserve.engine.model.lora_archive import write_lora_archive
     from pagedserve.server.workers.archives import load_archive
 
     store = tmp / "store"

@@ -350,8 +350,8 @@ def _verify(top: Path, hashes: dict[str, str], allow_custom_handlers: bool) -> O
     custom = resolve_handler(model["handler"], {n: root / n for n in content}, allow_custom_handlers)
     if "files" in manifest:
         _check_hashes(manifest["files"], content)
-    if "lora" in model:  # a LoRA adapter archive (pagedserve.engine.lora.archive): no model of its own
-        from pagedserve.engine.lora.archive import check_lora_record
+    if "lora" in model:  # a LoRA adapter archive (pagedserve.engine.model.lora_archive): no model of its own
+        from pagedserve.engine.model.lora_archive import check_lora_record
 
         check_lora_record(model["lora"], content)
         return OpenedArchive(root, manifest, None, custom)
@@ -392,7 +392,7 @@ def _check_tensor_parallel(config: ModelConfig, hf_config: Any) -> None:
     if size == 1:
         return
     from pagedserve.engine.model.registry import check_tensor_parallel_support, parse_config
-    from pagedserve.engine.parallel.sharding import check_tensor_parallel
+    from pagedserve.engine.model.sharding import check_tensor_parallel
 
     try:
         spec = parse_config(hf_config)

@@ -80,7 +80,7 @@ def write_archive(
     which is copied in. `MAR-INF/MANIFEST.json` follows TorchServe's schema plus a `files` map
     of each file's sha256 (see `archive_manifest`). `progress(bytes_done, bytes_total)` is called
     as data is copied. Refuses an existing destination unless `force`. With `lora` (the
-    manifest's `model.lora` record, see pagedserve.engine.lora.archive) `model_dir` is a PEFT adapter folder.
+    manifest's `model.lora` record, see pagedserve.engine.model.lora_archive) `model_dir` is a PEFT adapter folder.
     """
     fmt = ArchiveFormat(archive_format)
     check_model_name(model_name)

@@ -44,7 +44,7 @@ from pagedserve.kernels.cpu_int8_mm_io import load_int8_mm_io
 from pagedserve.kernels.cpu_packed_linear import PackedLinear
 
 if TYPE_CHECKING:
-    from pagedserve.engine.parallel.group import TensorParallelGroup
+    from pagedserve.engine.model.layers.parallel import RankGroup
 
 # HF projection name -> (fused module name, shard index).
 _FUSED = {
@@ -89,7 +89,7 @@ class CausalLM(nn.Module):
         max_model_len: int | None = None,
         fused_ops: CpuFusedOps | None = None,
         quant: QuantSpec | None = None,
-        tp: TensorParallelGroup | None = None,
+        tp: RankGroup | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(spec, ModelSpec):
@@ -101,7 +101,7 @@ class CausalLM(nn.Module):
         if tp is None:
             self.rank_spec = spec
         else:
-            from pagedserve.engine.parallel.sharding import shard_spec
+            from pagedserve.engine.model.sharding import shard_spec
 
             self.rank_spec = shard_spec(spec, tp.size)
         max_len = max_model_len or spec.max_position_embeddings
@@ -115,7 +115,7 @@ class CausalLM(nn.Module):
             if quant is not None and quant.method is not QuantMethod.NONE:
                 self._swap_quantized(quant)
             if tp is not None:
-                from pagedserve.engine.parallel.layers import parallelize
+                from pagedserve.engine.model.layers.parallel import parallelize
 
                 parallelize(self.model, tp, local.vocab_size)
         # to_empty's empty_like on meta tensors goes through torch's Python refs, whose first use

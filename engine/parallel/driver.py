@@ -33,10 +33,10 @@ from pagedserve.engine.config.engine import EngineConfig
 from pagedserve.engine.model.loader import kv_pool_size, read_config
 from pagedserve.engine.model.quant_spec import QuantMethod, QuantSpec
 from pagedserve.engine.model.registry import check_tensor_parallel_support, parse_config
+from pagedserve.engine.model.sharding import shard_spec
 from pagedserve.engine.parallel.group import LOOPBACK, TensorParallelGroup, rank_device
 from pagedserve.engine.parallel.messages import Kind, Message, forward_message
 from pagedserve.engine.parallel.rank_worker import STORE_TIMEOUT, RankArgs, error_key, load_rank, ready_key, run_rank
-from pagedserve.engine.parallel.sharding import shard_spec
 from pagedserve.engine.platform.process_setup import rank_threads
 
 RANK_START_TIMEOUT_S = STORE_TIMEOUT.total_seconds()

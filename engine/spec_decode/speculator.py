@@ -5,7 +5,7 @@ measured time and each verification's result."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedserve.engine.config.speculative import SpecMethod, SpeculativeConfig
 from pagedserve.engine.request.request import Request
@@ -15,11 +15,27 @@ from pagedserve.engine.spec_decode.ngram import NgramProposer, can_draft
 from pagedserve.engine.spec_decode.suffix import SuffixProposer
 
 if TYPE_CHECKING:
-    from pagedserve.engine.runner.model_runner import ModelRunner
+    import torch
+
+
+class Runner(Protocol):
+    """What the speculator reads of the model runner (pagedserve.engine.runner.model_runner,
+    which drives it): a draft model gets the same dtype, device and KV block layout."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, runner: ModelRunner) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, runner: Runner) -> None:
         self.config = config
         self.max_model_len = max_model_len
         k = config.num_speculative_tokens

@@ -48,7 +48,7 @@ class Attention(nn.Module):
         self.rope_table = table_of(spec, layer)
         self.backend = backend
         self.ops = ops
-        # Tensor parallelism (pagedserve.engine.parallel.layers): sums the ranks' partial o_proj outputs.
+        # Tensor parallelism (pagedserve.engine.model.layers.parallel): sums the ranks' partial o_proj outputs.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
