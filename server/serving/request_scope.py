@@ -2,7 +2,7 @@
 (pagedserve.server.serving.generation), whichever API it speaks: read the JSON body, resolve the model version a
 name asks for (a LoRA adapter's name runs on its base version), count the request in flight on
 its version (with its `keep_alive`) and adapter, and turn the handlers' refusals into
-`ErrorReply`s. The OpenAI routes (pagedserve.server.app.inference), Ollama's (pagedserve.server.ollama) and
+`ErrorReply`s. The OpenAI routes (pagedserve.server.openai), Ollama's (pagedserve.server.ollama) and
 Anthropic's (pagedserve.server.anthropic) all use these."""
 
 from __future__ import annotations
