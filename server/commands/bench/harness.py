@@ -1,5 +1,6 @@
 """The benchmark harness that `pagedserve bench` and the scripts in benchmarks/ share.
 
+- `alternating_rounds`: every side once per round, the order reversed every other round.
 - `run_paired`: paired rounds of two sides (a baseline and a candidate), the order alternating
   every round so that neither side always runs on a warmer or a quieter machine; every round's
   ratio candidate / baseline is printed, and the result is the median of the per-round ratios.
@@ -20,9 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
-from typing import Any
+from typing import Any, TypeVar
 
 MIN_ROUNDS = 5  # the project's bar for a paired comparison
+_T = TypeVar("_T")
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -79,6 +81,26 @@ class PairedRounds:
         ]
 
 
+def alternating_rounds(
+    sides: Sequence[str],
+    measure: Callable[[str], _T],
+    rounds: int,
+    on_round: Callable[[int, tuple[str, ...]], None] | None = None,
+) -> dict[str, list[_T]]:
+    """`rounds` rounds of `measure(side)` for every side: in the given order in even rounds,
+    reversed in odd ones; `on_round(round, order)` after each. Side -> its results, in rounds."""
+    if rounds < 1:
+        raise ValueError(f"rounds: must be >= 1, got {rounds}")
+    out: dict[str, list[_T]] = {side: [] for side in sides}
+    for r in range(rounds):
+        order = tuple(sides) if r % 2 == 0 else tuple(reversed(sides))
+        for side in order:
+            out[side].append(measure(side))
+        if on_round is not None:
+            on_round(r, order)
+    return out
+
+
 def run_paired(
     baseline: str,
     candidate: str,
@@ -90,20 +112,24 @@ def run_paired(
 ) -> PairedRounds:
     """`rounds` rounds of `measure(side)` for both sides, baseline first in even rounds and
     candidate first in odd ones; each round's ratio is logged as it lands."""
-    if rounds < 1:
-        raise ValueError(f"rounds: must be >= 1, got {rounds}")
-    result = PairedRounds(baseline, candidate, metric, {baseline: [], candidate: []})
-    for r in range(rounds):
-        order = (baseline, candidate) if r % 2 == 0 else (candidate, baseline)
-        for side in order:
-            result.runs[side].append(measure(side))
-        result.orders.append(order)
+    result = PairedRounds(baseline, candidate, metric)
+
+    def done(r: int, order: tuple[str, ...]) -> None:
+        result.orders.append((order[0], order[1]))
         result.loads.append(os.getloadavg()[0])
         b, c = result.runs[baseline][-1][metric], result.runs[candidate][-1][metric]
         log(
             f"round {r + 1} ({', '.join(order)}): {baseline} {b:.4g}, {candidate} {c:.4g}, "
             f"{candidate} / {baseline} {c / b:.3f} (load {result.loads[-1]:.1f})"
         )
+
+    def measured(side: str) -> dict[str, Any]:
+        record = measure(side)
+        result.runs[side].append(record)
+        return record
+
+    result.runs = {baseline: [], candidate: []}
+    alternating_rounds((baseline, candidate), measured, rounds, on_round=done)
     return result
 
 

@@ -36,6 +36,20 @@ def test_paired_rounds_alternate_the_sides_and_take_the_median_of_the_per_round_
     assert any("**1.200**" in row for row in paired.table())
 
 
+def test_alternating_rounds_reverse_the_order_of_any_number_of_sides():
+    calls: list[str] = []
+    seen: list[tuple[int, tuple[str, ...]]] = []
+
+    def measure(side: str) -> str:
+        calls.append(side)
+        return f"{side}{len(calls)}"
+
+    out = harness.alternating_rounds(["a", "b", "c"], measure, 3, on_round=lambda r, order: seen.append((r, order)))
+    assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert out == {"a": ["a1", "a6", "a7"], "b": ["b2", "b5", "b8"], "c": ["c3", "c4", "c9"]}
+    assert seen == [(0, ("a", "b", "c")), (1, ("c", "b", "a")), (2, ("a", "b", "c"))]
+
+
 def test_paired_rounds_refuse_no_round():
     with pytest.raises(ValueError, match="rounds: must be >= 1"):
         harness.run_paired("a", "b", lambda side: {"x": 1.0}, metric="x", rounds=0)
