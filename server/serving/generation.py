@@ -1,4 +1,5 @@
-"""One generation request, from a checked body to the bytes on the wire.
+"""One generation request, from a checked body to the bytes on the wire (the routes reach this
+through pagedserve.server.serving.generation_request.run_generation).
 
 `prepare` runs the engine's prepare step (pagedserve.engine.request.inputs: tokenize, chat template, validate
 against the workers' limits) off the event loop, then picks a worker for the tokens (the
