@@ -85,10 +85,11 @@ def alternating_rounds(
     sides: Sequence[str],
     measure: Callable[[str], _T],
     rounds: int,
-    on_round: Callable[[int, tuple[str, ...]], None] | None = None,
+    on_round: Callable[[int, tuple[str, ...], dict[str, list[_T]]], None] | None = None,
 ) -> dict[str, list[_T]]:
     """`rounds` rounds of `measure(side)` for every side: in the given order in even rounds,
-    reversed in odd ones; `on_round(round, order)` after each. Side -> its results, in rounds."""
+    reversed in odd ones; `on_round(round, order, results so far)` after each (to print the
+    round's ratios). Side -> its results, in rounds."""
     if rounds < 1:
         raise ValueError(f"rounds: must be >= 1, got {rounds}")
     out: dict[str, list[_T]] = {side: [] for side in sides}
@@ -97,7 +98,7 @@ def alternating_rounds(
         for side in order:
             out[side].append(measure(side))
         if on_round is not None:
-            on_round(r, order)
+            on_round(r, order, out)
     return out
 
 
@@ -114,22 +115,16 @@ def run_paired(
     candidate first in odd ones; each round's ratio is logged as it lands."""
     result = PairedRounds(baseline, candidate, metric)
 
-    def done(r: int, order: tuple[str, ...]) -> None:
+    def done(r: int, order: tuple[str, ...], runs: dict[str, list[dict[str, Any]]]) -> None:
         result.orders.append((order[0], order[1]))
         result.loads.append(os.getloadavg()[0])
-        b, c = result.runs[baseline][-1][metric], result.runs[candidate][-1][metric]
+        b, c = runs[baseline][-1][metric], runs[candidate][-1][metric]
         log(
             f"round {r + 1} ({', '.join(order)}): {baseline} {b:.4g}, {candidate} {c:.4g}, "
             f"{candidate} / {baseline} {c / b:.3f} (load {result.loads[-1]:.1f})"
         )
 
-    def measured(side: str) -> dict[str, Any]:
-        record = measure(side)
-        result.runs[side].append(record)
-        return record
-
-    result.runs = {baseline: [], candidate: []}
-    alternating_rounds((baseline, candidate), measured, rounds, on_round=done)
+    result.runs = alternating_rounds((baseline, candidate), measure, rounds, on_round=done)
     return result
 
 

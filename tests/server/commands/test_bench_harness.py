@@ -44,7 +44,11 @@ def test_alternating_rounds_reverse_the_order_of_any_number_of_sides():
         calls.append(side)
         return f"{side}{len(calls)}"
 
-    out = harness.alternating_rounds(["a", "b", "c"], measure, 3, on_round=lambda r, order: seen.append((r, order)))
+    def on_round(r: int, order: tuple[str, ...], so_far: dict[str, list[str]]) -> None:
+        seen.append((r, order))
+        assert all(len(v) == r + 1 for v in so_far.values())  # the round's results are in
+
+    out = harness.alternating_rounds(["a", "b", "c"], measure, 3, on_round=on_round)
     assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
     assert out == {"a": ["a1", "a6", "a7"], "b": ["b2", "b5", "b8"], "c": ["c3", "c4", "c9"]}
     assert seen == [(0, ("a", "b", "c")), (1, ("c", "b", "a")), (2, ("a", "b", "c"))]
