@@ -1,14 +1,14 @@
-"""What the benchmark scripts share: workload prompts, peak memory, running one phase of a
-script in a fresh child process (its last stdout line is the phase's JSON result), and a
-`pagedserve serve` process on free ports."""
+"""What the benchmark scripts share besides the harness (paired rounds, peak memory, the CPU's
+name, the results' paths and provenance: pagedserve.server.commands.bench.harness, which
+`pagedserve bench` uses too): workload prompts, running one phase of a script in a fresh child
+process (its last stdout line is the phase's JSON result), and a `pagedserve serve` process on
+free ports."""
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import random
-import resource
 import socket
 import subprocess
 import sys
@@ -16,6 +16,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pagedserve.server.commands.bench import harness
+from pagedserve.server.commands.bench.harness import cpu_description, cpu_kind, peak_rss_mib, provenance, stamp
+
+__all__ = ["cpu_description", "cpu_kind", "peak_rss_mib", "provenance", "stamp"]  # for the scripts
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -30,16 +34,6 @@ def make_prompts(tokenizer, num: int, length: int, seed: int) -> list[list[int]]
     ]
 
 
-def peak_rss_mib(pid: int | None = None) -> float:
-    """Peak resident memory of this process, or of process `pid` (Linux /proc)."""
-    if pid is None:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def run_phase(script: str, args: list[str]) -> dict:
     """Run `script --phase ...` in a fresh process; RuntimeError (with its stderr) if it fails."""
     out = subprocess.run([sys.executable, script, *args], check=False, capture_output=True, text=True)
@@ -48,37 +42,10 @@ def run_phase(script: str, args: list[str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def cpu_kind() -> str:
-    """A short name for the kind of CPU, the key of a benchmark's results file
-    (`results/<benchmark>.<cpu-kind>.md`): one current file per benchmark per CPU kind."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.machine() or "unknown"
-    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "")
-    flags = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
-    if "AMD" in name:
-        return "zen4" if "avx512f" in flags else "zen3" if "avx2" in flags else "amd"
-    if "Intel" in name:
-        return "xeon-amx" if "amx_bf16" in flags else "xeon" if "avx512f" in flags else "intel"
-    return platform.machine() or "unknown"
-
-
 def result_path(name: str, ext: str) -> Path:
-    """Where benchmark `name` writes its `ext` results on this kind of CPU."""
-    return RESULTS / f"{name}.{cpu_kind()}.{ext}"
-
-
-def cpu_description() -> str:
-    """The CPU's model name, logical CPU count and the matmul-relevant ISA flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or "unknown"
-    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "unknown")
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
-    isa = [f for f in ("avx512_bf16", "avx512_vnni", "amx_int8", "amx_bf16") if f in flags]
-    return f"{name}, {text.count('processor')} logical CPUs, {' '.join(isa) or 'no avx512_bf16/vnni/amx'}"
+    """Where benchmark `name` writes its `ext` results on this kind of CPU (one current file
+    per benchmark and CPU kind; the history is in git)."""
+    return harness.result_path(RESULTS, name, ext)
 
 
 def free_port() -> int:

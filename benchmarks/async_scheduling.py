@@ -16,16 +16,14 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import random
 import sys
 import time
 from pathlib import Path
-from statistics import median
 
 from _common import RESULTS, result_path, run_phase
 
-MIN_ROUNDS = 5
+from pagedserve.server.commands.bench.harness import MIN_ROUNDS, provenance, run_paired, stamp
 
 
 def phase(args, async_scheduling: bool) -> dict:
@@ -94,22 +92,15 @@ def main() -> None:
         "--dtype",
         args.dtype,
     ]
-    runs: dict[str, list[dict]] = {"off": [], "on": []}
-    loads = []
-    for r in range(args.rounds):
-        order = ("off", "on") if r % 2 == 0 else ("on", "off")
-        for side in order:
-            runs[side].append(run_phase(__file__, ["--phase", side, *common]))
-        loads.append(os.getloadavg()[0])
-        ratio = runs["on"][-1]["tok_per_s"] / runs["off"][-1]["tok_per_s"]
-        print(
-            f"round {r + 1} ({', '.join(order)}): off {runs['off'][-1]['tok_per_s']:.1f} tok/s, "
-            f"on {runs['on'][-1]['tok_per_s']:.1f} tok/s, on / off {ratio:.3f} (load {loads[-1]:.1f})",
-            flush=True,
-        )
-    if len({x["tokens_digest"] for v in runs.values() for x in v}) != 1:
+    paired = run_paired(
+        "off",
+        "on",
+        lambda side: run_phase(__file__, ["--phase", side, *common]),
+        metric="tok_per_s",
+        rounds=args.rounds,
+    )
+    if len({x["tokens_digest"] for v in paired.runs.values() for x in v}) != 1:
         raise SystemExit("async scheduling changed the output tokens")
-    ratios = [on["tok_per_s"] / off["tok_per_s"] for on, off in zip(runs["on"], runs["off"])]
     summary = {
         "workload": {
             "num_prompts": args.num_prompts,
@@ -119,31 +110,25 @@ def main() -> None:
             "threads": args.threads,
         },
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "platform": platform.platform(),
-        "load_average_per_round": loads,
-        "ratio_median": median(ratios),
-        "ratio_per_round": ratios,
-        "runs": runs,
+        **provenance(paired.loads),
+        **paired.summary(),
     }
     md = [
         "# Async scheduling on / off (latest run)",
+        "",
+        stamp(summary),
         "",
         (
             f"{args.num_prompts} prompts x {args.prompt_len} tokens -> {args.output_len} tokens, {args.dtype}, "
             f"{args.threads} torch threads, greedy, same tokens on both sides; {args.rounds} paired rounds (fresh "
             "processes, order reversed every other round). Load average after each round: "
-            + ", ".join(f"{x:.1f}" for x in loads)
+            + ", ".join(f"{x:.1f}" for x in paired.loads)
             + f" on {os.cpu_count()} cores."
         ),
         "",
-        "| measure | value |",
-        "| --- | --- |",
-        f"| off (median) | {median(x['tok_per_s'] for x in runs['off']):.1f} tok/s |",
-        f"| on (median) | {median(x['tok_per_s'] for x in runs['on']):.1f} tok/s |",
-        f"| **on / off, median of the per-round ratios** | **{median(ratios):.3f}** |",
-        "| per-round ratios | " + ", ".join(f"{r:.3f}" for r in ratios) + " |",
+        *paired.table(" tok/s"),
         "",
-        f"Run on {summary['date']} ({summary['platform']}).",
+        f"Run on {summary['date']}.",
     ]
     RESULTS.mkdir(exist_ok=True)
     result_path(f"{args.name}", "json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -48,6 +48,7 @@ from pagedserve.engine.attention.metadata import AttentionMetadata
 from pagedserve.engine.attention.torch_backend import TorchAttentionBackend, _build_decode_plan
 from pagedserve.engine.platform.process_setup import tune_glibc_malloc
 from pagedserve.kernels.cpu_paged_attention import load_cpu_kernels
+from pagedserve.server.commands.bench.harness import alternating_rounds
 
 
 def context_lengths(kind: str, batch: int, g: torch.Generator) -> list[int]:
@@ -183,17 +184,18 @@ def kv_variant(name: str, ext, cache, meta, q, kv, layers: int):
 
 
 def paired_rounds(steps: dict, rounds: int, reps: int) -> dict[str, list[float]]:
-    """ms per step of every variant, each round in alternating order (median of `reps` runs)."""
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for r in range(rounds):
-        for name in list(steps) if r % 2 == 0 else list(steps)[::-1]:
-            runs = []
-            for _ in range(reps):
-                start = time.perf_counter()
-                steps[name]()
-                runs.append(time.perf_counter() - start)
-            times[name].append(statistics.median(runs) * 1e3)
-    return times
+    """ms per step of every variant, each round in alternating order (the shared harness's
+    alternating_rounds; median of `reps` runs)."""
+
+    def ms_per_step(name: str) -> float:
+        runs = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            steps[name]()
+            runs.append(time.perf_counter() - start)
+        return statistics.median(runs) * 1e3
+
+    return alternating_rounds(list(steps), ms_per_step, rounds)
 
 
 def kv_compare(args) -> None:

@@ -6,8 +6,9 @@
 2. The engine on 64 prompts x 200 tokens, 48 output tokens (EOS ignored, greedy), with and
    without packing, in the same process.
 
-Method (issue 14): paired rounds (at least 5), the two sides' order reversed every other round;
-the result is the median of the per-round ratios (every one printed), never the best round.
+Method (issue 14): paired rounds (at least 5) through the shared harness
+(pagedserve.server.commands.bench.harness.run_paired), the two sides' order reversed every other
+round; the result is the median of the per-round ratios (every one printed), never the best round.
 
 Writes benchmarks/results/bench_packed_linear.<cpu-kind>.{md,json}; reports peak RSS.
 
@@ -28,7 +29,7 @@ from statistics import median
 
 from _common import RESULTS, cpu_description, peak_rss_mib, result_path
 
-MIN_ROUNDS = 5
+from pagedserve.server.commands.bench.harness import MIN_ROUNDS, run_paired
 
 REPO = Path(__file__).resolve().parent.parent
 # (name, out_features, in_features) of SmolLM2-135M's projections and its LM head.
@@ -64,15 +65,21 @@ def bench_shapes(rounds: int) -> list[dict]:
             x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
             packed = PackedLinear(w, None)
             sides = {"plain": lambda x=x, w=w: F.linear(x, w), "packed": lambda x=x, packed=packed: packed(x)}
-            us = paired(sides, rounds, time_call)
-            ratios = [p / q for p, q in zip(us["plain"], us["packed"])]
+
+            def measure(side: str, sides=sides) -> dict:
+                us = time_call(sides[side])
+                return {"us": us, "calls_per_s": 1e6 / us}
+
+            # packed / plain calls per second = plain / packed microseconds: the speedup
+            calls = run_paired("plain", "packed", measure, metric="calls_per_s", rounds=rounds, log=lambda line: None)
+            ratios = calls.ratios
             rows.append(
                 {
                     "rows": m,
                     "layer": name,
-                    "plain_us": median(us["plain"]),
-                    "packed_us": median(us["packed"]),
-                    "speedup": median(ratios),
+                    "plain_us": median(x["us"] for x in calls.runs["plain"]),
+                    "packed_us": median(x["us"] for x in calls.runs["packed"]),
+                    "speedup": calls.ratio_median,
                     "per_round": ratios,
                 }
             )
@@ -106,23 +113,12 @@ def bench_engine(rounds: int) -> dict:
         llm.generate(prompts, params)
         return 64 * 48 / (time.perf_counter() - start)
 
-    runs = paired({"plain": plain, "packed": packed}, rounds, tok_per_s)
-    ratios = [p / q for p, q in zip(runs["packed"], runs["plain"])]
-    for r, ratio in enumerate(ratios):
-        print(
-            f"  round {r + 1}: plain {runs['plain'][r]:.1f}, packed {runs['packed'][r]:.1f} tok/s, {ratio:.2f}x",
-            flush=True,
-        )
-    return {"runs_tok_per_s": runs, "speedup": median(ratios), "per_round": ratios}
-
-
-def paired(sides: dict, rounds: int, measure) -> dict[str, list[float]]:
-    """`measure(side)` for each side once per round, the order reversed every other round."""
-    out: dict[str, list[float]] = {name: [] for name in sides}
-    for r in range(rounds):
-        for name in list(sides) if r % 2 == 0 else list(sides)[::-1]:
-            out[name].append(measure(sides[name]))
-    return out
+    engines = {"plain": plain, "packed": packed}
+    result = run_paired(
+        "plain", "packed", lambda side: {"tok_per_s": tok_per_s(engines[side])}, metric="tok_per_s", rounds=rounds
+    )
+    runs = {side: [x["tok_per_s"] for x in result.runs[side]] for side in engines}
+    return {"runs_tok_per_s": runs, "speedup": result.ratio_median, "per_round": result.ratios}
 
 
 def main() -> None:

@@ -80,6 +80,7 @@ def run_dtype(dtype_name: str, rounds: int, threads: int, cache_dir: str) -> dic
     from pagedserve.engine.model.default_model import default_model_dir
     from pagedserve.engine.model.loader import allocate_kv_caches, load_model, read_config, select_fused_ops
     from pagedserve.engine.platform.process_setup import tune_glibc_malloc
+    from pagedserve.server.commands.bench.harness import run_paired
 
     tune_glibc_malloc()
     torch.set_num_threads(threads)
@@ -109,14 +110,20 @@ def run_dtype(dtype_name: str, rounds: int, threads: int, cache_dir: str) -> dic
                 "compiled": lambda ids=ids, pos=pos, meta=meta: compiled(ids, pos, kv, meta),
             }
             diff = (sides["eager"]().float() - sides["compiled"]().float()).abs().max().item()
-            ratios, times = [], {"eager": [], "compiled": []}
-            for r in range(rounds):
-                for side in ("eager", "compiled") if r % 2 == 0 else ("compiled", "eager"):
-                    t0 = time.perf_counter()
-                    for _ in range(reps):
-                        sides[side]()
-                    times[side].append((time.perf_counter() - t0) / reps * 1e3)
-                ratios.append(times["eager"][-1] / times["compiled"][-1])
+
+            def measure(side: str, sides=sides, reps=reps) -> dict:
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    sides[side]()
+                ms = (time.perf_counter() - t0) / reps * 1e3
+                return {"ms": ms, "calls_per_s": 1e3 / ms}
+
+            # compiled / eager calls per second = eager / compiled time, per round
+            paired = run_paired(
+                "eager", "compiled", measure, metric="calls_per_s", rounds=rounds, log=lambda line: None
+            )
+            ratios = paired.ratios
+            times = {side: [x["ms"] for x in paired.runs[side]] for side in ("eager", "compiled")}
             out["cases"][name] = {
                 "eager_ms_median": round(statistics.median(times["eager"]), 2),
                 "compiled_ms_median": round(statistics.median(times["compiled"]), 2),

@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import RESULTS, cpu_description, peak_rss_mib, result_path, run_phase
+from pagedserve.server.commands.bench.harness import alternating_rounds
 
 QWEN3_1B = dict(
     architectures=["Qwen3ForCausalLM"],
@@ -208,16 +209,19 @@ def phase_decode(model_dir: Path, batches: list[int], new: int, rounds: int) -> 
         prompts = torch.randint(100, 20000, (batch, 16), generator=torch.Generator().manual_seed(batch))
         ours(prompts[:1])  # warm-up of both sides
         theirs(prompts[:1])
-        got = []
-        for r in range(rounds):
-            order = (("ours", ours), ("hf", theirs)) if r % 2 == 0 else (("hf", theirs), ("ours", ours))
-            got.append({name: fn(prompts) for name, fn in order})
+        sides = {"ours": ours, "hf": theirs}
+
+        def show(r: int, order: tuple[str, ...], so_far: dict[str, list[float]], batch: int = batch) -> None:
+            got = {name: so_far[name][-1] for name in order}
             print(
-                f"batch {batch} round {r}: {json.dumps(got[-1])} ratio {got[-1]['ours'] / got[-1]['hf']:.2f}",
+                f"batch {batch} round {r}: {json.dumps(got)} ratio {got['ours'] / got['hf']:.2f}",
                 file=sys.stderr,
                 flush=True,
             )
-        rows.append({"batch": batch, "rounds": got})
+
+        # the shared harness: each side once per round, the order reversed every other round
+        tps = alternating_rounds(("ours", "hf"), lambda name: sides[name](prompts), rounds, on_round=show)
+        rows.append({"batch": batch, "rounds": [{"ours": o, "hf": h} for o, h in zip(tps["ours"], tps["hf"])]})
     return rows
 
 

@@ -7,7 +7,7 @@ the 4 adapters takes a quarter of the rows, rank 16, all seven projections). The
 alternate for `--rounds` paired rounds, the order flipping every round; the reported ratio is
 the median of the per-round ratios (mixed tok/s / plain tok/s). Peak RSS of the process.
 
-Registering an adapter is timed as the server does it (pagedserve.engine.lora.archive + pagedserve.server.workers.adapters):
+Registering an adapter is timed as the server does it (pagedserve.engine.model.lora_archive + pagedserve.server.workers.adapters):
 archive the adapter (`write_lora_archive`), open and verify the archive (`load_archive`), read
 and check its factors against the base (`load_adapter`), and, in the worker, its first load
 into a slot. Adapters are random PEFT folders written here (adapter_config.json +
@@ -23,14 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from _common import RESULTS, make_prompts, peak_rss_mib, result_path
+
+from pagedserve.server.commands.bench.harness import provenance, run_paired, stamp
 
 REPO = Path(__file__).resolve().parent.parent
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -64,9 +64,9 @@ def write_adapter(folder: Path, spec, rank: int, seed: int) -> Path:
 def time_registration(model_dir: Path, spec, tmp: Path, rank: int) -> dict:
     """Seconds for each step of registering one adapter on the server, and its first slot load."""
     from pagedserve.engine.lora.adapter import load_adapter, lora_shapes
-    from pagedserve.engine.lora.archive import write_lora_archive
     from pagedserve.engine.lora.slots import LoRASlots
     from pagedserve.engine.model.archive_write import write_archive
+    from pagedserve.engine.model.lora_archive import write_lora_archive
     from pagedserve.server.workers.archives import load_archive
 
     store = tmp / "store"
@@ -139,30 +139,33 @@ def main() -> None:
         assert sum(len(o.outputs[0].token_ids) for o in outs) == args.batch * args.max_tokens
         return args.batch * args.max_tokens / elapsed
 
-    rounds = []
-    for r in range(args.rounds):
-        order = ["plain", "mixed"] if r % 2 == 0 else ["mixed", "plain"]
-        tps = {name: run(None if name == "plain" else mixed) for name in order}
-        rounds.append(
-            {"order": order, **{f"{k}_tok_per_s": v for k, v in tps.items()}, "ratio": tps["mixed"] / tps["plain"]}
-        )
-        print(f"round {r}: {rounds[-1]}", file=sys.stderr)
+    paired = run_paired(
+        "plain",
+        "mixed",
+        lambda side: {"tok_per_s": run(None if side == "plain" else mixed)},
+        metric="tok_per_s",
+        rounds=args.rounds,
+        log=lambda line: print(line, file=sys.stderr),
+    )
+    rounds = [
+        {"order": list(order), "plain_tok_per_s": p["tok_per_s"], "mixed_tok_per_s": m["tok_per_s"], "ratio": ratio}
+        for order, p, m, ratio in zip(paired.orders, paired.runs["plain"], paired.runs["mixed"], paired.ratios)
+    ]
     registration = time_registration(default_model_dir(), spec, tmp, args.rank)
     import shutil
 
     shutil.rmtree(tmp, ignore_errors=True)
-    ratios = [r["ratio"] for r in rounds]
+    ratios = paired.ratios
     result = {
         "what": "tok/s of a batch mixing 4 LoRA adapters vs the same batch with none (same engine, bf16)",
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}; shared and busy (other "
-        "developers' jobs running): ratios matter, absolute tok/s do not",
+        **provenance(paired.loads),
         "threads": args.threads,
         "batch": args.batch,
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,
         "rank": args.rank,
         "rounds": rounds,
-        "median_ratio": statistics.median(ratios),
+        "median_ratio": paired.ratio_median,
         "min_ratio": min(ratios),
         "target_ratio": 0.75,
         "peak_rss_mib": peak_rss_mib(),
@@ -172,6 +175,8 @@ def main() -> None:
     result_path("lora", "json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         "# LoRA: mixed-adapter batch vs no adapter",
+        "",
+        stamp(result),
         "",
         f"Default model, bf16, {args.threads} torch thread(s), batch {args.batch} x {args.prompt_len} prompt tokens, {args.max_tokens} output "
         f"tokens each, 4 adapters of rank {args.rank} on all seven projections (a quarter of the rows each). "

@@ -36,7 +36,8 @@ from statistics import median
 
 from _common import RESULTS, cpu_description, peak_rss_mib, result_path, run_phase
 
-MIN_ROUNDS = 5
+from pagedserve.server.commands.bench.harness import MIN_ROUNDS, alternating_rounds
+
 SHARE_TOKENS = 4  # tokens per sequence of the engine's timed share run
 BATCHES = (1, 32)
 PROMPT_LEN = 16
@@ -263,18 +264,17 @@ def main() -> None:
     args.model = build_model(args)
     params = count_params(args.model)
     print(f"model {args.model}: {params / 1e9:.3f}B parameters", flush=True)
-    runs: dict[str, list[dict]] = {"engine": [], "hf": []}
-    for r in range(args.rounds):
-        order = ("engine", "hf") if r % 2 == 0 else ("hf", "engine")
-        print(f"round {r + 1}/{args.rounds} ({', '.join(order)})", flush=True)
-        for phase in order:
-            runs[phase].append(run_child(args, phase))
+
+    def ratios(r: int, order: tuple[str, ...], runs: dict[str, list[dict]]) -> None:
         e, h = runs["engine"][-1], runs["hf"][-1]
         print(
-            "  ratios: "
+            f"round {r + 1}/{args.rounds} ({', '.join(order)}) ratios: "
             + ", ".join(f"batch {b} {e[f'batch{b}_tok_per_s'] / h[f'batch{b}_tok_per_s']:.2f}x" for b in BATCHES),
             flush=True,
         )
+
+    # the shared harness: each side once per round, the order reversed every other round
+    runs = alternating_rounds(("engine", "hf"), lambda phase: run_child(args, phase), args.rounds, on_round=ratios)
     summary = summarize(args, runs, params)
     RESULTS.mkdir(exist_ok=True)
     result_path(args.name, "json").write_text(json.dumps(summary | {"runs": runs}, indent=2))

@@ -38,7 +38,8 @@ from statistics import median
 
 from _common import RESULTS, cpu_description, make_prompts, peak_rss_mib, result_path, run_phase
 
-MIN_ROUNDS = 5  # fewer paired rounds than this give no result worth a median
+from pagedserve.server.commands.bench.harness import MIN_ROUNDS, alternating_rounds
+
 TTFT_TRIALS = 5
 
 
@@ -283,22 +284,20 @@ def run_child(args, phase: str) -> dict:
 def paired_rounds(args) -> dict[str, list[dict]]:
     """`args.rounds` rounds of the five phases, the order reversed every other round."""
     phases = ("engine", "hf", "engine_nocache", "latency_engine", "latency_hf")
-    runs: dict[str, list[dict]] = {p: [] for p in phases}
-    for r in range(args.rounds):
-        order = phases if r % 2 == 0 else phases[::-1]
-        print(f"round {r + 1}/{args.rounds} ({', '.join(order)})", flush=True)
-        for phase in order:
-            runs[phase].append(run_child(args, phase))
+
+    def show(r: int, order: tuple[str, ...], runs: dict[str, list[dict]]) -> None:
         engine, hf, nocache = (runs[p][-1]["tok_per_s"] for p in phases[:3])
         lat_e, lat_h = runs["latency_engine"][-1], runs["latency_hf"][-1]
         print(
-            f"  round {r + 1}: engine / transformers {engine / hf:.2f}x, "
+            f"  round {r + 1}/{args.rounds} ({', '.join(order)}): engine / transformers {engine / hf:.2f}x, "
             f"caching on / off {engine / nocache:.3f}, batch-1 decode "
             f"{lat_e['decode_tok_per_s'] / lat_h['decode_tok_per_s']:.2f}x, TTFT "
             f"{lat_e['ttft_1000_s'] / lat_h['ttft_1000_s']:.2f}x of transformers'",
             flush=True,
         )
-    return runs
+
+    # the shared harness (pagedserve.server.commands.bench.harness)
+    return alternating_rounds(phases, lambda phase: run_child(args, phase), args.rounds, on_round=show)
 
 
 def summarize(args, runs: dict[str, list[dict]], ttft: dict) -> dict:

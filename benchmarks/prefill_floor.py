@@ -27,6 +27,8 @@ from pathlib import Path
 
 from _common import result_path
 
+from pagedserve.server.commands.bench.harness import alternating_rounds
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -84,18 +86,19 @@ def run_dtype(dtype_name: str, tokens: int, rounds: int, threads: int) -> dict:
     ttft()
     floor()  # warm-up of both
     rows = []
-    for r in range(rounds):
-        if r % 2 == 0:
-            (t, attn), f = ttft(), floor()
-        else:
-            f = floor()
-            t, attn = ttft()
+
+    def record(r: int, order: tuple[str, ...], got: dict[str, list]) -> None:
+        (t, attn), f = got["ttft"][-1], got["floor"][-1]
         rows.append({"ttft_s": t, "floor_s": f, "attention_s": attn, "ratio": t / f})
         print(
             f"{dtype_name} round {r}: ttft {t * 1e3:.0f} ms, floor {f * 1e3:.0f} ms, attention {attn * 1e3:.0f} ms, "
             f"ratio {t / f:.3f}",
             flush=True,
         )
+
+    # the shared harness (pagedserve.server.commands.bench.harness): the order reversed every other round
+    sides: dict = {"ttft": ttft, "floor": floor}
+    alternating_rounds(("ttft", "floor"), lambda side: sides[side](), rounds, on_round=record)
     med = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
     return {
         "dtype": dtype_name,

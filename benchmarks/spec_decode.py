@@ -28,6 +28,8 @@ from pathlib import Path
 
 from _common import RESULTS, cpu_description, result_path, run_phase
 
+from pagedserve.server.commands.bench.harness import alternating_rounds
+
 REPO = Path(__file__).resolve().parent.parent
 METHODS = ("plain", "ngram", "suffix", "auto")
 PARAGRAPH = (
@@ -170,36 +172,37 @@ def main() -> None:
     else:
         plan = {m: args.cases for m in ["plain", *args.methods.split(",")]}
     methods = list(plan)
-    runs = {m: [] for m in methods}
-    for r in range(args.rounds):
-        for method in methods[:: 1 if r % 2 == 0 else -1]:
-            result = run_phase(
-                __file__,
-                [
-                    "--phase",
-                    method,
-                    "--k",
-                    str(args.k),
-                    "--max-tokens",
-                    str(args.max_tokens),
-                    "--threads",
-                    str(args.threads),
-                    "--cases",
-                    plan[method],
-                    "--agent-tokens",
-                    str(args.agent_tokens),
-                ],
-            )
-            runs[method].append(result)
-            print(
-                f"round {r + 1} {method}: "
-                + ", ".join(
-                    f"{case} {v['tok_per_s']:.1f}"
-                    + (f" (acc {v['acceptance']:.2f})" if v["acceptance"] is not None else "")
-                    for case, v in result.items()
-                ),
-                flush=True,
-            )
+
+    def measure(method: str) -> dict:
+        result = run_phase(
+            __file__,
+            [
+                "--phase",
+                method,
+                "--k",
+                str(args.k),
+                "--max-tokens",
+                str(args.max_tokens),
+                "--threads",
+                str(args.threads),
+                "--cases",
+                plan[method],
+                "--agent-tokens",
+                str(args.agent_tokens),
+            ],
+        )
+        print(
+            f"{method}: "
+            + ", ".join(
+                f"{case} {v['tok_per_s']:.1f}"
+                + (f" (acc {v['acceptance']:.2f})" if v["acceptance"] is not None else "")
+                for case, v in result.items()
+            ),
+            flush=True,
+        )
+        return result
+
+    def after(r: int, order: tuple[str, ...], runs: dict[str, list[dict]]) -> None:
         for method in methods[1:]:
             print(
                 f"round {r + 1} ratios {method} (CPU time / wall): "
@@ -211,6 +214,9 @@ def main() -> None:
                 flush=True,
             )
         write_results(args, methods, runs)  # after every round: a cut-short run keeps its rounds
+
+    # the shared harness (pagedserve.server.commands.bench.harness): the order reversed every other round
+    alternating_rounds(methods, measure, args.rounds, on_round=after)
 
 
 def write_results(args, methods: list[str], runs: dict) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 from pagedserve.engine.config.engine import EngineConfig
 from pagedserve.engine.core.client import InprocClient
@@ -76,7 +77,10 @@ class LLM:
             prepare_input(self.tokenizer, spec, pooling_sampling_params(), self.engine.input_limits, pooling)
             for spec in _specs(prompts)
         ]
-        return [out.outputs[0].embedding for out in self.run(inputs)]
+        vectors = [out.outputs[0].embedding for out in self.run(inputs)]
+        if any(v is None for v in vectors):
+            raise RuntimeError("a pooling request finished without its embedding")
+        return cast(list[list[float]], vectors)
 
     def chat(
         self,
@@ -143,11 +147,14 @@ class LLM:
 
 def _specs(prompts: PromptType | Sequence[PromptType]) -> list[PromptSpec]:
     """One prompt (text or token ids) or a list of them -> their PromptSpecs."""
+    many: Sequence[PromptType]
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    if not prompts:
+        many = [cast(PromptType, prompts)]  # one prompt: text, or token ids
+    else:
+        many = cast(Sequence[PromptType], prompts)
+    if not many:
         raise ValueError("no prompts given")
-    return [PromptSpec(text=p) if isinstance(p, str) else PromptSpec(token_ids=list(p)) for p in prompts]
+    return [PromptSpec(text=p) if isinstance(p, str) else PromptSpec(token_ids=list(p)) for p in many]
 
 
 def _lora_list(lora, n: int) -> list[LoRARequest | None]:

@@ -94,6 +94,19 @@ def make_sampling_params(fields: dict[str, Any]) -> SamplingParams:
     return convert_body(fields, SamplingParams)
 
 
+def rename_max_new_tokens(fields: dict[str, Any]) -> dict[str, Any]:
+    """TorchServe LLM examples' `max_new_tokens` (also KServe's parameters) -> `max_tokens`."""
+    if "max_new_tokens" not in fields:
+        return fields
+    if "max_tokens" in fields:
+        raise HandlerError(
+            "max_new_tokens: give it or 'max_tokens' (the same setting), not both", param="max_new_tokens"
+        )
+    fields = dict(fields)
+    fields["max_tokens"] = fields.pop("max_new_tokens")
+    return fields
+
+
 def _token_id_key(key: Any) -> Any:
     if isinstance(key, str):
         if not key.isascii() or not key.isdigit():

@@ -5,6 +5,7 @@ and Hugging Face's `kernels` and loads a model through transformers."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -19,7 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run(argv: list[str], cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
-    out = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
+    # Without the caller's PYTHONPATH: a checkout on it would shadow the wheel being tested.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     assert out.returncode == 0, f"{' '.join(argv)}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return out
 

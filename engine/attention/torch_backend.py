@@ -128,7 +128,10 @@ class _ShortChunks:
 
 
 def _build_short_chunks(meta: AttentionMetadata) -> _ShortChunks:
-    seq_of_row, lens, rows, seqs = [], [], [], []
+    seq_of_row: list[int] = []
+    lens: list[int] = []
+    rows: list[int] = []
+    seqs: list[int] = []
     start = 0
     for i, (q, length) in enumerate(zip(meta.query_lens, meta.seq_lens)):
         if q <= SHORT_CHUNK_TOKENS:
@@ -289,6 +292,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(query)
         for group in plan.groups:
             rows = group.rows_of_batch
+            assert rows is not None  # only a lone group covers the whole batch
             out.index_copy_(0, rows, self._decode_group(query.index_select(0, rows), kv_cache, group, scale))
         return out
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 import msgspec
 from msgspec import Meta
@@ -39,8 +39,10 @@ class CompileMode(enum.Enum):
     ALWAYS = "always"
 
 
+DTypeName = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
+
 # dtype names -> torch's attribute name (the canonical name EngineConfig keeps)
-_DTYPES = {
+_DTYPES: dict[str, DTypeName] = {
     "float32": "float32",
     "fp32": "float32",
     "bfloat16": "bfloat16",
@@ -48,7 +50,6 @@ _DTYPES = {
     "float16": "float16",
     "fp16": "float16",
 }
-DTypeName = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
 
 MAX_TENSOR_PARALLEL = 64  # ranks of one worker
 
@@ -176,11 +177,11 @@ class EngineConfig(EngineFields):
 
     def __post_init__(self) -> None:
         if type(self.dtype).__name__ == "dtype":  # a torch.dtype given in Python
-            self.dtype = str(self.dtype).removeprefix("torch.")
+            self.dtype = cast(DTypeName, str(self.dtype).removeprefix("torch."))  # checked below
         for name in ("dtype", "quantization", "kv_cache_dtype"):
             value = getattr(self, name)
             if isinstance(value, str):
-                setattr(self, name, value.lower())
+                setattr(self, name, value.lower())  # checked below
         checked = check_fields(self, EngineFields)
         for field in msgspec.structs.fields(EngineFields):
             setattr(self, field.name, getattr(checked, field.name))
@@ -249,7 +250,7 @@ class EngineConfig(EngineFields):
         """Number of KV blocks: exact if given, else the memory budget divided by block size."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
-        num = self.kv_cache_memory // bytes_per_block
+        num = parse_size(self.kv_cache_memory) // bytes_per_block
         if num < 2:
             raise ValueError(
                 f"kv_cache_memory={self.kv_cache_memory} bytes holds {num} blocks of "

@@ -76,6 +76,7 @@ def schema_error(exc: msgspec.ValidationError, data: Any = None, schema: Any = N
     """msgspec's message -> "field: must be ..., got VALUE" (the value read back from `data`, the
     allowed values of a Literal or Enum field read from `schema`)."""
     match = _AT.match(str(exc))
+    assert match is not None  # every string matches: the location part is optional
     message, path = match["msg"], _field_name(match["path"] or "")
     secret = _SECRET.search(path or "") is not None  # a refused key or token is never echoed
     value = _MISSING_VALUE if secret else _lookup(data, match["path"] or "")
@@ -141,7 +142,7 @@ def _field_type(schema: Any, path: str) -> Any:
     if schema is None:
         return None
     try:
-        info = msgspec.inspect.type_info(schema)
+        info: Any = msgspec.inspect.type_info(schema)
     except (TypeError, ValueError):
         return None
     for key, index in _PATH_PART.findall(path):

@@ -12,14 +12,14 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field, replace
 
 from pagedserve.engine.config.engine import EngineConfig
 from pagedserve.engine.core.client import EngineDeadError, EngineStartError, MPClient
 from pagedserve.engine.core.messages import EngineInfo, SleepState
 from pagedserve.engine.core.output_processor import OutputProcessor
-from pagedserve.engine.request.inputs import EngineInput, InputLimits, validate_input
+from pagedserve.engine.request.inputs import EngineInput, InputLimits
 from pagedserve.engine.request.outputs import RequestMetrics, RequestOutput
 from pagedserve.engine.scheduler.stats import SchedulerStats
 
@@ -110,6 +110,19 @@ class AsyncLLM:
     def num_unfinished(self) -> int:
         return len(self._queues)
 
+    @property
+    def _worker(self) -> MPClient:
+        if self._client is None:
+            raise EngineDeadError(f"{self.name} is not started")
+        return self._client
+
+    @property
+    def _owner_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop that started the worker: its queues and futures live there."""
+        if self._loop is None:
+            raise EngineDeadError(f"{self.name} is not started")
+        return self._loop
+
     # -- life cycle ------------------------------------------------------------------------
     async def start(self, timeout: float = 300.0) -> EngineInfo:
         """Spawn the worker and wait until its engine is built (EngineStartError otherwise)."""
@@ -148,14 +161,14 @@ class AsyncLLM:
             raise RuntimeError(f"{self.name} has {self.num_unfinished} requests in flight")
         self.sleeping = True  # no new request from here on
         try:
-            return await self._sleep_or_wake(self._client.sleep, timeout)
+            return await self._sleep_or_wake(self._worker.sleep, timeout)
         except BaseException:
             self.sleeping = False
             raise
 
     async def wake(self, timeout: float = 300.0) -> SleepState:
         """Load the weights and KV pool again; routing resumes once the worker says so."""
-        answer = await self._sleep_or_wake(self._client.wake, timeout)
+        answer = await self._sleep_or_wake(self._worker.wake, timeout)
         self.sleeping = answer.sleeping
         return answer
 
@@ -164,7 +177,7 @@ class AsyncLLM:
             raise EngineDeadError(f"{self.name} is not running")
         if self._sleep_answer is not None:
             raise RuntimeError(f"{self.name} is already going to sleep or waking up")
-        self._sleep_answer = self._loop.create_future()
+        self._sleep_answer = self._owner_loop.create_future()
         # The worker sends no heartbeat while it loads or frees its weights (seconds to
         # minutes for a large model): its silence is bounded by `timeout` instead.
         heartbeat = self._client.heartbeat_timeout
@@ -199,10 +212,10 @@ class AsyncLLM:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Generate for a prepared input (pagedserve.engine.request.inputs); cumulative outputs until finished.
-        InvalidInput (a ValueError) for input the engine would refuse, before it is queued."""
-        validate_input(inp.token_ids, inp.params, self.limits)
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Generate for a prepared input; cumulative outputs until finished. `inp` was checked
+        where the request entered (pagedserve.engine.request.inputs.validate_input against
+        `limits`, by the front end's prepare step): nothing is checked again on the way down."""
         if not self.is_ready:
             raise EngineDeadError(f"{self.name} is not running: {self.dead_reason or 'shutting down'}")
         arrival = arrival_time if arrival_time is not None else time.monotonic()
@@ -218,7 +231,7 @@ class AsyncLLM:
             if self.is_dead:  # died between the check above and the registration
                 raise EngineDeadError(f"{self.name} died: {self.dead_reason}")
             for request in requests:
-                self._client.add_request(request)
+                self._worker.add_request(request)
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -251,7 +264,7 @@ class AsyncLLM:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         if not self.is_ready:
             raise EngineDeadError(f"{self.name} is not running")
-        self._client.set_num_threads(num_threads)
+        self._worker.set_num_threads(num_threads)
         self.num_threads = num_threads
 
     def interrupt(self, request_id: str, error: BaseException) -> None:
@@ -268,7 +281,7 @@ class AsyncLLM:
                 self._parents.pop(child_id, None)
         if child_ids and not self.is_dead and not self._closing:
             try:
-                self._client.abort_requests(child_ids)
+                self._worker.abort_requests(child_ids)
             except EngineDeadError:
                 pass  # the worker is gone, and its blocks with it
 
@@ -276,19 +289,19 @@ class AsyncLLM:
     def _output_loop(self) -> None:
         while not self._closing:
             try:
-                batch = self._client.get_output(timeout=POLL_S)
+                batch = self._worker.get_output(timeout=POLL_S)
             except EngineDeadError as exc:
                 if not self._closing:
-                    self._loop.call_soon_threadsafe(self._on_death, str(exc))
+                    self._owner_loop.call_soon_threadsafe(self._on_death, str(exc))
                 return
             except Exception:  # a bug here must not silently stall every request
                 logger.exception("%s: output thread failed", self.name)
-                self._loop.call_soon_threadsafe(self._on_death, "the front end's output thread failed")
+                self._owner_loop.call_soon_threadsafe(self._on_death, "the front end's output thread failed")
                 return
             if batch is None:
                 continue
             if isinstance(batch, SleepState):
-                self._loop.call_soon_threadsafe(self._on_sleep_state, batch)
+                self._owner_loop.call_soon_threadsafe(self._on_sleep_state, batch)
                 continue
             self.stats = batch.stats
             if batch.outputs:
@@ -317,11 +330,11 @@ class AsyncLLM:
                 self._parents.pop(child_id, None)
         if to_abort:  # stop strings end requests the engine would otherwise continue
             try:
-                self._client.abort_requests(to_abort)
+                self._worker.abort_requests(to_abort)
             except EngineDeadError:
                 pass
         if deliveries:
-            self._loop.call_soon_threadsafe(self._deliver, deliveries)
+            self._owner_loop.call_soon_threadsafe(self._deliver, deliveries)
 
     # -- loop side -------------------------------------------------------------------------
     def _deliver(self, deliveries: list[RequestOutput]) -> None:

@@ -50,7 +50,7 @@ class EngineStalledError(EngineDeadError):
 
 
 class EngineCoreClient(abc.ABC):
-    info: EngineInfo
+    info: EngineInfo | None  # None until the worker reports ready
 
     @abc.abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
@@ -63,8 +63,9 @@ class EngineCoreClient(abc.ABC):
         """Torch threads of the engine from its next step on."""
 
     @abc.abstractmethod
-    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
-        """The next step's outputs (None: nothing within `timeout`). EngineDeadError if gone."""
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | SleepState | None:
+        """The next step's outputs, or the answer to a sleep / wake (None: nothing within
+        `timeout`). EngineDeadError if gone."""
 
     @abc.abstractmethod
     def shutdown(self, timeout: float = 10.0) -> None: ...

@@ -16,7 +16,7 @@ from pagedserve.engine.kv_cache.hashing import get_hash_fn
 from pagedserve.engine.kv_cache.manager import KVCacheManager
 from pagedserve.engine.model.model_source import resolve_model_dir
 from pagedserve.engine.platform.process_setup import release_free_memory
-from pagedserve.engine.request.inputs import InputLimits, validate_input
+from pagedserve.engine.request.inputs import InputLimits
 from pagedserve.engine.request.request import FinishReason, Request, RequestStatus
 from pagedserve.engine.runner.model_runner import ModelRunner, PreparedStep
 from pagedserve.engine.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
@@ -24,7 +24,6 @@ from pagedserve.engine.scheduler.scheduler import Scheduler
 from pagedserve.engine.scheduler.stats import SchedulerStats
 from pagedserve.engine.spec_decode.speculator import Speculator
 from pagedserve.engine.structured_output.manager import StructuredOutputManager
-from pagedserve.engine.structured_output.params import check_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +61,9 @@ class EngineCore:
         self.max_model_len = config.resolve_max_model_len(int(self.hf_config.get("max_position_embeddings", 2048)))
         self.eos_token_ids = read_eos_token_ids(model_dir, self.hf_config)
         self.sleeping = False
-        self.runner = ModelRunner(config, str(model_dir), self.hf_config, self.eos_token_ids, self.max_model_len)
+        self._runner: ModelRunner | None = ModelRunner(
+            config, str(model_dir), self.hf_config, self.eos_token_ids, self.max_model_len
+        )
         # Loading leaves its temporaries (float32 shards, quantization's work tensors) in malloc's
         # free lists, which tune_glibc_malloc keeps from being trimmed: return them now, or the
         # worker keeps them resident for its whole life (measured: +95 MiB for int4).
@@ -151,7 +152,7 @@ class EngineCore:
         if self.kv_offload is not None:
             raise RuntimeError("a worker with KV offload on cannot sleep")
         self.runner.shutdown()  # tensor-parallel ranks exit: wake starts them again
-        self.runner = None  # the model's parameters and the KV tensors go with it
+        self._runner = None  # the model's parameters and the KV tensors go with it
         self.sleeping = True
         if torch.device(self.config.device).type == "cuda":
             # Off the device for real: torch's caching allocator keeps freed blocks reserved
@@ -159,29 +160,28 @@ class EngineCore:
             gc.collect()
             torch.cuda.empty_cache()
 
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner (a sleeping worker has none: its weights and KV pool are freed)."""
+        if self._runner is None:
+            raise RuntimeError("the worker is asleep")
+        return self._runner
+
     def wake(self) -> None:
         """Load the weights again from the model directory (the page cache keeps them warm)
         and allocate a fresh KV pool; the prefix cache starts empty (its blocks are gone)."""
         if not self.sleeping:
             return
-        self.runner = ModelRunner(
+        self._runner = ModelRunner(
             self.config, str(self.model_dir), self.hf_config, self.eos_token_ids, self.max_model_len
         )
         self.kv_manager = self._new_kv_manager()
         self.scheduler = self._new_scheduler()
         self.sleeping = False
 
-    def validate_request(self, request: Request) -> None:
-        """Raise ValueError for input the engine must refuse (before anything is allocated): the
-        front ends' own checks (pagedserve.engine.request.inputs), applied again where the request lands."""
-        validate_input(request.prompt_token_ids, request.sampling_params, self.input_limits)
-        if request.sampling_params.structured_outputs is not None:
-            check_grammar(request.sampling_params.structured_outputs)
-
     def add_request(self, request: Request) -> None:
         if self.sleeping:
             raise ValueError("the worker is asleep: wake it first")
-        self.validate_request(request)
         if request.lora is not None:  # read the adapter now: a bad one refuses the request
             request.lora_id = self.runner.lora.load(request.lora).key
         request.eos_token_ids = self.eos_token_ids
@@ -212,8 +212,8 @@ class EngineCore:
             self._forward_thread.shutdown(wait=True)
         if self.kv_offload is not None:
             self.kv_offload.close()
-        if self.runner is not None:
-            self.runner.shutdown()
+        if self._runner is not None:
+            self._runner.shutdown()
         self.structured_output.shutdown()
 
     def kv_offload_stats(self) -> dict | None:
@@ -239,8 +239,8 @@ class EngineCore:
 
     def set_num_threads(self, n: int) -> None:
         """Torch intra-op threads for the following steps (shared among tensor-parallel ranks)."""
-        if self.runner is not None and self.runner.tp is not None:
-            self.runner.tp.set_num_threads(n)
+        if self._runner is not None and self._runner.tp is not None:
+            self._runner.tp.set_num_threads(n)
         else:
             torch.set_num_threads(n)
         if self._forward_thread is not None:  # a thread reads torch's setting once: tell it too
@@ -249,8 +249,8 @@ class EngineCore:
     def check_health(self) -> None:
         """Raise (TensorParallelError) when a part of the engine outside this process, a
         tensor-parallel rank, is gone: the engine cannot step any more."""
-        if self.runner is not None and self.runner.tp is not None:
-            self.runner.tp.check_health()
+        if self._runner is not None and self._runner.tp is not None:
+            self._runner.tp.check_health()
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, execute, update. Returns the news of every request that got a token, and
@@ -279,6 +279,7 @@ class EngineCore:
             self.runner.record(prev_step, runner_output)
         if step is not None:
             self.runner.launch(step)  # its inputs need the tokens just recorded
+            assert self._forward_thread is not None  # async scheduling has its forward thread
             self._in_flight = (scheduler_output, step, self._forward_thread.submit(self.runner.run_step, step))
         if previous is None:
             return []
@@ -317,14 +318,14 @@ class EngineCore:
         now = time.monotonic()
         outputs = []
         for req_id, request in list(self._compiling.items()):
-            if request.is_finished or request.grammar.poll(now):
+            grammar = request.grammar
+            assert grammar is not None  # _compiling holds constrained requests
+            if request.is_finished or grammar.poll(now):
                 del self._compiling[req_id]
-            elif request.grammar.error is not None:
+            elif grammar.error is not None:
                 del self._compiling[req_id]
                 self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
-                outputs.append(
-                    EngineCoreOutput(req_id, [], finish_reason=FinishReason.ABORT, error=request.grammar.error)
-                )
+                outputs.append(EngineCoreOutput(req_id, [], finish_reason=FinishReason.ABORT, error=grammar.error))
         return outputs
 
     def _add_grammar_bitmask(self, so: SchedulerOutput) -> None:

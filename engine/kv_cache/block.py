@@ -49,9 +49,10 @@ class FreeBlockQueue:
         for block in blocks:
             self.append(block)
 
+    # The two sentinels are always linked: every block between them has both neighbours.
     def popleft(self) -> KVCacheBlock:
         block = self._head.next_free
-        if block is self._tail:
+        if block is self._tail or block is None:
             raise ValueError("no free blocks")
         self.remove(block)
         return block
@@ -68,6 +69,7 @@ class FreeBlockQueue:
         if block.prev_free is not None or block.next_free is not None:
             raise ValueError(f"{block} is already in the free queue")
         last = self._tail.prev_free
+        assert last is not None
         last.next_free = block
         block.prev_free = last
         block.next_free = self._tail
@@ -78,7 +80,7 @@ class FreeBlockQueue:
         """Free block ids from head (next evicted) to tail. For tests and debugging."""
         ids = []
         node = self._head.next_free
-        while node is not self._tail:
+        while node is not self._tail and node is not None:
             ids.append(node.block_id)
             node = node.next_free
         return ids

@@ -45,7 +45,7 @@ def _builtin(data: bytes) -> bytes:
 
 def get_hash_fn(kind: PrefixCacheHash | str) -> HashFn:
     """The hash function of a `PrefixCacheHash` (or its value, e.g. "sha256")."""
-    return {"sha256": sha256, "builtin": _builtin}[getattr(kind, "value", kind)]
+    return {"sha256": sha256, "builtin": _builtin}[PrefixCacheHash(kind).value]
 
 
 def root_hash(hash_fn: HashFn) -> BlockHash:

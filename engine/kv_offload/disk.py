@@ -39,7 +39,7 @@ class DiskBudget:
         self.estimate = sum(size for _, size, _ in self._files())
 
     def _files(self) -> list[tuple[float, int, Path]]:
-        out = []
+        out: list[tuple[float, int, Path]] = []
         try:
             entries = list(os.scandir(self.path))
         except OSError:

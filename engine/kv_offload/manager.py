@@ -145,6 +145,7 @@ class KVOffloadManager:
                     "disk_unwritable", f"disk folder {path} is not writable ({exc}); running with the CPU tier only"
                 )
             else:
+                assert config.disk_size_gb is not None  # KVOffloadConfig requires it with disk_path
                 self.disk = DiskBudget(path, int(config.disk_size_gb * 1024**3))
                 extra = {f"remote_storage_plugin.{DISK_PLUGIN}.base_path": str(path), "use_exists_sync": True}
         plugins = [DISK_PLUGIN] if self.disk is not None else []
@@ -239,7 +240,7 @@ class KVOffloadManager:
         # Keys cover [0, max_end): whole chunks, then the tail cut to whole blocks, which matches
         # the tail chunk a request with the same prompt stored.
         tokens = request.all_token_ids[:max_end]
-        if self._remote is not None and not self._remote_usable(rid):
+        if self._remote is not None and not self._remote_usable(self._remote, rid):
             return 0
         self._lookup_counter += 1
         lookup_id = f"{rid}#{self._lookup_counter}"
@@ -431,8 +432,8 @@ class KVOffloadManager:
             if getattr(self, "_redis_backend", None) is not None:
                 close_redis_backend(self._redis_backend)
             self._builder.destroy(self.instance_id)
-            if getattr(self, "_remote", None) is not None:
-                self._remote.close()
+            if (remote := getattr(self, "_remote", None)) is not None:
+                remote.close()
             self._connector.kv_caches = []  # drop LMCache's path to the engine's KV pool
 
     # -- helpers ---------------------------------------------------------------------------
@@ -447,12 +448,12 @@ class KVOffloadManager:
         except Exception as exc:  # noqa: BLE001
             self._fault("unpin", f"LMCache unpin failed: {exc!r}")
 
-    def _remote_usable(self, rid: str) -> bool:
+    def _remote_usable(self, remote: RemoteProbe, rid: str) -> bool:
         """Ping Redis before a lookup (LMCache waits on Redis without a time limit, and counts
         nothing). Down (refused): counted, warned, and the lookup goes on: LMCache fails fast
         there and the local tiers still serve. Slow (no answer within the probe's timeout):
         counted, warned, and this request recomputes rather than wait."""
-        state = self._remote.check()
+        state = remote.check()
         if state is RemoteState.UP:
             return True
         kind = "remote_down" if state is RemoteState.DOWN else "remote_slow"

@@ -57,6 +57,7 @@ class LoRAManager:
         row_slots: list[int] = []
         for adapter, n in zip(adapters, num_rows):
             row_slots.extend([-1 if adapter is None else slot_of[adapter.key]] * n)
+        assert self.slots.layers is not None  # activate() loaded at least one adapter
         return LoRABatch.build(self.slots.layers, row_slots, self.dtype, self.device, use_triton)
 
 

@@ -58,7 +58,7 @@ class LoRASlots:
         self.resident: OrderedDict[str, int] = OrderedDict()  # adapter key -> slot, oldest first
         self.num_loads = 0  # adapters copied into a slot (swaps included)
 
-    def _allocate(self) -> None:
+    def _allocate(self) -> list[dict[str, GroupWeights]]:
         self.layers = []
         for _ in range(self.shapes.num_layers):
             groups = {}
@@ -70,6 +70,7 @@ class LoRASlots:
                     r,
                 )
             self.layers.append(groups)
+        return self.layers
 
     def activate(self, adapters: list[LoRAAdapter]) -> dict[str, int]:
         """Make these adapters resident (each once); returns adapter key -> slot. Evicts the least
@@ -97,16 +98,15 @@ class LoRASlots:
     def _load(self, adapter: LoRAAdapter, slot: int) -> None:
         if adapter.rank > self.max_rank:
             raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank}, above max_lora_rank={self.max_rank}")
-        if self.layers is None:
-            self._allocate()
-        for groups in self.layers:
+        layers = self.layers if self.layers is not None else self._allocate()
+        for groups in layers:
             for g in groups.values():  # clear the slot: an untargeted projection must add 0
                 g.a[slot * g.rank_per_slot : (slot + 1) * g.rank_per_slot].zero_()
                 g.b[:, slot * g.rank_per_slot : (slot + 1) * g.rank_per_slot].zero_()
         r = adapter.rank
         for (layer, target), (a, b) in adapter.factors.items():
             group, part = TARGETS[target]
-            g = self.layers[layer][group]
+            g = layers[layer][group]
             sizes = self.layout[group][1]
             row = slot * g.rank_per_slot + part * self.max_rank
             out = sum(sizes[:part])

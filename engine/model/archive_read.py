@@ -10,6 +10,7 @@ files: a link that stays inside the archive and names a file is materialised as 
 from __future__ import annotations
 
 import enum
+import functools
 import gzip
 import hashlib
 import json
@@ -125,7 +126,7 @@ def open_archive(
         return None if p is None else dest / p.relative_to(tmp)
 
     return OpenedArchive(
-        rebase(opened.root), opened.manifest, rebase(opened.model_config), rebase(opened.custom_handler)
+        dest / opened.root.relative_to(tmp), opened.manifest, rebase(opened.model_config), rebase(opened.custom_handler)
     )
 
 
@@ -141,7 +142,7 @@ def _open_members(path: Path) -> Iterator[tuple[list[_Entry], OpenMember]]:
             yield _zip_entries(zf), lambda e: zf.open(e.member)
     elif tarfile.is_tarfile(path):
         with tarfile.open(path, "r:*") as tf:
-            yield _tar_entries(tf), lambda e: tf.extractfile(e.member)
+            yield _tar_entries(tf), functools.partial(_open_tar_member, tf)
     else:
         raise ArchiveError(f"{path.name} is neither a zip (.mar) nor a tar (.tar.gz) archive")
 
@@ -170,8 +171,15 @@ def _zip_entries(zf: zipfile.ZipFile) -> list[_Entry]:
     return entries
 
 
+def _open_tar_member(tf: tarfile.TarFile, entry: _Entry) -> IO[bytes]:
+    file = tf.extractfile(entry.member)
+    if file is None:  # only regular files are FILE entries
+        raise ArchiveError(f"{entry.name} is not a regular file")
+    return file
+
+
 def _tar_entries(tf: tarfile.TarFile) -> list[_Entry]:
-    entries = []
+    entries: list[_Entry] = []
     for member in tf:  # reads headers only; stops early on the first refusal
         if len(entries) >= MAX_ENTRIES:
             raise ArchiveError(f"archive has more than {MAX_ENTRIES} entries")
@@ -342,8 +350,8 @@ def _verify(top: Path, hashes: dict[str, str], allow_custom_handlers: bool) -> O
     custom = resolve_handler(model["handler"], {n: root / n for n in content}, allow_custom_handlers)
     if "files" in manifest:
         _check_hashes(manifest["files"], content)
-    if "lora" in model:  # a LoRA adapter archive (pagedserve.engine.lora.archive): no model of its own
-        from pagedserve.engine.lora.archive import check_lora_record
+    if "lora" in model:  # a LoRA adapter archive (pagedserve.engine.model.lora_archive): no model of its own
+        from pagedserve.engine.model.lora_archive import check_lora_record
 
         check_lora_record(model["lora"], content)
         return OpenedArchive(root, manifest, None, custom)
@@ -384,7 +392,7 @@ def _check_tensor_parallel(config: ModelConfig, hf_config: Any) -> None:
     if size == 1:
         return
     from pagedserve.engine.model.registry import check_tensor_parallel_support, parse_config
-    from pagedserve.engine.parallel.sharding import check_tensor_parallel
+    from pagedserve.engine.model.sharding import check_tensor_parallel
 
     try:
         spec = parse_config(hf_config)

@@ -80,7 +80,7 @@ def write_archive(
     which is copied in. `MAR-INF/MANIFEST.json` follows TorchServe's schema plus a `files` map
     of each file's sha256 (see `archive_manifest`). `progress(bytes_done, bytes_total)` is called
     as data is copied. Refuses an existing destination unless `force`. With `lora` (the
-    manifest's `model.lora` record, see pagedserve.engine.lora.archive) `model_dir` is a PEFT adapter folder.
+    manifest's `model.lora` record, see pagedserve.engine.model.lora_archive) `model_dir` is a PEFT adapter folder.
     """
     fmt = ArchiveFormat(archive_format)
     check_model_name(model_name)
@@ -286,7 +286,7 @@ def _write_tgz(tmp: Path, sources: list[_Source], model: dict[str, Any], tracker
         # level 1: weights barely compress, and level 9 costs several times the time
         with tarfile.open(
             fileobj=raw, mode="w:gz", compresslevel=1, format=tarfile.PAX_FORMAT, copybufsize=CHUNK_BYTES
-        ) as tf:
+        ) as tf:  # type: ignore[call-overload]  # typeshed's tarfile.open omits TarFile's copybufsize
             for s in sources:
                 info = _tar_info(s.arcname, s.size, s.path.stat().st_mtime)
                 with open(s.path, "rb") as f:

@@ -42,10 +42,9 @@ from pagedserve.kernels.cpu_fused_ops import CpuFusedOps
 from pagedserve.kernels.cpu_int4_dequant import load_int4_dequant
 from pagedserve.kernels.cpu_int8_mm_io import load_int8_mm_io
 from pagedserve.kernels.cpu_packed_linear import PackedLinear
-from pagedserve.kernels.cpu_upcast_linear import UpcastLinear
 
 if TYPE_CHECKING:
-    from pagedserve.engine.parallel.group import TensorParallelGroup
+    from pagedserve.engine.model.layers.parallel import RankGroup
 
 # HF projection name -> (fused module name, shard index).
 _FUSED = {
@@ -90,7 +89,7 @@ class CausalLM(nn.Module):
         max_model_len: int | None = None,
         fused_ops: CpuFusedOps | None = None,
         quant: QuantSpec | None = None,
-        tp: TensorParallelGroup | None = None,
+        tp: RankGroup | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(spec, ModelSpec):
@@ -102,7 +101,7 @@ class CausalLM(nn.Module):
         if tp is None:
             self.rank_spec = spec
         else:
-            from pagedserve.engine.parallel.sharding import shard_spec
+            from pagedserve.engine.model.sharding import shard_spec
 
             self.rank_spec = shard_spec(spec, tp.size)
         max_len = max_model_len or spec.max_position_embeddings
@@ -110,13 +109,13 @@ class CausalLM(nn.Module):
         local = self.rank_spec
         with torch.device("meta"):
             self.model = DecoderModel(local, dtype, backend, fused_ops, self.layer_cls, self.make_mlp)
-            self.lm_head = None
+            self.lm_head: nn.Linear | Int8Linear | None = None
             if not spec.tie_word_embeddings:
                 self.lm_head = nn.Linear(spec.hidden_size, local.vocab_size, bias=False, dtype=dtype)
             if quant is not None and quant.method is not QuantMethod.NONE:
                 self._swap_quantized(quant)
             if tp is not None:
-                from pagedserve.engine.parallel.layers import parallelize
+                from pagedserve.engine.model.layers.parallel import parallelize
 
                 parallelize(self.model, tp, local.vocab_size)
         # to_empty's empty_like on meta tensors goes through torch's Python refs, whose first use
@@ -124,7 +123,7 @@ class CausalLM(nn.Module):
         self._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=self.device))
         self.requires_grad_(False)
         # pack_linear_weights(), or (quantized, tied) an Int8Linear over the embedding's storage
-        self.packed_lm_head: PackedLinear | UpcastLinear | Int8Linear | None = None
+        self.packed_lm_head: nn.Module | None = None  # PackedLinear, UpcastLinear or Int8Linear
         # {table: (cos, sin)}, [max_len, head_dim // 2] each, in the model dtype like HF's cast before use.
         tables = rope_tables(spec, max_len, dtype, self.device)
         self.rope_names = tuple(tables)
@@ -171,9 +170,8 @@ class CausalLM(nn.Module):
         """`hidden [N, hidden]` -> logits `[N, vocab]` in the model dtype (the sampler widens
         them to float32 only when it needs to). Tensor-parallel: each rank computes its slice of
         the vocabulary; rank 0 gets them gathered, the other ranks None."""
-        logits = self._rank_logits(hidden)
-        if self.tp is not None:
-            logits = self.tp.gather_vocab(logits)
+        rank_logits = self._rank_logits(hidden)
+        logits = rank_logits if self.tp is None else self.tp.gather_vocab(rank_logits)
         cap = self.spec.final_softcap
         if cap is not None and logits is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -184,8 +182,13 @@ class CausalLM(nn.Module):
             return self.packed_lm_head(hidden)
         if isinstance(self.lm_head, Int8Linear):
             return self.lm_head(hidden)
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return F.linear(hidden, self._embedding_weight() if self.lm_head is None else self.lm_head.weight)
+
+    def _embedding_weight(self) -> torch.Tensor:
+        """The (tied) embedding's table: nn.Embedding's, or a tensor-parallel rank's slice."""
+        weight = self.model.embed_tokens.weight
+        assert isinstance(weight, torch.Tensor), "an int8 embedding's head is the packed Int8Linear"
+        return weight
 
     def _projections(self) -> list[tuple[str, nn.Module, str]]:
         """(qualified name, parent module, attribute) of every decoder projection: attention's
@@ -223,6 +226,7 @@ class CausalLM(nn.Module):
                     ),
                 )
         emb = self.model.embed_tokens
+        assert isinstance(emb, nn.Embedding)  # quantized before parallelize() replaces it
         self.model.embed_tokens = Int8Embedding(emb.num_embeddings, emb.embedding_dim, self.dtype)
         if self.lm_head is not None:
             self.lm_head = Int8Linear(
@@ -246,7 +250,7 @@ class CausalLM(nn.Module):
         if self.packed_lm_head is not None or isinstance(self.lm_head, Int8Linear):
             return
         if self.lm_head is None:  # tied: the embedding keeps its plain table for lookups
-            self.packed_lm_head = make(self.model.embed_tokens.weight, None)
+            self.packed_lm_head = make(self._embedding_weight(), None)
         else:
             self.packed_lm_head = make(self.lm_head.weight, self.lm_head.bias)
             self.lm_head = None
@@ -310,7 +314,7 @@ class CausalLM(nn.Module):
         if isinstance(emb, Int8Embedding) and self.lm_head is None:
             self.packed_lm_head = Int8Linear.sharing(emb.qweight, emb.scale, self.dtype)
 
-    def _quant_target(self, name: str) -> tuple[nn.Module, int, int] | None:
+    def _quant_target(self, name: str) -> tuple[Int8Embedding | Int8Linear | Int4Linear, int, int] | None:
         """For an HF weight name held by a quantized layer: (layer, first row, row count)."""
         module, leaf = name.rsplit(".", 1)
         if leaf != "weight":
@@ -320,13 +324,18 @@ class CausalLM(nn.Module):
         layer = self.get_submodule(f"{parent}.{fused}" if parent else fused)
         if not isinstance(layer, (Int8Embedding, *_QUANT_LINEARS)):
             return None
+        rows = layer.qweight.shape[0] if isinstance(layer, Int8Embedding) else layer.out_features
         if fused not in _UNFUSED or self.checkpoint_fused:
-            return layer, 0, layer.qweight.shape[0] if isinstance(layer, Int8Embedding) else layer.out_features
-        sizes = self._fused_sizes(layer, fused)
+            return layer, 0, rows
+        sizes = self._fused_sizes(rows, fused)
         return layer, sum(sizes[:shard]), sizes[shard]
 
     def _load_quantized(
-        self, name: str, target: tuple[nn.Module, int, int], parts: dict[str, torch.Tensor] | None, tensor: torch.Tensor
+        self,
+        name: str,
+        target: tuple[Int8Embedding | Int8Linear | Int4Linear, int, int],
+        parts: dict[str, torch.Tensor] | None,
+        tensor: torch.Tensor,
     ) -> bool:
         """Fill rows of a quantized layer from a full-precision weight (quantized here) or from a
         quantized checkpoint's parts once all have arrived; True when the rows are filled."""
@@ -370,10 +379,11 @@ class CausalLM(nn.Module):
         if proj not in _FUSED or self.checkpoint_fused:
             return params[name]
         fused, shard = _FUSED[proj]
-        sizes = self._fused_sizes(self.get_submodule(f"{parent}.{fused}"), fused)
-        return params[f"{parent}.{fused}.{leaf}"].narrow(0, sum(sizes[:shard]), sizes[shard])
+        whole = params[f"{parent}.{fused}.{leaf}"]
+        sizes = self._fused_sizes(whole.shape[0], fused)
+        return whole.narrow(0, sum(sizes[:shard]), sizes[shard])
 
-    def _fused_sizes(self, layer: nn.Module, fused: str) -> list[int]:
+    def _fused_sizes(self, rows: int, fused: str) -> list[int]:
         """Rows of each part of a fused projection: q|k|v, or gate|up (two halves, whichever MLP
         it belongs to: the dense one, an expert or a shared expert)."""
-        return self._qkv_sizes if fused == "qkv_proj" else [layer.out_features // 2] * 2
+        return self._qkv_sizes if fused == "qkv_proj" else [rows // 2] * 2

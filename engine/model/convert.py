@@ -8,6 +8,7 @@ directory and renamed into place at the end, so an interrupted conversion leaves
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -55,6 +56,11 @@ _ST_DTYPES = {
 TensorSpec = tuple[str, tuple[int, ...], Any, Callable[[], Any]]
 
 
+def held(value: Any) -> Callable[[], Any]:
+    """A TensorSpec's loader for a tensor already in memory."""
+    return lambda: value
+
+
 def convert_model(source: str | Path, dest: str | Path, *, overwrite: bool = False) -> Path:
     """Convert `source` (a .gguf file or a Hugging Face model folder) into `dest`; return dest."""
     source = Path(source).expanduser().resolve()
@@ -93,9 +99,11 @@ def _convert_gguf(path: Path, out: Path) -> list[Path]:
     tokenizer.save_pretrained(out)
     # A model loaded from GGUF is marked quantized and save_pretrained refuses it, so its
     # (already de-quantised, float32) state dict is streamed to safetensors directly.
-    model, loading = AutoModelForCausalLM.from_pretrained(
+    # (model, loading info): transformers' annotation names the model alone
+    loaded: Any = AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32, output_loading_info=True
     )
+    model, loading = loaded
     # transformers re-initializes (randomly) what does not fit the config it read from the GGUF:
     # a conversion must never hand such weights on.
     bad = {k: sorted(loading.get(k) or ())[:5] for k in ("missing_keys", "mismatched_keys")}
@@ -113,7 +121,9 @@ def _convert_gguf(path: Path, out: Path) -> list[Path]:
             setattr(config, key, _shortest_float32(value))
     config.save_pretrained(out)
     _tidy_tokenizer_config(out / "tokenizer_config.json", config.max_position_embeddings)
-    specs = [(n, tuple(t.shape), t.dtype, lambda t=t: t) for n, t in _drop_shared(model.state_dict().items())]
+    specs: list[TensorSpec] = [
+        (n, tuple(t.shape), t.dtype, held(t)) for n, t in _drop_shared(model.state_dict().items())
+    ]
     _write_safetensors(out / WEIGHTS_FILE, specs)
     _write_generation_config(out)
     return [path]
@@ -173,7 +183,7 @@ def _open_weights(files: list[Path]) -> Iterator[list[TensorSpec]]:
             for name in handle.keys():
                 part = handle.get_slice(name)
                 dtype = getattr(torch, _ST_DTYPES[part.get_dtype()])
-                specs.append((name, tuple(part.get_shape()), dtype, lambda h=handle, n=name: h.get_tensor(n)))
+                specs.append((name, tuple(part.get_shape()), dtype, functools.partial(handle.get_tensor, name)))
         else:  # the one place pickle is read: tensors only, memory-mapped when possible
             try:
                 state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -182,7 +192,7 @@ def _open_weights(files: list[Path]) -> Iterator[list[TensorSpec]]:
             if not all(isinstance(v, torch.Tensor) for v in state.values()):
                 raise ValueError(f"{path} is not a plain state dict of tensors")
             tensors.extend(state.items())
-    specs.extend((n, tuple(t.shape), t.dtype, lambda t=t: t) for n, t in _drop_shared(tensors))
+    specs.extend((n, tuple(t.shape), t.dtype, held(t)) for n, t in _drop_shared(tensors))
     try:
         yield specs
     finally:

@@ -77,7 +77,7 @@ def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
     return torch.stack((low, high), dim=-2).reshape(qs.shape[0], -1)
 
 
-def _q4_0(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _q4_0(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     d = _f16(b[:, :2])
     q = _nibbles(b[:, 2:].reshape(-1, 1, 16), 32)
     return q, d, None

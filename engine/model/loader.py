@@ -28,7 +28,7 @@ from pagedserve.kernels.cpu_packed_linear import PackedLinear, packed_linear_sup
 from pagedserve.kernels.cpu_upcast_linear import UpcastLinear, load_gemv
 
 if TYPE_CHECKING:
-    from pagedserve.engine.parallel.group import TensorParallelGroup
+    from pagedserve.engine.model.layers.parallel import RankGroup
 
 _INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -84,7 +84,7 @@ def load_model(
     fused_ops: CpuFusedOps | None = None,
     quant: QuantSpec | None = None,
     pack_linear: bool = True,
-    tp: TensorParallelGroup | None = None,
+    tp: RankGroup | None = None,
 ) -> CausalLM:
     """Build the model from `model_dir/config.json` and fill it from its safetensors files.
 
@@ -112,7 +112,7 @@ def load_model(
     if tp is None:
         model.load_weights(iter_safetensors(files))
     else:
-        from pagedserve.engine.parallel.sharding import iter_rank_tensors
+        from pagedserve.engine.model.sharding import iter_rank_tensors
 
         model.load_weights(iter_rank_tensors(files, model.spec, tp.rank, tp.size))
     if pack_linear and model.dtype == torch.bfloat16 and model.device.type == "cpu":

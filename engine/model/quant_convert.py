@@ -239,7 +239,7 @@ def _write_dir(
             for name in convert.TOKENIZER_FILES:
                 if (tokenizer_from / name).is_file() and not (tmp / name).exists():
                     shutil.copy2(tokenizer_from / name, tmp / name)
-        specs = [(n, tuple(t.shape), t.dtype, lambda t=t: t) for n, t in tensors.items()]
+        specs: list[convert.TensorSpec] = [(n, tuple(t.shape), t.dtype, convert.held(t)) for n, t in tensors.items()]
         convert._write_safetensors(tmp / convert.WEIGHTS_FILE, specs)
         if not (tmp / "generation_config.json").exists():
             convert._write_generation_config(tmp)

@@ -175,6 +175,10 @@ class _QuantBase(nn.Module):
 class Int8Linear(_QuantBase):
     """int8 per-output-channel weights; see the module docstring for the kernels per row count."""
 
+    qweight: torch.Tensor  # buffers (register_buffer)
+    scale: torch.Tensor
+    kernel_scale: torch.Tensor
+
     def __init__(
         self,
         in_features: int,
@@ -251,6 +255,12 @@ class Int8Linear(_QuantBase):
 
 class Int4Linear(_QuantBase):
     """int4 weights in groups along the input, asymmetric; see the module docstring."""
+
+    codes: torch.Tensor  # buffers (register_buffer)
+    scale: torch.Tensor
+    offset: torch.Tensor
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
 
     def __init__(
         self,
@@ -350,6 +360,9 @@ def _dequantized_linear(rows: torch.Tensor, weight_in, dtype: torch.dtype) -> to
 
 class Int8Embedding(nn.Module):
     """Token embedding stored as int8 rows with a float32 scale each (looked up, then scaled)."""
+
+    qweight: torch.Tensor  # buffers (register_buffer)
+    scale: torch.Tensor
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
         super().__init__()

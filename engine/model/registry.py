@@ -101,7 +101,7 @@ def family_of(config: Any) -> Family:
 
 def check_tensor_parallel_support(spec: ModelSpec, size: int) -> None:
     """ValueError when `size` > 1 ranks are asked of a family whose checkpoint names the
-    sharding (pagedserve.engine.parallel.sharding) does not cover."""
+    sharding (pagedserve.engine.model.sharding) does not cover."""
     if size > 1 and not family_of(spec).tensor_parallel:
         names = ", ".join(a for f in FAMILIES if f.tensor_parallel for a in f.architectures)
         raise ValueError(f"tensor parallelism is not supported for {spec.architecture}; supported: {names}")

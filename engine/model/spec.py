@@ -14,10 +14,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from pagedserve.engine.model.layers.moe import MoESpec
+from typing import Any
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -37,6 +34,42 @@ def as_dict(config: Any) -> dict[str, Any]:
     if hasattr(config, "to_dict"):  # a transformers PretrainedConfig
         return config.to_dict()
     raise TypeError(f"expected a config mapping, got {type(config).__name__}")
+
+
+class RouterScoring(enum.Enum):
+    """How router logits become the top-k experts' weights."""
+
+    SOFTMAX_TOPK = "softmax_topk"  # softmax over all experts, then the k largest (Qwen2/3-MoE, OLMoE)
+    TOPK_SOFTMAX = "topk_softmax"  # the k largest logits, then softmax over those k (Mixtral)
+
+
+@dataclass(frozen=True, slots=True)
+class MoESpec:
+    """One sparse block's sizes and routing. `normalize`: rescale the top-k weights of
+    SOFTMAX_TOPK to sum to 1 (`norm_topk_prob`); TOPK_SOFTMAX weights always sum to 1.
+    `shared_intermediate_size` 0: no shared expert; `shared_gate`: the shared expert's output is
+    scaled by a sigmoid gate (Qwen2-MoE). `dense_layers`: the layers that keep a dense MLP of
+    the model's `intermediate_size` instead (Qwen's `mlp_only_layers` / `decoder_sparse_step`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    scoring: RouterScoring
+    normalize: bool
+    shared_intermediate_size: int = 0
+    shared_gate: bool = False
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.top_k} must be between 1 and the {self.num_experts} experts")
+        if self.intermediate_size < 1 or self.shared_intermediate_size < 0:
+            raise ValueError(
+                f"expert intermediate sizes must be positive, got {self.intermediate_size} "
+                f"and {self.shared_intermediate_size}"
+            )
+        if self.shared_gate and not self.shared_intermediate_size:
+            raise ValueError("a shared expert gate needs a shared expert")
 
 
 @dataclass(frozen=True, slots=True)

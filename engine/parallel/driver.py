@@ -20,7 +20,8 @@ import os
 import signal
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +33,10 @@ from pagedserve.engine.config.engine import EngineConfig
 from pagedserve.engine.model.loader import kv_pool_size, read_config
 from pagedserve.engine.model.quant_spec import QuantMethod, QuantSpec
 from pagedserve.engine.model.registry import check_tensor_parallel_support, parse_config
+from pagedserve.engine.model.sharding import shard_spec
 from pagedserve.engine.parallel.group import LOOPBACK, TensorParallelGroup, rank_device
 from pagedserve.engine.parallel.messages import Kind, Message, forward_message
 from pagedserve.engine.parallel.rank_worker import STORE_TIMEOUT, RankArgs, error_key, load_rank, ready_key, run_rank
-from pagedserve.engine.parallel.sharding import shard_spec
 from pagedserve.engine.platform.process_setup import rank_threads
 
 RANK_START_TIMEOUT_S = STORE_TIMEOUT.total_seconds()
@@ -111,7 +112,7 @@ class TensorParallelModel:
     @property
     def pids(self) -> list[int]:
         """The process ids of ranks 1..N-1."""
-        return [p.pid for p in self.ranks]
+        return [p.pid for p in self.ranks if p.pid is not None]
 
     # -- the model's interface -----------------------------------------------------------
     def __call__(
@@ -123,7 +124,7 @@ class TensorParallelModel:
             self.group.send(forward_message(input_ids, positions, meta))
             return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         with self._step("the logits"):
             self.group.send(Message(Kind.LOGITS, tensors={"hidden": hidden}))
             return self.model.compute_logits(hidden)
@@ -220,7 +221,7 @@ def _how_it_ended(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
-def _kill(processes: list[multiprocessing.Process]) -> None:
+def _kill(processes: Sequence[BaseProcess]) -> None:
     for process in processes:
         if process.pid is None:  # never started
             continue

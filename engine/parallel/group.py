@@ -37,7 +37,7 @@ def rank_device(device: str | torch.device, rank: int) -> torch.device:
 
 def _gloo(store: dist.Store, rank: int, size: int, timeout: timedelta) -> Any:
     # init_process_group builds its gloo groups the same way; the device pins them to loopback.
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, missing from torch's stubs
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
     return dist.ProcessGroupGloo(store, rank, size, options)

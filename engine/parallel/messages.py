@@ -110,5 +110,6 @@ def forward_message(input_ids: torch.Tensor, positions: torch.Tensor, meta: Atte
 def read_forward(message: Message) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(input_ids, positions, metadata) of a FORWARD message."""
     tensors = {name.removeprefix(_META): t for name, t in message.tensors.items() if name.startswith(_META)}
-    meta = AttentionMetadata(**message.fields, **tensors)
+    fields: dict[str, Any] = {**message.fields, **tensors}  # write_forward's split, joined back
+    meta = AttentionMetadata(**fields)
     return message.tensors["input_ids"], message.tensors["positions"], meta

@@ -3,8 +3,9 @@
 The offline `LLM`, the server's /predictions route and its OpenAI routes all prepare a request
 the same way: `render_prompt` tokenizes (chat messages through the model's chat template),
 `validate_input` applies the rules that depend only on (token ids, params, limits), and
-`prepare_input` does both, after parsing the request's structured-output constraint. The engine
-core applies `validate_input` again where a request lands. Nothing here needs an engine: a
+`prepare_input` does both, after parsing the request's structured-output constraint. This is
+the one check a request gets, where it enters: the AsyncLLM and the engine core take an
+`EngineInput` as checked and run it. Nothing here needs an engine: a
 refusal is an `InvalidInput` (a ValueError naming the field at fault), which the front ends
 answer with HTTP 400.
 """

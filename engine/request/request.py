@@ -68,10 +68,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
-    # Set when the request is first scheduled (None until then): prompt tokens found in the
-    # prefix cache, prompt tokens restored from the KV offload tiers, and time.monotonic().
-    num_cached_tokens: int | None = None
-    num_external_cached_tokens: int | None = None
+    # Set when the request is first scheduled (first_scheduled_time None until then): prompt
+    # tokens found in the prefix cache, prompt tokens restored from the KV offload tiers, and
+    # time.monotonic().
+    num_cached_tokens: int = 0
+    num_external_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

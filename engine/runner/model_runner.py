@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,7 @@ from pagedserve.engine.config.engine import EngineConfig
 from pagedserve.engine.lora.adapter import LoRAAdapter, lora_shapes
 from pagedserve.engine.lora.manager import LoRAManager, LoRAUnsupported
 from pagedserve.engine.lora.punica import LoRABatch
+from pagedserve.engine.model.causal_lm import CausalLM
 from pagedserve.engine.model.compile import compile_buckets, compiled_forward_for
 from pagedserve.engine.model.loader import allocate_kv_caches, kv_pool_size, load_model, select_fused_ops
 from pagedserve.engine.model.quant_spec import resolve_spec
@@ -84,6 +86,7 @@ class ModelRunner:
         buckets = compile_buckets(config, self.dtype, self.device)
         # Tensor parallelism (pagedserve.engine.parallel): this process is rank 0 and drives the others.
         self.tp: TensorParallelModel | None = None
+        self.model: CausalLM | TensorParallelModel
         if config.tensor_parallel_size > 1:
             # imported here: it imports torch.distributed, which a single-process worker never needs
             from pagedserve.engine.parallel.driver import TensorParallelModel
@@ -116,7 +119,12 @@ class ModelRunner:
             self.model.rank_spec, self.num_blocks, self.block_size, self.dtype, self.device, self.kv_dtype
         )
         # torch.compile'd forward for the steps it covers (config.compile), compiled here, before ready.
-        self.compiled = compiled_forward_for(config, self.model, self.backend, self.kv_caches, buckets)
+        # (A tensor-parallel model stays eager: compile_buckets gave it no bucket.)
+        self.compiled = (
+            compiled_forward_for(config, self.model, self.backend, self.kv_caches, buckets)
+            if isinstance(self.model, CausalLM)
+            else None
+        )
         self.sampler = Sampler()
         # LoRA adapters: read on first use, at most max_loras resident (slots allocated lazily).
         self.lora = self._lora_manager(config)
@@ -216,16 +224,19 @@ class ModelRunner:
         """Forward, logits, sampling. Touches only `step` and the model (async scheduling runs
         it on another thread while the next step is prepared)."""
         so, sample_rows, sample_ids, spec_ids = step.so, step.sample_rows, step.sample_ids, step.spec_ids
-        compiled = self.compiled is not None and self.compiled.covers(len(step.input_ids), step.lora)
-        hidden = (self.compiled if compiled else self.model)(
-            step.input_ids, step.positions, self.kv_caches, step.meta, step.lora
-        )
+        input_ids = step.input_ids
+        assert input_ids is not None, "launch() gathers the step's input ids first"
+        forward: Callable[..., torch.Tensor] = self.model
+        if self.compiled is not None and self.compiled.covers(len(input_ids), step.lora):
+            forward = self.compiled
+        hidden = forward(input_ids, step.positions, self.kv_caches, step.meta, step.lora)
         result = ModelRunnerOutput({})
         if any(step.states[r].pooling_params is not None for r in sample_ids):
             sample_rows, sample_ids = self._pool(hidden, step, result)
         if not sample_ids and not spec_ids:
             return result
         logits = self.model.compute_logits(hidden[sample_rows])
+        assert logits is not None  # this process is rank 0, which gets every logit
         if spec_ids:
             # Rows [len(sample_ids), ...): k + 1 rows per drafted request, in spec_ids order.
             self._verify_drafts(logits[len(sample_ids) :], step, result)
@@ -278,7 +289,7 @@ class ModelRunner:
         rows, req_ids = step.sample_rows, step.sample_ids
         params = [step.states[r].pooling_params for r in req_ids]
         pooling = [i for i, p in enumerate(params) if p is not None]
-        vectors = pool_last_token(hidden[rows[pooling]], [params[i] for i in pooling])
+        vectors = pool_last_token(hidden[rows[pooling]], [p for p in params if p is not None])
         for i, vector in zip(pooling, vectors):
             result.pooled[req_ids[i]] = vector
         keep = [i for i in range(len(rows)) if i >= len(req_ids) or params[i] is None]
@@ -296,11 +307,12 @@ class ModelRunner:
             params = state.sampling_params
             if params.logit_bias:  # the draft is checked against the biased distribution
                 rows = apply_logit_bias(rows, dict.fromkeys(range(k + 1), params.logit_bias))
-            masked = step.so.grammar_bitmask is not None and req_id in step.so.grammar_rows
-            if masked:  # and against the grammar, one mask row per position
+            bitmask = step.so.grammar_bitmask
+            masked = bitmask is not None and req_id in step.so.grammar_rows
+            if bitmask is not None and masked:  # and against the grammar, one mask row per position
                 first = step.so.grammar_rows[req_id]
                 rows = rows.clone()
-                apply_bitmask(rows, step.so.grammar_bitmask[first : first + k + 1], list(range(k + 1)))
+                apply_bitmask(rows, bitmask[first : first + k + 1], list(range(k + 1)))
             if params.sampling_type is SamplingType.GREEDY:
                 greedy = rows.max(dim=-1).indices.tolist() if params.logit_bias or masked else argmax[row : row + k + 1]
                 tokens = verify_greedy(greedy, drafts[req_id])

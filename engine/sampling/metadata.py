@@ -60,6 +60,17 @@ class SamplingMetadata:
     def no_penalties(self) -> bool:
         return self.presence_penalties is None
 
+    def penalties(
+        self,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(prompt ids, output ids, presence, frequency, repetition) as `apply_penalties` takes
+        them, or None when no row has a penalty."""
+        prompt, output = self.prompt_token_ids, self.output_token_ids
+        presence, frequency, repetition = self.presence_penalties, self.frequency_penalties, self.repetition_penalties
+        if prompt is None or output is None or presence is None or frequency is None or repetition is None:
+            return None
+        return prompt, output, presence, frequency, repetition
+
     @classmethod
     def build(
         cls,
@@ -105,19 +116,16 @@ class SamplingMetadata:
             prompt_ids = _pad([t if k else () for t, k in zip(prompt_token_ids, penalized)], vocab_size, device)
             output_ids = _pad([t if k else () for t, k in zip(output_token_ids, penalized)], vocab_size, device)
 
-        suppress = None
+        suppress: dict[int, list[int]] = {}
         if any(p.min_tokens for p in params):
-            suppress = {}
             for i, (p, out) in enumerate(zip(params, output_token_ids)):
                 if len(out) < p.min_tokens:
                     # vLLM: min_tokens holds back the stop ids and EOS (unless EOS is ignored).
-                    ids = set(p.stop_token_ids)
+                    held = set(p.stop_token_ids)
                     if not p.ignore_eos:
-                        ids |= eos_token_ids
-                    ids = sorted(t for t in ids if 0 <= t < vocab_size)
-                    if ids:
+                        held |= eos_token_ids
+                    if ids := sorted(t for t in held if 0 <= t < vocab_size):
                         suppress[i] = ids
-            suppress = suppress or None
 
         logit_bias = {i: p.logit_bias for i, p in enumerate(params) if p.logit_bias} or None
         asked = [p.logprobs for p in params if p.logprobs is not None]
@@ -137,7 +145,7 @@ class SamplingMetadata:
             repetition_penalties=repetition,
             prompt_token_ids=prompt_ids,
             output_token_ids=output_ids,
-            min_tokens_suppress=suppress,
+            min_tokens_suppress=suppress or None,
             logit_bias=logit_bias,
             max_num_logprobs=max(asked) if asked else None,
         )

@@ -275,6 +275,7 @@ class Scheduler:
         shortfall the blocks that were not filled leave the prefix cache again and the rest is
         recomputed (the blocks already allocated cover it: the computed count only went down).
         """
+        assert self.kv_offload is not None  # only a lookup in the offload tiers finds external tokens
         loaded = self.kv_offload.load(request, self.kv.get_block_ids(request.request_id), start, start + num_tokens)
         if loaded < num_tokens:
             request.num_computed_tokens = start + loaded

@@ -99,7 +99,7 @@ class DraftModelProposer:
                 batch.append((req_id, state, tokens, k))
         if not batch:
             return {}
-        drafts = {req_id: [] for req_id, _, _, _ in batch}
+        drafts: dict[str, list[int]] = {req_id: [] for req_id, _, _, _ in batch}
         # Step 1: every request's new tokens as one chunk each; the last row's argmax is draft 1.
         chunks = [(state, tokens[state.num_cached :], state.num_cached) for _, state, tokens, _ in batch]
         last = self._forward(chunks)
@@ -152,7 +152,9 @@ class DraftModelProposer:
             self.kv_caches,
             meta,
         )
-        tokens = self.model.compute_logits(hidden[(cu[1:] - 1).long().to(dev)]).argmax(dim=-1).tolist()
+        logits = self.model.compute_logits(hidden[(cu[1:] - 1).long().to(dev)])
+        assert logits is not None  # a draft model runs on one rank, which gets every logit
+        tokens = logits.argmax(dim=-1).tolist()
         out = [0] * len(chunks)
         for row, i in enumerate(order):
             out[i] = tokens[row]

@@ -5,7 +5,7 @@ measured time and each verification's result."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedserve.engine.config.speculative import SpecMethod, SpeculativeConfig
 from pagedserve.engine.request.request import Request
@@ -15,11 +15,27 @@ from pagedserve.engine.spec_decode.ngram import NgramProposer, can_draft
 from pagedserve.engine.spec_decode.suffix import SuffixProposer
 
 if TYPE_CHECKING:
-    from pagedserve.engine.runner.model_runner import ModelRunner
+    import torch
+
+
+class Runner(Protocol):
+    """What the speculator reads of the model runner (pagedserve.engine.runner.model_runner,
+    which drives it): a draft model gets the same dtype, device and KV block layout."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, runner: ModelRunner) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, runner: Runner) -> None:
         self.config = config
         self.max_model_len = max_model_len
         k = config.num_speculative_tokens
@@ -29,7 +45,7 @@ class Speculator:
             else None
         )
         self.draft_model = None
-        if config.method is SpecMethod.DRAFT:
+        if config.draft_model is not None:  # method draft (the schema asks for both together)
             # imported here: only this method loads a second model
             from pagedserve.engine.spec_decode.draft_model import DraftModelProposer
 
@@ -84,7 +100,7 @@ class Speculator:
             for r in running
             if r.num_computed_tokens == r.num_tokens - 1 and r.pooling_params is None and can_draft(r.sampling_params)
         ]
-        batch = []  # draft model: (request, room), drafted together
+        batch: list[tuple[Request, int]] = []  # draft model: (request, room), drafted together
         for request in decoding:
             params = request.sampling_params
             # Kept drafts plus the target's own token must fit max_tokens and max_model_len.
@@ -97,6 +113,7 @@ class Speculator:
             if self.ngram is not None:
                 request.spec_token_ids = self.ngram.propose(request.all_token_ids, room)
                 continue
+            assert self.suffix is not None  # suffix and auto: the one proposer left
             self.suffix.update(
                 request.request_id, request.all_token_ids, request.num_prompt_tokens, request.lora_id or ""
             )
@@ -105,7 +122,7 @@ class Speculator:
             request.spec_token_ids = self.suffix.propose(request.request_id, room).tokens if room > 0 else []
             if self.adaptive is not None:
                 self.adaptive.record_choice(len(request.spec_token_ids))
-        if batch:
+        if batch and self.draft_model is not None:
             drafts = self.draft_model.propose([(r.request_id, r.all_token_ids, room) for r, room in batch])
             for request, _ in batch:
                 request.spec_token_ids = drafts.get(request.request_id, [])
@@ -115,7 +132,7 @@ class Speculator:
 
     def stats(self) -> dict:
         """SchedulerStats fields of speculation (pagedserve.engine.scheduler.stats)."""
-        out = {}
+        out: dict[str, Any] = {}
         if self.adaptive is not None:
             a = self.adaptive.stats
             out.update(

@@ -84,6 +84,7 @@ class SuffixTrie:
         for start in range(len(tokens)):
             node = self.root
             for token in tokens[start : start + self.max_depth]:
+                assert node.children is not None  # `add` counted this path
                 child = node.children[token]
                 child.count -= 1
                 if child.count == 0:
@@ -108,13 +109,11 @@ class SuffixTrie:
         return best, lo
 
     def _walk(self, tokens: Sequence[int]) -> _Node | None:
-        node = self.root
+        node: _Node | None = self.root
         for token in tokens:
-            if not node.children:
+            if node is None or not node.children:
                 return None
             node = node.children.get(token)
-            if node is None:
-                return None
         return node
 
     def follow(self, node: _Node, max_tokens: int, min_prob: float, prob: float = 1.0) -> Draft:
@@ -129,6 +128,7 @@ class SuffixTrie:
                 total += child.count
                 if best is None or (child.count, child.stamp) > (best.count, best.stamp):
                     best_token, best = token, child
+            assert best is not None  # node.children is not empty
             prob *= best.count / total
             if prob < min_prob:
                 break

@@ -16,7 +16,8 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -24,15 +25,19 @@ from pagedserve.engine.structured_output.params import StructuredOutputsParams, 
 
 
 class _Params(Protocol):
-    structured_outputs: StructuredOutputsParams | None
+    @property
+    def structured_outputs(self) -> StructuredOutputsParams | None: ...
 
 
 class Request(Protocol):
     """What the grammar manager reads and writes of a request (pagedserve.engine.request.request.Request): the
     request holds its grammar's state; this module, which makes that state, names only these."""
 
-    request_id: str
-    sampling_params: _Params
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def sampling_params(self) -> _Params: ...
+
     grammar: GrammarState | None
 
 
@@ -46,7 +51,7 @@ class GrammarState:
     def __init__(self, future: concurrent.futures.Future, deadline: float) -> None:
         self.future = future
         self._deadline = deadline
-        self._matcher = None
+        self._matcher: Any = None  # xgrammar.GrammarMatcher, once compiled
         self.error: str | None = None
 
     def poll(self, now: float) -> bool:
@@ -72,33 +77,40 @@ class GrammarState:
         return self._matcher is None and self.error is None
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        self._compiled().fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token_id: int) -> bool:
-        return self._matcher.accept_token(token_id)
+        return self._compiled().accept_token(token_id)
+
+    def _compiled(self) -> Any:
+        """The matcher: the scheduler runs a request only once its grammar is ready."""
+        if self._matcher is None:
+            raise RuntimeError("the grammar is not compiled yet")
+        return self._matcher
 
     def valid_prefix(self, drafts: list[int]) -> int:
         """How many leading speculative drafts the grammar allows (the matcher is left as it was)."""
-        n = 0
+        matcher, n = self._compiled(), 0
         for token in drafts:
-            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+            if matcher.is_terminated() or not matcher.accept_token(token):
                 break
             n += 1
         if n:
-            self._matcher.rollback(n)
+            matcher.rollback(n)
         return n
 
     def fill_draft_bitmasks(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
         """Rows row..row + len(drafts): the mask before each draft and after the last (drafts
         the grammar allows: see valid_prefix); the matcher is left as it was. A row after the
         grammar completed stays all-allowed: its token is never kept."""
+        matcher = self._compiled()
         self.fill_bitmask(bitmask, row)
         for i, token in enumerate(drafts):
-            self._matcher.accept_token(token)
-            if not self._matcher.is_terminated():
+            matcher.accept_token(token)
+            if not matcher.is_terminated():
                 self.fill_bitmask(bitmask, row + i + 1)
         if drafts:
-            self._matcher.rollback(len(drafts))
+            matcher.rollback(len(drafts))
 
     @property
     def is_terminated(self) -> bool:
@@ -154,13 +166,13 @@ class StructuredOutputManager:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             return self._compiler
 
-    def wait_for_compiles(self, requests: list[Request], timeout: float) -> None:
+    def wait_for_compiles(self, requests: Sequence[Request], timeout: float) -> None:
         """Block up to `timeout` for one of these requests' compiles (nothing else to run)."""
         futures = [r.grammar.future for r in requests if r.grammar is not None and r.grammar.pending]
         if futures:
             concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
-    def bitmask(self, requests: list[tuple[Request, list[int]]]) -> tuple[torch.Tensor, dict[str, int]] | None:
+    def bitmask(self, requests: Sequence[tuple[Request, list[int]]]) -> tuple[torch.Tensor, dict[str, int]] | None:
         """Rows for the constrained requests that sample this step, each with the speculative
         drafts it verifies (1 + len(drafts) rows: before each draft and after the last):
         (bitmask, first row of each)."""
@@ -169,10 +181,12 @@ class StructuredOutputManager:
         bitmask = xgrammar_module().allocate_token_bitmask(sum(1 + len(d) for _, d in requests), self.vocab_size)
         rows, row = {}, 0
         for request, drafts in requests:
+            grammar = request.grammar
+            assert grammar is not None  # the caller passes constrained requests only
             if drafts:
-                request.grammar.fill_draft_bitmasks(bitmask, row, drafts)
+                grammar.fill_draft_bitmasks(bitmask, row, drafts)
             else:
-                request.grammar.fill_bitmask(bitmask, row)
+                grammar.fill_bitmask(bitmask, row)
             rows[request.request_id] = row
             row += 1 + len(drafts)
         return bitmask, rows

@@ -74,6 +74,7 @@ class StructuredOutputsParams(_ConstraintFields):
 
     def choice_grammar(self) -> str:
         """The EBNF grammar that matches exactly one of the choices."""
+        assert self.choice is not None
         return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
 
 

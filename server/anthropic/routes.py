@@ -15,13 +15,14 @@ import time
 
 from aiohttp import web
 
-from pagedserve.engine.request.inputs import InvalidInput
+from pagedserve.engine.request.inputs import EngineInput, InvalidInput
 from pagedserve.handlers.base_handler import HandlerError
 from pagedserve.handlers.openai_protocol import split_model
 from pagedserve.handlers.openai_tools import ToolParser, tool_prompt
 from pagedserve.server.anthropic.schemas import AnthropicRequest, parse_count_tokens, parse_messages
 from pagedserve.server.anthropic.shaping import AnthropicShaper
-from pagedserve.server.serving.generation import REQUEST_ID_KEY, ErrorReply, prepare, respond
+from pagedserve.server.serving.generation import REQUEST_ID_KEY, ErrorReply
+from pagedserve.server.serving.generation_request import GenerationRequest, run_generation
 from pagedserve.server.serving.request_scope import admitted, handler_call, lora, read_json, resolve
 from pagedserve.server.serving.state import STATE_KEY
 
@@ -37,15 +38,18 @@ async def messages(request: web.Request) -> web.StreamResponse:
     version = resolve(request, state, *handler_call(split_model, parsed.model))
     with admitted(request, version, None):
         spec = tool_prompt(parsed.prompt, parsed.tools, getattr(version.tokenizer, "chat_template", None))
-        job = await prepare(state, version, spec, parsed.params, client=request.remote or "", lora=lora(request))
-        shaper = AnthropicShaper(
-            parsed.model,
-            len(job.input.token_ids),
-            parsed.tools,
-            ToolParser(version.model_config.tool_parser),
-            "msg_" + request[REQUEST_ID_KEY],
-        )
-        return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
+        req = GenerationRequest([spec], parsed.params, parsed.stream)
+
+        def shaper(inputs: list[EngineInput]) -> AnthropicShaper:
+            return AnthropicShaper(
+                parsed.model,
+                len(inputs[0].token_ids),
+                parsed.tools,
+                ToolParser(version.model_config.tool_parser),
+                "msg_" + request[REQUEST_ID_KEY],
+            )
+
+        return await run_generation(request, state, version, req, shaper, started=started, lora=lora(request))
 
 
 @routes.post("/v1/messages/count_tokens", name="anthropic_count_tokens")

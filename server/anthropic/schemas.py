@@ -18,7 +18,7 @@ SamplingParams.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -134,7 +134,7 @@ class AnthropicRequest:
     model: str
     prompt: PromptSpec
     tools: ToolRequest | None
-    params: SamplingParams | None = None  # None for count_tokens
+    params: SamplingParams = field(default_factory=SamplingParams)  # count_tokens: the defaults, unused
     stream: bool = False
 
 
@@ -177,7 +177,8 @@ def _prompt(req: _PromptBody) -> AnthropicRequest:
 
 def _tools(tools: list[Tool] | None, choice: ToolChoice | None) -> ToolRequest | None:
     kind = choice.type if choice is not None else "auto"
-    if choice is not None and (kind == "tool") != (choice.name is not None):
+    forced = choice.name if choice is not None else None
+    if (kind == "tool") != (forced is not None):
         raise HandlerError("tool_choice.name: required with type \"tool\", and only then", param="tool_choice.name")
     if not tools:
         if kind in ("any", "tool"):
@@ -188,14 +189,14 @@ def _tools(tools: list[Tool] | None, choice: ToolChoice | None) -> ToolRequest |
         raise HandlerError("tools: tool names must be unique", param="tools")
     if kind == "none":
         return None
-    if kind == "tool" and choice.name not in names:
-        raise HandlerError(f"tool_choice.name: no tool named {choice.name!r} in tools", param="tool_choice.name")
+    if kind == "tool" and forced not in names:
+        raise HandlerError(f"tool_choice.name: no tool named {forced!r} in tools", param="tool_choice.name")
     defs = [ToolDef("function", FunctionDef(t.name, t.description, t.input_schema)) for t in tools]
     parallel = not (choice is not None and choice.disable_parallel_tool_use)
     return ToolRequest(
         defs,
         {"auto": "auto", "any": "required", "tool": "function"}[kind],
-        choice.name if kind == "tool" else None,
+        forced if kind == "tool" else None,
         parallel,
     )
 
@@ -213,7 +214,9 @@ def _messages(messages: list[Message]) -> list[dict[str, Any]]:
     open_calls: set[str] = set()  # tool_use ids of the last assistant turn
     for i, m in enumerate(messages):
         blocks = [TextBlock(m.content)] if isinstance(m.content, str) else m.content
-        texts, calls, results = [], [], []
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        results: list[dict[str, Any]] = []
         for j, block in enumerate(blocks):
             where = f"messages[{i}].content[{j}]"
             if isinstance(block, (ImageBlock, DocumentBlock)):

@@ -141,7 +141,7 @@ class AnthropicShaper:
             }
             for c in calls
         ]
-        if calls and (finish_reason == "stop" or self.tools.forced):
+        if calls and (finish_reason == "stop" or (self.tools is not None and self.tools.forced)):
             return blocks, "tool_use", None
         if finish_reason == "length":
             return blocks, "max_tokens", None

@@ -20,20 +20,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from pagedserve.server.app.inference import build_inference_app, shape_for_path
+from pagedserve.server.app.startup import check_secure, startup_models
 from pagedserve.server.common.auth import KeyStore, choose_keys, write_key_file
 from pagedserve.server.common.config import ServerConfig, ServerConfigError, parse_address
 from pagedserve.server.console.app import sign_in_line
@@ -42,107 +41,21 @@ from pagedserve.server.metrics.families import ServerMetrics, build_metrics_app
 from pagedserve.server.serving.connections import ConnectionLimits, GuardedAppRunner, PathShape
 from pagedserve.server.serving.state import Drain, ServerState
 from pagedserve.server.workers.adapters import is_adapter
-from pagedserve.server.workers.archives import LoadedArchive, resolve_url, store_archives
+from pagedserve.server.workers.archives import LoadedArchive, resolve_url
 from pagedserve.server.workers.devices import assign_devices, cuda_visible_devices, visible_gpus
 from pagedserve.server.workers.lifecycle import BudgetCollector
 from pagedserve.server.workers.pool import WorkerStartFailed
-from pagedserve.server.workers.registry import ConflictError, EngineBuilder, ModelRegistry, ModelVersion, worker_threads
+from pagedserve.server.workers.registry import ModelRegistry, worker_threads
+from pagedserve.server.workers.rules import ConflictError
 from pagedserve.server.workers.snapshot import Snapshotter
+from pagedserve.server.workers.version import EngineBuilder, ModelVersion
 
 if TYPE_CHECKING:
     from pagedserve.engine.core.async_llm import AsyncLLM
 
 logger = logging.getLogger("pagedserve")
 
-DEFAULT_ARCHIVE_NAME = "smollm2"
-# The bundled model's archive, written into the store by `--models default` when absent.
-DEFAULT_MODEL_CONFIG = """\
-# Written by `pagedserve serve --models default` (see config/model-config.yaml for every key).
-minWorkers: 1
-maxWorkers: 4
-handler:
-  dtype: bfloat16
-  kv_cache_memory: 1GiB
-"""
 CUT_WAIT_S = 5.0  # for the requests cut after drain_grace to send their error replies
-
-
-@dataclass(frozen=True, slots=True)
-class StartupModel:
-    name: str | None  # None: the manifest's modelName
-    url: str  # as given (relative to the store)
-    path: Path
-
-
-def startup_models(config: ServerConfig) -> list[StartupModel]:
-    """`load_models` -> archives in the store ("all": every archive there; "default": the
-    bundled model, archived into the store first when absent), or a `.gguf` file / model folder
-    (archived behind the scenes), under the same location rules as POST /models."""
-    store = config.model_store_path
-    out: list[StartupModel] = []
-    for item in config.load_models:
-        name, sep, url = item.partition("=")
-        if not sep:
-            name, url = None, item
-        if url == "all":
-            out.extend(StartupModel(None, path.name, path.resolve()) for path in store_archives(store))
-            continue
-        if url == "default":
-            url = ensure_default_archive(store).name
-            name = name or DEFAULT_ARCHIVE_NAME
-        try:
-            path = resolve_url(url, store, config.allowed_urls)
-        except (PermissionError, FileNotFoundError, ValueError) as exc:
-            raise ServerConfigError(f"--models {item}: {exc}") from None
-        out.append(StartupModel(name, url, path))
-    return out
-
-
-def ensure_default_archive(store: Path) -> Path:
-    """`<store>/smollm2.mar`, written from the bundled model the first time."""
-    dest = store / f"{DEFAULT_ARCHIVE_NAME}.mar"
-    if dest.exists():
-        return dest
-    import tempfile
-
-    from pagedserve.engine.model.archive import write_archive
-    from pagedserve.engine.model.default_model import default_model_dir
-
-    print(f"pagedserve: archiving the bundled model into {dest} (once)", flush=True)
-    store.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="pagedserve-default-") as tmp:
-        config = Path(tmp) / "model-config.yaml"
-        config.write_text(DEFAULT_MODEL_CONFIG)
-        return write_archive(
-            default_model_dir(), store, model_name=DEFAULT_ARCHIVE_NAME, version="1.0", config_file=config
-        )
-
-
-def check_secure(config: ServerConfig) -> None:
-    """Refuse token authorization off on a non-loopback inference or management address
-    unless `allow_insecure`: anyone who reaches it could run and manage models."""
-    if not config.disable_token_auth or config.allow_insecure:
-        return
-    exposed = [
-        f"{key}={getattr(config, key)}"
-        for key in ("inference_address", "management_address")
-        if not _is_loopback(parse_address(getattr(config, key))[0])
-    ]
-    if exposed:
-        raise ServerConfigError(
-            f"token authorization is off (--disable-token-auth) and {', '.join(exposed)} is not a "
-            "loopback address: anyone who can reach it could run and manage models. Turn "
-            "authorization on, listen on 127.0.0.1, or pass --allow-insecure (allow_insecure: true)"
-        )
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve anywhere
-        return False
 
 
 def build_state(config: ServerConfig, make_engine: EngineBuilder, keys: KeyStore | None) -> ServerState:
@@ -262,9 +175,15 @@ class Server:
         with_keys = config.console_link_keys
         self.out(sign_in_line(state, sys.stdout.isatty() if with_keys is None else with_keys))
 
+    def _started(self) -> ServerState:
+        """The server's state, built by `start`."""
+        if self.state is None:
+            raise RuntimeError("the server is not started")
+        return self.state
+
     async def _register_at_start(self, restored, opened) -> None:
         """The snapshot's models, then the `load_models` archives (the lifecycle's task)."""
-        registry = self.state.registry
+        registry = self._started().registry
         registry.on_change = self._rebalance_threads
         registry.lifecycle.progress = self.out  # a line per worker ready while starting
         try:
@@ -293,7 +212,7 @@ class Server:
         await asyncio.gather(*(self._restore_one(e) for e in entries))
 
     async def _restore_one(self, e) -> None:
-        registry = self.state.registry
+        registry = self._started().registry
         store = self.config.model_store_path
         try:
             path = resolve_url(e.url, store, self.config.allowed_urls)
@@ -336,12 +255,13 @@ class Server:
                 e.version,
                 exc,
             )
-            self.snapshot.carry(e)
+            if self.snapshot is not None:  # (entries come from it)
+                self.snapshot.carry(e)
 
     async def _restore_adapter(self, e) -> None:
         try:
             path = resolve_url(e.url, self.config.model_store_path, self.config.allowed_urls)
-            archive = await self.state.registry.open(path)
+            archive = await self._started().registry.open(path)
             if not is_adapter(archive):
                 raise ValueError(f"{e.url} is not a LoRA adapter archive")
             await self._register_adapter(archive, e.url, e.name, quiet=False)
@@ -349,12 +269,13 @@ class Server:
             logger.error(
                 "snapshot: could not restore adapter %s: %s; it stays in the snapshot for the next start", e.name, exc
             )
-            self.snapshot.carry_adapter(e)
+            if self.snapshot is not None:
+                self.snapshot.carry_adapter(e)
 
     async def _register_adapter(self, archive: LoadedArchive, url: str, name: str | None, quiet: bool = True) -> None:
         """A LoRA adapter onto its base version (given with --models, or from the snapshot)."""
         try:
-            adapter = await self.state.adapters.register(self.state.registry, archive, url, name)
+            adapter = await self._started().adapters.register(self._started().registry, archive, url, name)
         except ConflictError:
             logger.info("adapter %s is already registered", name or archive.name)
             return
@@ -369,7 +290,7 @@ class Server:
 
     async def _register_startup(self, archive: LoadedArchive, url: str, name: str | None) -> None:
         try:
-            entry = await self.state.registry.register(
+            entry = await self._started().registry.register(
                 archive, url=url, name=name, synchronous=True, loaded_at_startup=True
             )
         except ConflictError:
@@ -416,7 +337,7 @@ class Server:
         configured = entry.model_config.engine_options().get("num_threads")
         if configured is not None:
             return configured
-        return worker_threads(self.config.worker_threads, self.state.registry.total_workers())
+        return worker_threads(self.config.worker_threads, self._started().registry.total_workers())
 
     def _rebalance_threads(self) -> None:
         """Size the ready workers again when their number changed: a worker sized for fewer

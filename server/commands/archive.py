@@ -87,7 +87,7 @@ def run_archive(args: argparse.Namespace) -> int:
     if args.base_model and not args.lora_dir:
         raise ValueError("--base-model goes with --lora-dir")
     if args.lora_dir:
-        from pagedserve.engine.lora.archive import write_lora_archive
+        from pagedserve.engine.model.lora_archive import write_lora_archive
 
         base, _, base_version = args.base_model.partition(":")
         print(

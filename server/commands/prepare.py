@@ -71,7 +71,7 @@ def prepare(store: Path, out: Out = print) -> None:
         out("pagedserve: converting the bundled model (GGUF -> safetensors, once, ~20 s)")
         start = time.perf_counter()
         out(f"pagedserve: converted into {default_model_dir()} in {time.perf_counter() - start:.0f} s")
-    from pagedserve.server.app.serve import DEFAULT_ARCHIVE_NAME, ensure_default_archive
+    from pagedserve.server.app.startup import DEFAULT_ARCHIVE_NAME, ensure_default_archive
     from pagedserve.server.workers.archives import load_archive
 
     archive = store / f"{DEFAULT_ARCHIVE_NAME}.mar"

@@ -31,16 +31,17 @@ from aiohttp import web
 from pagedserve.engine.request.inputs import PromptSpec
 from pagedserve.engine.request.outputs import RequestOutput
 from pagedserve.handlers.base_handler import HandlerError
-from pagedserve.handlers.llm_input import decode_body, make_sampling_params
+from pagedserve.handlers.llm_input import make_sampling_params, rename_max_new_tokens
 from pagedserve.handlers.llm_output import timings
 from pagedserve.server.common.openapi import server_version
-from pagedserve.server.serving.fanout import FanOut
-from pagedserve.server.serving.generation import MODEL_KEY, ErrorReply, prepare, respond
+from pagedserve.server.serving.generation import MODEL_KEY, ErrorReply
+from pagedserve.server.serving.generation_request import GenerationRequest, run_generation
+from pagedserve.server.serving.request_scope import read_json
 from pagedserve.server.serving.state import STATE_KEY, ServerState
 from pagedserve.server.serving.streaming import StreamFormat
-from pagedserve.server.torchserve.bodies import max_new_tokens
 from pagedserve.server.workers.adapters import RegisteredAdapter
-from pagedserve.server.workers.registry import InvalidNameError, ModelNotFoundError, ModelVersion
+from pagedserve.server.workers.rules import InvalidNameError, ModelNotFoundError
+from pagedserve.server.workers.version import ModelVersion
 
 MAX_PROMPTS = 32  # instances (v1) or tensor elements (v2) per request
 INSTANCE_KEYS = ("prompt", "text", "data")
@@ -108,7 +109,7 @@ async def model_ready(request: web.Request) -> web.Response:
 @routes.post("/v1/models/{model}:predict", name="kserve_v1_predict")
 async def v1_predict(request: web.Request) -> web.StreamResponse:
     """KServe v1 predict: `instances` (prompts) -> `predictions` (texts)."""
-    body = await _read_json(request)
+    body = await read_json(request)
     unknown = sorted(set(body) - {"instances", "parameters"})
     if unknown:
         raise ErrorReply(
@@ -125,7 +126,7 @@ async def v1_predict(request: web.Request) -> web.StreamResponse:
 @routes.post("/v2/models/{model}/versions/{version}/infer", name="kserve_v2_infer_version")
 async def v2_infer(request: web.Request) -> web.StreamResponse:
     """v2 infer: one BYTES input tensor of prompts -> the BYTES tensor `text_output`."""
-    body = await _read_json(request)
+    body = await read_json(request)
     unknown = sorted(set(body) - {"id", "inputs", "outputs", "parameters"})
     if unknown:
         raise ErrorReply(
@@ -159,13 +160,10 @@ async def _generate(request: web.Request, prompts: list[str], parameters: Any, s
             f"a request holds 1 to {MAX_PROMPTS} prompts, got {len(prompts)}",
             param="inputs" if isinstance(shaper, V2Shaper) else "instances",
         )
-    params = _sampling_params(parameters)
+    req = GenerationRequest([PromptSpec(text=p) for p in prompts], _sampling_params(parameters))
     lora = adapter.lora if adapter is not None else None
     with version.admit(), adapter.track() if adapter is not None else contextlib.nullcontext():
-        client = request.remote or ""
-        jobs = [await prepare(state, version, PromptSpec(text=p), params, client=client, lora=lora) for p in prompts]
-        job = jobs[0] if len(jobs) == 1 else FanOut(jobs, 1).prepared()
-        return await respond(request, state, version, job, shaper, stream=False, started=started)
+        return await run_generation(request, state, version, req, shaper, started=started, lora=lora)
 
 
 def _sampling_params(parameters: Any):
@@ -182,7 +180,7 @@ def _sampling_params(parameters: Any):
                 param=f"parameters.{key}",
             )
     try:
-        return make_sampling_params(max_new_tokens(parameters))
+        return make_sampling_params(rename_max_new_tokens(parameters))
     except HandlerError as exc:
         raise ErrorReply(exc.code, f"parameters.{exc}", param=f"parameters.{exc.param or ''}".rstrip(".")) from None
 
@@ -320,11 +318,3 @@ def _resolve_with_adapter(request: web.Request) -> tuple[ModelVersion, Registere
         raise ErrorReply(400, str(exc), param="model") from None
     request[MODEL_KEY] = found.name
     return found, adapter
-
-
-async def _read_json(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
-    try:
-        return decode_body(raw, request.app[STATE_KEY].config.max_request_size)
-    except HandlerError as exc:
-        raise ErrorReply.from_handler_error(exc) from None

@@ -48,15 +48,9 @@ from pagedserve.server.workers.params import (
     UnregisterParams,
     read_params,
 )
-from pagedserve.server.workers.pool import WorkerStartFailed
-from pagedserve.server.workers.registry import (
-    ConflictError,
-    ForbiddenError,
-    ModelNotFoundError,
-    ModelVersion,
-    NoWorkerError,
-    SaveFailedError,
-)
+from pagedserve.server.workers.pool import NoWorkerError, WorkerStartFailed
+from pagedserve.server.workers.rules import ConflictError, ForbiddenError, ModelNotFoundError, SaveFailedError
+from pagedserve.server.workers.version import ModelVersion
 
 
 async def _register_params(request: web.Request) -> RegisterParams:
@@ -159,9 +153,7 @@ async def list_models(request: web.Request) -> web.Response:
     start, limit = params.next_page_token, min(params.limit, MAX_PAGE)
     models = state.registry.sorted_models()
     page = models[start : start + limit]
-    body: dict[str, Any] = {
-        "models": [{"modelName": m.name, "modelUrl": m.versions[m.default_version].url} for m in page]
-    }
+    body: dict[str, Any] = {"models": [{"modelName": m.name, "modelUrl": m.default.url} for m in page]}
     if start + limit >= len(models):  # LoRA adapters after the models, on the last page
         body["models"] += [
             {"modelName": a.name, "modelUrl": a.url, "parent": a.base.name} for a in state.adapters.sorted()

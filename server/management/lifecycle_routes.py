@@ -18,7 +18,7 @@ from aiohttp import web
 
 from pagedserve.server.serving.generation import ErrorReply
 from pagedserve.server.serving.state import STATE_KEY
-from pagedserve.server.workers.registry import ModelVersion
+from pagedserve.server.workers.version import ModelVersion
 
 
 def _check_model_api(request: web.Request) -> None:

@@ -24,7 +24,7 @@ from pagedserve.server.metrics.vllm import VllmMetrics
 
 if TYPE_CHECKING:
     from pagedserve.engine.request.outputs import RequestOutput
-    from pagedserve.server.workers.registry import ModelVersion
+    from pagedserve.server.workers.version import ModelVersion
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5, 10)
@@ -124,7 +124,7 @@ class _Only:
 
 
 # (stats field, family key / name suffix, help, extra labels); hit tokens first, by tier.
-_OFFLOAD_COUNTERS = (
+_OFFLOAD_COUNTERS: tuple[tuple[str, str, str, list[str]], ...] = (
     ("hit_tokens", "hit_tokens", "Prompt tokens restored from the KV offload tiers", ["tier"]),
     ("stored_tokens", "stored_tokens", "Prompt tokens stored to the KV offload tiers", []),
     ("loaded_bytes", "loaded_bytes", "Bytes of KV restored from the offload tiers", []),
@@ -147,7 +147,7 @@ class EngineCollector:
 
     def collect(self) -> Iterator:
         labels = ["model", "version"]
-        fams = {
+        fams: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             "workers": GaugeMetricFamily("pagedserve_workers_ready", "Ready workers", labels=labels),
             "running": GaugeMetricFamily(
                 "pagedserve_num_requests_running", "Requests running in the engines", labels=labels

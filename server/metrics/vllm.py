@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from pagedserve.engine.request.outputs import RequestOutput
-    from pagedserve.server.workers.registry import ModelVersion
+    from pagedserve.server.workers.version import ModelVersion
 
 LABEL = "model_name"
 # Seconds; wide enough for a CPU-only machine's long requests.
@@ -100,7 +100,8 @@ TOKEN_GAP_BUCKETS = (
 
 def buckets_1_2_5(limit: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to `limit` (token-count histograms)."""
-    out, scale = [], 1
+    out: list[int] = []
+    scale = 1
     while True:
         for m in (1, 2, 5):
             if m * scale > limit:

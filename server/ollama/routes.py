@@ -29,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pagedserve.engine.request.inputs import PromptSpec, pooling_sampling_params
+from pagedserve.engine.request.inputs import EngineInput, PromptSpec, pooling_sampling_params
 from pagedserve.engine.request.pooling import PoolingParams
 from pagedserve.handlers.openai_protocol import split_model
 from pagedserve.handlers.openai_tools import ToolParser, tool_prompt
@@ -43,12 +43,12 @@ from pagedserve.server.ollama.schemas import (
     parse_generate,
 )
 from pagedserve.server.ollama.shaping import EmbedShaper, OllamaShaper, now_iso
-from pagedserve.server.serving.fanout import FanOut
-from pagedserve.server.serving.generation import ErrorReply, prepare, respond
+from pagedserve.server.serving.generation import ErrorReply
+from pagedserve.server.serving.generation_request import GenerationRequest, run_generation
 from pagedserve.server.serving.request_scope import admitted, handler_call, keep_alive, lora, read_json, resolve
 from pagedserve.server.serving.state import STATE_KEY, ServerState
 from pagedserve.server.workers.lifecycle import state_of
-from pagedserve.server.workers.registry import ModelVersion
+from pagedserve.server.workers.version import ModelVersion
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama API version these routes follow
 routes = web.RouteTableDef()
@@ -89,10 +89,13 @@ async def _generate(request: web.Request, parse, *, chat: bool) -> web.StreamRes
         spec = parsed.prompt
         if chat:
             spec = tool_prompt(spec, parsed.tools, getattr(version.tokenizer, "chat_template", None))
-        job = await prepare(state, version, spec, parsed.params, client=request.remote or "", lora=lora(request))
-        load_s = 0.0 if was_loaded else time.monotonic() - started
-        shaper = OllamaShaper(parsed.model, chat, load_s, parsed.tools, ToolParser(version.model_config.tool_parser))
-        return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
+        req = GenerationRequest([spec], parsed.params, parsed.stream)
+
+        def shaper(inputs: list[EngineInput]) -> OllamaShaper:  # made once the model is loaded
+            load_s = 0.0 if was_loaded else time.monotonic() - started
+            return OllamaShaper(parsed.model, chat, load_s, parsed.tools, ToolParser(version.model_config.tool_parser))
+
+        return await run_generation(request, state, version, req, shaper, started=started, lora=lora(request))
 
 
 async def _load_only(
@@ -127,18 +130,18 @@ def _check_num_ctx(num_ctx: int | None, version: ModelVersion) -> None:
 
 
 @routes.post("/api/embed", name="ollama_embed")
-async def embed(request: web.Request) -> web.Response:
+async def embed(request: web.Request) -> web.StreamResponse:
     """`input` (one string or a list) -> `embeddings`, one vector per input."""
     return await _embed(request, legacy=False)
 
 
 @routes.post("/api/embeddings", name="ollama_embeddings")
-async def embeddings(request: web.Request) -> web.Response:
+async def embeddings(request: web.Request) -> web.StreamResponse:
     """The older call: `prompt` -> `embedding`."""
     return await _embed(request, legacy=True)
 
 
-async def _embed(request: web.Request, *, legacy: bool) -> web.Response:
+async def _embed(request: web.Request, *, legacy: bool) -> web.StreamResponse:
     started = time.monotonic()
     state = request.app[STATE_KEY]
     body = await read_json(request)
@@ -160,26 +163,14 @@ async def _embed(request: web.Request, *, legacy: bool) -> web.Response:
     version = _version_of(request, state, req.model)
     with admitted(request, version, seconds):
         was_loaded = bool(version.pool.ready_engines())
-        params = pooling_sampling_params()
-        try:
-            jobs = [
-                await prepare(
-                    state,
-                    version,
-                    PromptSpec(text=t),
-                    params,
-                    client=request.remote or "",
-                    pooling=PoolingParams(),
-                    lora=lora(request),
-                )
-                for t in inputs
-            ]
-        except ErrorReply as exc:
-            exc.param = field if exc.param == "prompt" else exc.param
-            raise
-        job = jobs[0] if len(jobs) == 1 else FanOut(jobs, 1).prepared()
-        shaper = EmbedShaper(req.model, legacy, 0.0 if was_loaded else time.monotonic() - started)
-        return await respond(request, state, version, job, shaper, stream=False, started=started)
+        embed = GenerationRequest(
+            [PromptSpec(text=t) for t in inputs], pooling_sampling_params(), pooling=PoolingParams(), prompt_field=field
+        )
+
+        def shaper(_: list[EngineInput]) -> EmbedShaper:
+            return EmbedShaper(req.model, legacy, 0.0 if was_loaded else time.monotonic() - started)
+
+        return await run_generation(request, state, version, embed, shaper, started=started, lora=lora(request))
 
 
 # -- models ----------------------------------------------------------------------------------

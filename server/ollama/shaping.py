@@ -113,7 +113,8 @@ class OllamaShaper:
 
 @dataclass(slots=True)
 class EmbedShaper:
-    """/api/embed (`legacy` False: `embeddings`, one per input) or /api/embeddings (`embedding`)."""
+    """/api/embed (`legacy` False: `embeddings`, one per input) or /api/embeddings (`embedding`):
+    whole replies only (a `WholeShaper`: embeddings are never streamed)."""
 
     model: str
     legacy: bool = False
@@ -132,15 +133,6 @@ class EmbedShaper:
             "prompt_eval_count": len(out.prompt_token_ids),
             "timings": timings(out, total_s),
         }
-
-    def opening(self, n: int) -> None:
-        return None
-
-    def chunk(self, deltas: list[ChoiceDelta]) -> dict[str, Any]:
-        raise NotImplementedError("embeddings are not streamed")
-
-    def closing(self, deltas: list[ChoiceDelta], out: RequestOutput, total_s: float) -> list[dict[str, Any]]:
-        raise NotImplementedError("embeddings are not streamed")
 
     def error(self, code: int, message: str) -> dict[str, Any]:
         return {"error": message}

@@ -146,7 +146,7 @@ class GuardedRequestHandler(RequestHandler):
             self._cancel(self._body_timer)
             self._body_timer = self._loop.call_later(self._limits.body_timeout, self._body_overdue, payload)
 
-    async def finish_response(self, request, resp, start_time):  # type: ignore[override]
+    async def finish_response(self, request, resp, start_time):
         self._cancel(self._body_timer)
         self._body_timer = None
         return await super().finish_response(request, resp, start_time)
@@ -167,7 +167,8 @@ class GuardedRequestHandler(RequestHandler):
             self._request_count -= 1
         if payload.exception() is None:
             encoding = getattr(message, "compression", None)
-            reason = f"not valid {encoding} data (Content-Encoding: {encoding})" if encoding else errors[0][0].message
+            parser_error = next(info.message for info, _ in errors if isinstance(info, _ErrInfo))
+            reason = f"not valid {encoding} data (Content-Encoding: {encoding})" if encoding else parser_error
             payload.set_exception(RequestPayloadError(reason))
         self._cancel(self._body_timer)
         self._body_timer = None

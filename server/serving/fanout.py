@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from pagedserve.engine.request.inputs import EngineInput
@@ -29,11 +29,11 @@ class FanOut:
     def prepared(self) -> Prepared:
         """What `respond` takes: this fan-out as the worker, the first prompt's input (its
         sampling params are every prompt's)."""
-        return Prepared(self, self.jobs[0].input)  # type: ignore[arg-type]
+        return Prepared(self, self.jobs[0].input)
 
     async def generate(
         self, request_id: str, inp: EngineInput, *, arrival_time: float | None = None, priority: int = 0
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         streams = [
             job.worker.generate(f"{request_id}-{i}", job.input, arrival_time=arrival_time, priority=job.input.priority)
             for i, job in enumerate(self.jobs)
@@ -45,11 +45,12 @@ class FanOut:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for future in done:
                     i = pending.pop(future)
-                    latest[i] = future.result()  # an engine error or an interrupt raises here
-                    if not latest[i].finished:
+                    out = latest[i] = future.result()  # an engine error or an interrupt raises here
+                    if not out.finished:
                         pending[asyncio.ensure_future(anext(streams[i]))] = i
-                if all(out is not None for out in latest):
-                    yield merge_outputs(request_id, latest, self.n)
+                outputs = [out for out in latest if out is not None]
+                if len(outputs) == len(latest):
+                    yield merge_outputs(request_id, outputs, self.n)
         finally:
             for future in pending:
                 future.cancel()

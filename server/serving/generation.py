@@ -1,4 +1,5 @@
-"""One generation request, from a checked body to the bytes on the wire.
+"""One generation request, from a checked body to the bytes on the wire (the routes reach this
+through pagedserve.server.serving.generation_request.run_generation).
 
 `prepare` runs the engine's prepare step (pagedserve.engine.request.inputs: tokenize, chat template, validate
 against the workers' limits) off the event loop, then picks a worker for the tokens (the
@@ -27,13 +28,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import msgspec
 from aiohttp import web
 
-from pagedserve.engine.core.async_llm import AsyncLLM, EngineDeadError
+from pagedserve.engine.core.async_llm import EngineDeadError
 from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.request.inputs import EngineInput, InputLimits, InvalidInput, PromptSpec, validate_input
 from pagedserve.engine.request.outputs import RequestOutput
@@ -44,7 +46,7 @@ from pagedserve.handlers.deltas import ChoiceDelta, DeltaTracker
 from pagedserve.server.serving.limits import LimitRefused, PromptBounds
 from pagedserve.server.serving.state import ServerState
 from pagedserve.server.serving.streaming import ChunkStream, ResponseTooLarge, StreamFormat, check_size, encode_json
-from pagedserve.server.workers.registry import ModelVersion
+from pagedserve.server.workers.version import ModelVersion
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +88,7 @@ class Watchdog:
     """
 
     def __init__(
-        self, request: web.Request, worker: AsyncLLM, request_id: str, timeout_s: float, *, per_chunk: bool
+        self, request: web.Request, worker: Worker, request_id: str, timeout_s: float, *, per_chunk: bool
     ) -> None:
         self._loop = asyncio.get_running_loop()
         self._request = request
@@ -147,9 +149,19 @@ class Shaper(WholeShaper, Protocol):
     def closing(self, deltas: list[ChoiceDelta], out: RequestOutput, total_s: float) -> list[dict[str, Any]]: ...
 
 
+class Worker(Protocol):
+    """What runs a prepared request: a worker's AsyncLLM, or a fan-out over several."""
+
+    def generate(
+        self, request_id: str, inp: EngineInput, *, arrival_time: float | None = None, priority: int = 0
+    ) -> AsyncGenerator[RequestOutput, None]: ...
+
+    def interrupt(self, request_id: str, error: BaseException) -> None: ...
+
+
 @dataclass(slots=True)
 class Prepared:
-    worker: AsyncLLM
+    worker: Worker
     input: EngineInput
 
 
@@ -295,7 +307,7 @@ async def _collect(
     return web.Response(body=body, content_type="application/json", headers={"x-request-id": request[REQUEST_ID_KEY]})
 
 
-def _encode_whole(shaper: Shaper, out: RequestOutput, total_s: float, limit: int) -> bytes:
+def _encode_whole(shaper: WholeShaper, out: RequestOutput, total_s: float, limit: int) -> bytes:
     try:
         return check_size(encode_json(shaper.whole(out, total_s)), limit)
     except ResponseTooLarge as exc:

@@ -189,7 +189,7 @@ class PromptBounds:
         if spec.messages is not None:
             field, chars = "messages", sum(len(m["content"]) for m in spec.messages)
         else:
-            field, chars = "prompt", len(spec.text)
+            field, chars = "prompt", len(spec.text or "")
         limit = (max_model_len - 1) * per_token
         if chars > limit:
             raise HandlerError(

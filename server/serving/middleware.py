@@ -63,10 +63,10 @@ def as_reply(request: web.Request, exc: BaseException, codes: ExceptionCodes) ->
         message = template.format(method=request.method, path=request.path, text=exc.text) if template else exc.reason
         headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
         return ErrorReply(exc.status, message, headers)
-    for types, code, *template in codes:
+    for types, code, *formats in codes:
         if isinstance(exc, types):
             code = code(exc) if callable(code) else code
-            message = template[0].format(exc) if template else str(exc)
+            message = formats[0].format(exc) if formats else str(exc)
             return ErrorReply(code, message, {"Retry-After": "1"} if code == 503 else None)
     return None
 

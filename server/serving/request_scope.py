@@ -2,7 +2,7 @@
 (pagedserve.server.serving.generation), whichever API it speaks: read the JSON body, resolve the model version a
 name asks for (a LoRA adapter's name runs on its base version), count the request in flight on
 its version (with its `keep_alive`) and adapter, and turn the handlers' refusals into
-`ErrorReply`s. The OpenAI routes (pagedserve.server.app.inference), Ollama's (pagedserve.server.ollama) and
+`ErrorReply`s. The OpenAI routes (pagedserve.server.openai), Ollama's (pagedserve.server.ollama) and
 Anthropic's (pagedserve.server.anthropic) all use these."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -20,7 +20,11 @@ from pagedserve.server.common.keep_alive import KeepAliveError, take_keep_alive
 from pagedserve.server.serving.generation import MODEL_KEY, ErrorReply
 from pagedserve.server.serving.state import STATE_KEY, ServerState
 from pagedserve.server.workers.adapters import RegisteredAdapter
-from pagedserve.server.workers.registry import InvalidNameError, ModelNotFoundError, ModelVersion
+from pagedserve.server.workers.rules import InvalidNameError, ModelNotFoundError
+from pagedserve.server.workers.version import ModelVersion
+
+_In = TypeVar("_In")
+_Out = TypeVar("_Out")
 
 ADAPTER_KEY = web.RequestKey("pagedserve_adapter", RegisteredAdapter)  # a request naming a LoRA adapter
 
@@ -88,7 +92,7 @@ def raw_keep_alive(raw: bytes) -> tuple[bytes, float | None]:
     return json.dumps(body).encode(), seconds
 
 
-def handler_call(parse: Callable[[dict[str, Any]], Any], body: dict[str, Any]) -> Any:
+def handler_call(parse: Callable[[_In], _Out], body: _In) -> _Out:
     """`parse(body)` with a handler's refusal as an ErrorReply (its status, naming the field)."""
     try:
         return parse(body)

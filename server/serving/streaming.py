@@ -12,7 +12,7 @@ ends it with an error event (`fail`) rather than a second response.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -56,12 +56,19 @@ class ChunkStream:
     format: StreamFormat
     max_bytes: int
     headers: dict[str, str]
-    response: web.StreamResponse | None = None
+    _response: web.StreamResponse | None = field(default=None, init=False)
     sent_bytes: int = 0
 
     @property
     def is_open(self) -> bool:
-        return self.response is not None
+        return self._response is not None
+
+    @property
+    def response(self) -> web.StreamResponse:
+        """The response, once `open` sent its headers."""
+        if self._response is None:
+            raise RuntimeError("the stream is not open")
+        return self._response
 
     async def open(self) -> None:
         response = web.StreamResponse(
@@ -75,7 +82,7 @@ class ChunkStream:
         )
         response.enable_chunked_encoding()
         await response.prepare(self.request)
-        self.response = response
+        self._response = response
         self.request[OPEN_STREAM_KEY] = self
 
     async def send(self, obj: Any) -> None:

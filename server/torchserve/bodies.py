@@ -27,7 +27,7 @@ from urllib.parse import parse_qsl
 import msgspec
 
 from pagedserve.handlers.base_handler import HandlerError
-from pagedserve.handlers.llm_input import decode_body
+from pagedserve.handlers.llm_input import decode_body, rename_max_new_tokens
 from pagedserve.server.serving.generation import ErrorReply
 
 INPUT_FIELDS = ("data", "body")  # TorchServe's names for a request's input in a form
@@ -37,16 +37,11 @@ TEXT_FIELDS = frozenset({"prompt"})  # form fields that are always text, never J
 
 
 def max_new_tokens(body: dict[str, Any]) -> dict[str, Any]:
-    """TorchServe LLM examples' `max_new_tokens` -> `max_tokens`."""
-    if "max_new_tokens" not in body:
-        return body
-    if "max_tokens" in body:
-        raise ErrorReply(
-            400, "give one of 'max_tokens' or 'max_new_tokens' (the same setting), not both", param="max_new_tokens"
-        )
-    body = dict(body)
-    body["max_tokens"] = body.pop("max_new_tokens")
-    return body
+    """TorchServe LLM examples' `max_new_tokens` -> `max_tokens` (pagedserve.handlers.llm_input)."""
+    try:
+        return rename_max_new_tokens(body)
+    except HandlerError as exc:
+        raise ErrorReply.from_handler_error(exc) from None
 
 
 async def read_predictions_body(request, executor, max_bytes: int) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from pagedserve.handlers.openai_protocol import split_model
 from pagedserve.server.serving.generation import ErrorReply
 from pagedserve.server.serving.request_scope import handler_call, read_json, resolve
 from pagedserve.server.serving.state import STATE_KEY
-from pagedserve.server.workers.registry import ModelVersion
+from pagedserve.server.workers.version import ModelVersion
 
 routes = web.RouteTableDef()
 

@@ -1,6 +1,6 @@
 """Registered LoRA adapters: each attached to a base model version's workers (no process of its own).
 
-Registering an adapter archive (pagedserve.engine.lora.archive) checks, off the event loop, that its base
+Registering an adapter archive (pagedserve.engine.model.lora_archive) checks, off the event loop, that its base
 model version is registered, that the base's weights hash to what the adapter's manifest pinned
 (else the adapter was trained for other weights: refused, 400), and that its factors fit the
 base (ranks within the base's `max_lora_rank`, shapes, supported options). Requests naming the
@@ -22,10 +22,12 @@ from datetime import datetime, timezone
 from typing import Any
 
 from pagedserve.engine.lora.adapter import load_adapter, lora_shapes
-from pagedserve.engine.lora.archive import model_dir_digest
 from pagedserve.engine.lora.request import LoRARequest
+from pagedserve.engine.model.lora_archive import model_dir_digest
 from pagedserve.server.workers.archives import LoadedArchive
-from pagedserve.server.workers.registry import ConflictError, ModelRegistry, ModelVersion, check_model_name
+from pagedserve.server.workers.registry import ModelRegistry
+from pagedserve.server.workers.rules import ConflictError, check_model_name
+from pagedserve.server.workers.version import ModelVersion
 
 DEFAULT_MAX_LORA_RANK = 16  # EngineConfig's default
 

@@ -27,14 +27,15 @@ import logging
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pagedserve.server.workers.memory_budget import Footprint, MemoryBudget, ModelTooLargeError, fmt, version_sizes
 from pagedserve.server.workers.pool import NoWorkerError, WorkerSlot, WorkerStartFailed, WorkerStatus
 
 if TYPE_CHECKING:
+    from pagedserve.engine.config.engine import EngineConfig
     from pagedserve.engine.core.async_llm import AsyncLLM
-    from pagedserve.server.workers.registry import ModelRegistry, ModelVersion
+    from pagedserve.server.workers.version import ModelVersion
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +47,23 @@ class LifecycleConflict(RuntimeError):
     """A sleep that cannot happen (requests in flight, nothing loaded, KV offload on): 409."""
 
 
+class Registry(Protocol):
+    """What the lifecycle reads of the registry that owns it
+    (pagedserve.server.workers.registry.ModelRegistry)."""
+
+    @property
+    def startup_done(self) -> bool: ...
+    def all_versions(self) -> list[ModelVersion]: ...
+    def engine_config(self, entry: ModelVersion) -> EngineConfig: ...
+    def save_state(self) -> None: ...
+
+
 class ModelLifecycle:
     """The budget's book and every change that adds or frees a worker's memory."""
 
     def __init__(
         self,
-        registry: ModelRegistry,
+        registry: Registry,
         budget: MemoryBudget,
         default_keep_alive: float,
         sizes_of: Callable[[ModelVersion], tuple[int, int]] | None = None,
@@ -299,7 +311,9 @@ class ModelLifecycle:
                 raise LifecycleConflict(
                     f"model {entry.name!r} version {entry.version!r} has no loaded worker to put to sleep"
                 )
-            answers = await asyncio.gather(*(s.engine.sleep(SLEEP_TIMEOUT_S) for s in slots), return_exceptions=True)
+            answers = await asyncio.gather(
+                *(s.started_engine().sleep(SLEEP_TIMEOUT_S) for s in slots), return_exceptions=True
+            )
             failed = []
             for slot, answer in zip(slots, answers):
                 if isinstance(answer, BaseException):  # busy after all, or KV offload on
@@ -327,7 +341,7 @@ class ModelLifecycle:
             for slot in slots:  # counted awake from here on
                 slot.status = WorkerStatus.STARTING
                 slot.sleep_rss = None
-        answers = await asyncio.gather(*(s.engine.wake() for s in slots), return_exceptions=True)
+        answers = await asyncio.gather(*(s.started_engine().wake() for s in slots), return_exceptions=True)
         for slot, answer in zip(slots, answers):
             if isinstance(answer, BaseException):
                 logger.error(
@@ -364,7 +378,7 @@ class ModelLifecycle:
             task.cancel()
 
 
-def state_of(entry: ModelVersion) -> str:
+def state_of(entry: ModelVersion) -> Literal["unloaded", "loading", "loaded", "sleeping"]:
     """unloaded, loading, loaded or sleeping."""
     pool = entry.pool
     if pool.sleeping_slots():

@@ -103,7 +103,7 @@ def kv_pool_bytes(config: EngineConfig, hf_config: dict) -> int:
     from pagedserve.engine.attention.kv_quant import parse_kv_cache_dtype
     from pagedserve.engine.model.loader import kv_pool_size
     from pagedserve.engine.model.registry import parse_config
-    from pagedserve.engine.parallel.sharding import shard_spec
+    from pagedserve.engine.model.sharding import shard_spec
 
     spec = parse_config(hf_config)
     if config.tensor_parallel_size > 1:

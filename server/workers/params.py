@@ -28,7 +28,7 @@ class RegisterParams(msgspec.Struct, forbid_unknown_fields=True):
 
     url: Annotated[str, Meta(min_length=1, max_length=4096)]
     model_name: Annotated[str, Meta(min_length=1)] | None = (
-        None  # checked by pagedserve.server.workers.registry.check_model_name
+        None  # checked by pagedserve.server.workers.rules.check_model_name
     )
     initial_workers: _Workers | None = None
     synchronous: bool = False

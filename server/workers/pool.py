@@ -79,6 +79,12 @@ class WorkerSlot:
     def is_ready(self) -> bool:
         return self.status is WorkerStatus.READY and self.engine is not None and self.engine.is_ready
 
+    def started_engine(self) -> AsyncLLM:
+        """The slot's engine (a slot that is ready or asleep has one)."""
+        if self.engine is None:
+            raise RuntimeError(f"worker {self.id} has no engine")
+        return self.engine
+
 
 def backoff_delay(failures: int) -> float:
     return min(BACKOFF_MAX_S, BACKOFF_BASE_S * (2 ** max(0, failures - 1)))
@@ -108,7 +114,7 @@ class WorkerPool:
 
     # -- queries -------------------------------------------------------------------------
     def ready_engines(self) -> list[AsyncLLM]:
-        return [s.engine for s in self.slots if s.is_ready]
+        return [s.engine for s in self.slots if s.is_ready and s.engine is not None]
 
     def active_slots(self) -> list[WorkerSlot]:
         return [s for s in self.slots if s.status is not WorkerStatus.UNLOADING]

@@ -17,193 +17,43 @@ the saved one never differ.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import os
-import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from pagedserve.engine.model.model_config import ModelConfig
 from pagedserve.handlers.base_handler import BaseHandler, Context
 from pagedserve.handlers.custom_handler import CustomHandlerError
 from pagedserve.handlers.llm_handler import ENGINE_WORKERS
-from pagedserve.server.common.safe_write import NO_SPACE
 from pagedserve.server.workers.archives import LoadedArchive, load_archive
 from pagedserve.server.workers.lifecycle import ModelLifecycle
 from pagedserve.server.workers.memory_budget import MemoryBudget, ModelTooLargeError, resolve_budget
-from pagedserve.server.workers.params import MAX_TIMEOUT_S, MAX_WORKERS
-from pagedserve.server.workers.pool import NoWorkerError, WorkerPool
-from pagedserve.server.workers.routing import Router
+from pagedserve.server.workers.pool import WorkerPool
+from pagedserve.server.workers.routing import Router, RoutingPolicy
+from pagedserve.server.workers.rules import (
+    ConflictError,
+    ForbiddenError,
+    InvalidNameError,
+    ModelNotFoundError,
+    SaveFailedError,
+    check_model_name,
+    check_timeout,
+    check_version,
+    check_worker_counts,
+)
+from pagedserve.server.workers.version import EngineBuilder, ModelVersion, RegisteredModel
 
 if TYPE_CHECKING:
     from pagedserve.engine.config.engine import EngineConfig
     from pagedserve.engine.core.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
-
-MAX_NAME_LENGTH = 128  # a name must fit in a URL path, well under the 8 KiB header limit
-# TorchServe's characters; a name starts with a letter, a version with a letter or digit.
-# \Z, not $: "$" would accept a trailing newline.
-NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_.\-]*\Z"
-VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*\Z"
-
-
-class InvalidNameError(ValueError):
-    """A model name or version that breaks the naming rule (400, naming the field)."""
-
-
-class ModelNotFoundError(LookupError):
-    """No such model or version (404); the message names it."""
-
-
-class QueueFullError(RuntimeError):
-    """The version's jobQueueSize is reached (503 with Retry-After)."""
-
-
-class ConflictError(RuntimeError):
-    """The model version is already registered (409)."""
-
-
-class ForbiddenError(RuntimeError):
-    """An operation TorchServe forbids, e.g. removing the default version of a model (403)."""
-
-
-class SaveFailedError(RuntimeError):
-    """The change could not be saved and was undone: 507 when the disk is full, else 500."""
-
-    def __init__(self, cause: OSError) -> None:
-        super().__init__(f"{cause.strerror or cause}; the change was not made")
-        self.status = 507 if cause.errno in NO_SPACE else 500
-
-
-def check_model_name(name: object, what: str = "model name") -> str:
-    """A model name usable in URLs; ValueError naming the rule otherwise."""
-    return _check_name(name, what, NAME_PATTERN, "start with a letter")
-
-
-def check_version(version: object, what: str = "model version") -> str:
-    return _check_name(version, what, VERSION_PATTERN, "start with a letter or digit")
-
-
-def _check_name(value: object, what: str, pattern: str, start: str) -> str:
-    if not isinstance(value, str) or len(value) > MAX_NAME_LENGTH or not re.match(pattern, value):
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-        raise ValueError(
-            f"{what} {shown} is not allowed: it must {start}, hold only letters, "
-            f"digits, '_', '-' and '.', and be at most {MAX_NAME_LENGTH} characters"
-        )
-    return value
-
-
-def check_worker_counts(min_workers: int, max_workers: int, limit_name: str = "max_worker") -> None:
-    """min <= max <= MAX_WORKERS; ValueError naming both otherwise."""
-    if min_workers < 0:
-        raise ValueError(f"min_worker: must be >= 0, got {min_workers}")
-    if min_workers > max_workers:
-        raise ValueError(f"min_worker: {min_workers} must not exceed {limit_name}: {max_workers}")
-    if max_workers > MAX_WORKERS:
-        raise ValueError(f"max_worker: must be <= {MAX_WORKERS} (workers per version), got {max_workers}")
-
-
-def check_timeout(what: str, seconds: float | None) -> None:
-    if seconds is not None and seconds > MAX_TIMEOUT_S:
-        raise ValueError(f"{what}: must be <= {MAX_TIMEOUT_S} seconds, got {seconds}")
-
-
-@dataclass(slots=True, eq=False)
-class ModelVersion:
-    """One registered version of a model and its workers."""
-
-    name: str
-    version: str
-    model_dir: Path
-    context: Context
-    tokenizer: Any
-    archive: LoadedArchive
-    url: str  # as registered (relative to the model store when inside it)
-    pool: WorkerPool
-    min_workers: int
-    max_workers: int
-    job_queue_size: int
-    loaded_at_startup: bool = False
-    max_model_len: int | None = None
-    handler: BaseHandler | None = None  # a custom handler around the workers (/predictions)
-    in_flight: int = 0
-    router: Router = field(default_factory=Router)
-    registered_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
-    # The lifecycle (pagedserve.server.workers.lifecycle): pinned versions are never unloaded; keep_alive seconds
-    # (None: the server's default, < 0: forever); last_used and expires_at are monotonic times.
-    pinned: bool = False
-    keep_alive: float | None = None
-    last_used: float = 0.0
-    expires_at: float | None = None
-    sizes: tuple[int, int] | None = None  # (weights, KV pool) bytes of one worker
-    on_idle: Callable[[ModelVersion, float | None], None] | None = None
-
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.context.model_config
-
-    def workers(self) -> list[AsyncLLM]:
-        return self.pool.ready_engines()
-
-    def pick_worker(self, token_ids: Sequence[int] = ()) -> AsyncLLM:
-        """The ready worker the version's router picks for a prompt of `token_ids` (least
-        loaded, or the one that holds the prompt's prefix: `pagedserve.server.workers.routing`)."""
-        engine = self.router.route(self._ready(), token_ids).engine
-        if self.max_model_len is None and engine.info is not None:
-            self.max_model_len = engine.info.max_model_len
-        return engine
-
-    def _ready(self) -> list[AsyncLLM]:
-        ready = self.pool.ready_engines()
-        if not ready:
-            raise NoWorkerError(
-                f"model {self.name!r} version {self.version!r} has no ready worker right now; retry shortly"
-            )
-        return ready
-
-    @contextlib.contextmanager
-    def admit(self, keep_alive: float | None = None) -> Iterator[None]:
-        """Count one request in flight for the whole `with` block; QueueFullError when full.
-        When the last one in flight ends, the keep-alive (the request's `keep_alive` seconds,
-        else the version's) starts counting."""
-        if self.in_flight >= self.job_queue_size:
-            raise QueueFullError(
-                f"model {self.name!r} version {self.version!r} has "
-                f"{self.in_flight} requests in flight (jobQueueSize="
-                f"{self.job_queue_size}); retry later"
-            )
-        self.in_flight += 1
-        self.last_used = time.monotonic()
-        self.expires_at = None
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
-            self.last_used = time.monotonic()
-            if self.in_flight == 0 and self.on_idle is not None:
-                self.on_idle(self, keep_alive)
-
-
-@dataclass(slots=True, eq=False)
-class RegisteredModel:
-    name: str
-    versions: dict[str, ModelVersion] = field(default_factory=dict)
-    default_version: str | None = None
-
-
-# make_engine(model_version, worker_name, on_dead) -> a not-started AsyncLLM
-EngineBuilder = Callable[[ModelVersion, str, Callable[["AsyncLLM"], None]], "AsyncLLM"]
 
 
 class ModelRegistry:
@@ -354,7 +204,7 @@ class ModelRegistry:
                 job_queue_size=queue,
                 loaded_at_startup=loaded_at_startup,
                 handler=archive.handler,
-                router=Router(config.routing, block_size=config.engine_options().get("block_size", 16)),
+                router=Router(RoutingPolicy(config.routing), block_size=config.engine_options().get("block_size", 16)),
             )
             entry.pool = WorkerPool(
                 f"{name}/{version}",
@@ -477,11 +327,11 @@ class ModelRegistry:
         self._save(lambda: setattr(model, "default_version", old_default))
         return entry
 
-    def save_change(self, undo: Callable[[], None] | None) -> None:
+    def save_change(self, undo: Callable[[], object] | None) -> None:
         """Persist a change made beside the registry (a LoRA adapter registered or removed)."""
         self._save(undo)
 
-    def _save(self, undo: Callable[[], None] | None) -> None:
+    def _save(self, undo: Callable[[], object] | None) -> None:
         """Persist a change just made in memory. If that fails, `undo` it and raise
         SaveFailedError (`undo` None: keep it, and log that the snapshot is behind)."""
         if self.persist is not None:

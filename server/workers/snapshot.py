@@ -25,7 +25,7 @@ import msgspec
 from pagedserve.server.common.safe_write import write_atomically
 from pagedserve.server.workers.lifecycle import state_of
 from pagedserve.server.workers.params import MAX_WORKERS
-from pagedserve.server.workers.registry import MAX_NAME_LENGTH, NAME_PATTERN, VERSION_PATTERN
+from pagedserve.server.workers.rules import MAX_NAME_LENGTH, NAME_PATTERN, VERSION_PATTERN
 
 if TYPE_CHECKING:
     from pagedserve.server.workers.adapters import AdapterRegistry
@@ -73,7 +73,7 @@ def entries_of(registry: ModelRegistry) -> list[SnapshotEntry]:
     return out
 
 
-def _saved_state(v: Any) -> str:
+def _saved_state(v: Any) -> Literal["loaded", "sleeping", "unloaded"]:
     """What a restart should bring back: a version loading now counts as loaded."""
     state = state_of(v)
     return "loaded" if state == "loading" else state
@@ -164,7 +164,7 @@ class Snapshotter:
 
     def _load_adapters(self, items: Any) -> None:
         """Read the adapters' entries into `adapter_entries` (a malformed one is carried)."""
-        self.adapter_entries: list[AdapterEntry] = []
+        self.adapter_entries = []
         for item in items if isinstance(items, list) else []:
             try:
                 self.adapter_entries.append(msgspec.convert(item, AdapterEntry))

@@ -14,8 +14,8 @@ import transformers
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.model.layers.moe import MoESpec, RouterScoring
 from pagedserve.engine.model.registry import check_tensor_parallel_support, parse_config
+from pagedserve.engine.model.sharding import TensorSlice, check_tensor_parallel, shard_spec, tensor_slice
 from pagedserve.engine.model.spec import ModelSpec
-from pagedserve.engine.parallel.sharding import TensorSlice, check_tensor_parallel, shard_spec, tensor_slice
 from tests.engine.test_tensor_parallel import PROMPTS, assert_same_generation
 
 COMMON = {

@@ -26,9 +26,9 @@ from pagedserve.engine.model.llama_spec import LlamaSpec
 from pagedserve.engine.model.loader import kv_pool_size, read_config, safetensors_files
 from pagedserve.engine.model.model_config import ModelConfig, ModelConfigError
 from pagedserve.engine.model.registry import parse_config
+from pagedserve.engine.model.sharding import TensorSlice, check_tensor_parallel, iter_rank_tensors, tensor_slice
 from pagedserve.engine.parallel.driver import TensorParallelError
 from pagedserve.engine.parallel.messages import decode, encode, forward_message, read_forward
-from pagedserve.engine.parallel.sharding import TensorSlice, check_tensor_parallel, iter_rank_tensors, tensor_slice
 from pagedserve.engine.platform.process_setup import resident_bytes
 
 PROMPTS = ["1, 2, 3, 4,", "The capital of Germany is", "def fibonacci(n):"]

@@ -19,7 +19,8 @@ import zlib
 
 import pytest
 
-from pagedserve.server.app.serve import Server, check_secure
+from pagedserve.server.app.serve import Server
+from pagedserve.server.app.startup import check_secure
 from pagedserve.server.common.config import ServerConfig, ServerConfigError
 from pagedserve.server.serving.shapers import OpenAIShaper, PredictionShaper
 from tests.server.conftest import TINY, TINY_ARCHIVE

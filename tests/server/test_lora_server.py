@@ -83,7 +83,7 @@ def registered(srv):
 
 
 def test_archive_manifest_pins_the_base(lora_store):
-    from pagedserve.engine.lora.archive import find_base_manifest, read_manifest, weights_digest
+    from pagedserve.engine.model.lora_archive import find_base_manifest, read_manifest, weights_digest
 
     model = read_manifest(lora_store / f"{ADAPTER}.mar")["model"]
     base = find_base_manifest(lora_store, TINY, "1.0")

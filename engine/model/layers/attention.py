@@ -48,7 +48,7 @@ class Attention(nn.Module):
         self.rope_table = table_of(spec, layer)
         self.backend = backend
         self.ops = ops
-        # Tensor parallelism (pagedserve.engine.parallel.layers): sums the ranks' partial o_proj outputs.
+        # Tensor parallelism (pagedserve.engine.model.layers.parallel): sums the ranks' partial o_proj outputs.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
@@ -66,10 +66,10 @@ class Attention(nn.Module):
         cos, sin = rope[self.rope_table]
         qk_heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, self.head_dim)
-        if self.qk_norm_full:
+        if self.q_norm is not None and self.k_norm is not None and self.qk_norm_full:
             q, k = qk[:, : self.num_heads].reshape(num_tokens, -1), qk[:, self.num_heads :].reshape(num_tokens, -1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1).view(num_tokens, qk_heads, self.head_dim)
-        elif self.q_norm is not None:
+        elif self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
         # RoPE on q and k together: one pass over [T, heads + kv_heads, head_dim].
         ops = eager_ops(self.ops)

@@ -126,6 +126,7 @@ class DecoderModel(nn.Module):
         # Given its (empty) weight, nn.Embedding skips its random init: on the meta device that
         # init alone imports torch._dynamo (seconds of every worker's start); load_weights fills it.
         weight = torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, _weight=weight)
+        # nn.Embedding; an Int8Embedding once quantized, a VocabParallelEmbedding on a rank
+        self.embed_tokens: nn.Module = nn.Embedding(spec.vocab_size, spec.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(layer_cls(spec, i, dtype, backend, ops, make_mlp) for i in range(spec.num_layers))
         self.norm = make_norm(spec, spec.hidden_size, dtype, ops)

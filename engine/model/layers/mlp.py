@@ -26,7 +26,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(size, spec.hidden_size, bias=spec.mlp_bias, dtype=dtype)
         self.gelu = spec.hidden_act == "gelu_pytorch_tanh"
         self.ops = ops
-        # Tensor parallelism (pagedserve.engine.parallel.layers): sums the ranks' partial down_proj outputs.
+        # Tensor parallelism (pagedserve.engine.model.layers.parallel): sums the ranks' partial down_proj outputs.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, h: torch.Tensor, lora: LoRALayer | None = None) -> torch.Tensor:

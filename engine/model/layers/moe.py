@@ -23,7 +23,6 @@ outputs of the routed and shared experts together.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,43 +32,8 @@ from torch import nn
 
 from pagedserve.engine.lora.punica import LoRALayer
 from pagedserve.engine.model.layers.norm import eager_ops
+from pagedserve.engine.model.spec import MoESpec, RouterScoring
 from pagedserve.kernels.cpu_fused_ops import CpuFusedOps
-
-
-class RouterScoring(enum.Enum):
-    """How router logits become the top-k experts' weights."""
-
-    SOFTMAX_TOPK = "softmax_topk"  # softmax over all experts, then the k largest (Qwen2/3-MoE, OLMoE)
-    TOPK_SOFTMAX = "topk_softmax"  # the k largest logits, then softmax over those k (Mixtral)
-
-
-@dataclass(frozen=True, slots=True)
-class MoESpec:
-    """One sparse block's sizes and routing. `normalize`: rescale the top-k weights of
-    SOFTMAX_TOPK to sum to 1 (`norm_topk_prob`); TOPK_SOFTMAX weights always sum to 1.
-    `shared_intermediate_size` 0: no shared expert; `shared_gate`: the shared expert's output is
-    scaled by a sigmoid gate (Qwen2-MoE). `dense_layers`: the layers that keep a dense MLP of
-    the model's `intermediate_size` instead (Qwen's `mlp_only_layers` / `decoder_sparse_step`)."""
-
-    num_experts: int
-    top_k: int
-    intermediate_size: int
-    scoring: RouterScoring
-    normalize: bool
-    shared_intermediate_size: int = 0
-    shared_gate: bool = False
-    dense_layers: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok {self.top_k} must be between 1 and the {self.num_experts} experts")
-        if self.intermediate_size < 1 or self.shared_intermediate_size < 0:
-            raise ValueError(
-                f"expert intermediate sizes must be positive, got {self.intermediate_size} "
-                f"and {self.shared_intermediate_size}"
-            )
-        if self.shared_gate and not self.shared_intermediate_size:
-            raise ValueError("a shared expert gate needs a shared expert")
 
 
 def route(
@@ -146,7 +110,7 @@ class SparseMoeBlock(nn.Module):
             ExpertMLP(hidden_size, spec.shared_intermediate_size, dtype, ops) if spec.shared_intermediate_size else None
         )
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, dtype=dtype) if spec.shared_gate else None
-        # Tensor parallelism (pagedserve.engine.parallel.layers): sums the ranks' partial outputs.
+        # Tensor parallelism (pagedserve.engine.model.layers.parallel): sums the ranks' partial outputs.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, h: torch.Tensor, lora: LoRALayer | None = None) -> torch.Tensor:

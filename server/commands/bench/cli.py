@@ -10,6 +10,7 @@ import os
 import time
 from pathlib import Path
 
+from pagedserve.server.commands.bench.harness import peak_rss_mib, provenance, stamp
 from pagedserve.server.commands.bench.stats import parse_percentiles, parse_slos
 
 
@@ -202,7 +203,15 @@ def _offline(args: argparse.Namespace) -> int:
 def _finish(args: argparse.Namespace, kind: str, record: dict, title: str, **plot_kw) -> int:
     from pagedserve.server.commands.bench.plot import plot_curve
 
-    record = {"kind": kind, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **record}
+    # Named like every benchmark's result (the shared harness): the commit, the CPU, the load;
+    # the peak memory of this process (offline: the engine's too).
+    record = {
+        "kind": kind,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **provenance(),
+        "peak_rss_mib": round(peak_rss_mib(), 1),
+        **record,
+    }
     json_path = (
         Path(args.result_json)
         if args.result_json
@@ -211,6 +220,7 @@ def _finish(args: argparse.Namespace, kind: str, record: dict, title: str, **plo
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(record, indent=2) + "\n")
     print(_table(record))
+    print(stamp(record))
     print(f"results: {json_path}")
     if not args.no_plot:
         png = plot_curve(record["levels"], args.plot or json_path.with_suffix(".png"), title, **plot_kw)

@@ -13,7 +13,7 @@ import pytest
 from pagedserve.engine.config.engine import EngineConfig
 from pagedserve.engine.core.async_llm import AsyncLLM, EngineDeadError, EngineStartError
 from pagedserve.engine.llm import load_tokenizer
-from pagedserve.engine.request.inputs import EngineInput, InvalidInput
+from pagedserve.engine.request.inputs import EngineInput, InvalidInput, validate_input
 from pagedserve.engine.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -115,14 +115,15 @@ def test_worker_serves_streams_aborts_and_reports_death(default_model_dir, token
         await _wait_all_free(worker)
         assert worker.num_unfinished == 0
 
-        # Bad input is refused before it reaches the worker.
+        # Bad input is refused where it enters, against the worker's limits (the front end's
+        # prepare step runs this one check; the worker takes an EngineInput as checked).
         with pytest.raises(InvalidInput, match="max_model_len") as info:
-            await _collect(worker, "long", [1] * 600, SamplingParams())
+            validate_input([1] * 600, SamplingParams(), worker.limits)
         assert info.value.field == "prompt"
         with pytest.raises(InvalidInput, match="out of range"):
-            await _collect(worker, "vocab", [49152], SamplingParams())
+            validate_input([49152], SamplingParams(), worker.limits)
         with pytest.raises(InvalidInput, match="at most 12 tokens") as info:  # the server's rule
-            await _collect(worker, "room", [1] * 500, SamplingParams(max_tokens=13))
+            validate_input([1] * 500, SamplingParams(max_tokens=13), worker.limits)
         assert info.value.field == "max_tokens"
 
         # kill -9 during a stream: the stream fails within seconds, on_dead fires once.

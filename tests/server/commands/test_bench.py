@@ -64,6 +64,8 @@ def test_bench_serve_concurrency_sweep(bench_server, tmp_path, capsys):
     assert main(argv) == 0
     record = json.loads(result.read_text())
     assert record["model"] == TINY and record["kind"] == "serve"
+    # named like every benchmark's result (the shared harness): commit, CPU, load, peak memory
+    assert record["commit"] != "unknown" and record["cpu"] and record["cpu_kind"] and record["peak_rss_mib"] > 0
     assert [lv["level"] for lv in record["levels"]] == ["c=1", "c=2"]
     for lv in record["levels"]:
         assert lv["completed"] == NUM and lv["failed"] == 0 and lv["errors"] == []

@@ -24,13 +24,8 @@ from pathlib import Path
 import pytest
 
 from pagedserve.server.common.auth import ApiKeys, write_key_file
-from pagedserve.server.workers.registry import (
-    MAX_NAME_LENGTH,
-    ModelRegistry,
-    SaveFailedError,
-    check_model_name,
-    check_version,
-)
+from pagedserve.server.workers.registry import ModelRegistry
+from pagedserve.server.workers.rules import MAX_NAME_LENGTH, SaveFailedError, check_model_name, check_version
 from pagedserve.server.workers.snapshot import Snapshotter
 from tests.server.server_process import REPO, ServerProcess
 

@@ -73,8 +73,8 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
         if path.name.endswith(".tar.gz"):
             with tarfile.open(path, "r:gz") as tf:
                 for member in tf:
-                    if member.name.endswith(MANIFEST_PATH) and member.isfile():
-                        return json.loads(tf.extractfile(member).read())
+                    if member.name.endswith(MANIFEST_PATH) and (file := tf.extractfile(member)) is not None:
+                        return json.loads(file.read())
     except (OSError, KeyError, ValueError, zipfile.BadZipFile, tarfile.TarError):
         return None
     return None
@@ -83,10 +83,10 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
 def find_base_manifest(store: Path, name: str, version: str | None) -> dict[str, Any]:
     """The manifest of the archive in `store` holding model `name` (at `version`, or the highest
     version found); ValueError naming what was looked for."""
-    found = []
+    found: list[dict[str, Any]] = []
     for path in sorted(store.iterdir()) if store.is_dir() else []:
-        manifest = read_manifest(path)
-        model = (manifest or {}).get("model") or {}
+        manifest = read_manifest(path) or {}
+        model = manifest.get("model") or {}
         if model.get("modelName") == name and "lora" not in model:
             if version is None or str(model.get("modelVersion")) == version:
                 found.append(manifest)

@@ -1,6 +1,6 @@
 """The layers that differ on a tensor-parallel rank, as in Megatron-LM and vLLM.
 
-A rank's projections are built at its shard's sizes (pagedserve.engine.parallel.sharding), so the
+A rank's projections are built at its shard's sizes (pagedserve.engine.model.sharding), so the
 column-parallel ones (q/k/v, gate/up: a slice of the output rows) need nothing more. The
 row-parallel ones (o_proj, down_proj: a slice of the input columns) each give a partial sum of
 the whole output, which an all-reduce completes; the embedding holds a slice of the vocabulary
@@ -10,7 +10,8 @@ The LM head's slice of the logits is gathered to rank 0 by `CausalLM.compute_log
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,23 @@ from torch import nn
 
 if TYPE_CHECKING:
     from pagedserve.engine.model.layers.decoder import DecoderModel
-    from pagedserve.engine.parallel.group import TensorParallelGroup
+
+
+class RankGroup(Protocol):
+    """What a model's shard calls of its tensor-parallel group
+    (pagedserve.engine.parallel.group.TensorParallelGroup, which the process side owns)."""
+
+    rank: int
+    size: int
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor | None: ...
+
+
+class _Reduced(Protocol):
+    """A block whose output a tensor-parallel rank completes (attention, MLP, MoE)."""
+
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -26,7 +43,7 @@ class VocabParallelEmbedding(nn.Module):
     embedding of every id (the ranks' lookups summed). `weight` keeps nn.Embedding's name, so the
     checkpoint's `model.embed_tokens.weight` slice loads into it, and a tied LM head reads it."""
 
-    def __init__(self, num_local: int, dim: int, dtype: torch.dtype, start: int, group: TensorParallelGroup) -> None:
+    def __init__(self, num_local: int, dim: int, dtype: torch.dtype, start: int, group: RankGroup) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_local, dim, dtype=dtype))
         self.start, self.num_local, self.group = start, num_local, group
@@ -39,14 +56,15 @@ class VocabParallelEmbedding(nn.Module):
         return self.group.all_reduce(out)
 
 
-def parallelize(model: DecoderModel, group: TensorParallelGroup, vocab_per_rank: int) -> None:
+def parallelize(model: DecoderModel, group: RankGroup, vocab_per_rank: int) -> None:
     """Make `model` (built at its rank's sizes, on the meta device, before its weights load)
     rank `group.rank`'s part: a vocabulary-parallel embedding, and an all-reduce after every
     row-parallel projection."""
-    hidden = model.embed_tokens.embedding_dim
+    embedding = model.embed_tokens
+    assert isinstance(embedding, nn.Embedding)  # tensor parallelism takes no quantized embedding
     model.embed_tokens = VocabParallelEmbedding(
-        vocab_per_rank, hidden, model.embed_tokens.weight.dtype, group.rank * vocab_per_rank, group
+        vocab_per_rank, embedding.embedding_dim, embedding.weight.dtype, group.rank * vocab_per_rank, group
     )
     for layer in model.layers:
-        layer.self_attn.reduce = group.all_reduce
-        layer.mlp.reduce = group.all_reduce
+        for part in ("self_attn", "mlp"):  # row-parallel projections inside: all-reduce their sums
+            cast(_Reduced, layer.get_submodule(part)).reduce = group.all_reduce

@@ -110,6 +110,8 @@ def tensor_slice(name: str, spec: ModelSpec, rank: int, size: int) -> TensorSlic
     expert = _EXPERT_TENSOR.match(name)
     if expert is not None:
         moe = spec.moe
+        if moe is None:
+            raise ValueError(f"{name}: an expert's tensor in a model without experts")
         full = moe.shared_intermediate_size if expert.group(1) == "shared_expert" else moe.intermediate_size
         width = full // size
         return TensorSlice(1 if expert.group(2) in ("down_proj", "w2") else 0, rank * width, width, full)
