@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedserve.engine.config.engine import SchedulingPolicy
-from pagedserve.engine.kv_cache.block import KVCacheBlock
-from pagedserve.engine.kv_cache.manager import KVCacheManager
+from pagedserve.engine.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from pagedserve.engine.request.request import FinishReason, Request, RequestStatus
 from pagedserve.engine.scheduler.output import (
     CachedRequestData,
@@ -190,10 +189,10 @@ class Scheduler:
             if num_drafts > 0:  # the budget may have cut some drafts
                 plan.spec_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
             plan.cached_requests.append(
-                CachedRequestData(request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
+                CachedRequestData(request.request_id, new_blocks.block_ids(), request.num_computed_tokens)
             )
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> list[KVCacheBlock] | None:
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> KVCacheBlocks | None:
         """Blocks for `num_new` more tokens of a running request, preempting victims until they
         fit. None when the request had to preempt itself (no other victim was left)."""
         while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
@@ -261,7 +260,7 @@ class Scheduler:
                 token_ids=list(request.all_token_ids),
                 num_prompt_tokens=request.num_prompt_tokens,
                 sampling_params=request.sampling_params,
-                block_ids=self.kv.get_block_ids(request.request_id),
+                block_ids=self.kv.get_group_block_ids(request.request_id),
                 num_computed_tokens=request.num_computed_tokens,
                 pooling_params=request.pooling_params,
                 lora=request.lora,
@@ -355,6 +354,9 @@ class Scheduler:
                 else:
                     self.waiting.remove(request)
                 self._free(request, _FINISHED_STATUS[finish_reason])
+            elif request.status is RequestStatus.RUNNING:
+                # Sliding-window groups return what the next query cannot see (hybrid KV cache).
+                self.kv.remove_skipped_blocks(request)
             logprobs = runner_output.logprobs.get(req_id)
             outputs.append(
                 EngineCoreOutput(
