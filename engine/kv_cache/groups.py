@@ -70,6 +70,17 @@ class KVCacheLayout:
                 total += min(full, -(-(group.window - 1 + chunk) // block_size) + 1)
         return total
 
+    def longest_sequence(self, num_blocks: int, block_size: int, chunk: int, limit: int) -> int:
+        """The most tokens (at most `limit`) one sequence can hold in a pool of `num_blocks`."""
+        lo, hi = 0, limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.blocks_for_one_sequence(mid, block_size, chunk) <= num_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
 
 def plan_layout(windows: Sequence[int | None], hybrid: bool = True) -> KVCacheLayout:
     """The groups of a model whose layer i has sliding window `windows[i]` (None: full).

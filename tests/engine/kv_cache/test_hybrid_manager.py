@@ -141,3 +141,12 @@ def test_allocation_counts_every_group_and_changes_nothing_when_short():
     b = make_request(list(range(8)))
     _, new = _prefill(mgr, b)
     assert new.block_ids() == ([0, 1], [2, 3])
+
+
+def test_longest_sequence_a_pool_holds():
+    llama = plan_layout([None] * 2)
+    assert llama.longest_sequence(32, 4, 24, 130) == 128  # 32 blocks of 4 tokens
+    hybrid = plan_layout([8, None])
+    # 32 blocks: n tokens need cdiv(n, 4) full blocks + cdiv(8 - 1 + 24, 4) + 1 = 9 sliding ones.
+    assert hybrid.longest_sequence(32, 4, 24, 1000) == 92
+    assert hybrid.longest_sequence(32, 4, 24, 50) == 50
