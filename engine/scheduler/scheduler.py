@@ -354,9 +354,6 @@ class Scheduler:
                 else:
                     self.waiting.remove(request)
                 self._free(request, _FINISHED_STATUS[finish_reason])
-            elif request.status is RequestStatus.RUNNING:
-                # Sliding-window groups return what the next query cannot see (hybrid KV cache).
-                self.kv.remove_skipped_blocks(request)
             logprobs = runner_output.logprobs.get(req_id)
             outputs.append(
                 EngineCoreOutput(
@@ -372,6 +369,11 @@ class Scheduler:
                     first_scheduled_time=request.first_scheduled_time,
                 )
             )
+        # Sliding-window groups return what the next queries cannot see (hybrid KV cache).
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                self.kv.remove_skipped_blocks(request)
         return outputs
 
     def _finish_pooled(self, req_id: str, pooled: list[float]) -> EngineCoreOutput:
