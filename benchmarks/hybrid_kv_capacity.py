@@ -51,7 +51,9 @@ def main() -> None:
     for context in CONTEXTS:
         row = {"context": context}
         for hybrid in (True, False):
-            config = EngineConfig(model=str(path.parent), dtype=args.dtype, kv_cache_memory=args.budget, hybrid_kv_cache=hybrid)
+            config = EngineConfig(
+                model=str(path.parent), dtype=args.dtype, kv_cache_memory=args.budget, hybrid_kv_cache=hybrid
+            )
             layout = kv_layout(config, spec)
             per_block, blocks = kv_pool_size(config, spec, KVCacheDtype.AUTO)
             per_seq = layout.blocks_for_one_sequence(context, config.block_size, 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -10,7 +11,7 @@ import torch
 
 from pagedserve.engine.attention.kv_quant import parse_kv_cache_dtype
 from pagedserve.engine.attention.metadata import AttentionMetadata
-from pagedserve.engine.attention.selector import select_backend
+from pagedserve.engine.attention.selector import backend_for_layer, select_backend
 from pagedserve.engine.config.engine import EngineConfig
 from pagedserve.engine.lora.adapter import LoRAAdapter, lora_shapes
 from pagedserve.engine.lora.manager import LoRAManager, LoRAUnsupported
@@ -100,6 +101,8 @@ class ModelRunner:
                 quant=quant,
                 pack_linear=not buckets,
             )
+        if self.tp is None:
+            self._choose_layer_backends()
         # KV cache groups (one unless the model mixes attention kinds: the hybrid KV cache).
         self.kv_layout = kv_layout(config, self.model.rank_spec)
         self._group_of_layer = self.kv_layout.group_of_layer()
@@ -141,6 +144,14 @@ class ModelRunner:
         # Requests whose token the step launched last is sampling (async scheduling: it runs
         # while the next step is prepared, so that token is not in the batch yet).
         self._pending: set[str] = set()
+
+    def _choose_layer_backends(self) -> None:
+        """The attention backend per attention kind: sliding-window and soft-capped layers on
+        the torch backend where the configured one cannot serve them (Triton)."""
+        plain = functools.cache(lambda: select_backend(self.device, "torch", self.kv_dtype))
+        for layer in self.model.model.layers:
+            attn = layer.self_attn
+            attn.backend = backend_for_layer(attn.backend, attn.window, attn.softcap, plain)
 
     def _lora_manager(self, config: EngineConfig) -> LoRAManager | LoRAUnsupported:
         """The adapters' manager, or a refusal where adapters cannot run: tensor-parallel workers,

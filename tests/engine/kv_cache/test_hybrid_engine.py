@@ -142,3 +142,23 @@ def test_the_same_budget_holds_more_long_sequences(gemma3_dir):
     # 257+ full blocks and 5 x 3 sliding ones (hybrid): 11 fit; or 257+ six-layer blocks: 1.
     assert resident[True][1] == 6 * resident[False][1] == 3072
     assert resident[False][0] == 1 and resident[True][0] >= 10
+
+
+def test_full_layers_on_triton_and_sliding_layers_on_torch(gemma3_dir):
+    """The backend per attention kind: with `attention_backend: triton` (Triton's interpreter on a
+    CPU) the full layer runs the Triton kernel and the sliding ones the torch path (the kernel
+    has no window), with the torch backend's tokens, a prompt three windows long."""
+    pytest.importorskip("triton")
+    prompt = _prompt(7)[:100]
+    tokens, kinds = {}, {}
+    for backend in ("torch", "triton"):
+        engine = _engine(gemma3_dir, num_kv_blocks=64, attention_backend=backend, max_model_len=256)
+        layers = engine.runner.model.model.layers
+        kinds[backend] = [(layer.self_attn.window, layer.self_attn.backend.name) for layer in layers]
+        engine.add_request(Request("r", prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))
+        tokens[backend] = []
+        while engine.has_unfinished_requests():
+            tokens[backend].extend(t for out in engine.step() for t in out.new_token_ids)
+    assert kinds["triton"] == [(WINDOW, "torch")] * 5 + [(None, "triton")]
+    assert kinds["torch"] == [(WINDOW, "torch")] * 5 + [(None, "torch")]
+    assert tokens["triton"] == tokens["torch"] and len(tokens["torch"]) == 4

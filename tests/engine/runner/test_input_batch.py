@@ -18,7 +18,11 @@ def make_batch(max_reqs: int = 4, max_len: int = 16, max_tokens: int = 32) -> In
 def row_of(batch: InputBatch, req_id: str) -> tuple[list[int], list[int], int]:
     row = batch.req_index[req_id]
     n, b = int(batch.num_tokens[row]), int(batch.num_blocks[0, row])
-    return batch.token_ids[row, :n].tolist(), batch.block_table[0, row, :b].tolist(), int(batch.num_computed_tokens[row])
+    return (
+        batch.token_ids[row, :n].tolist(),
+        batch.block_table[0, row, :b].tolist(),
+        int(batch.num_computed_tokens[row]),
+    )
 
 
 def test_add_fills_rows_in_order():
