@@ -162,3 +162,62 @@ def test_full_layers_on_triton_and_sliding_layers_on_torch(gemma3_dir):
     assert kinds["triton"] == [(WINDOW, "torch")] * 5 + [(None, "triton")]
     assert kinds["torch"] == [(WINDOW, "torch")] * 5 + [(None, "torch")]
     assert tokens["triton"] == tokens["torch"] and len(tokens["torch"]) == 4
+
+
+def _greedy(engine: EngineCore, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    ids = [f"g{i}" for i in range(len(prompts))]
+    for req_id, prompt in zip(ids, prompts):
+        engine.add_request(Request(req_id, prompt, params))
+    tokens: dict[str, list[int]] = {req_id: [] for req_id in ids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    return [tokens[req_id] for req_id in ids]
+
+
+def test_preemption_and_speculative_decoding_keep_the_tokens(gemma3_dir):
+    """Greedy tokens of three 200-token prompts (with repeats, for the n-gram drafter) as with a
+    roomy pool: in a pool too small for all three (preemptions, recomputed in fresh blocks of
+    every group), and with n-gram and draft-model speculation (drafts rolled back in sliding
+    groups)."""
+    prompts = [(_prompt(i)[:50] * 4) for i in range(3)]
+    options = dict(max_model_len=256)
+    reference = _greedy(_engine(gemma3_dir, num_kv_blocks=300, **options), prompts)
+    tight = _engine(gemma3_dir, num_kv_blocks=80, **options)
+    assert _greedy(tight, prompts) == reference
+    assert tight.scheduler.num_preemptions > 0
+    for speculative in (
+        {"method": "ngram", "num_speculative_tokens": 3},
+        {"method": "draft", "draft_model": str(gemma3_dir), "num_speculative_tokens": 3},
+    ):
+        engine = _engine(gemma3_dir, num_kv_blocks=300, speculative=speculative, **options)
+        assert _greedy(engine, prompts) == reference, speculative["method"]
+        assert engine.scheduler.num_accepted_tokens > 0
+        assert engine.kv_manager.pool.get_num_free_blocks() == 300
+
+
+def test_kv_offload_serves_a_sliding_window_model_with_one_group(gemma3_dir, tmp_path):
+    """With LMCache offload on, the cache is one group of every layer (the connector copies one
+    block table across all layers): a prompt restored from the CPU tier after the pool lost it
+    decodes the tokens it decoded when computed."""
+    pytest.importorskip("lmcache")
+    engine = _engine(
+        gemma3_dir,
+        num_kv_blocks=40,
+        max_model_len=640,
+        max_num_batched_tokens=640,
+        kv_offload={"cpu_size_gb": 0.05, "chunk_size": 64},
+    )
+    assert [g.window for g in engine.kv_manager.groups] == [None] and not engine.runner.kv_layout.is_hybrid
+    prompt = _prompt(3)[:300]
+    first = _greedy(engine, [prompt])
+    _greedy(engine, [_prompt(4)[:630]], max_tokens=1)  # needs every block: the pool forgets the prompt
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    engine.add_request(Request("again", prompt, params))
+    tokens, restored = [], 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+            restored = max(restored, out.num_external_cached_tokens)
+    assert restored >= 256 and tokens == first[0]
