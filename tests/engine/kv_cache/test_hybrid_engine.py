@@ -7,12 +7,17 @@ same KV budget holds more such sequences at once than without the hybrid cache."
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
 
+from pagedserve.engine.attention.kv_quant import KVCacheDtype
 from pagedserve.engine.config.engine import EngineConfig
 from pagedserve.engine.core.engine_core import EngineCore
+from pagedserve.engine.model.loader import kv_layout, kv_pool_size
+from pagedserve.engine.model.registry import parse_config
 from pagedserve.engine.request.request import Request
 from pagedserve.engine.sampling.params import SamplingParams
 
@@ -221,3 +226,19 @@ def test_kv_offload_serves_a_sliding_window_model_with_one_group(gemma3_dir, tmp
             tokens.extend(out.new_token_ids)
             restored = max(restored, out.num_external_cached_tokens)
     assert restored >= 256 and tokens == first[0]
+
+
+def test_kv_budget_divides_by_a_page_of_the_shared_tensors(gemma3_dir, served_once):
+    """A block is one page of the layout's shared tensors: one layer here (groups of one layer),
+    six layers without the hybrid cache or with tensor parallelism / KV offload (one group)."""
+    spec = parse_config(json.loads((gemma3_dir / "config.json").read_text()))
+    layer_page = 2 * BLOCK * 1 * 16 * 4  # keys and values, 1 KV head of 16, float32
+    cases = [({}, 1), ({"hybrid_kv_cache": False}, 6), ({"kv_offload": {"cpu_size_gb": 0.05}}, 6)]
+    for options, layers in cases:
+        config = EngineConfig(model=str(gemma3_dir), kv_cache_memory="1MiB", **options)
+        assert kv_layout(config, spec).num_tensors == layers
+        assert kv_pool_size(config, spec, KVCacheDtype.AUTO) == (layers * layer_page, 2**20 // (layers * layer_page))
+    engine = served_once[0]
+    caches = engine.runner.kv_caches
+    assert len(caches) == 6 and all(c is caches[0] for c in caches)  # every group's layer: tensor 0
+    assert caches[0].numel() * caches[0].element_size() == NUM_BLOCKS * layer_page
