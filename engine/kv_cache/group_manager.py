@@ -82,7 +82,9 @@ class GroupManager:
         blocks.extend(new)
         return new
 
-    def cache_full_blocks(self, req_id: str, hashes: Sequence[BlockHash], tokens: Sequence[int], num_tokens: int):
+    def cache_full_blocks(
+        self, req_id: str, hashes: Sequence[BlockHash], tokens: Sequence[int], num_tokens: int
+    ) -> None:
         """Publish the request's blocks that are full once `num_tokens` tokens are computed."""
         blocks = self.req_to_blocks[req_id]
         start = self.num_cached_blocks.get(req_id, 0)
@@ -121,8 +123,12 @@ class GroupManager:
 class SlidingWindowManager(GroupManager):
     """A window of w tokens: the query at position p reads positions (p - w, p]."""
 
+    def __init__(self, group: int, window: int, pool: BlockPool, null_block: KVCacheBlock, block_size: int):
+        super().__init__(group, window, pool, null_block, block_size)
+        self.sliding_window = window
+
     def first_needed_block(self, num_computed: int) -> int:
-        return max(0, num_computed - self.window + 1) // self.block_size
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
 
     def longest_hit(self, hashes: Sequence[BlockHash], tokens: Sequence[int], max_blocks: int) -> int:
         """Scanned from the right: the longest L whose window blocks [first_needed(L), L) are
@@ -155,5 +161,6 @@ class SlidingWindowManager(GroupManager):
 def make_group_manager(
     group: int, window: int | None, pool: BlockPool, null_block: KVCacheBlock, block_size: int
 ) -> GroupManager:
-    cls = GroupManager if window is None else SlidingWindowManager
-    return cls(group, window, pool, null_block, block_size)
+    if window is None:
+        return GroupManager(group, None, pool, null_block, block_size)
+    return SlidingWindowManager(group, window, pool, null_block, block_size)

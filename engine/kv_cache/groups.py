@@ -99,7 +99,7 @@ def plan_layout(windows: Sequence[int | None], hybrid: bool = True) -> KVCacheLa
     smallest = min(len(layers) for layers in kinds.values())
     largest = max(len(layers) for layers in kinds.values())
     size = largest if largest < 1.25 * smallest else smallest
-    groups = []
+    groups: list[KVCacheGroupSpec] = []
     # Full attention first: group 0 is then a full group (the KV offload tier and the draft
     # model's comparisons read group 0), then windows from the widest.
     for window in sorted(kinds, key=lambda w: (w is not None, -(w or 0))):
