@@ -206,7 +206,7 @@ def check_offload(device: str) -> dict:
 
     def pool_kv(llm):
         blocks, n = llm.engine.kv_manager.get_computed_blocks(Request("probe", [*prompt, 0], SamplingParams()))
-        index = torch.tensor([b.block_id for b in blocks], dtype=torch.int64, device=device)
+        index = torch.tensor(blocks.block_ids()[0], dtype=torch.int64, device=device)
         return [kv[:, index].clone() for kv in llm.engine.runner.kv_caches], n
 
     def evict(llm, seed):

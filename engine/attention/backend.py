@@ -28,6 +28,9 @@ class AttentionBackend(abc.ABC):
     """
 
     name: str = "abstract"
+    # Sliding windows and soft-capped scores (else a layer with either gets the torch backend:
+    # pagedserve.engine.attention.selector.backend_for_layer).
+    supports_windows: bool = True
 
     def __init__(self, kv_dtype: KVCacheDtype = KVCacheDtype.AUTO) -> None:
         self.kv_dtype = kv_dtype

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -57,3 +58,15 @@ def _triton_backend(device: torch.device, kv_dtype: KVCacheDtype) -> AttentionBa
     from pagedserve.engine.attention.triton_backend import TritonAttentionBackend
 
     return TritonAttentionBackend(kv_dtype)
+
+
+def backend_for_layer(
+    backend: AttentionBackend, window: int | None, softcap: float | None, plain: Callable[[], AttentionBackend]
+) -> AttentionBackend:
+    """The backend of a layer of one attention kind (a KV cache group's kind): `backend`, or
+    `plain()` (the torch backend on the same device) for a sliding-window or soft-capped layer
+    that `backend` cannot serve (Triton: Gemma 3's full layers on the kernel, its sliding ones
+    on the torch path)."""
+    if backend.supports_windows or (window is None and softcap is None):
+        return backend
+    return plain()

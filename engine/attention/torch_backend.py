@@ -241,13 +241,17 @@ class TorchAttentionBackend(AttentionBackend):
         for i in range(n, meta.num_seqs):
             end = start + meta.query_lens[i]
             seq_len = meta.seq_lens[i]
+            k_start = 0
             if meta.query_lens[i] == seq_len and not self.kv_dtype.quantized:
                 k, v = key[start:end], value[start:end]
             else:
-                blocks = meta.block_tables[i, : (seq_len + block_size - 1) // block_size]
-                k = self._read_context(kv_cache[0], blocks, seq_len, query.dtype)
-                v = self._read_context(kv_cache[1], blocks, seq_len, query.dtype)
-            out[start:end] = windowed.prefill(query[start:end], k, v, seq_len, scale, window, softcap)
+                # From the block of the first visible position: the blocks before it may be gone.
+                first_block = windowed.first_visible(seq_len, meta.query_lens[i], window) // block_size
+                k_start = first_block * block_size
+                blocks = meta.block_tables[i, first_block : (seq_len + block_size - 1) // block_size]
+                k = self._read_context(kv_cache[0], blocks, seq_len - k_start, query.dtype)
+                v = self._read_context(kv_cache[1], blocks, seq_len - k_start, query.dtype)
+            out[start:end] = windowed.prefill(query[start:end], k, v, seq_len, scale, window, softcap, k_start)
             start = end
         return out
 

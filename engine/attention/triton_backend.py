@@ -17,6 +17,7 @@ from pagedserve.kernels.triton_paged_attention import paged_attention
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_windows = False  # sliding / soft-capped layers get the torch backend (selector.backend_for_layer)
 
     def attend(
         self,

@@ -8,8 +8,8 @@ the softmax then runs in float32 and is cast back, as transformers' eager attent
 
 Decodes gather only the window of each sequence (`[B, kv_heads, W, head_dim]`, padded to the
 longest visible context and masked); prefill chunks gather the window before their first token
-onwards. Blocks wholly outside every window are still read from the same block tables (the KV
-manager keeps them allocated for now).
+onwards. Blocks wholly before the window are never read: a hybrid KV cache
+(pagedserve.engine.kv_cache.groups) has already returned them to the pool.
 """
 
 from __future__ import annotations
@@ -80,14 +80,16 @@ def prefill(
     scale: float,
     window: int | None,
     softcap: float | None,
+    k_start: int = 0,
 ) -> torch.Tensor:
     """One sequence's chunk `query [Q, heads, D]`, the last Q positions of its context, against
-    `k`/`v [seq_len, kv_heads, D]` (the whole context); causal, within the window."""
+    `k`/`v [seq_len - k_start, kv_heads, D]` (its context from position `k_start`, at most
+    `first_visible`); causal, within the window."""
     query_len, num_heads, head_dim = query.shape
     num_kv_heads = k.shape[1]
     first = seq_len - query_len
-    lo = 0 if window is None else max(0, first - window + 1)  # nothing before lo is visible
-    k, v = k[lo:].transpose(0, 1)[None], v[lo:].transpose(0, 1)[None]
+    lo = first_visible(seq_len, query_len, window)  # nothing before lo is visible
+    k, v = k[lo - k_start :].transpose(0, 1)[None], v[lo - k_start :].transpose(0, 1)[None]
     qpos = torch.arange(first, seq_len, device=query.device)[:, None]
     kpos = torch.arange(lo, seq_len, device=query.device)[None, :]
     mask = kpos <= qpos
@@ -98,3 +100,8 @@ def prefill(
     q = query.transpose(0, 1).reshape(1, num_kv_heads, group * query_len, head_dim)
     out = attention(q, k, v, mask.repeat(group, 1), scale, softcap)
     return out.reshape(num_heads, query_len, head_dim).transpose(0, 1)
+
+
+def first_visible(seq_len: int, query_len: int, window: int | None) -> int:
+    """The first position a chunk of the last `query_len` of `seq_len` positions can see."""
+    return 0 if window is None else max(0, seq_len - query_len - window + 1)

@@ -125,6 +125,9 @@ class EngineFields(msgspec.Struct, forbid_unknown_fields=True):
     kv_cache_memory: Size = "1GiB"  # the KV pool's size: bytes, or a size such as "512MiB"
     num_kv_blocks: Annotated[int, Meta(ge=2)] | None = None  # the KV pool's size in blocks (wins over kv_cache_memory)
     enable_prefix_caching: bool = True
+    # Layers grouped by attention kind, sliding-window groups returning the blocks their window
+    # left (pagedserve.engine.kv_cache.groups); off by itself with tensor parallelism or KV offload.
+    hybrid_kv_cache: bool = True
     prefix_cache_hash: PrefixCacheHash = PrefixCacheHash.SHA256  # the block hash of the prefix cache
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     seed: Annotated[int, Meta(ge=0)] = 0

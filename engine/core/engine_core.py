@@ -68,14 +68,17 @@ class EngineCore:
         # free lists, which tune_glibc_malloc keeps from being trimmed: return them now, or the
         # worker keeps them resident for its whole life (measured: +95 MiB for int4).
         release_free_memory()
-        # A request alone must always fit the pool, or it would wait forever.
-        pool_tokens = self.runner.num_blocks * config.block_size
+        # A request alone must always fit the pool, or it would wait forever (with a hybrid KV
+        # cache it holds blocks in every group: all of a full group's, a window's of a sliding one).
+        layout = self.runner.kv_layout
+        chunk = config.max_num_batched_tokens
+        pool_tokens = layout.longest_sequence(self.runner.num_blocks, config.block_size, chunk, self.max_model_len)
         if pool_tokens < self.max_model_len:
             if config.max_model_len is not None:
                 raise ValueError(
                     f"max_model_len={config.max_model_len} does not fit the KV pool "
-                    f"({self.runner.num_blocks} blocks x {config.block_size} = {pool_tokens} tokens): "
-                    "raise kv_cache_memory / num_kv_blocks or lower max_model_len"
+                    f"({self.runner.num_blocks} blocks of {config.block_size} tokens hold one sequence of "
+                    f"{pool_tokens} tokens): raise kv_cache_memory / num_kv_blocks or lower max_model_len"
                 )
             logger.warning("max_model_len lowered to %d to fit the KV pool", pool_tokens)
             self.max_model_len = pool_tokens
@@ -122,6 +125,7 @@ class EngineCore:
             self.config.block_size,
             get_hash_fn(self.config.prefix_cache_hash),
             self.config.enable_prefix_caching,
+            self.runner.kv_layout.groups,
         )
 
     def _new_scheduler(self) -> Scheduler:

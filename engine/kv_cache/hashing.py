@@ -84,3 +84,9 @@ def hash_request_blocks(
         parent = hash_block(hash_fn, parent, block_tokens, extra_keys if i == 0 else None)
         existing.append(parent)
     return existing
+
+
+def group_key(block_hash: BlockHash, group: int) -> BlockHash:
+    """The prefix-cache key of a block of KV cache group `group` (pagedserve.engine.kv_cache.groups):
+    the hash itself for group 0, tagged with the group otherwise (each group has its own pages)."""
+    return block_hash if group == 0 else BlockHash(block_hash + b"/g" + group.to_bytes(2, "little"))

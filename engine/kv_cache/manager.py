@@ -1,12 +1,16 @@
-"""Per-request KV block bookkeeping on top of the block pool: prefix hits, allocation, freeing."""
+"""Per-request KV block bookkeeping on top of the block pool: prefix hits, allocation, freeing,
+over one or more KV cache groups (the hybrid KV cache: pagedserve.engine.kv_cache.groups)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from pagedserve.engine.kv_cache.block import KVCacheBlock
 from pagedserve.engine.kv_cache.block_pool import BlockPool
+from pagedserve.engine.kv_cache.group_manager import GroupManager, make_group_manager
+from pagedserve.engine.kv_cache.groups import KVCacheGroupSpec
 from pagedserve.engine.kv_cache.hashing import BlockHash, HashFn, hash_request_blocks
 
 
@@ -26,13 +30,23 @@ class Request(Protocol):
     def extra_keys(self) -> tuple[object, ...] | None: ...
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+@dataclass(slots=True)
+class KVCacheBlocks:
+    """Blocks of one request, one list per KV cache group (the null block, id -1, where a
+    sliding group no longer needs one)."""
+
+    groups: tuple[list[KVCacheBlock], ...]
+
+    def block_ids(self) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in blocks] for blocks in self.groups)
 
 
 class KVCacheManager:
-    """Maps requests to their block lists. Block tables are append-only while a request runs;
-    freeing returns every block (in reverse order) at once."""
+    """Maps requests to their block lists, one per KV cache group, over one block pool.
+
+    A full-attention group's list is append-only while the request runs; a sliding group also
+    returns the blocks its window has left (`remove_skipped_blocks`). Freeing returns every
+    block (in reverse order) at once. Without `groups`: one full-attention group."""
 
     def __init__(
         self,
@@ -40,17 +54,35 @@ class KVCacheManager:
         block_size: int,
         hash_fn: HashFn,
         enable_caching: bool = True,
+        groups: Sequence[KVCacheGroupSpec] | None = None,
     ) -> None:
         self.block_size = block_size
         self.hash_fn = hash_fn
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # How many leading blocks of each request are already published in the prefix cache.
-        self.num_cached_blocks: dict[str, int] = {}
-        # Prefix-cache statistics over get_computed_blocks calls.
+        # Stands for a block a sliding group no longer holds: never in the pool's lists.
+        self.null_block = KVCacheBlock(-1)
+        specs = groups or (KVCacheGroupSpec(None, ()),)
+        self.groups: list[GroupManager] = [
+            make_group_manager(g, spec.window, self.pool, self.null_block, block_size) for g, spec in enumerate(specs)
+        ]
+        # Full groups first when hits are searched: a sliding group's hit is then never longer.
+        self._hit_order = sorted(self.groups, key=lambda m: m.window is not None)
+        # Prefix-cache statistics over get_computed_blocks calls (per group: GroupManager.num_hit_blocks).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+
+    @property
+    def req_to_blocks(self) -> dict[str, list[KVCacheBlock]]:
+        """Each request's blocks of every group, the null block left out."""
+        out: dict[str, list[KVCacheBlock]] = {}
+        for manager in self.groups:
+            for req_id, blocks in manager.req_to_blocks.items():
+                out.setdefault(req_id, []).extend(b for b in blocks if b is not self.null_block)
+        return out
+
+    def empty_blocks(self) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple([] for _ in self.groups))
 
     # -- prefix cache ----------------------------------------------------------------------
     def update_block_hashes(self, request: Request) -> None:
@@ -63,61 +95,63 @@ class KVCacheManager:
                 request.extra_keys,
             )
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of the request, in full blocks, as (blocks, num_tokens).
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """Longest cached prefix of the request, in full blocks, as (blocks, num_tokens): a hit
+        of L blocks needs every group's blocks for it (a sliding group's: those its window sees
+        from position L * block_size).
 
         At least one token is always left to compute: the model must run on the last prompt
         token to produce logits, so a fully cached prompt reuses all but its last block.
         """
         if not self.enable_caching:
-            return [], 0
+            return self.empty_blocks(), 0
         self.update_block_hashes(request)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        blocks: list[KVCacheBlock] = []
-        bs = self.block_size
-        for i, block_hash in enumerate(request.block_hashes[:max_hit_blocks]):
-            block = self.pool.get_cached_block(block_hash, request.all_token_ids[i * bs : (i + 1) * bs])
-            if block is None:
+        hashes, tokens = request.block_hashes, request.all_token_ids
+        length = (request.num_tokens - 1) // self.block_size
+        while True:  # a shorter hit in one group may leave another's window uncached: repeat
+            before = length
+            for manager in self._hit_order:
+                length = manager.longest_hit(hashes, tokens, length)
+            if length == before:
                 break
-            blocks.append(block)
+        blocks = KVCacheBlocks(tuple(m.hit_blocks(hashes, tokens, length) for m in self.groups))
         self.num_queried_tokens += request.num_tokens
-        self.num_hit_tokens += len(blocks) * bs
-        return blocks, len(blocks) * bs
+        self.num_hit_tokens += length * self.block_size
+        return blocks, length * self.block_size
 
     # -- allocation ------------------------------------------------------------------------
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
-    ) -> list[KVCacheBlock] | None:
-        """Make room for `num_new_tokens` more tokens after the computed ones.
+        new_computed_blocks: KVCacheBlocks | None = None,
+    ) -> KVCacheBlocks | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones, in every group.
 
         `new_computed_blocks` are prefix-cache hits (first scheduling only); they are appended
         before any new block, and the caller has already counted them in
-        `request.num_computed_tokens`. Returns the newly allocated blocks, or None (and changes
-        nothing) when the pool cannot provide them.
+        `request.num_computed_tokens`. Sliding groups first return the blocks their window has
+        left. Returns the newly allocated blocks, or None (and allocates nothing) when the pool
+        cannot provide them.
         """
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
-        computed = new_computed_blocks or []
-        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        req_id = request.request_id
+        hits = (new_computed_blocks or self.empty_blocks()).groups
         num_computed_tokens = request.num_computed_tokens
-        num_required = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
-        num_new_blocks = num_required - len(req_blocks) - len(computed)
-        # Hits sitting in the free queue will be rescued, so they are not available for new use.
-        num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
-        if num_new_blocks > self.pool.get_num_free_blocks() - num_evictable_hits:
-            if not req_blocks:
-                del self.req_to_blocks[request.request_id]
+        num_tokens = num_computed_tokens + num_new_tokens
+        self.remove_skipped_blocks(request)
+        needed = sum(m.num_blocks_to_allocate(req_id, num_tokens, h) for m, h in zip(self.groups, hits))
+        if needed > self.pool.get_num_free_blocks():
             return None
-        if computed:
-            self.pool.touch(computed)
-            req_blocks.extend(computed)
-        new_blocks = self.pool.get_new_blocks(max(num_new_blocks, 0))
-        req_blocks.extend(new_blocks)
-        self._cache_full_blocks(request, num_computed_tokens + num_new_tokens)
-        return new_blocks
+        new = KVCacheBlocks(tuple(m.allocate(req_id, num_tokens, h) for m, h in zip(self.groups, hits)))
+        self._cache_full_blocks(request, num_tokens)
+        return new
+
+    def remove_skipped_blocks(self, request: Request) -> None:
+        """Sliding groups return the blocks the request's next query can no longer see."""
+        for manager in self.groups:
+            manager.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Publish blocks that are full once the scheduled tokens are computed.
@@ -128,35 +162,28 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         self.update_block_hashes(request)
-        req_id = request.request_id
-        blocks = self.req_to_blocks[req_id]
-        start = self.num_cached_blocks.get(req_id, 0)
-        end = min(num_tokens // self.block_size, len(request.block_hashes))
-        bs = self.block_size
-        for i in range(start, end):
-            self.pool.cache_full_block(blocks[i], request.block_hashes[i], request.all_token_ids[i * bs : (i + 1) * bs])
-        self.num_cached_blocks[req_id] = max(start, end)
+        for manager in self.groups:
+            manager.cache_full_blocks(request.request_id, request.block_hashes, request.all_token_ids, num_tokens)
 
     def rewind_cached_blocks(self, request: Request, num_valid_tokens: int, num_tokens: int) -> None:
         """Withdraw the request's published blocks past its first `num_valid_tokens` tokens from
         the prefix cache (their KV was not written as planned: an external load fell short), then
         publish again those that are full once `num_tokens` are computed."""
-        req_id = request.request_id
-        blocks = self.req_to_blocks.get(req_id, [])
-        first = num_valid_tokens // self.block_size
-        for block in blocks[first : self.num_cached_blocks.get(req_id, 0)]:
-            self.pool.uncache_block(block)
-        self.num_cached_blocks[req_id] = min(self.num_cached_blocks.get(req_id, 0), first)
+        for manager in self.groups:
+            manager.uncache_from(request.request_id, num_valid_tokens // self.block_size)
         self._cache_full_blocks(request, num_tokens)
 
     def free(self, request: Request) -> None:
         """Release all blocks of the request, tail first (so its tail is evicted first)."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_blocks.pop(request.request_id, None)
-        self.pool.free_blocks(list(reversed(blocks)))
+        for manager in self.groups:
+            manager.free(request.request_id)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+        """Group 0's block ids (a full-attention group whenever the model has one)."""
+        return self.groups[0].block_ids(request_id)
+
+    def get_group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple(m.block_ids(request_id) for m in self.groups)
 
     @property
     def usage(self) -> float:

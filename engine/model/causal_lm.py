@@ -140,12 +140,13 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata | AttentionStep,
+        meta: AttentionMetadata | AttentionStep | list[AttentionMetadata],
         lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """Run `input_ids [T]` at `positions [T]` (int64); returns final-normed hidden states [T, hidden].
         `meta`: the step's AttentionMetadata, or under torch.compile an AttentionStep (attention
-        then runs as one opaque custom op, pagedserve.engine.attention.compiled_op).
+        then runs as one opaque custom op, pagedserve.engine.attention.compiled_op), or one
+        AttentionMetadata per layer (a hybrid KV cache: each layer its group's block tables).
         `lora`: each row's LoRA adapter slot and the resident adapters (None: the base model only)."""
         if len(kv_caches) != self.spec.num_layers:
             raise ValueError(f"expected {self.spec.num_layers} KV caches, got {len(kv_caches)}")
@@ -160,8 +161,10 @@ class CausalLM(nn.Module):
             for name in self.rope_names
         }
         residual = None
+        per_layer = meta if isinstance(meta, list) else None
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
-            h, residual = layer(h, residual, rope, kv_cache, meta, None if lora is None else lora.layer(i))
+            layer_meta = meta if per_layer is None else per_layer[i]
+            h, residual = layer(h, residual, rope, kv_cache, layer_meta, None if lora is None else lora.layer(i))
         if residual is None:  # no layers
             return self.model.norm(h)
         return self.model.norm(h, residual)[0]

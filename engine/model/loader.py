@@ -18,6 +18,7 @@ from safetensors import safe_open
 from pagedserve.engine.attention.backend import AttentionBackend
 from pagedserve.engine.attention.kv_quant import KVCacheDtype, kv_row_width, kv_storage_dtype
 from pagedserve.engine.config.engine import EngineConfig, resolve_dtype
+from pagedserve.engine.kv_cache.groups import KVCacheLayout, plan_layout
 from pagedserve.engine.model.causal_lm import CausalLM
 from pagedserve.engine.model.quant_spec import QuantSpec
 from pagedserve.engine.model.registry import family_of, parse_config
@@ -128,12 +129,26 @@ def _spec(config: Any) -> ModelSpec:
 
 
 def kv_cache_bytes_per_block(
-    config: Any, block_size: int, dtype: str | torch.dtype, kv_dtype: KVCacheDtype = KVCacheDtype.AUTO
+    config: Any,
+    block_size: int,
+    dtype: str | torch.dtype,
+    kv_dtype: KVCacheDtype = KVCacheDtype.AUTO,
+    num_layers: int | None = None,
 ) -> int:
-    """Bytes one KV block takes across all layers (keys and values)."""
+    """Bytes one KV block takes (keys and values) across `num_layers` layers (default: all; a
+    hybrid KV cache's block is a page of `KVCacheLayout.num_tensors` layers)."""
     spec = _spec(config)
     itemsize = kv_storage_dtype(kv_dtype, resolve_dtype(dtype)).itemsize
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * kv_row_width(spec.head_dim, kv_dtype) * itemsize
+    layers = spec.num_layers if num_layers is None else num_layers
+    return 2 * layers * block_size * spec.num_kv_heads * kv_row_width(spec.head_dim, kv_dtype) * itemsize
+
+
+def kv_layout(config: EngineConfig, spec: ModelSpec) -> KVCacheLayout:
+    """The KV cache groups of `spec` under `config` (pagedserve.engine.kv_cache.groups): hybrid
+    unless turned off, or with tensor parallelism (the ranks' pools are one group) or KV offload
+    (its connector copies one block table across every layer)."""
+    hybrid = config.hybrid_kv_cache and config.tensor_parallel_size == 1 and config.kv_offload_config is None
+    return plan_layout([spec.window_of(i) for i in range(spec.num_layers)], hybrid)
 
 
 def kv_pool_size(config: EngineConfig, rank_spec: ModelSpec, kv_dtype: KVCacheDtype) -> tuple[int, int]:
@@ -143,9 +158,10 @@ def kv_pool_size(config: EngineConfig, rank_spec: ModelSpec, kv_dtype: KVCacheDt
     `kv_cache_memory` is the whole worker's budget: each of its N tensor-parallel ranks holds
     every block for its own KV heads, so N ranks with 1/N of the heads hold as many blocks as one
     process with all of them (KV heads replicated on several ranks cost their copies). Every
-    rank computes the same count."""
+    rank computes the same count. A block is a page of the layout's shared tensors."""
+    layers = kv_layout(config, rank_spec).num_tensors
     total = (
-        kv_cache_bytes_per_block(rank_spec, config.block_size, config.torch_dtype, kv_dtype)
+        kv_cache_bytes_per_block(rank_spec, config.block_size, config.torch_dtype, kv_dtype, layers)
         * config.tensor_parallel_size
     )
     return total, config.resolve_num_blocks(total)
@@ -158,13 +174,19 @@ def allocate_kv_caches(
     dtype: str | torch.dtype,
     device: str | torch.device,
     kv_dtype: KVCacheDtype = KVCacheDtype.AUTO,
+    layout: KVCacheLayout | None = None,
 ) -> list[torch.Tensor]:
     """One zero-filled `[2, num_blocks, block_size, kv_heads, head_dim]` tensor per layer (a
-    quantized `kv_dtype`: uint8 rows of `head_dim + 2`, see pagedserve.engine.attention.kv_quant)."""
+    quantized `kv_dtype`: uint8 rows of `head_dim + 2`, see pagedserve.engine.attention.kv_quant).
+    With a `layout`: its `num_tensors` tensors, layer i given the one of `tensor_of_layer()[i]`
+    (layers of different KV cache groups share a tensor; their block ids never overlap)."""
     spec = _spec(config)
     shape = (2, num_blocks, block_size, spec.num_kv_heads, kv_row_width(spec.head_dim, kv_dtype))
     storage = kv_storage_dtype(kv_dtype, resolve_dtype(dtype))
-    return [torch.zeros(shape, dtype=storage, device=device) for _ in range(spec.num_layers)]
+    if layout is None:
+        return [torch.zeros(shape, dtype=storage, device=device) for _ in range(spec.num_layers)]
+    tensors = [torch.zeros(shape, dtype=storage, device=device) for _ in range(layout.num_tensors)]
+    return [tensors[j] for j in layout.tensor_of_layer()]
 
 
 def select_fused_ops(device: str | torch.device, dtype: torch.dtype):

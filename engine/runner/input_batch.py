@@ -2,8 +2,10 @@
 arrays, updated in place from the scheduler's diffs (vLLM V1's InputBatch idea).
 
 Each running request owns one row: its known token ids (`token_ids[row, :num_tokens]`), how many
-of them have KV in the cache (`num_computed_tokens`) and its block table
-(`block_table[row, :num_blocks]`). Rows are dense: removing a request moves the last row into
+of them have KV in the cache (`num_computed_tokens`) and one block table per KV cache group
+(`block_table[group, row, :num_blocks[group, row]]`; one group unless the model has a hybrid KV
+cache, pagedserve.engine.kv_cache.groups). A block a sliding group dropped (id -1) is stored as 0:
+its positions are outside the window, never read unmasked nor written. Rows are dense: removing a request moves the last row into
 its place, so rows `[0, num_reqs)` are always the live ones, in no meaningful order.
 
 A step's flattened inputs (token ids, positions, slot mapping, query start offsets, sequence
@@ -15,6 +17,7 @@ step k runs), and are overwritten only when the step after that is prepared.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,8 +39,8 @@ class StepInputs:
     query_start_loc: np.ndarray  # [num_seqs + 1] int32
     seq_lens: np.ndarray  # [num_seqs] int32
     positions: np.ndarray  # [num_tokens] int64
-    slot_mapping: np.ndarray  # [num_tokens] int64
-    block_tables: np.ndarray  # [num_seqs, max_blocks] int32, padded with 0
+    slot_mapping: tuple[np.ndarray, ...]  # per KV cache group: [num_tokens] int64
+    block_tables: tuple[np.ndarray, ...]  # per KV cache group: [num_seqs, max_blocks] int32, padded with 0
     input_ids: np.ndarray  # [num_tokens] int64; filled by InputBatch.gather_input_ids
     token_index: np.ndarray  # [num_tokens] flat index of each input token in InputBatch.token_ids
 
@@ -47,10 +50,10 @@ class StepInputs:
 
 
 class _StepBuffers:
-    def __init__(self, max_num_tokens: int, max_num_reqs: int) -> None:
+    def __init__(self, max_num_tokens: int, max_num_reqs: int, num_groups: int) -> None:
         self.input_ids = np.zeros(max_num_tokens, dtype=np.int64)
         self.positions = np.zeros(max_num_tokens, dtype=np.int64)
-        self.slot_mapping = np.zeros(max_num_tokens, dtype=np.int64)
+        self.slot_mapping = np.zeros((num_groups, max_num_tokens), dtype=np.int64)
         self.token_index = np.zeros(max_num_tokens, dtype=np.int64)
         self.query_start_loc = np.zeros(max_num_reqs + 1, dtype=np.int32)
         self.seq_lens = np.zeros(max_num_reqs, dtype=np.int32)
@@ -59,7 +62,9 @@ class _StepBuffers:
 class InputBatch:
     """Rows of the running requests; see the module doc."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_tokens: int, block_size: int) -> None:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, max_num_tokens: int, block_size: int, num_groups: int = 1
+    ) -> None:
         if min(max_num_reqs, max_model_len, max_num_tokens, block_size) < 1:
             raise ValueError("InputBatch sizes must be positive")
         self.max_num_reqs = max_num_reqs
@@ -70,11 +75,15 @@ class InputBatch:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_groups = num_groups
+        self.block_table = np.zeros((num_groups, max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros((num_groups, max_num_reqs), dtype=np.int64)
         self.req_ids: list[str] = []  # row -> request id, rows [0, num_reqs)
         self.req_index: dict[str, int] = {}  # request id -> row
-        self._buffers = (_StepBuffers(max_num_tokens, max_num_reqs), _StepBuffers(max_num_tokens, max_num_reqs))
+        self._buffers = (
+            _StepBuffers(max_num_tokens, max_num_reqs, num_groups),
+            _StepBuffers(max_num_tokens, max_num_reqs, num_groups),
+        )
         self._turn = 0
 
     @property
@@ -82,7 +91,9 @@ class InputBatch:
         return len(self.req_ids)
 
     # -- rows ------------------------------------------------------------------------------
-    def add_request(self, req_id: str, token_ids: list[int], num_computed_tokens: int, block_ids: list[int]) -> int:
+    def add_request(
+        self, req_id: str, token_ids: list[int], num_computed_tokens: int, block_ids: Sequence[Sequence[int]]
+    ) -> int:
         """A new row for `req_id` (new, or resumed after a preemption); returns the row."""
         if req_id in self.req_index:
             raise ValueError(f"request {req_id!r} already has a row")
@@ -96,7 +107,7 @@ class InputBatch:
         self.token_ids[row, : len(token_ids)] = token_ids
         self.num_tokens[row] = len(token_ids)
         self.num_computed_tokens[row] = num_computed_tokens
-        self.num_blocks[row] = 0
+        self.num_blocks[:, row] = 0
         self.append_blocks(row, block_ids)
         return row
 
@@ -108,22 +119,28 @@ class InputBatch:
         last = self.num_reqs - 1
         moved = self.req_ids.pop()
         if row != last:
-            n, b = int(self.num_tokens[last]), int(self.num_blocks[last])
+            n = int(self.num_tokens[last])
             self.token_ids[row, :n] = self.token_ids[last, :n]
-            self.block_table[row, :b] = self.block_table[last, :b]
+            for g in range(self.num_groups):
+                b = int(self.num_blocks[g, last])
+                self.block_table[g, row, :b] = self.block_table[g, last, :b]
+                self.num_blocks[g, row] = b
             self.num_tokens[row] = n
-            self.num_blocks[row] = b
             self.num_computed_tokens[row] = self.num_computed_tokens[last]
             self.req_ids[row] = moved
             self.req_index[moved] = row
 
-    def append_blocks(self, row: int, block_ids: list[int]) -> None:
-        start = int(self.num_blocks[row])
-        end = start + len(block_ids)
-        if end > self.max_blocks_per_req:
-            raise ValueError(f"{self.req_ids[row]}: {end} blocks exceed {self.max_blocks_per_req} per request")
-        self.block_table[row, start:end] = block_ids
-        self.num_blocks[row] = end
+    def append_blocks(self, row: int, block_ids: Sequence[Sequence[int]]) -> None:
+        """New blocks at the end of the row's table of each group (`block_ids[g]`)."""
+        if len(block_ids) != self.num_groups:
+            raise ValueError(f"expected block ids for {self.num_groups} KV cache groups, got {len(block_ids)}")
+        for g, ids in enumerate(block_ids):
+            start = int(self.num_blocks[g, row])
+            end = start + len(ids)
+            if end > self.max_blocks_per_req:
+                raise ValueError(f"{self.req_ids[row]}: {end} blocks exceed {self.max_blocks_per_req} per request")
+            self.block_table[g, row, start:end] = np.maximum(np.asarray(ids, dtype=np.int64), 0)
+            self.num_blocks[g, row] = end
 
     def append_tokens(self, row: int, token_ids: list[int]) -> None:
         """Known tokens after the row's last one (sampled, or kept drafts)."""
@@ -166,18 +183,23 @@ class InputBatch:
         token_rows = rows[seq_of_token]
         token_index = buf.token_index[:total]
         np.add(token_rows * self.max_model_len, positions, out=token_index)
-        slots = buf.slot_mapping[:total]
         bs = self.block_size
-        np.add(self.block_table[token_rows, positions // bs].astype(np.int64) * bs, positions % bs, out=slots)
+        slot_mapping, block_tables = [], []
+        for g in range(self.num_groups):
+            slots = buf.slot_mapping[g, :total]
+            table = self.block_table[g]
+            np.add(table[token_rows, positions // bs].astype(np.int64) * bs, positions % bs, out=slots)
+            slot_mapping.append(slots)
+            num_blocks = self.num_blocks[g, rows]
+            max_blocks = int(num_blocks.max())
+            tables = table[rows, :max_blocks]
+            tables[np.arange(max_blocks)[None, :] >= num_blocks[:, None]] = 0  # stale ids of old rows
+            block_tables.append(tables)
         query_start = buf.query_start_loc[: num_seqs + 1]
         query_start[0] = 0
         query_start[1:] = cu
         seq_lens_out = buf.seq_lens[:num_seqs]
         seq_lens_out[:] = seq_lens
-        num_blocks = self.num_blocks[rows]
-        max_blocks = int(num_blocks.max())
-        block_tables = self.block_table[rows, :max_blocks]
-        block_tables[np.arange(max_blocks)[None, :] >= num_blocks[:, None]] = 0  # stale ids of old rows
         return StepInputs(
             req_ids=list(req_ids),
             rows=rows,
@@ -185,8 +207,8 @@ class InputBatch:
             query_start_loc=query_start,
             seq_lens=seq_lens_out,
             positions=positions,
-            slot_mapping=slots,
-            block_tables=block_tables,
+            slot_mapping=tuple(slot_mapping),
+            block_tables=tuple(block_tables),
             input_ids=buf.input_ids[:total],
             token_index=token_index,
         )

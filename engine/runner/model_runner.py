@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -11,14 +12,14 @@ import torch
 
 from pagedserve.engine.attention.kv_quant import parse_kv_cache_dtype
 from pagedserve.engine.attention.metadata import AttentionMetadata
-from pagedserve.engine.attention.selector import select_backend
+from pagedserve.engine.attention.selector import backend_for_layer, select_backend
 from pagedserve.engine.config.engine import EngineConfig
 from pagedserve.engine.lora.adapter import LoRAAdapter, lora_shapes
 from pagedserve.engine.lora.manager import LoRAManager, LoRAUnsupported
 from pagedserve.engine.lora.punica import LoRABatch
 from pagedserve.engine.model.causal_lm import CausalLM
 from pagedserve.engine.model.compile import compile_buckets, compiled_forward_for
-from pagedserve.engine.model.loader import allocate_kv_caches, kv_pool_size, load_model, select_fused_ops
+from pagedserve.engine.model.loader import allocate_kv_caches, kv_layout, kv_pool_size, load_model, select_fused_ops
 from pagedserve.engine.model.quant_spec import resolve_spec
 from pagedserve.engine.request.pooling import PoolingParams, pool_last_token
 from pagedserve.engine.runner.input_batch import InputBatch, StepInputs
@@ -60,7 +61,7 @@ class PreparedStep:
 
     so: SchedulerOutput
     inputs: StepInputs
-    meta: AttentionMetadata
+    meta: AttentionMetadata | list[AttentionMetadata]  # one per layer with a hybrid KV cache
     positions: torch.Tensor
     sample_rows: torch.Tensor
     sample_ids: list[str]
@@ -103,6 +104,11 @@ class ModelRunner:
                 quant=quant,
                 pack_linear=not buckets,
             )
+        if self.tp is None:
+            self._choose_layer_backends()
+        # KV cache groups (one unless the model mixes attention kinds: the hybrid KV cache).
+        self.kv_layout = kv_layout(config, self.model.rank_spec)
+        self._group_of_layer = self.kv_layout.group_of_layer()
         # The KV heads of this process (a tensor-parallel rank's share); the budget is the worker's.
         self.bytes_per_block, self.num_blocks = kv_pool_size(config, self.model.rank_spec, self.kv_dtype)
         # A draft model (speculative method "draft") has a pool of as many blocks of its own:
@@ -116,7 +122,13 @@ class ModelRunner:
         if self.draft_bytes_per_block:
             self.num_blocks = config.resolve_num_blocks(self.bytes_per_block + self.draft_bytes_per_block)
         self.kv_caches = allocate_kv_caches(
-            self.model.rank_spec, self.num_blocks, self.block_size, self.dtype, self.device, self.kv_dtype
+            self.model.rank_spec,
+            self.num_blocks,
+            self.block_size,
+            self.dtype,
+            self.device,
+            self.kv_dtype,
+            self.kv_layout,
         )
         # torch.compile'd forward for the steps it covers (config.compile), compiled here, before ready.
         # (A tensor-parallel model stays eager: compile_buckets gave it no bucket.)
@@ -131,11 +143,23 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}  # seeded requests, until they finish
         self.input_batch = InputBatch(
-            config.max_num_seqs, max_model_len, config.max_num_batched_tokens, self.block_size
+            config.max_num_seqs,
+            max_model_len,
+            config.max_num_batched_tokens,
+            self.block_size,
+            len(self.kv_layout.groups),
         )
         # Requests whose token the step launched last is sampling (async scheduling: it runs
         # while the next step is prepared, so that token is not in the batch yet).
         self._pending: set[str] = set()
+
+    def _choose_layer_backends(self) -> None:
+        """The attention backend per attention kind: sliding-window and soft-capped layers on
+        the torch backend where the configured one cannot serve them (Triton)."""
+        plain = functools.cache(lambda: select_backend(self.device, "torch", self.kv_dtype))
+        for layer in self.model.model.layers:
+            attn = layer.self_attn
+            attn.backend = backend_for_layer(attn.backend, attn.window, attn.softcap, plain)
 
     def _lora_manager(self, config: EngineConfig) -> LoRAManager | LoRAUnsupported:
         """The adapters' manager, or a refusal where adapters cannot run: tensor-parallel workers,
@@ -188,7 +212,7 @@ class ModelRunner:
             batch.add_request(new.req_id, new.token_ids, new.num_computed_tokens, new.block_ids)
         for cached in so.cached_requests:
             row = batch.req_index[cached.req_id]
-            if cached.new_block_ids:
+            if any(cached.new_block_ids):
                 batch.append_blocks(row, cached.new_block_ids)
             batch.num_computed_tokens[row] = cached.num_computed_tokens
 
@@ -368,19 +392,26 @@ class ModelRunner:
         query_lens = num_scheduled.tolist()
         seq_lens = inputs.seq_lens.tolist()
         dev = self.device
-        meta = AttentionMetadata(
-            num_seqs=len(req_ids),
-            num_tokens=inputs.num_tokens,
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            query_start_loc=torch.from_numpy(inputs.query_start_loc).to(dev),
-            seq_lens_tensor=torch.from_numpy(inputs.seq_lens).to(dev),
-            block_tables=torch.from_numpy(inputs.block_tables).to(dev),
-            slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            num_decodes=int(np.count_nonzero(num_scheduled == 1)),
-        )
+        query_start_loc = torch.from_numpy(inputs.query_start_loc).to(dev)
+        seq_lens_tensor = torch.from_numpy(inputs.seq_lens).to(dev)
+        metas = [
+            AttentionMetadata(
+                num_seqs=len(req_ids),
+                num_tokens=inputs.num_tokens,
+                query_lens=query_lens,
+                seq_lens=seq_lens,
+                query_start_loc=query_start_loc,
+                seq_lens_tensor=seq_lens_tensor,
+                block_tables=torch.from_numpy(tables).to(dev),
+                slot_mapping=torch.from_numpy(slots).to(dev),
+                max_query_len=max(query_lens),
+                max_seq_len=max(seq_lens),
+                num_decodes=int(np.count_nonzero(num_scheduled == 1)),
+            )
+            for tables, slots in zip(inputs.block_tables, inputs.slot_mapping)
+        ]
+        # A hybrid KV cache: each layer attends through its group's block tables.
+        meta = metas[0] if len(metas) == 1 else [metas[g] for g in self._group_of_layer]
         states = {r: self.requests[r] for r in req_ids}
         lora = self.lora.build_batch([states[r].lora for r in req_ids], query_lens)
         return PreparedStep(

@@ -22,7 +22,7 @@ class NewRequestData:
     token_ids: list[int]  # prompt + any output generated before a preemption
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # one block table per KV cache group (-1: a block a sliding group dropped)
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None
     lora: LoRARequest | None = None  # the request's adapter (None: the base model)
@@ -33,7 +33,7 @@ class CachedRequestData:
     """A running request the runner already holds: only what changed since the last step."""
 
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: tuple[list[int], ...]  # per KV cache group, appended to its table
     num_computed_tokens: int
 
 

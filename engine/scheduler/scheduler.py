@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedserve.engine.config.engine import SchedulingPolicy
-from pagedserve.engine.kv_cache.block import KVCacheBlock
-from pagedserve.engine.kv_cache.manager import KVCacheManager
+from pagedserve.engine.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from pagedserve.engine.request.request import FinishReason, Request, RequestStatus
 from pagedserve.engine.scheduler.output import (
     CachedRequestData,
@@ -190,10 +189,10 @@ class Scheduler:
             if num_drafts > 0:  # the budget may have cut some drafts
                 plan.spec_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
             plan.cached_requests.append(
-                CachedRequestData(request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
+                CachedRequestData(request.request_id, new_blocks.block_ids(), request.num_computed_tokens)
             )
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> list[KVCacheBlock] | None:
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> KVCacheBlocks | None:
         """Blocks for `num_new` more tokens of a running request, preempting victims until they
         fit. None when the request had to preempt itself (no other victim was left)."""
         while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
@@ -261,7 +260,7 @@ class Scheduler:
                 token_ids=list(request.all_token_ids),
                 num_prompt_tokens=request.num_prompt_tokens,
                 sampling_params=request.sampling_params,
-                block_ids=self.kv.get_block_ids(request.request_id),
+                block_ids=self.kv.get_group_block_ids(request.request_id),
                 num_computed_tokens=request.num_computed_tokens,
                 pooling_params=request.pooling_params,
                 lora=request.lora,
@@ -371,6 +370,11 @@ class Scheduler:
                     first_scheduled_time=request.first_scheduled_time,
                 )
             )
+        # Sliding-window groups return what the next queries cannot see (hybrid KV cache).
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                self.kv.remove_skipped_blocks(request)
         return outputs
 
     def _finish_pooled(self, req_id: str, pooled: list[float]) -> EngineCoreOutput:

@@ -86,7 +86,7 @@ def pool_kv(llm: LLM, ids: list[int]) -> tuple[list[torch.Tensor], int]:
     """KV of the full blocks of `ids` held in the engine's pool (per layer), and their tokens."""
     probe = Request("probe", list(ids) + [0], SamplingParams())
     blocks, n = llm.engine.kv_manager.get_computed_blocks(probe)
-    index = torch.tensor([b.block_id for b in blocks], dtype=torch.int64)
+    index = torch.tensor(blocks.block_ids()[0], dtype=torch.int64)  # one KV cache group (Llama)
     return [kv[:, index].clone() for kv in llm.engine.runner.kv_caches], n
 
 

@@ -31,10 +31,10 @@ def test_prefill_then_decode_one_token_per_step():
     s.add_request(a)
     out, res = step(s)
     assert out.num_scheduled_tokens == {"a": 10}
-    assert [n.req_id for n in out.new_requests] == ["a"] and out.new_requests[0].block_ids == [0, 1, 2]
+    assert [n.req_id for n in out.new_requests] == ["a"] and out.new_requests[0].block_ids == ([0, 1, 2],)
     assert res[0].new_token_ids == [7] and not res[0].finished
     out, res = step(s)
-    assert out.num_scheduled_tokens == {"a": 1} and out.cached_requests[0].new_block_ids == []
+    assert out.num_scheduled_tokens == {"a": 1} and out.cached_requests[0].new_block_ids == ([],)
     out, res = step(s)
     assert out.num_scheduled_tokens == {"a": 1}
     assert res[0].finish_reason is FinishReason.LENGTH
@@ -122,12 +122,12 @@ def test_last_running_request_preempts_itself_and_is_recomputed_later():
 
     out, res = step(s)  # a: blocks 0,1 (room for 8 tokens); b: block 2 (full)
     assert out.num_scheduled_tokens == {"a": 6, "b": 4}
-    assert [(n.req_id, n.block_ids) for n in out.new_requests] == [("a", [0, 1]), ("b", [2])]
+    assert [(n.req_id, n.block_ids) for n in out.new_requests] == [("a", ([0, 1],)), ("b", ([2],))]
     assert [r.request_id for r in res] == ["a", "b"]
 
     out, res = step(s)  # a's 7th token fits its blocks; b's 5th needs a 2nd block: none is free
     assert out.num_scheduled_tokens == {"a": 1} and out.preempted_req_ids == {"b"}
-    assert [(c.req_id, c.new_block_ids) for c in out.cached_requests] == [("a", [])]
+    assert [(c.req_id, c.new_block_ids) for c in out.cached_requests] == [("a", ([],))]
     assert out.new_requests == [] and [r.request_id for r in res] == ["a"]
     assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
     assert b.all_token_ids == [2, 2, 2, 2, 7]  # its sampled token is kept, to be recomputed
@@ -144,7 +144,7 @@ def test_last_running_request_preempts_itself_and_is_recomputed_later():
     assert out.finished_req_ids == {"a"}
     assert out.num_scheduled_tokens == {"b": 5}
     assert [(n.req_id, n.token_ids, n.block_ids, n.num_computed_tokens) for n in out.new_requests] == [
-        ("b", [2, 2, 2, 2, 7], [2, 1], 0)
+        ("b", [2, 2, 2, 2, 7], ([2, 1],), 0)
     ]
     assert res[0].request_id == "b" and b.num_output_tokens == 2 and b.status is RequestStatus.RUNNING
 
@@ -159,7 +159,7 @@ def test_prefix_cache_hit_is_counted_as_computed():
     out, _ = step(s)
     assert out.num_scheduled_tokens == {"b": 2}
     assert out.new_requests[0].num_computed_tokens == 12 and b.num_cached_tokens == 12
-    assert out.new_requests[0].block_ids[:3] == [0, 1, 2]
+    assert out.new_requests[0].block_ids[0][:3] == [0, 1, 2]
 
 
 def test_priority_policy_orders_waiting_and_picks_victim():
