@@ -199,7 +199,7 @@ async def prepare(
     except HandlerError as exc:
         raise ErrorReply.from_handler_error(exc) from None
     inp.lora, inp.priority, inp.cache_salt = lora, priority, cache_salt
-    return Prepared(version.pick_worker(inp.token_ids), inp)
+    return Prepared(version.pick_worker(inp.token_ids, inp), inp)
 
 
 def _bounded_prepare(

@@ -32,12 +32,14 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from pagedserve.engine.config.kv_offload import DEFAULT_CHUNK_SIZE
 from pagedserve.engine.model.model_config import ModelConfig
 from pagedserve.handlers.base_handler import BaseHandler, Context
 from pagedserve.handlers.custom_handler import CustomHandlerError
 from pagedserve.handlers.llm_handler import ENGINE_WORKERS
 from pagedserve.server.common.safe_write import NO_SPACE
 from pagedserve.server.workers.archives import LoadedArchive, load_archive
+from pagedserve.server.workers.disagg import DisaggRouter, is_disaggregated
 from pagedserve.server.workers.lifecycle import ModelLifecycle
 from pagedserve.server.workers.memory_budget import MemoryBudget, ModelTooLargeError, resolve_budget
 from pagedserve.server.workers.params import MAX_TIMEOUT_S, MAX_WORKERS
@@ -47,6 +49,7 @@ from pagedserve.server.workers.routing import Router
 if TYPE_CHECKING:
     from pagedserve.engine.config.engine import EngineConfig
     from pagedserve.engine.core.async_llm import AsyncLLM
+    from pagedserve.engine.request.inputs import EngineInput
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +142,8 @@ class ModelVersion:
     handler: BaseHandler | None = None  # a custom handler around the workers (/predictions)
     in_flight: int = 0
     router: Router = field(default_factory=Router)
+    # Workers in prefill / decode roles (model-config workerRoles): who prefills and who decodes.
+    disagg: DisaggRouter | None = None
     registered_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     # The lifecycle (pagedserve.server.workers.lifecycle): pinned versions are never unloaded; keep_alive seconds
     # (None: the server's default, < 0: forever); last_used and expires_at are monotonic times.
@@ -156,10 +161,20 @@ class ModelVersion:
     def workers(self) -> list[AsyncLLM]:
         return self.pool.ready_engines()
 
-    def pick_worker(self, token_ids: Sequence[int] = ()) -> AsyncLLM:
+    def pick_worker(self, token_ids: Sequence[int] = (), inp: EngineInput | None = None) -> AsyncLLM:
         """The ready worker the version's router picks for a prompt of `token_ids` (least
-        loaded, or the one that holds the prompt's prefix: `pagedserve.server.workers.routing`)."""
-        engine = self.router.route(self._ready(), token_ids).engine
+        loaded, or the one that holds the prompt's prefix: `pagedserve.server.workers.routing`).
+        With workers in prefill and decode roles, a `Handoff` that runs the request over the
+        pair the version's `DisaggRouter` picks (`pagedserve.server.workers.disagg`), which the
+        request path drives like a worker."""
+        ready = self._ready()
+        if self.disagg is not None:
+            handoff = self.disagg.pick(self.pool.slots, token_ids, inp)
+            engine = handoff.decode
+            if self.max_model_len is None and engine.info is not None:
+                self.max_model_len = engine.info.max_model_len
+            return handoff  # type: ignore[return-value]
+        engine = self.router.route(ready, token_ids).engine
         if self.max_model_len is None and engine.info is not None:
             self.max_model_len = engine.info.max_model_len
         return engine
@@ -221,12 +236,14 @@ class ModelRegistry:
         persist: Callable[[], None] | None = None,
         memory_budget: int | str | None = None,
         keep_alive: float = 300.0,
+        kv_offload: dict[str, Any] | None = None,
     ) -> None:
         self._executor = executor
         self._make_engine = make_engine
         self.allow_custom_handlers = allow_custom_handlers
         self.default_workers = default_workers
         self.job_queue_size = job_queue_size
+        self.kv_offload = kv_offload  # the server-wide kv_offload a model without its own inherits
         self.on_change = on_change or (lambda: None)  # after any change, workers' included
         # Saves the registry (the snapshot); raises OSError when it cannot. None: nothing saved.
         self.persist = persist
@@ -356,6 +373,7 @@ class ModelRegistry:
                 handler=archive.handler,
                 router=Router(config.routing, block_size=config.engine_options().get("block_size", 16)),
             )
+            entry.disagg = self._disagg_router(config, entry.router)
             entry.pool = WorkerPool(
                 f"{name}/{version}",
                 lambda worker_name, on_dead: self._make_engine(entry, worker_name, on_dead),
@@ -502,6 +520,34 @@ class ModelRegistry:
         await self.lifecycle.close()
         versions = self.all_versions()
         await asyncio.gather(*(v.pool.shutdown() for v in versions), return_exceptions=True)
+
+    def _disagg_router(self, config: ModelConfig, router: Router) -> DisaggRouter | None:
+        """The prefill/decode router of a version whose workerRoles list prefill workers; they
+        hand KV over through kv_offload, so it must be on (ValueError naming workerRoles)."""
+        if not is_disaggregated(config.worker_roles):
+            return None
+        offload = config.handler.get("kv_offload")
+        if (
+            offload is None
+            and self.kv_offload is not None
+            and config.engine_options().get("tensor_parallel_size", 1) == 1
+        ):
+            offload = self.kv_offload
+        if offload is None:
+            raise ValueError(
+                "workerRoles: prefill workers hand the prompt's KV to decode workers through the KV "
+                "offload connector: set handler.kv_offload (a disk_path both workers share, or a "
+                "remote_url) or the server's kv_offload"
+            )
+        block_size = config.engine_options().get("block_size", 16)
+        chunk = dict(offload).get("chunk_size", DEFAULT_CHUNK_SIZE)
+        return DisaggRouter(
+            list(config.worker_roles or ()),
+            decode_router=router,
+            prefill_router=Router(config.routing, block_size=block_size),
+            chunk_size=chunk,
+            block_size=block_size,
+        )
 
     def _default_workers(self, archive: LoadedArchive) -> int:
         if "minWorkers" in archive.config_keys or self.default_workers is None:
