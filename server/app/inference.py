@@ -371,6 +371,7 @@ async def _openai(
                 lora=lora(request),
                 priority=parsed.priority,
                 cache_salt=parsed.cache_salt,
+                kv_produce=parsed.kv_produce,
             )
             for spec in specs
         ]

@@ -168,7 +168,7 @@ class ModelVersion:
         pair the version's `DisaggRouter` picks (`pagedserve.server.workers.disagg`), which the
         request path drives like a worker."""
         ready = self._ready()
-        if self.disagg is not None:
+        if self.disagg is not None and not (inp is not None and inp.kv_produce):
             handoff = self.disagg.pick(self.pool.slots, token_ids, inp)
             engine = handoff.decode
             if self.max_model_len is None and engine.info is not None:
