@@ -102,6 +102,7 @@ async def stream_one(session, base: str, body: dict) -> tuple[float, list[float]
 
 async def client(session, base: str, model: str, kind: str, seed: int, deadline: float, args, out: dict) -> None:
     rng = random.Random(seed)
+    await asyncio.sleep(rng.uniform(0, args.stagger_s))  # arrivals spread out, not in lock-step
     while time.monotonic() < deadline:
         if kind == "long":  # token ids: exactly --long-tokens of them, new ones every request
             prompt = [rng.randrange(1000, 40000) for _ in range(args.long_tokens)]
@@ -141,7 +142,8 @@ async def phase(base: str, model: str, seed: int, args) -> dict:
     paths: dict[str, int] = {}
     for r in out["long"]:
         d = r["timings"].get("disagg") or {}
-        paths[d.get("path", "none")] = paths.get(d.get("path", "none"), 0) + 1
+        key = "/".join(str(d.get(k)) for k in ("path", "reason") if d.get(k)) or "none"
+        paths[key] = paths.get(key, 0) + 1
     longs = out["long"]
     return {
         "model": model,
@@ -242,6 +244,7 @@ def main() -> None:
     parser.add_argument("--long-max-tokens", type=int, default=4)
     parser.add_argument("--short-max-tokens", type=int, default=24)
     parser.add_argument("--kv-cache-memory", default="512MiB")
+    parser.add_argument("--stagger-s", type=float, default=5.0, help="clients start within this many seconds")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="disagg-bench-"))
     kv_dir = Path(tempfile.mkdtemp(prefix="disagg-kv-", dir="/dev/shm"))
@@ -282,6 +285,7 @@ def main() -> None:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+        shutil.copy(work / "server.log", Path(tempfile.gettempdir()) / "disagg_itl-server.log")
         shutil.rmtree(kv_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
 

@@ -38,9 +38,9 @@ import contextlib
 import dataclasses
 import enum
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from pagedserve.engine.config.kv_offload import DEFAULT_CHUNK_SIZE
 from pagedserve.engine.core.async_llm import EngineDeadError
@@ -159,7 +159,7 @@ class Handoff:
                 sent = False
                 try:
                     async with contextlib.aclosing(
-                        decode.generate(request_id, inp, priority=priority, arrival_time=handed_at)
+                        _closable(decode.generate(request_id, inp, priority=priority, arrival_time=handed_at))
                     ) as outputs:
                         async for out in outputs:
                             if out.finished:
@@ -185,7 +185,7 @@ class Handoff:
         last = None
         try:
             async with contextlib.aclosing(
-                self.prefill.generate(request_id, job, priority=priority, arrival_time=arrival)
+                _closable(self.prefill.generate(request_id, job, priority=priority, arrival_time=arrival))
             ) as outputs:
                 async for out in outputs:
                     last = out
@@ -240,6 +240,11 @@ class Handoff:
                 timings.queue_s += max(0.0, handed_at - arrival)
             out.metrics = RequestMetrics(arrival, first_scheduled, d.first_token_time, d.finished_time, list(d.itl_s))
         out.disagg = timings
+
+
+def _closable(outputs: AsyncIterator[RequestOutput]) -> AsyncGenerator[RequestOutput, None]:
+    """A worker's `generate` is an async generator (leaving it early aborts the request)."""
+    return cast("AsyncGenerator[RequestOutput, None]", outputs)
 
 
 def prefill_input(inp: EngineInput) -> EngineInput:
