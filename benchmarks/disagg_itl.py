@@ -246,6 +246,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default="512MiB")
     parser.add_argument("--stagger-s", type=float, default=5.0, help="clients start within this many seconds")
     args = parser.parse_args()
+    # A 2,048-token prefill step can take tens of seconds on a shared, overloaded 2-core machine:
+    # the default 30 s heartbeat would take such a worker for stalled and kill it.
+    os.environ.setdefault("PAGEDSERVE_WORKER_HEARTBEAT_TIMEOUT", "600")
     work = Path(tempfile.mkdtemp(prefix="disagg-bench-"))
     kv_dir = Path(tempfile.mkdtemp(prefix="disagg-kv-", dir="/dev/shm"))
     load = os.getloadavg()[0]

@@ -34,6 +34,7 @@ client gone, a deadline) aborts the request on whichever worker holds it. Each o
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import enum
@@ -47,6 +48,9 @@ from pagedserve.engine.core.async_llm import EngineDeadError
 from pagedserve.engine.request.outputs import DisaggPath, DisaggTimings, FinishReason, RequestMetrics, RequestOutput
 from pagedserve.engine.sampling.params import SamplingParams
 from pagedserve.server.workers.routing import Router
+
+RETRY_POLL_S = 0.25  # how often a request whose workers all died looks for a ready one
+MAX_ATTEMPTS = 3  # workers a request is tried on before their deaths fail it
 
 if TYPE_CHECKING:
     from pagedserve.engine.core.async_llm import AsyncLLM
@@ -80,6 +84,7 @@ class DisaggRouter:
     prefill_router: Router
     chunk_size: int = DEFAULT_CHUNK_SIZE  # the offload connector stores whole chunks
     block_size: int = 16
+    retry_wait_s: float = 120.0  # the version's responseTimeout
 
     def by_role(self, slots: Sequence[WorkerSlot]) -> dict[WorkerRole, list[AsyncLLM]]:
         out: dict[WorkerRole, list[AsyncLLM]] = {role: [] for role in WorkerRole}
@@ -107,14 +112,18 @@ class DisaggRouter:
 
         if not decoders:  # the prefill worker serves it whole
             engine = self.prefill_router.route(prefills, token_ids).engine
-            return Handoff(None, engine, alternatives, DisaggPath.FALLBACK, "decode_unavailable")
+            return Handoff(
+                None, engine, alternatives, DisaggPath.FALLBACK, "decode_unavailable", retry_wait_s=self.retry_wait_s
+            )
         decode = self.decode_router.route(decoders, token_ids).engine
         if not self.worth_handing_off(inp, len(token_ids)):
-            return Handoff(None, decode, alternatives, DisaggPath.LOCAL, "short_prompt")
+            return Handoff(None, decode, alternatives, DisaggPath.LOCAL, "short_prompt", retry_wait_s=self.retry_wait_s)
         if not prefills:
-            return Handoff(None, decode, alternatives, DisaggPath.FALLBACK, "prefill_unavailable")
+            return Handoff(
+                None, decode, alternatives, DisaggPath.FALLBACK, "prefill_unavailable", retry_wait_s=self.retry_wait_s
+            )
         prefill = self.prefill_router.route(prefills, token_ids).engine
-        return Handoff(prefill, decode, alternatives, DisaggPath.DISAGGREGATED)
+        return Handoff(prefill, decode, alternatives, DisaggPath.DISAGGREGATED, retry_wait_s=self.retry_wait_s)
 
 
 @dataclass(slots=True, eq=False)
@@ -127,6 +136,7 @@ class Handoff:
     alternatives: Callable[[], list[AsyncLLM]]
     path: DisaggPath
     reason: str | None = None
+    retry_wait_s: float = 120.0  # how long a request whose worker died waits for another one
     _active: dict[str, AsyncLLM] = field(default_factory=dict)  # request id -> the worker holding it
     _interrupted: dict[str, BaseException] = field(default_factory=dict)
 
@@ -152,7 +162,7 @@ class Handoff:
             handed_at = time.monotonic()
             tried: set[str] = set()
             decode = self.decode
-            while True:
+            for attempt in range(MAX_ATTEMPTS):
                 self._check_interrupted(request_id)
                 tried.add(decode.name)
                 self._active[request_id] = decode
@@ -168,11 +178,10 @@ class Handoff:
                             yield out
                     return
                 except EngineDeadError:
-                    others = [w for w in self.alternatives() if w.name not in tried]
-                    if sent or not others:
+                    if sent or attempt == MAX_ATTEMPTS - 1:
                         raise
                     self._fall_back("decode_failed")
-                    decode = others[0]
+                    decode = await self._another_worker(request_id, tried)
         finally:
             self._active.pop(request_id, None)
             self._interrupted.pop(request_id, None)
@@ -196,6 +205,20 @@ class Handoff:
             self._fall_back("prefill_failed")
             return None
         return last
+
+    async def _another_worker(self, request_id: str, tried: set[str]) -> AsyncLLM:
+        """A ready worker not tried yet, or (none now: both sides restarting) the first one ready
+        again within `retry_wait_s`; EngineDeadError after that."""
+        deadline = time.monotonic() + self.retry_wait_s
+        while True:
+            self._check_interrupted(request_id)  # a client gone, a deadline: stop waiting
+            ready = self.alternatives()
+            fresh = [w for w in ready if w.name not in tried]
+            if fresh or ready:
+                return (fresh or ready)[0]
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"no worker of the version became ready within {self.retry_wait_s:g} s")
+            await asyncio.sleep(RETRY_POLL_S)
 
     def _fall_back(self, reason: str) -> None:
         self.path, self.reason = DisaggPath.FALLBACK, reason

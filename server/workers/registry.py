@@ -547,6 +547,7 @@ class ModelRegistry:
             prefill_router=Router(config.routing, block_size=block_size),
             chunk_size=chunk,
             block_size=block_size,
+            retry_wait_s=float(config.response_timeout),
         )
 
     def _default_workers(self, archive: LoadedArchive) -> int:
