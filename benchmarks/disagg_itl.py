@@ -56,7 +56,14 @@ def write_store(store: Path, kv_dir: Path, args) -> None:
         "max_model_len": args.long_tokens + 256,
     }
     for name in SIDES:
-        config: dict = {"minWorkers": 2, "maxWorkers": 2, "startupTimeout": 900, "handler": dict(handler)}
+        # responseTimeout: on an overloaded machine a long prompt queued behind another waits minutes.
+        config: dict = {
+            "minWorkers": 2,
+            "maxWorkers": 2,
+            "startupTimeout": 900,
+            "responseTimeout": 3600,
+            "handler": dict(handler),
+        }
         if name == "pd":
             config["workerRoles"] = ["prefill", "decode"]
             config["handler"]["kv_offload"] = {
@@ -193,6 +200,8 @@ def write_results(result: dict) -> None:
     lines = [
         "# Disaggregated prefill/decode vs two `both` workers: short chats' p99 inter-token latency",
         "",
+        f"{len(result['rounds'])} of {a['rounds']} paired rounds.",
+        "",
         f"CPU: {result['cpu']}; commit {result['commit']}; busy machine (other jobs running; "
         f"load average at start {result['load_average']}).",
         f"SmolLM2-135M bf16, 2 workers per side, 1 torch thread each; {a['concurrency']} closed-loop clients for "
@@ -265,23 +274,23 @@ def main() -> None:
             ratio = res["pd"]["short_itl_p99_s"] / res["both"]["short_itl_p99_s"]
             rounds.append({"round": k, "order": "/".join(order), "ratio_p99": ratio, **res})
             print(f"round {k}: p99 ITL ratio pd/both = {ratio:.3f}", flush=True)
-        median = statistics.median(r["ratio_p99"] for r in rounds)
+            median = statistics.median(r["ratio_p99"] for r in rounds)
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+            write_results(  # after every round: a run cut short still leaves its rounds
+                {
+                    "cpu": cpu_description(),
+                    "commit": commit.stdout.strip(),
+                    "load_average": round(load, 1),
+                    "args": vars(args),
+                    "rounds": rounds,
+                    "median_ratio_p99": median,
+                    "peak_rss_mib": tree_peak_rss_mib(proc.pid),
+                    "disagg_metrics": [
+                        ln for ln in metric_lines(urls["metrics"], "pagedserve_disagg_") if "_bucket" not in ln
+                    ],
+                }
+            )
         print(f"median paired ratio (pd/both) of short chats' p99 ITL: {median:.3f} (bar <= 0.5)", flush=True)
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-        write_results(
-            {
-                "cpu": cpu_description(),
-                "commit": commit.stdout.strip(),
-                "load_average": round(load, 1),
-                "args": vars(args),
-                "rounds": rounds,
-                "median_ratio_p99": median,
-                "peak_rss_mib": tree_peak_rss_mib(proc.pid),
-                "disagg_metrics": [
-                    ln for ln in metric_lines(urls["metrics"], "pagedserve_disagg_") if "_bucket" not in ln
-                ],
-            }
-        )
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
