@@ -82,3 +82,69 @@ def test_the_prefill_input_is_one_greedy_token_written_through():
     job = prefill_input(inp)
     assert job.kv_produce and job.params.max_tokens == 1 and job.params.n == 1 and job.params.temperature == 0
     assert job.token_ids == LONG and job.cache_salt == "t" and not inp.kv_produce
+
+
+class Worker:
+    """What a Handoff drives on a worker: `generate` (cumulative outputs) and `interrupt`;
+    `dies` makes it fail the way a dead worker's iterator does."""
+
+    def __init__(self, name: str, dies: bool = False) -> None:
+        self.name, self.dies, self.calls = name, dies, []
+
+    async def generate(self, request_id, inp, *, priority=0, arrival_time=None):
+        from pagedserve.engine.core.async_llm import EngineDeadError
+        from pagedserve.engine.request.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput
+
+        self.calls.append(inp)
+        if self.dies:
+            raise EngineDeadError(f"{self.name} died")
+        now = arrival_time or 0.0
+        done = CompletionOutput(0, "ok", [7], finish_reason=FinishReason.LENGTH)
+        yield RequestOutput(
+            request_id, None, inp.token_ids, [done], finished=True, metrics=RequestMetrics(now, now, now, now)
+        )
+
+    def interrupt(self, request_id, error):
+        pass
+
+
+async def _run(handoff, inp) -> list:
+    return [out async for out in handoff.generate("r", inp, arrival_time=1.0)]
+
+
+def test_a_dead_prefill_worker_falls_back_to_the_decode_workers_own_prefill():
+    import asyncio
+
+    from pagedserve.server.workers.disagg import Handoff
+
+    prefill, decode = Worker("p", dies=True), Worker("d")
+    inp = EngineInput(None, LONG, SamplingParams(max_tokens=5))
+    [out] = asyncio.run(_run(Handoff(prefill, decode, lambda: [decode], DisaggPath.DISAGGREGATED), inp))
+    assert out.disagg.path is DisaggPath.FALLBACK and out.disagg.reason == "prefill_failed"
+    assert prefill.calls[0].kv_produce and decode.calls == [inp]  # the original request, unchanged
+
+
+def test_a_dead_decode_worker_waits_for_a_ready_one():
+    import asyncio
+
+    from pagedserve.server.workers.disagg import Handoff
+
+    decode, other = Worker("d", dies=True), Worker("o")
+    ready: list[list] = [[], [], [other]]  # none ready twice (restarting), then one
+    handoff = Handoff(None, decode, lambda: ready.pop(0) if len(ready) > 1 else ready[0], DisaggPath.LOCAL)
+    inp = EngineInput(None, LONG, SamplingParams(max_tokens=5))
+    [out] = asyncio.run(_run(handoff, inp))
+    assert (out.disagg.path, out.disagg.reason, out.disagg.decode_worker) == (DisaggPath.FALLBACK, "decode_failed", "o")
+
+
+def test_workers_that_keep_dying_fail_the_request():
+    import asyncio
+
+    from pagedserve.engine.core.async_llm import EngineDeadError
+    from pagedserve.server.workers.disagg import Handoff
+
+    dead = [Worker(f"w{i}", dies=True) for i in range(5)]
+    handoff = Handoff(None, dead[0], lambda: dead[1:], DisaggPath.LOCAL, retry_wait_s=0.5)
+    with pytest.raises(EngineDeadError):
+        asyncio.run(_run(handoff, EngineInput(None, LONG, SamplingParams())))
+    assert sum(len(w.calls) for w in dead) == 3  # MAX_ATTEMPTS workers tried, then it fails
