@@ -1,6 +1,8 @@
 """The pair's choice (pagedserve.server.workers.disagg.DisaggRouter.pick) on plain records of
 worker slots: roles by slot index, prompts worth a hand-off, and the reason a request runs on
-one worker (no prefill worker, no decode worker, a short prompt, a pooling or LoRA request)."""
+one worker (no prefill worker, no decode worker, a short prompt, a pooling or LoRA request);
+and a Handoff's fallbacks driven over plain worker records whose iterators fail as a dead
+worker's do (a dead prefill worker, a dead decode worker, workers that keep dying)."""
 
 from __future__ import annotations
 
