@@ -93,12 +93,17 @@ class DisaggRouter:
                 out[slot_role(self.roles, slot.index)].append(slot.engine)
         return out
 
-    def worth_handing_off(self, inp: EngineInput | None, num_tokens: int) -> bool:
-        """A prompt with at least one whole chunk to store (the last token is always computed by
-        the decode worker), an ordinary generation request."""
-        if inp is not None and (inp.pooling is not None or inp.lora is not None):
-            return False
-        return (num_tokens - 1) // self.block_size * self.block_size >= self.chunk_size
+    def why_local(self, inp: EngineInput | None, num_tokens: int) -> str | None:
+        """Why a request is not worth a hand-off (None: it is): a pooling request, one under a
+        LoRA adapter, or a prompt with less than one whole chunk to store (the last token is
+        always computed by the decode worker)."""
+        if inp is not None and inp.pooling is not None:
+            return "pooling"
+        if inp is not None and inp.lora is not None:
+            return "lora"
+        if (num_tokens - 1) // self.block_size * self.block_size < self.chunk_size:
+            return "short_prompt"
+        return None
 
     def pick(self, slots: Sequence[WorkerSlot], token_ids: Sequence[int], inp: EngineInput | None) -> Handoff:
         """The pair for a prompt of `token_ids` (or the one worker it runs on, and why)."""
@@ -116,8 +121,9 @@ class DisaggRouter:
                 None, engine, alternatives, DisaggPath.FALLBACK, "decode_unavailable", retry_wait_s=self.retry_wait_s
             )
         decode = self.decode_router.route(decoders, token_ids).engine
-        if not self.worth_handing_off(inp, len(token_ids)):
-            return Handoff(None, decode, alternatives, DisaggPath.LOCAL, "short_prompt", retry_wait_s=self.retry_wait_s)
+        local = self.why_local(inp, len(token_ids))
+        if local is not None:
+            return Handoff(None, decode, alternatives, DisaggPath.LOCAL, local, retry_wait_s=self.retry_wait_s)
         if not prefills:
             return Handoff(
                 None, decode, alternatives, DisaggPath.FALLBACK, "prefill_unavailable", retry_wait_s=self.retry_wait_s

@@ -73,10 +73,10 @@ def test_lora_and_pooling_requests_stay_local():
     from pagedserve.engine.request.pooling import PoolingParams
 
     slots = [Slot(0, Engine("p")), Slot(1, Engine("d"))]
-    for extra in ({"lora": LoRARequest("a", "/x")}, {"pooling": PoolingParams()}):
+    for reason, extra in (("lora", {"lora": LoRARequest("a", "/x")}), ("pooling", {"pooling": PoolingParams()})):
         inp = EngineInput(None, LONG, SamplingParams(), **extra)
         h = router(["prefill", "decode"]).pick(slots, LONG, inp)
-        assert (h.path, h.reason) == (DisaggPath.LOCAL, "short_prompt")
+        assert (h.path, h.reason) == (DisaggPath.LOCAL, reason)
 
 
 def test_the_prefill_input_is_one_greedy_token_written_through():
