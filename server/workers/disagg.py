@@ -105,6 +105,12 @@ class DisaggRouter:
             return "short_prompt"
         return None
 
+    def pick_producer(self, slots: Sequence[WorkerSlot], token_ids: Sequence[int]) -> AsyncLLM | None:
+        """For a request that asks to be a prefill itself (vLLM's kv_transfer_params from a proxy):
+        a ready prefill worker, or None (any worker then)."""
+        prefills = self.by_role(slots)[WorkerRole.PREFILL]
+        return self.prefill_router.route(prefills, token_ids).engine if prefills else None
+
     def pick(self, slots: Sequence[WorkerSlot], token_ids: Sequence[int], inp: EngineInput | None) -> Handoff:
         """The pair for a prompt of `token_ids` (or the one worker it runs on, and why)."""
         workers = self.by_role(slots)

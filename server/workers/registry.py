@@ -167,8 +167,12 @@ class ModelVersion:
         With workers in prefill and decode roles, a `Handoff` that runs the request over the
         pair the version's `DisaggRouter` picks (`pagedserve.server.workers.disagg`), which the
         request path drives like a worker."""
-        ready = self._ready()
-        if self.disagg is not None and not (inp is not None and inp.kv_produce):
+        ready = self._ready()  # NoWorkerError when none is
+        if self.disagg is not None and inp is not None and inp.kv_produce:
+            producer = self.disagg.pick_producer(self.pool.slots, token_ids)
+            if producer is not None:
+                return producer
+        elif self.disagg is not None:
             handoff = self.disagg.pick(self.pool.slots, token_ids, inp)
             engine = handoff.decode
             if self.max_model_len is None and engine.info is not None:

@@ -150,3 +150,10 @@ def test_workers_that_keep_dying_fail_the_request():
     with pytest.raises(EngineDeadError):
         asyncio.run(_run(handoff, EngineInput(None, LONG, SamplingParams())))
     assert sum(len(w.calls) for w in dead) == 3  # MAX_ATTEMPTS workers tried, then it fails
+
+
+def test_a_request_that_is_a_prefill_itself_goes_to_a_prefill_worker():
+    slots = [Slot(0, Engine("p")), Slot(1, Engine("d"))]
+    assert router(["prefill", "decode"]).pick_producer(slots, LONG).name == "p"
+    slots[0].is_ready = False
+    assert router(["prefill", "decode"]).pick_producer(slots, LONG) is None
