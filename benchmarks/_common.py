@@ -62,7 +62,9 @@ def start_server(workdir: Path, models: list[str], timeout: float) -> tuple[subp
     ports = {api: free_port() for api in ("inference", "management", "metrics")}
     # One engine thread: on a shared 2-core machine a 2-thread worker's OpenMP threads stall
     # whenever one of them is descheduled.
-    env = {**os.environ, "PYTHONPATH": str(repo), "PAGEDSERVE_WORKER_THREADS": "1"}
+    # The caller's PYTHONPATH first: a worktree's shim package then serves its own code.
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(repo)) if p)
+    env = {**os.environ, "PYTHONPATH": path, "PAGEDSERVE_WORKER_THREADS": "1"}
     cmd = [
         sys.executable,
         "-m",

@@ -19,6 +19,19 @@ def timings(out: RequestOutput, total_s: float | None = None) -> dict[str, Any]:
     record: dict[str, Any] = {key: None if m is None else _rounded(getattr(m, key)) for key in TIMING_KEYS}
     record["cached_prompt_tokens"] = out.num_cached_tokens
     record["offloaded_prompt_tokens"] = out.num_external_cached_tokens  # restored from LMCache
+    if out.disagg is not None:  # served by a prefill and a decode worker (or fallen back)
+        d = out.disagg
+        record["disagg"] = {
+            "path": d.path.value,
+            "reason": d.reason,
+            "prefill_worker": d.prefill_worker,
+            "decode_worker": d.decode_worker,
+            "queue_s": _rounded(d.queue_s),
+            "prefill_s": _rounded(d.prefill_s),
+            "transfer_s": _rounded(d.transfer_s),
+            "first_decode_s": _rounded(d.first_decode_s),
+            "transfer_bytes": d.transfer_bytes,
+        }
     if total_s is not None:
         record["total_s"] = _rounded(total_s)
     return record

@@ -62,6 +62,7 @@ class OpenAIRequest:
     tools: ToolRequest | None = None  # chat: the tools offered (pagedserve.handlers.openai_tools)
     priority: int = 0  # vLLM's: lower first under scheduling_policy "priority"
     cache_salt: str | None = None  # vLLM's: prefix-cache hits only among requests with the same salt
+    kv_produce: bool = False  # kv_transfer_params.do_remote_decode: KV written through before answering
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -91,6 +92,20 @@ class JsonSchemaResponseFormat(msgspec.Struct, tag="json_schema", tag_field="typ
 ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaResponseFormat
 
 
+class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's `kv_transfer_params`, as its disaggregated-prefill proxy sends them. Only
+    `do_remote_decode` acts here: the server computes the prompt and writes its KV through the
+    KV offload connector before it answers, so another server sharing that tier (Redis) finds it
+    (pagedserve.server.workers.disagg). The other keys (NIXL's hand-off details) are accepted."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False  # the decode side: its lookup finds the KV anyway
+    remote_engine_id: Any = None
+    remote_block_ids: Any = None
+    remote_host: Any = None
+    remote_port: Any = None
+
+
 class _OpenAIBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Fields both routes share (the sampling fields are SamplingParams')."""
 
@@ -109,6 +124,7 @@ class _OpenAIBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # "priority") and a tenant's salt for the prefix cache's block hashes.
     priority: Annotated[int, Meta(ge=-(1 << 31), le=(1 << 31) - 1)] = 0
     cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    kv_transfer_params: KVTransferParams | None = None  # vLLM's disaggregated prefill (see KVTransferParams)
     # Accepted by OpenAI, no effect here.
     user: Any = None
     store: Any = None
@@ -174,6 +190,7 @@ def parse_completion_request(body: dict[str, Any]) -> OpenAIRequest:
         echo=bool(req.echo),
         priority=req.priority,
         cache_salt=req.cache_salt,
+        kv_produce=req.kv_transfer_params is not None and req.kv_transfer_params.do_remote_decode,
     )
 
 
@@ -216,6 +233,7 @@ def parse_chat_request(body: dict[str, Any]) -> OpenAIRequest:
         tools=tools,
         priority=req.priority,
         cache_salt=req.cache_salt,
+        kv_produce=req.kv_transfer_params is not None and req.kv_transfer_params.do_remote_decode,
     )
 
 

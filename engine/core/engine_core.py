@@ -117,6 +117,9 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, PreparedStep, Future[ModelRunnerOutput]] | None = None
         # Unfinished requests that make a step synchronous (grammar, LoRA adapter, pooling).
         self._sync_only: set[str] = set()
+        # Disaggregated prefill: requests whose KV must have landed in the shared tiers before
+        # their finished output leaves (pagedserve.server.workers.disagg).
+        self._producers: set[str] = set()
         self.scheduler = self._new_scheduler()
 
     def _new_kv_manager(self) -> KVCacheManager:
@@ -196,12 +199,15 @@ class EngineCore:
             or request.pooling_params is not None
         ):
             self._sync_only.add(request.request_id)
+        if request.kv_produce and self.kv_offload is not None:
+            self._producers.add(request.request_id)
         self.structured_output.add_request(request)
         if request.grammar is not None:
             self._compiling[request.request_id] = request
 
     def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         self.scheduler.finish_requests(request_ids, status)
+        self._producers.difference_update(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         """Requests not finished yet, or (async scheduling) a step whose outputs are not out."""
@@ -313,9 +319,25 @@ class EngineCore:
             # Nothing can run until a grammar is ready: wait for one instead of spinning.
             self.structured_output.wait_for_compiles(list(self._compiling.values()), GRAMMAR_WAIT_S)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self._producers:
+            self._write_through(outputs)
         if self.drafter is not None:
             self.drafter.draft(self.scheduler.running, self.scheduler.requests)
         return failed + outputs
+
+    def _write_through(self, outputs: list[EngineCoreOutput]) -> None:
+        """A disaggregated prefill that finished this step: wait until its KV (stored by
+        `store_computed` above) has reached the shared tiers, so the decode worker's lookup finds
+        it; the wait counts as the request's transfer time."""
+        done = [o for o in outputs if o.finished and o.request_id in self._producers]
+        if not done:
+            return
+        started = time.perf_counter()
+        self.kv_offload.wait_for_writes()
+        waited = time.perf_counter() - started
+        for output in done:
+            output.kv_transfer_s += waited
+            self._producers.discard(output.request_id)
 
     def _fail_broken_grammars(self) -> list[EngineCoreOutput]:
         """End the requests whose grammar failed or timed out; forget the ready ones."""

@@ -26,6 +26,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     cache_salt: str | None = None
     pooling_params: PoolingParams | None = None  # a pooling request (pagedserve.engine.request.pooling)
     lora: LoRARequest | None = None  # run under this LoRA adapter (None: the base model)
+    kv_produce: bool = False  # disaggregated prefill: the prompt's KV written through before finishing
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

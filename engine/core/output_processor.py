@@ -78,6 +78,7 @@ class OutputProcessor:
                     cache_salt=inp.cache_salt,
                     pooling_params=inp.pooling,
                     lora=inp.lora,
+                    kv_produce=inp.kv_produce,
                 )
             )
         self._parents[request_id] = _ParentState(out, params.n)
@@ -116,6 +117,8 @@ class OutputProcessor:
             parent.output.num_external_cached_tokens = max(
                 parent.output.num_external_cached_tokens, eco.num_external_cached_tokens
             )
+            parent.output.kv_transfer_s = max(parent.output.kv_transfer_s, eco.kv_transfer_s)
+            parent.output.kv_transfer_bytes = max(parent.output.kv_transfer_bytes, eco.kv_transfer_bytes)
             if parent.num_unfinished == 0:
                 parent.output.finished = True
                 del self._parents[parent_id]

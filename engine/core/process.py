@@ -53,6 +53,7 @@ def to_engine_request(msg: EngineCoreRequest) -> Request:
         cache_salt=msg.cache_salt,
         pooling_params=msg.pooling_params,
         lora=msg.lora,
+        kv_produce=msg.kv_produce,
     )
 
 

@@ -320,8 +320,11 @@ class KVOffloadManager:
             self._no_load.add(rid)
             # Store the chunks it recomputes again (replacing a bad file), from the last good one.
             self._stored[rid] = min(self._stored.get(rid, 0), loaded_end // C * C)
-        self.stats.load_time_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.stats.load_time_s += elapsed
         self.stats.loaded_bytes += loaded * self.chunk_bytes // C
+        request.kv_transfer_s += elapsed
+        request.kv_transfer_bytes += loaded * self.chunk_bytes // C
         cpu_part = max(0, min(loaded_end, pending.cpu_end) - start)
         disk_part = max(0, min(loaded_end, pending.disk_end) - start) - cpu_part
         self.stats.hit_tokens_cpu += cpu_part
@@ -364,6 +367,7 @@ class KVOffloadManager:
     def _store(self, request, block_ids: list[int], start: int, end: int) -> None:
         t0 = time.perf_counter()
         C = self.chunk_size
+        stored_bytes = 0
         try:
             ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
             tokens = request.all_token_ids
@@ -381,9 +385,13 @@ class KVOffloadManager:
                 self.stats.stored_chunks += 1
                 self.stats.stored_tokens += chunk_end - chunk_start
                 self.stats.stored_bytes += nbytes
+                stored_bytes += nbytes
         except Exception as exc:  # noqa: BLE001
             self._fault("store", f"LMCache store failed for {request.request_id}: {exc!r}")
-        self.stats.store_time_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.stats.store_time_s += elapsed
+        request.kv_transfer_s += elapsed
+        request.kv_transfer_bytes += stored_bytes
 
     def _check_disk_writes(self) -> None:
         """Count disk writes that failed on LMCache's I/O thread since the last check."""
@@ -414,6 +422,21 @@ class KVOffloadManager:
         self._check_disk_writes()
         if self.disk is not None:  # writes landed: the folder's real size is known now
             self.stats.disk_pruned_files += self.disk.enforce()
+        return True
+
+    def wait_for_writes(self, timeout: float = 30.0) -> bool:
+        """Wait until the queued writes to the shared tiers (disk folder, Redis) have landed, so
+        another process's lookup finds them (True), or `timeout` passed (False, a fault: the
+        reader then recomputes what it misses). A prefill worker calls this before it reports a
+        disaggregated request finished."""
+        backends = [b for b in (self._disk_backend if self.disk is not None else None, self._redis_backend) if b]
+        deadline = time.monotonic() + timeout
+        while any(b.put_tasks for b in backends):
+            if time.monotonic() > deadline:
+                self._fault("write_timeout", f"writes to the shared tiers not done within {timeout:g} s")
+                return False
+            time.sleep(0.001)
+        self._check_disk_writes()
         return True
 
     def get_stats(self) -> dict:

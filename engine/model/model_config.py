@@ -57,6 +57,7 @@ class ParallelType(str, enum.Enum):
 
 
 DEFAULT_MAX_TOKENS = 1024
+WorkerRole = typing.Literal["prefill", "decode", "both"]
 _Workers = Annotated[int, Meta(ge=1, le=MAX_WORKERS)]
 _Seconds = Annotated[int, Meta(ge=1, le=MAX_TIMEOUT_S)]
 
@@ -82,6 +83,10 @@ class ModelConfigFile(msgspec.Struct, forbid_unknown_fields=True, rename="camel"
     keep_alive: Annotated[float, Meta(ge=-1, le=MAX_TIMEOUT_S)] | None = None
     # How the front end picks among the version's workers (pagedserve.server.workers.routing).
     routing: typing.Literal["least_loaded", "prefix_affinity"] = "least_loaded"
+    # One role per worker slot, in order (slots past the list are `both`): `prefill` workers only
+    # compute prompts and hand their KV to a `decode` worker through the KV offload connector
+    # (pagedserve.server.workers.disagg); None: every worker does both.
+    worker_roles: Annotated[list[WorkerRole], Meta(min_length=1, max_length=MAX_WORKERS)] | None = None
     # Output tokens of a request that names no limit (capped by the context left after its prompt).
     default_max_tokens: Annotated[int, Meta(ge=1, le=1 << 20)] = DEFAULT_MAX_TOKENS
     handler: dict[str, Any] | None = None
@@ -122,6 +127,7 @@ class ModelConfig(msgspec.Struct, kw_only=True):
     tool_parser: str = "hermes"  # hermes, llama3_json or pythonic
     keep_alive: float | None = None  # seconds; None: the server's keep_alive
     routing: str = "least_loaded"  # least_loaded or prefix_affinity
+    worker_roles: list[str] | None = None  # per worker slot: prefill, decode or both
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # a request without a token limit
     handler: dict[str, Any] = msgspec.field(default_factory=dict)
     source: str = "model-config.yaml"  # the file name used in error messages
@@ -140,6 +146,10 @@ class ModelConfig(msgspec.Struct, kw_only=True):
             )
         _check_handler(self.source, self.handler)
         self._check_parallel()
+        try:
+            check_worker_roles(self.worker_roles, "workerRoles")
+        except ValueError as exc:
+            raise ModelConfigError(f"{self.source}: {exc}") from None
 
     def _check_parallel(self) -> None:
         """parallelType/parallelLevel against what runs: tensor parallelism, with the handler's
@@ -211,6 +221,13 @@ class ModelConfig(msgspec.Struct, kw_only=True):
         handler[HANDLER_OPTIONS_KEY] = self.handler_options
         out["handler"] = handler
         return out
+
+
+def check_worker_roles(roles: list[str] | None, key: str) -> None:
+    """The rule between roles: a prefill worker hands its requests to a decode (or both) worker,
+    so it never comes alone. ValueError naming `key`."""
+    if roles and "prefill" in roles and not ({"decode", "both"} & set(roles)):
+        raise ValueError(f"{key}: must list a decode or both worker beside the prefill ones, got {roles}")
 
 
 def load_model_config(path: str | Path) -> ModelConfig:

@@ -70,6 +70,9 @@ class EngineInput:
     lora: LoRARequest | None = None  # the LoRA adapter to run under (None: the base model)
     priority: int = 0  # lower first, under scheduling_policy "priority"
     cache_salt: str | None = None  # a tenant's salt: its prefix-cache hits are its own
+    # Disaggregated prefill (pagedserve.server.workers.disagg): this worker only computes the
+    # prompt and hands its KV on through the offload connector; its writes land before it finishes.
+    kv_produce: bool = False
 
 
 def render_prompt(tokenizer: Any, spec: PromptSpec) -> tuple[str | None, list[int]]:

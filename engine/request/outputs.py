@@ -72,6 +72,33 @@ class RequestMetrics:
         return max(0.0, self.first_token_time - self.arrival_time)
 
 
+class DisaggPath(enum.StrEnum):
+    """How a request was served by a version whose workers have prefill and decode roles."""
+
+    DISAGGREGATED = "disaggregated"  # prefilled on a prefill worker, decoded on a decode worker
+    LOCAL = "local"  # not worth a hand-off (short prompt, an adapter, pooling): one worker did it all
+    FALLBACK = "fallback"  # the hand-off failed or had no worker: one worker prefilled it itself
+
+
+@dataclass(slots=True)
+class DisaggTimings:
+    """The time to first token of a disaggregated request, split (seconds): waiting for a worker
+    (`queue_s`), computing the prompt on the prefill worker (`prefill_s`), moving its KV through
+    the connector (`transfer_s`: the prefill worker's stores and write-through, the gap between the
+    workers, the decode worker's loads) and the decode worker's first step (`first_decode_s`).
+    `reason` says why a request fell back or stayed local (None: disaggregated)."""
+
+    path: DisaggPath
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+    first_decode_s: float = 0.0
+    transfer_bytes: int = 0
+    reason: str | None = None
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
@@ -82,6 +109,11 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_external_cached_tokens: int = 0  # prompt tokens restored from the KV offload tiers
     metrics: RequestMetrics | None = None  # set on the finished output of a worker's request
+    kv_transfer_s: float = 0.0  # time in the KV offload connector (loads, stores, write-through)
+    kv_transfer_bytes: int = 0  # bytes moved through the KV offload connector
+    # Set by the front end on a request served by a prefill and a decode worker
+    # (pagedserve.server.workers.disagg): its path and TTFT phases.
+    disagg: DisaggTimings | None = None
 
     @property
     def refusal(self) -> str | None:

@@ -65,6 +65,10 @@ class Request:
     # The adapter's identity (name and content digest), set by the engine when it accepts the
     # request: an extra key of the block hashes, so KV is never shared across adapters.
     lora_id: str | None = None
+    kv_produce: bool = False  # disaggregated prefill: its KV is written through before it finishes
+    # Time (s) and bytes this request moved through the KV offload connector (stores, loads).
+    kv_transfer_s: float = 0.0
+    kv_transfer_bytes: int = 0
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0

@@ -95,6 +95,8 @@ class EngineCoreOutput:
     num_external_cached_tokens: int = 0  # prompt tokens restored from KV offload (LMCache)
     first_scheduled_time: float | None = None  # time.monotonic() in the engine process (same clock host-wide)
     pooled: list[float] | None = None  # a pooling request's vector (it finishes with it)
+    kv_transfer_s: float = 0.0  # so far: time in the KV offload connector (loads, stores, write-through)
+    kv_transfer_bytes: int = 0  # so far: bytes it moved through the connector
 
     @property
     def finished(self) -> bool:

@@ -368,6 +368,8 @@ class Scheduler:
                     num_cached_tokens=request.num_cached_tokens,
                     num_external_cached_tokens=request.num_external_cached_tokens,
                     first_scheduled_time=request.first_scheduled_time,
+                    kv_transfer_s=request.kv_transfer_s,
+                    kv_transfer_bytes=request.kv_transfer_bytes,
                 )
             )
         # Sliding-window groups return what the next queries cannot see (hybrid KV cache).

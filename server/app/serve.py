@@ -69,6 +69,7 @@ def build_state(config: ServerConfig, make_engine: EngineBuilder, keys: KeyStore
         job_queue_size=config.job_queue_size,
         memory_budget=config.memory_budget,
         keep_alive=config.keep_alive,
+        kv_offload=config.kv_offload,
     )
     metrics = ServerMetrics(versions=registry.all_versions, vllm=config.vllm_metrics)
     metrics.registry.register(BudgetCollector(registry.lifecycle))

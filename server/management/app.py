@@ -37,6 +37,7 @@ from pagedserve.server.serving.middleware import drain_middleware, error_middlew
 from pagedserve.server.serving.state import STATE_KEY, ServerState
 from pagedserve.server.workers.adapters import is_adapter
 from pagedserve.server.workers.archives import ArchiveNotFoundError, LoadedArchive, UrlNotAllowedError, resolve_url
+from pagedserve.server.workers.disagg import slot_role
 from pagedserve.server.workers.lifecycle import LifecycleConflict, ModelLifecycle
 from pagedserve.server.workers.memory_budget import ModelTooLargeError
 from pagedserve.server.workers.params import (
@@ -94,6 +95,7 @@ def describe(entry: ModelVersion, is_default: bool, lifecycle: ModelLifecycle) -
                 "gpuUsage": "N/A",
                 "deviceIds": list(slot.devices),  # its GPUs (server/workers/devices.py); [] on the CPU
                 "restarts": slot.restarts,
+                "role": slot_role(config.worker_roles, slot.index).value,  # prefill, decode or both
                 "threads": (engine.stats.num_threads or engine.num_threads) if engine is not None else None,
                 "lastError": slot.last_error,
                 "requestsInFlight": engine.num_unfinished if engine is not None and engine.is_ready else 0,
@@ -217,9 +219,14 @@ def _with_register_params(archive: LoadedArchive, params: RegisterParams) -> Loa
                 f"be named at registration, got {params.handler!r}",
                 "handler",
             )
-    if params.startup_timeout is None:
+    changes: dict[str, Any] = {}
+    if params.startup_timeout is not None:
+        changes["startup_timeout"] = params.startup_timeout
+    if params.worker_roles is not None:
+        changes["worker_roles"] = params.worker_roles
+    if not changes:
         return archive
-    config = msgspec.structs.replace(archive.model_config, startup_timeout=params.startup_timeout)
+    config = msgspec.structs.replace(archive.model_config, **changes)
     return dataclasses.replace(archive, model_config=config)
 
 

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from pagedserve.server.metrics.disagg import DisaggMetrics
 from pagedserve.server.metrics.vllm import VllmMetrics
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class ServerMetrics:
         )
         self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
         self.generation_tokens = Counter("pagedserve_generation_tokens", "Tokens generated", ["model"], registry=r)
+        self.disagg = DisaggMetrics(r)
         if versions is not None:
             r.register(EngineCollector(versions))
         self.vllm = VllmMetrics(r, versions) if vllm else None
@@ -97,6 +99,8 @@ class ServerMetrics:
         per_seq = max((len(c.token_ids) for c in output.outputs), default=0)
         if m is not None and per_seq > 1:
             self.tpot.labels(model).observe(m.decode_s / (per_seq - 1))
+        if output.disagg is not None:
+            self.disagg.observe(model, output.disagg)
         if self.vllm is not None:
             self.vllm.observe_output(model, output)
 

@@ -81,6 +81,7 @@ async def _generate(
             chat.stream,
             chat.priority,
             chat.cache_salt,
+            kv_produce=chat.kv_produce,
         )
 
         def shaper(inputs: list[EngineInput]) -> WholeShaper:

@@ -176,6 +176,7 @@ async def prepare(
     lora: LoRARequest | None = None,
     priority: int = 0,
     cache_salt: str | None = None,
+    kv_produce: bool = False,
 ) -> Prepared:
     """The engine's prepare step (pagedserve.engine.request.inputs) with the front end's bounds: the
     structured-output constraint is checked on its own bounded pool (a per-`client` share, a
@@ -183,7 +184,9 @@ async def prepare(
     tokenized, and the workers' length rules apply (a worker is loaded or woken first when
     none is ready); then the router picks the worker. With `pooling`, a pooling request
     (pagedserve.engine.request.pooling: the prompt's embedding, no tokens). `lora`: the LoRA adapter the request
-    runs under (None: the base model); `priority` and `cache_salt` as vLLM's request fields."""
+    runs under (None: the base model); `priority` and `cache_salt` as vLLM's request fields;
+    `kv_produce` (vLLM's kv_transfer_params.do_remote_decode): the prompt's KV is written through
+    the KV offload connector before the request finishes (pagedserve.server.workers.disagg)."""
     try:
         if params.structured_outputs is not None:
             await state.limits.grammar.check(client, params.structured_outputs)
@@ -210,8 +213,8 @@ async def prepare(
         raise ErrorReply(400, str(exc), param=exc.field) from None
     except HandlerError as exc:
         raise ErrorReply.from_handler_error(exc) from None
-    inp.lora, inp.priority, inp.cache_salt = lora, priority, cache_salt
-    return Prepared(version.pick_worker(inp.token_ids), inp)
+    inp.lora, inp.priority, inp.cache_salt, inp.kv_produce = lora, priority, cache_salt, kv_produce
+    return Prepared(version.pick_worker(inp.token_ids, inp), inp)
 
 
 def _bounded_prepare(

@@ -38,6 +38,7 @@ class GenerationRequest:
     stream: bool = False
     priority: int = 0  # lower first, under scheduling_policy "priority"
     cache_salt: str | None = None  # a tenant's salt: its prefix-cache hits are its own
+    kv_produce: bool = False  # kv_transfer_params.do_remote_decode: the prompt's KV written through
     pooling: PoolingParams | None = None  # set: the prompts' embeddings, no tokens
     prompt_field: str = "prompt"  # the body's name for the prompt, in a refusal of it
 
@@ -72,6 +73,7 @@ async def run_generation(
                 lora=lora,
                 priority=req.priority,
                 cache_salt=req.cache_salt,
+                kv_produce=req.kv_produce,
             )
             for spec in req.prompts
         ]

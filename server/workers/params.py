@@ -14,11 +14,13 @@ import msgspec
 from msgspec import Meta
 
 from pagedserve.engine.config.schema import SchemaError, convert
+from pagedserve.engine.model.model_config import check_worker_roles
 
 MAX_WORKERS = 64  # per model version
 MAX_TIMEOUT_S = 86_400  # one day: response_timeout at registration, scale/unregister timeouts
 MAX_PAGE = 1000  # models per page of GET /models
 RUNTIMES = ("python", "python3")
+ROLES = ("prefill", "decode", "both")
 _Workers = Annotated[int, Meta(ge=0, le=MAX_WORKERS)]
 _Seconds = Annotated[int, Meta(ge=1, le=MAX_TIMEOUT_S)]
 
@@ -41,6 +43,9 @@ class RegisterParams(msgspec.Struct, forbid_unknown_fields=True):
     # A chat template (jinja text) for a model registered from a .gguf file or a model folder
     # that has none (a base model); it becomes the built archive's chat_template.jinja.
     chat_template: Annotated[str, Meta(min_length=1, max_length=65536)] | None = None
+    # One role per worker slot (prefill, decode or both), comma-separated in a query string;
+    # overrides the archive's workerRoles (pagedserve.server.workers.disagg).
+    worker_roles: Annotated[str, Meta(max_length=1024)] | list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.batch_size != 1:
@@ -53,6 +58,24 @@ class RegisterParams(msgspec.Struct, forbid_unknown_fields=True):
             raise SchemaError(
                 f"runtime: pagedserve runs Python archives only ('python'), got {self.runtime!r}", "runtime"
             )
+        if self.worker_roles is not None:
+            self.worker_roles = _worker_roles(self.worker_roles)
+
+
+def _worker_roles(value: str | list[str]) -> list[str]:
+    roles = [r.strip() for r in value.split(",")] if isinstance(value, str) else list(value)
+    for role in roles:
+        if role not in ROLES:
+            raise SchemaError(
+                f"worker_roles: must be a comma-separated list of {', '.join(ROLES)}, got {role!r}", "worker_roles"
+            )
+    if not roles or len(roles) > MAX_WORKERS:
+        raise SchemaError(f"worker_roles: must list 1 to {MAX_WORKERS} roles, got {len(roles)}", "worker_roles")
+    try:
+        check_worker_roles(roles, "worker_roles")
+    except ValueError as exc:
+        raise SchemaError(str(exc), "worker_roles") from None
+    return roles
 
 
 class TokenParams(msgspec.Struct, forbid_unknown_fields=True):

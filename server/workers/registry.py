@@ -24,14 +24,17 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from pagedserve.engine.config.kv_offload import DEFAULT_CHUNK_SIZE
+from pagedserve.engine.model.model_config import ModelConfig
 from pagedserve.handlers.base_handler import BaseHandler, Context
 from pagedserve.handlers.custom_handler import CustomHandlerError
 from pagedserve.handlers.llm_handler import ENGINE_WORKERS
 from pagedserve.server.workers.archives import LoadedArchive, load_archive
+from pagedserve.server.workers.disagg import DisaggRouter, is_disaggregated
 from pagedserve.server.workers.lifecycle import ModelLifecycle
 from pagedserve.server.workers.memory_budget import MemoryBudget, ModelTooLargeError, resolve_budget
 from pagedserve.server.workers.pool import WorkerPool
@@ -71,12 +74,14 @@ class ModelRegistry:
         persist: Callable[[], None] | None = None,
         memory_budget: int | str | None = None,
         keep_alive: float = 300.0,
+        kv_offload: dict[str, Any] | None = None,
     ) -> None:
         self._executor = executor
         self._make_engine = make_engine
         self.allow_custom_handlers = allow_custom_handlers
         self.default_workers = default_workers
         self.job_queue_size = job_queue_size
+        self.kv_offload = kv_offload  # the server-wide kv_offload a model without its own inherits
         self.on_change = on_change or (lambda: None)  # after any change, workers' included
         # Saves the registry (the snapshot); raises OSError when it cannot. None: nothing saved.
         self.persist = persist
@@ -206,6 +211,7 @@ class ModelRegistry:
                 handler=archive.handler,
                 router=Router(RoutingPolicy(config.routing), block_size=config.engine_options().get("block_size", 16)),
             )
+            entry.disagg = self._disagg_router(config, entry.router)
             entry.pool = WorkerPool(
                 f"{name}/{version}",
                 lambda worker_name, on_dead: self._make_engine(entry, worker_name, on_dead),
@@ -352,6 +358,35 @@ class ModelRegistry:
         await self.lifecycle.close()
         versions = self.all_versions()
         await asyncio.gather(*(v.pool.shutdown() for v in versions), return_exceptions=True)
+
+    def _disagg_router(self, config: ModelConfig, router: Router) -> DisaggRouter | None:
+        """The prefill/decode router of a version whose workerRoles list prefill workers; they
+        hand KV over through kv_offload, so it must be on (ValueError naming workerRoles)."""
+        if not is_disaggregated(config.worker_roles):
+            return None
+        offload = config.handler.get("kv_offload")
+        if (
+            offload is None
+            and self.kv_offload is not None
+            and config.engine_options().get("tensor_parallel_size", 1) == 1
+        ):
+            offload = self.kv_offload
+        if offload is None:
+            raise ValueError(
+                "workerRoles: prefill workers hand the prompt's KV to decode workers through the KV "
+                "offload connector: set handler.kv_offload (a disk_path both workers share, or a "
+                "remote_url) or the server's kv_offload"
+            )
+        block_size = config.engine_options().get("block_size", 16)
+        chunk = dict(offload).get("chunk_size", DEFAULT_CHUNK_SIZE)
+        return DisaggRouter(
+            list(config.worker_roles or ()),
+            decode_router=router,
+            prefill_router=Router(config.routing, block_size=block_size),
+            chunk_size=chunk,
+            block_size=block_size,
+            retry_wait_s=float(config.response_timeout),
+        )
 
     def _default_workers(self, archive: LoadedArchive) -> int:
         if "minWorkers" in archive.config_keys or self.default_workers is None:

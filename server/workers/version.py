@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING, Any
 from pagedserve.engine.model.model_config import ModelConfig
 from pagedserve.handlers.base_handler import BaseHandler, Context
 from pagedserve.server.workers.archives import LoadedArchive
+from pagedserve.server.workers.disagg import DisaggRouter
 from pagedserve.server.workers.pool import NoWorkerError, WorkerPool
 from pagedserve.server.workers.routing import Router
 from pagedserve.server.workers.rules import QueueFullError
 
 if TYPE_CHECKING:
     from pagedserve.engine.core.async_llm import AsyncLLM
+    from pagedserve.engine.request.inputs import EngineInput
 
 
 @dataclass(slots=True, eq=False)
@@ -43,6 +45,8 @@ class ModelVersion:
     handler: BaseHandler | None = None  # a custom handler around the workers (/predictions)
     in_flight: int = 0
     router: Router = field(default_factory=Router)
+    # Workers in prefill / decode roles (model-config workerRoles): who prefills and who decodes.
+    disagg: DisaggRouter | None = None
     registered_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     # The lifecycle (pagedserve.server.workers.lifecycle): pinned versions are never unloaded; keep_alive seconds
     # (None: the server's default, < 0: forever); last_used and expires_at are monotonic times.
@@ -60,10 +64,24 @@ class ModelVersion:
     def workers(self) -> list[AsyncLLM]:
         return self.pool.ready_engines()
 
-    def pick_worker(self, token_ids: Sequence[int] = ()) -> AsyncLLM:
+    def pick_worker(self, token_ids: Sequence[int] = (), inp: EngineInput | None = None) -> AsyncLLM:
         """The ready worker the version's router picks for a prompt of `token_ids` (least
-        loaded, or the one that holds the prompt's prefix: `pagedserve.server.workers.routing`)."""
-        engine = self.router.route(self._ready(), token_ids).engine
+        loaded, or the one that holds the prompt's prefix: `pagedserve.server.workers.routing`).
+        With workers in prefill and decode roles, a `Handoff` that runs the request over the
+        pair the version's `DisaggRouter` picks (`pagedserve.server.workers.disagg`), which the
+        request path drives like a worker."""
+        ready = self._ready()  # NoWorkerError when none is
+        if self.disagg is not None and inp is not None and inp.kv_produce:
+            producer = self.disagg.pick_producer(self.pool.slots, token_ids)
+            if producer is not None:
+                return producer
+        elif self.disagg is not None:
+            handoff = self.disagg.pick(self.pool.slots, token_ids, inp)
+            engine = handoff.decode
+            if self.max_model_len is None and engine.info is not None:
+                self.max_model_len = engine.info.max_model_len
+            return handoff  # type: ignore[return-value]
+        engine = self.router.route(ready, token_ids).engine
         if self.max_model_len is None and engine.info is not None:
             self.max_model_len = engine.info.max_model_len
         return engine

@@ -31,7 +31,9 @@ def test_vendored_files_are_the_pinned_ones():
 
 
 def test_every_console_file_is_package_data():
-    globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pagedserve.server.console"]
+    globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "pagedserve.server.console"
+    ]
     server_dir = STATIC_DIR.parent
     files = [p.relative_to(server_dir).as_posix() for p in STATIC_DIR.rglob("*") if p.is_file()]
     assert files
