@@ -19,6 +19,7 @@ from pagedserve.engine.request.inputs import InvalidInput
 from pagedserve.handlers.base_handler import HandlerError
 from pagedserve.handlers.openai_protocol import split_model
 from pagedserve.handlers.openai_tools import ToolParser, tool_prompt
+from pagedserve.handlers.tool_tags import with_tool_constraint
 from pagedserve.server.anthropic.schemas import AnthropicRequest, parse_count_tokens, parse_messages
 from pagedserve.server.anthropic.shaping import AnthropicShaper
 from pagedserve.server.serving.generation import REQUEST_ID_KEY, ErrorReply, prepare, respond
@@ -37,12 +38,14 @@ async def messages(request: web.Request) -> web.StreamResponse:
     version = resolve(request, state, *handler_call(split_model, parsed.model))
     with admitted(request, version, None):
         spec = tool_prompt(parsed.prompt, parsed.tools, getattr(version.tokenizer, "chat_template", None))
-        job = await prepare(state, version, spec, parsed.params, client=request.remote or "", lora=lora(request))
+        parser = ToolParser(version.model_config.tool_parser)
+        params = with_tool_constraint(parsed.params, parsed.tools, parser)
+        job = await prepare(state, version, spec, params, client=request.remote or "", lora=lora(request))
         shaper = AnthropicShaper(
             parsed.model,
             len(job.input.token_ids),
             parsed.tools,
-            ToolParser(version.model_config.tool_parser),
+            parser,
             "msg_" + request[REQUEST_ID_KEY],
         )
         return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)

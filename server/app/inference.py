@@ -51,6 +51,7 @@ from pagedserve.handlers.openai_protocol import OpenAIRequest, parse_chat_reques
 from pagedserve.handlers.openai_responses import OpenAIFormatter
 from pagedserve.handlers.openai_responses_api import ResponsesRequest, ResponsesShaper, parse_responses_request
 from pagedserve.handlers.openai_tools import ToolParser, tool_prompt
+from pagedserve.handlers.tool_tags import with_tool_constraint
 from pagedserve.server.anthropic import routes as anthropic
 from pagedserve.server.anthropic.shaping import error_body as anthropic_error
 from pagedserve.server.common import openapi
@@ -361,12 +362,13 @@ async def _openai(
         specs = [
             tool_prompt(spec, parsed.tools, template) if spec.messages is not None else spec for spec in parsed.prompts
         ]
+        params = with_tool_constraint(parsed.params, parsed.tools, ToolParser(version.model_config.tool_parser))
         jobs = [
             await prepare(
                 state,
                 version,
                 spec,
-                parsed.params,
+                params,
                 client=request.remote or "",
                 lora=lora(request),
                 priority=parsed.priority,

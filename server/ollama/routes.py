@@ -33,6 +33,7 @@ from pagedserve.engine.request.inputs import PromptSpec, pooling_sampling_params
 from pagedserve.engine.request.pooling import PoolingParams
 from pagedserve.handlers.openai_protocol import split_model
 from pagedserve.handlers.openai_tools import ToolParser, tool_prompt
+from pagedserve.handlers.tool_tags import with_tool_constraint
 from pagedserve.server.ollama.schemas import (
     EmbedBody,
     EmbeddingsBody,
@@ -89,9 +90,11 @@ async def _generate(request: web.Request, parse, *, chat: bool) -> web.StreamRes
         spec = parsed.prompt
         if chat:
             spec = tool_prompt(spec, parsed.tools, getattr(version.tokenizer, "chat_template", None))
-        job = await prepare(state, version, spec, parsed.params, client=request.remote or "", lora=lora(request))
+        parser = ToolParser(version.model_config.tool_parser)
+        params = with_tool_constraint(parsed.params, parsed.tools, parser)
+        job = await prepare(state, version, spec, params, client=request.remote or "", lora=lora(request))
         load_s = 0.0 if was_loaded else time.monotonic() - started
-        shaper = OllamaShaper(parsed.model, chat, load_s, parsed.tools, ToolParser(version.model_config.tool_parser))
+        shaper = OllamaShaper(parsed.model, chat, load_s, parsed.tools, parser)
         return await respond(request, state, version, job, shaper, stream=parsed.stream, started=started)
 
 
