@@ -78,6 +78,8 @@ def phase(args) -> dict:
     from pagedserve.engine.model.default_model import default_model_dir
 
     speculative = None if args.phase == "plain" else {"method": args.phase, "num_speculative_tokens": args.k}
+    if args.phase in ("suffix", "auto"):
+        speculative["suffix_spec_factor"] = args.suffix_spec_factor
     llm = LLM(
         default_model_dir(),
         dtype="bfloat16",
@@ -156,6 +158,7 @@ def main() -> None:
         "plain runs every case named)",
     )
     parser.add_argument("--agent-tokens", type=int, default=40)
+    parser.add_argument("--suffix-spec-factor", type=float, default=1.0, help="suffix_spec_factor")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 on a busy machine)")
     parser.add_argument("--cases", default=",".join(f"{w}/{b}" for w, b in CASES))
     parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
@@ -188,6 +191,8 @@ def main() -> None:
                     plan[method],
                     "--agent-tokens",
                     str(args.agent_tokens),
+                    "--suffix-spec-factor",
+                    str(args.suffix_spec_factor),
                 ],
             )
             runs[method].append(result)
