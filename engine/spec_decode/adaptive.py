@@ -3,14 +3,16 @@ decoding request gets, from its running acceptance rate and the measured cost of
 
 Cost model. For each batch size B (requests in a decode-only step) the engine reports the
 step's time t and its number of draft tokens D; a least-squares line over the latest samples
-gives t ~= t0(B) + b(B) * D. One draft token costs c = b / (t0 / B) tokens' worth of time (at
+gives t ~= t0(B) + b(B) * D (once MIN_SAMPLES steps with drafts and as many without are
+kept: a few probes on a busy machine would give any slope). One draft token costs c = b / (t0 / B) tokens' worth of time (at
 batch 1 on a CPU the weights are read once whatever the token count: c is small; at batch 32
 a draft token costs nearly a whole sequence's token: c -> 1). Until drafts of different
 lengths were measured at B, b is the slope of t0 over batch sizes, else PRIOR_COST x t0 / B.
 
 Acceptance. Each request keeps an exponentially decayed count of kept drafts and of refusals
 (a verification of k drafts that keeps m refused one if m < k); its rate alpha is the
-per-token probability that a draft is kept, starting from the rate of all requests.
+per-token probability that a draft is kept, starting from the rate of all requests (at least
+TRIAL_RATE: a request nothing of which was verified yet gets a first try).
 
 Choice. Draft i is worth verifying when the chance it is reached and kept, alpha^i, times the
 chance p that the drafter has anything for the request (its decayed share of asks that gave
@@ -34,6 +36,9 @@ DECAY = 0.9  # weight of a request's older verifications per new one
 PROBE_STEPS = 25
 SAMPLES = 64  # step-time samples kept per batch size
 MIN_SAMPLES = 4
+# A request's rate before any of its drafts was verified is at least this: a new request gets
+# a first try (its first asks are cheap n-gram lookups) whatever earlier requests did.
+TRIAL_RATE = 0.6
 
 
 @dataclass(slots=True)
@@ -51,6 +56,8 @@ class _Rate:
         return (self.proposed + weight) / (self.asked + weight)
 
     def alpha(self, prior: float, weight: float = 2.0) -> float:
+        if self.kept + self.refused == 0:  # nothing verified yet: worth a first try
+            prior = max(prior, TRIAL_RATE)
         return (self.kept + prior * weight) / (self.kept + self.refused + weight)
 
 
@@ -126,7 +133,8 @@ class AdaptiveSpeculation:
         d = np.array([s[0] for s in samples], dtype=np.float64)
         t = np.array([s[1] for s in samples], dtype=np.float64)
         t = np.minimum(t, np.median(t) * 3)  # a step stalled by another process says nothing
-        if np.ptp(d) > 0:
+        drafted = int(np.count_nonzero(d))
+        if min(drafted, len(d) - drafted) >= MIN_SAMPLES:  # steps with and without drafts
             b, t0 = np.polyfit(d, t, 1)
             b = max(float(b), 0.0)
             t0 = float(t0)
