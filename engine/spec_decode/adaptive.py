@@ -139,26 +139,22 @@ class AdaptiveSpeculation:
             b = max(float(b), 0.0)
             t0 = float(t0)
         else:
-            plain = t[d == 0]
-            mean_t = float(plain.mean()) if plain.size else float(t.mean()) - PRIOR_COST * float(d.mean())
-            b = self._prior_slope(batch_size, mean_t)
-            t0 = mean_t
+            b = self._prior_slope(batch_size, float(t.mean()))
+            t0 = float(t.mean()) - b * float(d[0])
         fit = (max(t0, 1e-6), b)
         self._fits[batch_size] = fit
         return fit
 
     def _prior_slope(self, batch_size: int, mean_t: float) -> float:
-        """b where drafts were too rare at this batch size to fit it: the cost of one more
-        sequence (the slope of the draft-free step time from the nearest other batch size
-        measured without drafts: a step's cost is not linear over a wide range of sizes),
-        else PRIOR_COST's share."""
-        points = []
-        for size, samples in self._samples.items():
-            plain = [s[1] for s in samples if s[0] == 0]
-            if size != batch_size and len(plain) >= MIN_SAMPLES:
-                points.append((size, float(np.median(plain))))
+        """b where draft counts never varied at this batch size: the cost of one more sequence
+        (t0's slope over the batch sizes measured with no drafts), else PRIOR_COST's share."""
+        points = [
+            (size, float(np.mean([s[1] for s in samples])))
+            for size, samples in self._samples.items()
+            if size != batch_size and len(samples) >= MIN_SAMPLES and all(s[0] == 0 for s in samples)
+        ]
         if points:
-            size, t = min(points, key=lambda p: abs(p[0] - batch_size))
+            size, t = max(points, key=lambda p: abs(p[0] - batch_size))
             slope = (mean_t - t) / (batch_size - size)
             if slope > 0:
                 return slope
@@ -187,8 +183,6 @@ class AdaptiveSpeculation:
             k = min(self.max_tokens, math.ceil(math.log(c / p) / math.log(alpha)) - 1)
         if k > 0:
             rate.steps_at_zero = 0
-            if not rate.kept + rate.refused and self.global_rate() < TRIAL_RATE:
-                return 1  # a first try (the floor, not the evidence, made it worth one): one draft
             return k
         rate.steps_at_zero += 1
         if may_probe and c < 1.0 and rate.steps_at_zero >= round(PROBE_STEPS / (1.0 - c)):

@@ -242,12 +242,7 @@ def test_adaptive_new_requests_get_a_try_and_requests_with_nothing_to_draft_stop
     # One probe per step: a request due for one waits while another probes.
     due = [a.num_drafts("poor", 8, may_probe=False) for _ in range(200)]
     assert due == [0] * 200 and a.num_drafts("poor", 8) == 1 and a.probed
-    # Too few steps with drafts at a batch size: its slope is not fitted from them (one stalled
-    # step would say c = 16); the draft-free step time's slope from the nearest measured batch
-    # size stands in: 40 ms at 4, 80 ms at 8: 10 ms a sequence, c = 10 / (40 / 4) = 1.
+    # Too few steps with drafts at a batch size: its slope is not fitted (a prior stands in).
     for d in [0, 0, 0, 0, 0, 3]:
-        a.observe_step(4, d, 0.040 + (0.5 if d else 0.0))
-    assert a.cost_ratio(4) == pytest.approx(1.0)
-    for _ in range(4):
-        a.observe_step(2, 0, 0.035)  # nearest is 4: 2.5 ms a sequence, c = 2.5 / (35 / 2)
-    assert a.cost_ratio(2) == pytest.approx(0.0025 * 2 / 0.035)
+        a.observe_step(4, d, 0.040 + (0.5 if d else 0.0))  # one stalled step with drafts
+    assert a.cost_ratio(4) < 1.0
