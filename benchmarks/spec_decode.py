@@ -4,7 +4,8 @@ Workloads: "chat" (open questions, sampled at temperature 0.8 with a seed: draft
 right, so this is what speculation costs when it does not pay) at batch 1, 8 and 32; "edit"
 (repeat a paragraph with one change, greedy: the output copies the prompt) at batch 1 and 8;
 "agent" (a 10-turn loop at batch 1, greedy: each turn the model re-emits the same tool-call
-JSON with a changed argument, the conversation growing turn by turn). Methods: plain, ngram,
+JSON with a changed argument, the conversation growing turn by turn; one example exchange
+opens it, without which the 135M model answers in prose). Methods: plain, ngram,
 suffix, auto. Each round runs every method once, each in a fresh child process that runs
 all workloads; the order of the methods flips every round. A method's speed-up for a
 workload is the median over rounds of (its tok/s) / (plain's tok/s in the same round).
@@ -80,6 +81,8 @@ def phase(args) -> dict:
     from pagedserve.engine.model.default_model import default_model_dir
 
     speculative = None if args.phase == "plain" else {"method": args.phase, "num_speculative_tokens": args.k}
+    if args.phase in ("suffix", "auto"):
+        speculative["suffix_spec_factor"] = args.suffix_spec_factor
     llm = LLM(
         default_model_dir(),
         dtype="bfloat16",
@@ -129,15 +132,17 @@ def phase(args) -> dict:
 
 def agent_loop(llm, params) -> list[list[int]]:
     """10 turns: each asks for the tool call with another city; the model's replies stay in
-    the conversation."""
-    messages = [{"role": "system", "content": AGENT_SYSTEM}]
+    the conversation. The conversation opens with one example exchange (a call for London), so
+    the small default model answers every turn with the tool-call JSON, the city changed."""
+    example = '{"tool": "get_weather", "arguments": {"city": "London", "unit": "celsius", "days": 3}}'
+    messages = [
+        {"role": "system", "content": AGENT_SYSTEM},
+        {"role": "user", "content": "What is the weather in London?"},
+        {"role": "assistant", "content": example},
+    ]
     tokens = []
     for turn, city in enumerate(CITIES):
-        ask = (
-            f"What is the weather in {city}?"
-            if turn == 0
-            else (f'Tool result: {{"ok": true, "turn": {turn}}}. Now the weather in {city}, same format.')
-        )
+        ask = f'Tool result: {{"ok": true, "turn": {turn}}}. Now the weather in {city}, same format.'
         messages.append({"role": "user", "content": ask})
         out = llm.chat([messages], params)[0].outputs[0]
         messages.append({"role": "assistant", "content": out.text})
@@ -158,6 +163,7 @@ def main() -> None:
         "plain runs every case named)",
     )
     parser.add_argument("--agent-tokens", type=int, default=40)
+    parser.add_argument("--suffix-spec-factor", type=float, default=1.0, help="suffix_spec_factor")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 on a busy machine)")
     parser.add_argument("--cases", default=",".join(f"{w}/{b}" for w, b in CASES))
     parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
@@ -189,6 +195,8 @@ def main() -> None:
                 plan[method],
                 "--agent-tokens",
                 str(args.agent_tokens),
+                "--suffix-spec-factor",
+                str(args.suffix_spec_factor),
             ],
         )
         print(

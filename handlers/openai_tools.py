@@ -5,7 +5,10 @@ enforces `required` and named choices, and the parsers that read calls out of ge
 - `tool_choice: "none"` (or no tools): tools are not offered, the reply is plain text.
 - `"auto"`: the tools are in the prompt; what the model wrote is parsed with the model's parser
   (model-config `toolParser`: `hermes` `<tool_call>{json}</tool_call>`, `llama3_json`
-  `{"name": ..., "parameters": {...}}` separated by `;`, `pythonic` `[f(a=1), g(b="x")]`).
+  `{"name": ..., "parameters": {...}}` separated by `;`, `mistral` `[TOOL_CALLS][{"name": ...,
+  "arguments": {...}}]`, `pythonic` `[f(a=1), g(b="x")]`). Except for pythonic, the calls are
+  bound to their tools' schemas by a structural tag (pagedserve.handlers.tool_tags): text until
+  the trigger, then a call whose arguments validate.
 - `"required"`: the output is constrained (xgrammar, a JSON schema) to a JSON array of
   `{"name", "arguments"}` objects, one per call, whose arguments follow that tool's
   `parameters` schema. The list is bounded: one call without `parallel_tool_calls`, else at
@@ -46,6 +49,7 @@ ToolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 class ToolParser(enum.StrEnum):
     HERMES = "hermes"
     LLAMA3_JSON = "llama3_json"
+    MISTRAL = "mistral"
     PYTHONIC = "pythonic"
 
 
@@ -91,13 +95,13 @@ class ToolRequest:
     def constraint(self) -> dict[str, Any] | None:
         """The JSON schema that enforces `required` or a named function (None for auto)."""
         if self.choice == "function":
-            return _parameters(next(t.function for t in self.tools if t.function.name == self.name))
+            return parameters_schema(next(t.function for t in self.tools if t.function.name == self.name))
         if self.choice != "required":
             return None
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.function.name}, "arguments": _parameters(t.function)},
+                "properties": {"name": {"const": t.function.name}, "arguments": parameters_schema(t.function)},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
@@ -112,7 +116,7 @@ class ToolRequest:
         return self.choice in ("required", "function")
 
 
-def _parameters(function: FunctionDef) -> dict[str, Any]:
+def parameters_schema(function: FunctionDef) -> dict[str, Any]:
     return function.parameters if function.parameters is not None else {"type": "object"}
 
 
@@ -264,16 +268,35 @@ def parse_hermes(text: str) -> ParsedOutput:
     return ParsedOutput(text[:start].strip() or None, calls)
 
 
+_LLAMA3_CALL = re.compile(r'<\|python_tag\|>|\{\s*"name"\s*:')
+
+
 def parse_llama3_json(text: str) -> ParsedOutput:
-    body = text.strip().removeprefix("<|python_tag|>").strip()
-    if not body.startswith("{"):
+    """Calls from the python tag or the first `{"name": ` on (text before them is the content),
+    separated by `;`."""
+    found = _LLAMA3_CALL.search(text)
+    if found is None:
         return ParsedOutput(text, [])
+    body = text[found.start() :].removeprefix("<|python_tag|>").strip()
     decoder, calls, pos = json.JSONDecoder(), [], 0
-    while pos < len(body):
+    while pos < len(body) and (not calls or body[pos] == "{"):  # text after the calls is dropped
         call, pos = decoder.raw_decode(body, pos)
         calls.append(_call(call.get("name"), call.get("parameters", call.get("arguments"))))
-        pos = len(body) - len(body[pos:].lstrip().removeprefix(";").lstrip())
-    return ParsedOutput(None, calls)
+        pos = len(body) - len(body[pos:].lstrip().removeprefix(";").lstrip().removeprefix("<|python_tag|>").lstrip())
+    return ParsedOutput(text[: found.start()].strip() or None, calls)
+
+
+def parse_mistral(text: str) -> ParsedOutput:
+    """`[TOOL_CALLS]` then a JSON list of calls (again after each further `[TOOL_CALLS]`)."""
+    start = text.find("[TOOL_CALLS]")
+    if start < 0:
+        return ParsedOutput(text, [])
+    decoder, calls = json.JSONDecoder(), []
+    for part in text[start:].split("[TOOL_CALLS]")[1:]:
+        listed, _ = decoder.raw_decode(part.strip())
+        for call in listed if isinstance(listed, list) else [listed]:
+            calls.append(_call(call.get("name"), call.get("arguments", call.get("parameters"))))
+    return ParsedOutput(text[:start].strip() or None, calls)
 
 
 def parse_pythonic(text: str) -> ParsedOutput:
@@ -293,5 +316,6 @@ def parse_pythonic(text: str) -> ParsedOutput:
 _PARSERS = {
     ToolParser.HERMES: parse_hermes,
     ToolParser.LLAMA3_JSON: parse_llama3_json,
+    ToolParser.MISTRAL: parse_mistral,
     ToolParser.PYTHONIC: parse_pythonic,
 }

@@ -77,7 +77,7 @@ class ModelConfigFile(msgspec.Struct, forbid_unknown_fields=True, rename="camel"
     parallel_level: Annotated[int, Meta(ge=1, le=MAX_WORKERS)] = 1
     job_queue_size: Annotated[int, Meta(ge=1, le=1 << 20)] = 100
     # How /v1/chat/completions reads tool calls the model wrote (pagedserve.handlers.openai_tools).
-    tool_parser: typing.Literal["hermes", "llama3_json", "pythonic"] = "hermes"
+    tool_parser: typing.Literal["hermes", "llama3_json", "mistral", "pythonic"] = "hermes"
     # Seconds a version with minWorkers 0 stays loaded after its last request (negative:
     # forever); None: the server's keep_alive.
     keep_alive: Annotated[float, Meta(ge=-1, le=MAX_TIMEOUT_S)] | None = None
@@ -124,7 +124,7 @@ class ModelConfig(msgspec.Struct, kw_only=True):
     parallel_type: ParallelType | None = None
     parallel_level: int = 1
     job_queue_size: int = 100
-    tool_parser: str = "hermes"  # hermes, llama3_json or pythonic
+    tool_parser: str = "hermes"  # hermes, llama3_json, mistral or pythonic
     keep_alive: float | None = None  # seconds; None: the server's keep_alive
     routing: str = "least_loaded"  # least_loaded or prefix_affinity
     worker_roles: list[str] | None = None  # per worker slot: prefill, decode or both

@@ -39,9 +39,10 @@ class Speculator:
         self.config = config
         self.max_model_len = max_model_len
         k = config.num_speculative_tokens
+        # auto: requests none of whose drafts was kept yet look up n-grams (no suffix index).
         self.ngram = (
             NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
-            if config.method is SpecMethod.NGRAM
+            if config.method in (SpecMethod.NGRAM, SpecMethod.AUTO)
             else None
         )
         self.draft_model = None
@@ -101,6 +102,7 @@ class Speculator:
             if r.num_computed_tokens == r.num_tokens - 1 and r.pooling_params is None and can_draft(r.sampling_params)
         ]
         batch: list[tuple[Request, int]] = []  # draft model: (request, room), drafted together
+        probed = False  # auto: one 1-token probe per step at most
         for request in decoding:
             params = request.sampling_params
             # Kept drafts plus the target's own token must fit max_tokens and max_model_len.
@@ -110,17 +112,26 @@ class Speculator:
             if self.draft_model is not None:
                 batch.append((request, room))
                 continue
-            if self.ngram is not None:
+            if self.suffix is None:
                 request.spec_token_ids = self.ngram.propose(request.all_token_ids, room)
                 continue
             assert self.suffix is not None  # suffix and auto: the one proposer left
+            lookup = None
+            if self.adaptive is not None:
+                k = self.adaptive.num_drafts(request.request_id, len(decoding), may_probe=not probed)
+                probed |= self.adaptive.probed
+                room = min(room, k)
+                lookup = None if self.adaptive.proven(request.request_id) else self.ngram
+                if room <= 0:  # nothing proposed: nothing indexed, nothing to pay
+                    request.spec_token_ids = []
+                    self.adaptive.record_choice(0)
+                    continue
             self.suffix.update(
                 request.request_id, request.all_token_ids, request.num_prompt_tokens, request.lora_id or ""
             )
+            request.spec_token_ids = self.suffix.propose(request.request_id, room, lookup).tokens
             if self.adaptive is not None:
-                room = min(room, self.adaptive.num_drafts(request.request_id, len(decoding)))
-            request.spec_token_ids = self.suffix.propose(request.request_id, room).tokens if room > 0 else []
-            if self.adaptive is not None:
+                self.adaptive.observe_proposal(request.request_id, bool(request.spec_token_ids))
                 self.adaptive.record_choice(len(request.spec_token_ids))
         if batch and self.draft_model is not None:
             drafts = self.draft_model.propose([(r.request_id, r.all_token_ids, room) for r, room in batch])
@@ -152,8 +163,7 @@ class Speculator:
             self.draft_model.release([r for r in self.draft_model.live_requests() if r not in live])
         if self.suffix is None:
             return
-        gone = [r for r in self.suffix.live_requests() if r not in live]
-        self.suffix.release(gone)
-        if self.adaptive is not None:
-            for req_id in gone:
+        self.suffix.release([r for r in self.suffix.live_requests() if r not in live])
+        if self.adaptive is not None:  # also the requests never indexed (never drafted)
+            for req_id in [r for r in self.adaptive.live_requests() if r not in live]:
                 self.adaptive.forget(req_id)

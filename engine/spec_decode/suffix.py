@@ -5,7 +5,8 @@ continuation of the longest matching suffix in each trie and keeps the one with 
 score (expected kept tokens).
 
 Per-request tries are indexed lazily: tokens are only added when a proposal is asked for, so
-a request the adaptive controller does not draft for (large batches) costs nothing.
+a request the adaptive controller does not draft for (large batches) costs nothing, and one
+asked with an n-gram `lookup` (auto, until a draft of the request was kept) costs no indexing.
 
 The engine core calls it from its one stepping thread; requests are keyed by id, so
 interleaved requests never see each other's tokens except through the global trie, which
@@ -18,6 +19,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from pagedserve.engine.spec_decode.ngram import NgramProposer
 from pagedserve.engine.spec_decode.suffix_trie import Draft, SuffixTrie
 
 
@@ -72,22 +74,29 @@ class SuffixProposer:
         if len(token_ids) > len(index.tokens):
             index.tokens.extend(token_ids[len(index.tokens) :])
 
-    def propose(self, req_id: str, max_tokens: int | None = None) -> Draft:
+    def propose(self, req_id: str, max_tokens: int | None = None, lookup: NgramProposer | None = None) -> Draft:
         """The better of the request's own and the global trie's drafts (by score), at most
-        `min(num_tokens, max_tokens)` tokens. `update` must have been called for the request."""
+        `min(num_tokens, max_tokens)` tokens. `update` must have been called for the request.
+        `lookup`: the request's own draft comes from this n-gram lookup instead of its trie,
+        which stays unindexed (indexing costs ~24 node updates per token: `auto` pays for it
+        only for requests whose drafts were kept)."""
         k = self.num_tokens if max_tokens is None else min(self.num_tokens, max_tokens)
         index = self._requests[req_id]
         if k < 1 or not index.tokens:
             return Draft([], [])
-        self._catch_up(index)
         context = index.tokens
-        # The open suffixes are the context's own suffix nodes: the longest with a child is
-        # the local match, no search needed.
-        match = next(
-            ((node, depth) for depth, node in reversed(list(enumerate(index.active))) if node.children),
-            (index.trie.root, 0),
-        )
-        best = index.trie.propose(context, k, self.min_prob, self.spec_factor, match)
+        if lookup is not None:
+            tokens = lookup.propose(context, k)
+            best = Draft(tokens, [1.0] * len(tokens), lookup.min_n if tokens else 0)
+        else:
+            self._catch_up(index)
+            # The open suffixes are the context's own suffix nodes: the longest with a child
+            # is the local match, no search needed.
+            match = next(
+                ((node, depth) for depth, node in reversed(list(enumerate(index.active))) if node.children),
+                (index.trie.root, 0),
+            )
+            best = index.trie.propose(context, k, self.min_prob, self.spec_factor, match)
         shared = self._global.get(index.model_key)
         if shared is not None and shared.num_nodes > 1:
             other = shared.propose(context[-self.max_depth :], k, self.min_prob, self.spec_factor)

@@ -6,7 +6,7 @@ declaration (engine/structured_output/params.py) bounds each text's length and t
 choices; these cheap structural checks add what a length bound cannot see, each with a message
 naming the limit:
 
-- a JSON schema nested at most MAX_SCHEMA_DEPTH objects/arrays deep (a typical schema stays under
+- a JSON schema (or a structural tag, schemas included) nested at most MAX_SCHEMA_DEPTH objects/arrays deep (a typical schema stays under
   20; depth 64 parses in a few tens of milliseconds);
 - a regex or grammar with groups nested at most MAX_GROUP_DEPTH deep;
 - the choices of a choice constraint at most MAX_CHOICE_CHARS characters together.
@@ -39,11 +39,12 @@ class ConstraintTooLarge(ValueError):
 
 def check_constraint_size(params: Any) -> None:
     """Refuse a StructuredOutputsParams whose constraint is over a size or nesting bound."""
-    if params.json is not None:
-        depth = _depth(params.json, _JSON_TOKENS, "[{")
+    if params.json is not None or params.structural_tag is not None:
+        what = "JSON schema" if params.json is not None else "structural tag"
+        depth = _depth(params.json or params.structural_tag, _JSON_TOKENS, "[{")
         if depth > MAX_SCHEMA_DEPTH:
             raise ConstraintTooLarge(
-                f"the JSON schema is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed"
+                f"the {what} is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed"
             )
     elif params.regex is not None:
         _check_groups("regex", params.regex, _REGEX_TOKENS)

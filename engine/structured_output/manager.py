@@ -1,5 +1,6 @@
 """Structured output through xgrammar, the engine side: generation constrained to a JSON
-schema, any JSON object, a regular expression, one of a list of strings, or an EBNF grammar.
+schema, any JSON object, a regular expression, one of a list of strings, an EBNF grammar, or a
+structural tag (free text until a trigger, then a schema: tool calls).
 
 - `pagedserve.engine.structured_output.params` holds the request side: `StructuredOutputsParams` (on
   SamplingParams) says which constraint; `check_grammar` parses it without a tokenizer.
@@ -150,6 +151,8 @@ class StructuredOutputManager:
             return compiler.compile_json_schema(ANY_OBJECT_SCHEMA, any_whitespace=False, strict_mode=False)
         if params.regex is not None:
             return compiler.compile_regex(params.regex)
+        if params.structural_tag is not None:
+            return compiler.compile_structural_tag(params.structural_tag)
         return compiler.compile_grammar(params.choice_grammar() if params.choice is not None else params.grammar)
 
     def _get_compiler(self):

@@ -20,6 +20,7 @@ MAX_CONSTRAINT_CHARS = 65_536  # a regex, a grammar or a JSON schema's text
 MAX_CHOICES = 256
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[time] file.cc:123: " before messages
 
+_KINDS = ("json", "regex", "choice", "grammar", "structural_tag")
 _Text = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CONSTRAINT_CHARS)]
 
 
@@ -36,6 +37,9 @@ class _ConstraintFields(msgspec.Struct, forbid_unknown_fields=True):
     regex: _Text | None = None
     choice: Annotated[list[_Text], msgspec.Meta(min_length=1, max_length=MAX_CHOICES)] | None = None
     grammar: _Text | None = None  # EBNF (xgrammar's dialect, GBNF-like), with a `root` rule
+    # An xgrammar structural tag ({"type": "structural_tag", "format": {...}}): e.g. free text
+    # until a trigger, then a JSON schema (tool calls: pagedserve.handlers.tool_tags). JSON text once checked.
+    structural_tag: _Text | dict[str, Any] | None = None
 
 
 class StructuredOutputsParams(_ConstraintFields):
@@ -45,13 +49,29 @@ class StructuredOutputsParams(_ConstraintFields):
         check_fields(self, _ConstraintFields)
         if isinstance(self.json, dict):
             self.json = json.dumps(self.json)
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if isinstance(self.structural_tag, dict):
+            self.structural_tag = json.dumps(self.structural_tag)
+        given = [name for name in _KINDS if getattr(self, name) is not None]
         if self.json_object:
             given.append("json_object")
         if len(given) != 1:
             raise SchemaError(
-                f"give exactly one of json, json_object, regex, choice or grammar; got {', '.join(given) or 'none'}"
+                f"give exactly one of json, json_object, regex, choice, grammar or structural_tag; "
+                f"got {', '.join(given) or 'none'}"
             )
+        if self.structural_tag is not None:
+            if len(self.structural_tag) > MAX_CONSTRAINT_CHARS:
+                raise SchemaError(
+                    f"structural_tag: must be at most {MAX_CONSTRAINT_CHARS} characters long as JSON text, "
+                    f"got {len(self.structural_tag)}",
+                    "structural_tag",
+                )
+            try:
+                tag = json.loads(self.structural_tag)
+            except json.JSONDecodeError as exc:
+                raise SchemaError(f"structural_tag: not valid JSON: {exc}", "structural_tag") from None
+            if not isinstance(tag, dict):
+                raise SchemaError("structural_tag: must be an object", "structural_tag")
         if self.json is not None:
             if len(self.json) > MAX_CONSTRAINT_CHARS:
                 raise SchemaError(
@@ -67,7 +87,7 @@ class StructuredOutputsParams(_ConstraintFields):
 
     @property
     def kind(self) -> str:
-        for name in ("json", "regex", "choice", "grammar"):
+        for name in _KINDS:
             if getattr(self, name) is not None:
                 return name
         return "json_object"
@@ -106,5 +126,7 @@ def check_grammar(params: StructuredOutputsParams) -> None:
             xgr.Grammar.from_ebnf(params.choice_grammar())
         elif params.grammar is not None:
             xgr.Grammar.from_ebnf(params.grammar)
-    except RuntimeError as exc:
+        elif params.structural_tag is not None:
+            xgr.Grammar.from_structural_tag(params.structural_tag)
+    except (RuntimeError, ValueError) as exc:
         raise GrammarError(f"invalid {params.kind} constraint: {xgrammar_message(exc)}") from None

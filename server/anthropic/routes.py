@@ -19,6 +19,7 @@ from pagedserve.engine.request.inputs import EngineInput, InvalidInput
 from pagedserve.handlers.base_handler import HandlerError
 from pagedserve.handlers.openai_protocol import split_model
 from pagedserve.handlers.openai_tools import ToolParser, tool_prompt
+from pagedserve.handlers.tool_tags import with_tool_constraint
 from pagedserve.server.anthropic.schemas import AnthropicRequest, parse_count_tokens, parse_messages
 from pagedserve.server.anthropic.shaping import AnthropicShaper
 from pagedserve.server.serving.generation import REQUEST_ID_KEY, ErrorReply
@@ -38,14 +39,15 @@ async def messages(request: web.Request) -> web.StreamResponse:
     version = resolve(request, state, *handler_call(split_model, parsed.model))
     with admitted(request, version, None):
         spec = tool_prompt(parsed.prompt, parsed.tools, getattr(version.tokenizer, "chat_template", None))
-        req = GenerationRequest([spec], parsed.params, parsed.stream)
+        parser = ToolParser(version.model_config.tool_parser)
+        req = GenerationRequest([spec], with_tool_constraint(parsed.params, parsed.tools, parser), parsed.stream)
 
         def shaper(inputs: list[EngineInput]) -> AnthropicShaper:
             return AnthropicShaper(
                 parsed.model,
                 len(inputs[0].token_ids),
                 parsed.tools,
-                ToolParser(version.model_config.tool_parser),
+                parser,
                 "msg_" + request[REQUEST_ID_KEY],
             )
 

@@ -33,6 +33,7 @@ from pagedserve.engine.request.inputs import EngineInput, PromptSpec, pooling_sa
 from pagedserve.engine.request.pooling import PoolingParams
 from pagedserve.handlers.openai_protocol import split_model
 from pagedserve.handlers.openai_tools import ToolParser, tool_prompt
+from pagedserve.handlers.tool_tags import with_tool_constraint
 from pagedserve.server.ollama.schemas import (
     EmbedBody,
     EmbeddingsBody,
@@ -89,11 +90,12 @@ async def _generate(request: web.Request, parse, *, chat: bool) -> web.StreamRes
         spec = parsed.prompt
         if chat:
             spec = tool_prompt(spec, parsed.tools, getattr(version.tokenizer, "chat_template", None))
-        req = GenerationRequest([spec], parsed.params, parsed.stream)
+        parser = ToolParser(version.model_config.tool_parser)
+        req = GenerationRequest([spec], with_tool_constraint(parsed.params, parsed.tools, parser), parsed.stream)
 
         def shaper(inputs: list[EngineInput]) -> OllamaShaper:  # made once the model is loaded
             load_s = 0.0 if was_loaded else time.monotonic() - started
-            return OllamaShaper(parsed.model, chat, load_s, parsed.tools, ToolParser(version.model_config.tool_parser))
+            return OllamaShaper(parsed.model, chat, load_s, parsed.tools, parser)
 
         return await run_generation(request, state, version, req, shaper, started=started, lora=lora(request))
 

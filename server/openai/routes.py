@@ -28,6 +28,7 @@ from pagedserve.handlers.openai_protocol import OpenAIRequest, parse_chat_reques
 from pagedserve.handlers.openai_responses import OpenAIFormatter
 from pagedserve.handlers.openai_responses_api import ResponsesRequest, ResponsesShaper, parse_responses_request
 from pagedserve.handlers.openai_tools import ToolParser, tool_prompt
+from pagedserve.handlers.tool_tags import with_tool_constraint
 from pagedserve.server.serving.generation import REQUEST_ID_KEY, ErrorReply, WholeShaper
 from pagedserve.server.serving.generation_request import GenerationRequest, run_generation
 from pagedserve.server.serving.request_scope import ADAPTER_KEY, admitted, handler_call, keep_alive, lora, read_json
@@ -77,7 +78,7 @@ async def _generate(
         template = getattr(version.tokenizer, "chat_template", None)
         req = GenerationRequest(
             [tool_prompt(spec, chat.tools, template) if spec.messages is not None else spec for spec in chat.prompts],
-            chat.params,
+            with_tool_constraint(chat.params, chat.tools, ToolParser(version.model_config.tool_parser)),
             chat.stream,
             chat.priority,
             chat.cache_salt,

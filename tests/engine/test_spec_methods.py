@@ -207,22 +207,42 @@ def test_the_chi_square_test_sees_a_different_distribution(tiny_model_dir, plain
 def test_adaptive_drafts_where_verification_is_cheap_and_stops_where_it_loses():
     a = AdaptiveSpeculation(max_tokens=6)
     # batch 1: a step costs ~the same with 0..6 drafts (weights read once): c ~ 0.03
-    for d in [0, 2, 4, 6, 1, 3, 5, 0]:
+    for d in [0, 2, 0, 4, 0, 6, 0, 1, 3, 5]:
         a.observe_step(1, d, 0.030 + 0.001 * d)
     assert a.cost_ratio(1) == pytest.approx(1 / 30)
     for _ in range(5):
         a.observe_verification("r", 4, 3)  # 3 of 4 kept, then a refusal: alpha ~ 0.75
     assert a.num_drafts("r", 1) == 6  # 0.75^6 = 0.18 > 0.033: all of them
     # batch 32: each draft token costs as much as a sequence's token: c = 1, never worth it
-    for d in [0, 8, 16, 0, 4, 12]:
+    for d in [0, 8, 0, 16, 0, 4, 0, 12]:
         a.observe_step(32, d, 0.320 + 0.010 * d)
     assert a.cost_ratio(32) == pytest.approx(1.0)
     assert [a.num_drafts("r", 32) for _ in range(100)] == [0] * 100  # no probe at c = 1
     # batch 8 with c = 0.5: an accurate request drafts, a poor one probes now and then
-    for d in [0, 8, 4, 2]:
+    for d in [0, 8, 0, 4, 0, 2, 0, 6]:
         a.observe_step(8, d, 0.080 + 0.005 * d)
     for _ in range(5):
         a.observe_verification("poor", 3, 0)
     assert a.num_drafts("r", 8) == 2  # 0.75^2 = 0.56 > 0.5 > 0.75^3
     choices = [a.num_drafts("poor", 8) for _ in range(100)]
     assert choices.count(1) == 100 // int(PROBE_STEPS / 0.5) and set(choices) == {0, 1}
+
+
+def test_adaptive_new_requests_get_a_try_and_requests_with_nothing_to_draft_stop_asking():
+    a = AdaptiveSpeculation(max_tokens=6)
+    for d in [0, 8, 0, 4, 0, 2, 0, 6]:
+        a.observe_step(8, d, 0.080 + 0.005 * d)  # c = 0.5
+    for _ in range(20):
+        a.observe_verification("poor", 3, 0)  # all requests' rate falls far below c
+    assert a.global_rate() < 0.1
+    assert a.num_drafts("new", 8) == 1  # nothing of it verified yet: a first try (0.6 > 0.5)
+    for _ in range(3):
+        a.observe_proposal("new", drafted=False)  # the drafter had nothing for it
+    assert a.num_drafts("new", 8) == 0  # p * alpha < c: not asked again (only probed)
+    # One probe per step: a request due for one waits while another probes.
+    due = [a.num_drafts("poor", 8, may_probe=False) for _ in range(200)]
+    assert due == [0] * 200 and a.num_drafts("poor", 8) == 1 and a.probed
+    # Too few steps with drafts at a batch size: its slope is not fitted (a prior stands in).
+    for d in [0, 0, 0, 0, 0, 3]:
+        a.observe_step(4, d, 0.040 + (0.5 if d else 0.0))  # one stalled step with drafts
+    assert a.cost_ratio(4) < 1.0

@@ -199,3 +199,32 @@ def test_litellm_completion_with_tools(server, monkeypatch):
     [call] = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name in {"get_weather", "get_time"}
     assert isinstance(json.loads(call.function.arguments), dict)
+
+
+def test_auto_lets_the_default_model_write_text_then_a_call_that_validates(client):
+    """`tool_choice: "auto"` with the default model (SmolLM2, the Hermes preamble): text is
+    free, and once the model writes `<tool_call>` the structural tag binds the call to the
+    tool's schema (pagedserve.handlers.tool_tags). Sampled, seeded: some choices answer in
+    text only, some write text and then a call; every call validates."""
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {
+                "role": "user",
+                "content": "What is the weather like in Paris today? Say what you will do, then call the tool.",
+            }
+        ],
+        tools=TOOLS[:1],
+        tool_choice="auto",
+        parallel_tool_calls=False,
+        temperature=0.7,
+        seed=1,
+        n=8,
+        max_tokens=80,
+    )
+    both = 0
+    for choice in r.choices:
+        for call in choice.message.tool_calls or ():
+            _valid_call(call)
+        both += bool(choice.message.tool_calls and choice.message.content)
+    assert both >= 1, [c.message for c in r.choices]
