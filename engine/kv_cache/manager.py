@@ -8,6 +8,7 @@ from typing import Protocol
 from pagedserve.engine.kv_cache.block import KVCacheBlock
 from pagedserve.engine.kv_cache.block_pool import BlockPool
 from pagedserve.engine.kv_cache.hashing import BlockHash, HashFn, hash_request_blocks
+from pagedserve.engine.kv_cache.miss_causes import MissCause, MissTracker, PrefixMiss
 
 
 class Request(Protocol):
@@ -51,6 +52,10 @@ class KVCacheManager:
         # Prefix-cache statistics over get_computed_blocks calls.
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        # Why blocks were not reused (pagedserve.engine.kv_cache.miss_causes): the contents published
+        # lately, and the content hashes of requests with extra keys (others' are their block hashes).
+        self.misses = MissTracker(2 * num_blocks)
+        self.content_hashes: dict[str, list[BlockHash]] = {}
 
     # -- prefix cache ----------------------------------------------------------------------
     def update_block_hashes(self, request: Request) -> None:
@@ -83,6 +88,25 @@ class KVCacheManager:
         self.num_queried_tokens += request.num_tokens
         self.num_hit_tokens += len(blocks) * bs
         return blocks, len(blocks) * bs
+
+    def prefix_miss(self, request: Request, num_hit_blocks: int) -> PrefixMiss | None:
+        """Why the request's full prompt blocks past its `num_hit_blocks` hits were not reused
+        (call before its own blocks are published); None when every one was."""
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        if num_hit_blocks >= max_hit_blocks:
+            return None
+        num_tokens = (max_hit_blocks - num_hit_blocks) * self.block_size
+        if not self.enable_caching:
+            return PrefixMiss(MissCause.GROUP_NOT_CACHED, num_tokens)
+        cause = self.misses.classify(self._content_hashes(request)[num_hit_blocks], request.extra_keys)
+        return PrefixMiss(cause, num_tokens)
+
+    def _content_hashes(self, request: Request) -> list[BlockHash]:
+        """The request's full blocks hashed without its extra keys (its block hashes if it has none)."""
+        if request.extra_keys is None:
+            return request.block_hashes
+        hashes = self.content_hashes.setdefault(request.request_id, [])
+        return hash_request_blocks(self.hash_fn, request.all_token_ids, self.block_size, hashes)
 
     # -- allocation ------------------------------------------------------------------------
     def allocate_slots(
@@ -133,8 +157,10 @@ class KVCacheManager:
         start = self.num_cached_blocks.get(req_id, 0)
         end = min(num_tokens // self.block_size, len(request.block_hashes))
         bs = self.block_size
+        content = self._content_hashes(request) if end > start else []
         for i in range(start, end):
             self.pool.cache_full_block(blocks[i], request.block_hashes[i], request.all_token_ids[i * bs : (i + 1) * bs])
+            self.misses.record(content[i], request.extra_keys)
         self.num_cached_blocks[req_id] = max(start, end)
 
     def rewind_cached_blocks(self, request: Request, num_valid_tokens: int, num_tokens: int) -> None:
@@ -153,6 +179,7 @@ class KVCacheManager:
         """Release all blocks of the request, tail first (so its tail is evicted first)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        self.content_hashes.pop(request.request_id, None)
         self.pool.free_blocks(list(reversed(blocks)))
 
     def get_block_ids(self, request_id: str) -> list[int]:
