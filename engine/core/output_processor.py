@@ -117,7 +117,7 @@ class OutputProcessor:
                 parent.output.num_external_cached_tokens, eco.num_external_cached_tokens
             )
             if parent.output.prefix_miss is None and eco.prefix_miss is not None:
-                parent.output.prefix_miss = tuple(eco.prefix_miss)
+                parent.output.prefix_miss = eco.prefix_miss
             if parent.num_unfinished == 0:
                 parent.output.finished = True
                 del self._parents[parent_id]

@@ -17,6 +17,9 @@ element; attention is the backend's (`pagedserve.engine.attention.batch_invarian
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -65,7 +68,17 @@ class BatchInvariantLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def make_batch_invariant(model: nn.Module) -> None:
+class _Model(Protocol):
+    """What `make_batch_invariant` reads of a `CausalLM` (pagedserve.engine.model.causal_lm, above this module)."""
+
+    spec: Any
+
+    def _projections(self) -> list[tuple[str, nn.Module, str]]: ...
+
+    def pack_linear_weights(self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> None: ...
+
+
+def make_batch_invariant(model: _Model) -> None:
     """Swap every projection and the LM head of a loaded `CausalLM` for `BatchInvariantLinear`.
     Raises ValueError for what the mode does not cover: quantized layers and mixture-of-experts
     models (their routers group tokens by expert, so a token's experts run in batch-shaped GEMMs)."""
