@@ -79,7 +79,7 @@ def _engine(model_dir, **options) -> EngineCore:
         "block_size": BLOCK,
         "max_num_batched_tokens": 4096,
         "max_num_seqs": NUM_PROMPTS,
-        "num_threads": 2,
+        "num_threads": 1,
     }
     return EngineCore(EngineConfig(**(defaults | options)))
 
