@@ -12,7 +12,7 @@ alone run.
 Results: benchmarks/results/batch_invariant.<cpu-kind>.{json,md}.
 
     .venv/bin/python benchmarks/batch_invariant.py [--num-prompts 16] [--prompt-len 128]
-        [--output-len 32] [--threads 2] [--rounds 5]
+        [--output-len 32] [--threads 2] [--rounds 5] [--name batch_invariant]
 """
 
 from __future__ import annotations
@@ -120,6 +120,7 @@ def main() -> None:
     parser.add_argument("--check-prompts", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=MIN_ROUNDS)
+    parser.add_argument("--name", default="batch_invariant", help="the results file's name")
     parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -200,8 +201,8 @@ def main() -> None:
         f"Run on {summary['date']}.",
     ]
     RESULTS.mkdir(exist_ok=True)
-    result_path("batch_invariant", "json").write_text(json.dumps(summary, indent=2) + "\n")
-    result_path("batch_invariant", "md").write_text("\n".join(md) + "\n")
+    result_path(args.name, "json").write_text(json.dumps(summary, indent=2) + "\n")
+    result_path(args.name, "md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 

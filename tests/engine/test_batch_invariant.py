@@ -215,3 +215,14 @@ def test_same_tokens_alone_batched_chunked_and_after_cache_hits(small_model_dir,
         assert all(h[1] >= BLOCK and sum(h) >= (len(_prompts()[i]) - 1) // BLOCK * BLOCK for i, h in hits.items()), hits
     finally:
         offload.shutdown()
+
+
+def test_model_config_takes_the_flag(tmp_path):
+    from pagedserve.engine.model.model_config import ModelConfigError, load_model_config
+
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text("handler:\n  dtype: bfloat16\n  batch_invariant: true\n")
+    bad.write_text("handler:\n  batch_invariant: true\n  compile: auto\n")
+    assert load_model_config(good).handler["batch_invariant"] is True
+    with pytest.raises(ModelConfigError, match="compile: is not supported with batch_invariant"):
+        load_model_config(bad)
