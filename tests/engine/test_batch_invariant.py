@@ -144,10 +144,14 @@ def _meta(query_lens: list[int], seq_lens: list[int], tables: list[list[int]]) -
     )
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "torch"])
-def test_attention_row_is_the_same_in_a_prompt_a_chunk_and_a_decode(kernel):
+@pytest.mark.parametrize(
+    "kernel, window, softcap",
+    [(True, None, None), (False, None, None), (True, 8, 30.0)],
+    ids=["cpu-kernel", "torch", "window-softcap"],
+)
+def test_attention_row_is_the_same_in_a_prompt_a_chunk_and_a_decode(kernel, window, softcap):
     """A 40-token prompt attended whole, as chunks of 24 + 16, and token by token: every query
-    row gives the same bits."""
+    row gives the same bits (a sliding window or soft-capped scores take the per-row torch path)."""
     kernels = load_cpu_kernels() if kernel else None
     if kernel and kernels is None:
         pytest.skip("the native CPU extension does not build here")
@@ -161,11 +165,17 @@ def test_attention_row_is_the_same_in_a_prompt_a_chunk_and_a_decode(kernel):
         outs, start = [], 0
         for end in cuts:
             meta = _meta([end - start], [end], [table])
-            outs.append(backend.forward(q[start:end], k[start:end], v[start:end], cache, meta, 0.125))
+            outs.append(backend.forward(q[start:end], k[start:end], v[start:end], cache, meta, 0.125, window, softcap))
             start = end
         return torch.cat(outs)
 
     whole = run([40])
+    if window is not None:  # the window is honoured: the last row ignores all but 8 tokens
+        q_last = q[-1].float().view(2, 2, 64)
+        k_win, v_win = k[-8:].float().transpose(0, 1), v[-8:].float().transpose(0, 1)
+        scores = torch.tanh(q_last @ k_win.transpose(1, 2) * 0.125 / softcap) * softcap
+        expected = (scores.softmax(-1) @ v_win).reshape(4, 64)
+        assert torch.allclose(whole[-1].float(), expected, atol=2e-2)
     assert torch.equal(run([24, 40]), whole)
     assert torch.equal(run(list(range(1, 41))), whole)
 
