@@ -4,8 +4,8 @@ the default model's tokens change with the batch, in bf16.
 Throughput: each round runs the same offline workload (prompts together, greedy, EOS ignored)
 once with the mode off and once on, each in a fresh child process, the order reversed every other
 round; the ratio on / off is taken within each round, every round's ratio is printed and the
-result is their median (at least 5 rounds). Batch-1 decode (one prompt alone) is timed the same
-way. Then one check per side on the same prompts: greedy tokens and logprobs alone, in one batch,
+result is their median (at least 5 rounds). One prompt alone (its prefill and batch-1 decode) is
+timed the same way. Then one check per side on the same prompts: greedy tokens and logprobs alone, in one batch,
 with chunked prefill (64-token budget) and again after a prefix-cache hit, compared with the
 alone run.
 
@@ -178,13 +178,13 @@ def main() -> None:
         + ", ".join(f"{x:.1f}" for x in loads)
         + f" on {os.cpu_count()} cores. {args.rounds} paired rounds (fresh processes, order reversed every other "
         f"round). Throughput: {args.num_prompts} prompts x {args.prompt_len} tokens -> {args.output_len} tokens "
-        "together, greedy; batch-1: the first prompt alone.",
+        "together, greedy; then the first prompt alone (its prefill and decode).",
         "",
         "| measure | off | on | on / off, median of per-round ratios | per-round ratios |",
         "| --- | --- | --- | --- | --- |",
         f"| throughput (tok/s) | {med['off']['tok_per_s']:.1f} | {med['on']['tok_per_s']:.1f} | "
         f"**{median(ratios):.3f}** | {', '.join(f'{r:.3f}' for r in ratios)} |",
-        f"| batch-1 decode (tok/s) | {med['off']['batch1_tok_per_s']:.1f} | {med['on']['batch1_tok_per_s']:.1f} | "
+        f"| one prompt alone (tok/s) | {med['off']['batch1_tok_per_s']:.1f} | {med['on']['batch1_tok_per_s']:.1f} | "
         f"**{median(ratios1):.3f}** | {', '.join(f'{r:.3f}' for r in ratios1)} |",
         f"| peak RSS (MiB) | {med['off']['peak_rss_mib']:.0f} | {med['on']['peak_rss_mib']:.0f} | | |",
         "",
