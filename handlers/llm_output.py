@@ -20,7 +20,7 @@ def timings(out: RequestOutput, total_s: float | None = None) -> dict[str, Any]:
     record: dict[str, Any] = {key: None if m is None else _rounded(getattr(m, key)) for key in TIMING_KEYS}
     record["cached_prompt_tokens"] = out.num_cached_tokens
     record["offloaded_prompt_tokens"] = out.num_external_cached_tokens  # restored from LMCache
-    # Why full prompt blocks were not reused from the prefix cache (docs/prefix-cache-misses.md).
+    # Why full prompt blocks were not reused from the prefix cache (docs/concepts/prefix-cache.md).
     miss = out.prefix_miss
     record["prefix_cache_miss"] = None if miss is None else {"cause": miss[0], "tokens": miss[1]}
     if total_s is not None:

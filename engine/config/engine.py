@@ -253,10 +253,9 @@ class EngineConfig(EngineFields):
         )
         for name, on in conflicts:
             if on:
-                raise SchemaError(
-                    f"{name}: is not supported with batch_invariant, got {getattr(getattr(self, name), 'value', getattr(self, name))!r}",
-                    name,
-                )
+                value = getattr(self, name)
+                value = getattr(value, "value", value)  # an enum: its name in the config
+                raise SchemaError(f"{name}: is not supported with batch_invariant, got {value!r}", name)
 
     def resolve_max_model_len(self, model_max_positions: int) -> int:
         if self.max_model_len is None:
