@@ -89,9 +89,11 @@ def check(args, on: bool) -> dict:
     alone = [results(llm.generate([p], params))[0] for p in prompts]
     runs = {"batch": results(llm.generate(prompts, params))}
     llm.shutdown()
+    del llm  # one engine's weights and KV pool at a time
     chunked = _llm(args, on, enable_prefix_caching=False, max_num_batched_tokens=64)
     runs["chunked_prefill_64"] = results(chunked.generate(prompts, params))
     chunked.shutdown()
+    del chunked
     cached = _llm(args, on)
     cached.generate(prompts, params)
     runs["after_prefix_hit"] = results(cached.generate(prompts, params))
