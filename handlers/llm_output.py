@@ -12,8 +12,9 @@ TIMING_KEYS = ("queued_s", "prefill_s", "decode_s", "ttft_s")
 
 
 def timings(out: RequestOutput, total_s: float | None = None) -> dict[str, Any]:
-    """Per-request timings from the engine's metrics (seconds; None where unknown) and the
-    prompt tokens served from the prefix cache (and restored from the KV offload tiers).
+    """Per-request timings from the engine's metrics (seconds; None where unknown), the
+    prompt tokens served from the prefix cache (and restored from the KV offload tiers) and why
+    the others were not (`prefix_cache_miss`: its cause and tokens, or None).
     `total_s` is the front end's own measure."""
     m = out.metrics
     record: dict[str, Any] = {key: None if m is None else _rounded(getattr(m, key)) for key in TIMING_KEYS}
@@ -32,6 +33,9 @@ def timings(out: RequestOutput, total_s: float | None = None) -> dict[str, Any]:
             "first_decode_s": _rounded(d.first_decode_s),
             "transfer_bytes": d.transfer_bytes,
         }
+    # Why full prompt blocks were not reused from the prefix cache (docs/concepts/prefix-cache.md).
+    miss = out.prefix_miss
+    record["prefix_cache_miss"] = None if miss is None else {"cause": miss[0], "tokens": miss[1]}
     if total_s is not None:
         record["total_s"] = _rounded(total_s)
     return record

@@ -19,9 +19,16 @@ BACKEND_NAMES = ("auto", "torch", "triton")
 
 
 def select_backend(
-    device: str | torch.device, name: str = "auto", kv_dtype: KVCacheDtype = KVCacheDtype.AUTO
+    device: str | torch.device,
+    name: str = "auto",
+    kv_dtype: KVCacheDtype = KVCacheDtype.AUTO,
+    batch_invariant: bool = False,
 ) -> AttentionBackend:
     """The attention backend `name` for `device`, storing the KV cache as `kv_dtype`.
+
+    `batch_invariant` (EngineConfig.batch_invariant): the torch backend that attends every query
+    token alone (pagedserve.engine.attention.batch_invariant), with the compiled CPU kernel where it
+    builds; not with "triton".
 
     "auto": the Triton kernel on CUDA (when triton is installed), the torch backend (with the
     compiled CPU decode kernel where it builds) on CPU. "triton" on a CPU needs Triton's
@@ -32,6 +39,8 @@ def select_backend(
         raise ValueError(f"no attention backend for device type {device.type!r}")
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
+    if batch_invariant:
+        return _batch_invariant_backend(device, name, kv_dtype)
     if name == "triton" or (name == "auto" and device.type == "cuda" and _triton_installed()):
         return _triton_backend(device, kv_dtype)
     from pagedserve.engine.attention.torch_backend import TorchAttentionBackend
@@ -41,6 +50,19 @@ def select_backend(
 
         return TorchAttentionBackend(cpu_kernels=load_cpu_kernels(), kv_dtype=kv_dtype)
     return TorchAttentionBackend(kv_dtype=kv_dtype)
+
+
+def _batch_invariant_backend(device: torch.device, name: str, kv_dtype: KVCacheDtype) -> AttentionBackend:
+    if name == "triton":
+        raise ValueError("attention_backend: must be auto or torch with batch_invariant, got 'triton'")
+    from pagedserve.engine.attention.batch_invariant import BatchInvariantAttentionBackend
+
+    kernels = None
+    if device.type == "cpu":
+        from pagedserve.kernels.cpu_paged_attention import load_cpu_kernels
+
+        kernels = load_cpu_kernels()
+    return BatchInvariantAttentionBackend(cpu_kernels=kernels, kv_dtype=kv_dtype)
 
 
 def _triton_installed() -> bool:

@@ -171,6 +171,11 @@ class EngineFields(msgspec.Struct, forbid_unknown_fields=True):
     # max_num_batched_tokens, capped by what "auto" measured); bigger steps run eager.
     compile_max_tokens: _Positive | None = None
     compile_cache_dir: str | None = None  # inductor's on-disk cache (default <cache>/inductor)
+    # Batch-invariant kernels (docs/batch-invariance.md): a request's tokens do not depend on
+    # what shares its steps, on chunked prefill or on prefix-cache and KV offload hits (every
+    # GEMM on fixed row tiles, every query token attended alone). Costs throughput; not with
+    # compile, tensor parallelism, quantization or the triton backend.
+    batch_invariant: bool = False
 
 
 class EngineConfig(EngineFields):
@@ -193,6 +198,7 @@ class EngineConfig(EngineFields):
         if self.block_size & (self.block_size - 1):
             raise SchemaError(f"block_size: must be a power of two, got {self.block_size}", "block_size")
         self._check_tensor_parallel()
+        self._check_batch_invariant()
         if self.kv_offload is not None and self.kv_offload.chunk_size % self.block_size:
             raise SchemaError(
                 f"kv_offload.chunk_size: must be a multiple of block_size={self.block_size}, "
@@ -239,6 +245,21 @@ class EngineConfig(EngineFields):
                 f"turn it off or use tensor_parallel_size=1",
                 unsupported[0],
             )
+
+    def _check_batch_invariant(self) -> None:
+        if not self.batch_invariant:
+            return
+        conflicts = (
+            ("compile", self.compile is not CompileMode.NONE),
+            ("tensor_parallel_size", self.tensor_parallel_size > 1),
+            ("quantization", self.quantization not in (None, "none")),
+            ("attention_backend", self.attention_backend == "triton"),
+        )
+        for name, on in conflicts:
+            if on:
+                value = getattr(self, name)
+                value = getattr(value, "value", value)  # an enum: its name in the config
+                raise SchemaError(f"{name}: is not supported with batch_invariant, got {value!r}", name)
 
     def resolve_max_model_len(self, model_max_positions: int) -> int:
         if self.max_model_len is None:

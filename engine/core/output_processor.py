@@ -119,6 +119,8 @@ class OutputProcessor:
             )
             parent.output.kv_transfer_s = max(parent.output.kv_transfer_s, eco.kv_transfer_s)
             parent.output.kv_transfer_bytes = max(parent.output.kv_transfer_bytes, eco.kv_transfer_bytes)
+            if parent.output.prefix_miss is None and eco.prefix_miss is not None:
+                parent.output.prefix_miss = eco.prefix_miss
             if parent.num_unfinished == 0:
                 parent.output.finished = True
                 del self._parents[parent_id]

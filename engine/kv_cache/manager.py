@@ -12,6 +12,7 @@ from pagedserve.engine.kv_cache.block_pool import BlockPool
 from pagedserve.engine.kv_cache.group_manager import GroupManager, make_group_manager
 from pagedserve.engine.kv_cache.groups import KVCacheGroupSpec
 from pagedserve.engine.kv_cache.hashing import BlockHash, HashFn, hash_request_blocks
+from pagedserve.engine.kv_cache.miss_causes import MissCause, MissTracker, PrefixMiss
 
 
 class Request(Protocol):
@@ -71,6 +72,10 @@ class KVCacheManager:
         # Prefix-cache statistics over get_computed_blocks calls (per group: GroupManager.num_hit_blocks).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        # Why blocks were not reused (pagedserve.engine.kv_cache.miss_causes): the contents published
+        # lately, and the content hashes of requests with extra keys (others' are their block hashes).
+        self.misses = MissTracker(2 * num_blocks)
+        self.content_hashes: dict[str, list[BlockHash]] = {}
 
     @property
     def req_to_blocks(self) -> dict[str, list[KVCacheBlock]]:
@@ -119,6 +124,29 @@ class KVCacheManager:
         self.num_hit_tokens += length * self.block_size
         return blocks, length * self.block_size
 
+    def prefix_miss(self, request: Request, num_hit_blocks: int) -> PrefixMiss | None:
+        """Why the request's full prompt blocks past its `num_hit_blocks` hits were not reused
+        (call before its own blocks are published); None when every one was."""
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        if num_hit_blocks >= max_hit_blocks:
+            return None
+        num_tokens = (max_hit_blocks - num_hit_blocks) * self.block_size
+        if not self.enable_caching:
+            return PrefixMiss(MissCause.GROUP_NOT_CACHED, num_tokens)
+        if len(self.groups) > 1:  # the full group held more: another group's window blocks were gone
+            full = self._hit_order[0].longest_hit(request.block_hashes, request.all_token_ids, max_hit_blocks)
+            if full > num_hit_blocks:
+                return PrefixMiss(MissCause.GROUP_NOT_CACHED, num_tokens)
+        cause = self.misses.classify(self._content_hashes(request)[num_hit_blocks], request.extra_keys)
+        return PrefixMiss(cause, num_tokens)
+
+    def _content_hashes(self, request: Request) -> list[BlockHash]:
+        """The request's full blocks hashed without its extra keys (its block hashes if it has none)."""
+        if request.extra_keys is None:
+            return request.block_hashes
+        hashes = self.content_hashes.setdefault(request.request_id, [])
+        return hash_request_blocks(self.hash_fn, request.all_token_ids, self.block_size, hashes)
+
     # -- allocation ------------------------------------------------------------------------
     def allocate_slots(
         self,
@@ -162,8 +190,15 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         self.update_block_hashes(request)
+        req_id = request.request_id
+        start = self.groups[0].num_cached_blocks.get(req_id, 0)
         for manager in self.groups:
-            manager.cache_full_blocks(request.request_id, request.block_hashes, request.all_token_ids, num_tokens)
+            manager.cache_full_blocks(req_id, request.block_hashes, request.all_token_ids, num_tokens)
+        end = self.groups[0].num_cached_blocks.get(req_id, 0)
+        if end > start:  # what was published, by content: the miss causes' record
+            content = self._content_hashes(request)
+            for i in range(start, end):
+                self.misses.record(content[i], request.extra_keys)
 
     def rewind_cached_blocks(self, request: Request, num_valid_tokens: int, num_tokens: int) -> None:
         """Withdraw the request's published blocks past its first `num_valid_tokens` tokens from
@@ -177,6 +212,7 @@ class KVCacheManager:
         """Release all blocks of the request, tail first (so its tail is evicted first)."""
         for manager in self.groups:
             manager.free(request.request_id)
+        self.content_hashes.pop(request.request_id, None)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """Group 0's block ids (a full-attention group whenever the model has one)."""

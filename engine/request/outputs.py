@@ -108,6 +108,9 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_external_cached_tokens: int = 0  # prompt tokens restored from the KV offload tiers
+    # (cause, tokens): why full prompt blocks were not reused from the prefix cache
+    # (pagedserve.engine.kv_cache.miss_causes.MissCause values); None when every one was
+    prefix_miss: tuple[str, int] | None = None
     metrics: RequestMetrics | None = None  # set on the finished output of a worker's request
     kv_transfer_s: float = 0.0  # time in the KV offload connector (loads, stores, write-through)
     kv_transfer_bytes: int = 0  # bytes moved through the KV offload connector

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedserve.engine.kv_cache.hashing import BlockHash
+from pagedserve.engine.kv_cache.miss_causes import PrefixMiss
 from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.request.outputs import FinishReason
 from pagedserve.engine.request.pooling import PoolingParams
@@ -77,6 +78,9 @@ class Request:
     # time.monotonic().
     num_cached_tokens: int = 0
     num_external_cached_tokens: int = 0
+    # Why its full prompt blocks past the hits were not reused (pagedserve.engine.kv_cache.miss_causes);
+    # None when all were, or before it is first scheduled.
+    prefix_miss: PrefixMiss | None = None
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

@@ -19,6 +19,7 @@ from pagedserve.engine.lora.manager import LoRAManager, LoRAUnsupported
 from pagedserve.engine.lora.punica import LoRABatch
 from pagedserve.engine.model.causal_lm import CausalLM
 from pagedserve.engine.model.compile import compile_buckets, compiled_forward_for
+from pagedserve.engine.model.layers.batch_invariant import make_batch_invariant
 from pagedserve.engine.model.loader import allocate_kv_caches, kv_layout, kv_pool_size, load_model, select_fused_ops
 from pagedserve.engine.model.quant_spec import resolve_spec
 from pagedserve.engine.request.pooling import PoolingParams, pool_last_token
@@ -82,7 +83,9 @@ class ModelRunner:
         self.vocab_size = int(hf_config["vocab_size"])
         self.eos_token_ids = eos_token_ids
         self.kv_dtype = parse_kv_cache_dtype(config.kv_cache_dtype)
-        self.backend = select_backend(self.device, config.attention_backend, self.kv_dtype)
+        self.backend = select_backend(
+            self.device, config.attention_backend, self.kv_dtype, batch_invariant=config.batch_invariant
+        )
         quant = resolve_spec(hf_config, config.quantization, config.quant_group_size, config.device)
         buckets = compile_buckets(config, self.dtype, self.device)
         # Tensor parallelism (pagedserve.engine.parallel): this process is rank 0 and drives the others.
@@ -102,8 +105,10 @@ class ModelRunner:
                 max_model_len=max_model_len,
                 fused_ops=select_fused_ops(self.device, self.dtype),
                 quant=quant,
-                pack_linear=not buckets,
+                pack_linear=not buckets and not config.batch_invariant,
             )
+            if config.batch_invariant:
+                make_batch_invariant(self.model)
         if self.tp is None:
             self._choose_layer_backends()
         # KV cache groups (one unless the model mixes attention kinds: the hybrid KV cache).

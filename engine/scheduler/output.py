@@ -93,6 +93,8 @@ class EngineCoreOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     num_external_cached_tokens: int = 0  # prompt tokens restored from KV offload (LMCache)
+    # (cause, tokens) of its prefix-cache miss (pagedserve.engine.kv_cache.miss_causes); None: no miss
+    prefix_miss: tuple[str, int] | None = None
     first_scheduled_time: float | None = None  # time.monotonic() in the engine process (same clock host-wide)
     pooled: list[float] | None = None  # a pooling request's vector (it finishes with it)
     kv_transfer_s: float = 0.0  # so far: time in the KV offload connector (loads, stores, write-through)

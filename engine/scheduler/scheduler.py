@@ -236,6 +236,8 @@ class Scheduler:
         """Schedule the head of the waiting queue from its longest cached prefix (prefix cache,
         then the offload tiers); False when the pool lacks the blocks (it stays at the head)."""
         hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+        # Before its own blocks are published (they would read as "evicted"); once per request.
+        miss = self.kv.prefix_miss(request, len(hit_blocks)) if request.first_scheduled_time is None else None
         num_external = self.kv_offload.lookup(request, num_hit_tokens) if self.kv_offload else 0
         request.num_computed_tokens = num_hit_tokens + num_external
         num_new = self._num_new_tokens(request, plan.budget)
@@ -250,6 +252,7 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.num_cached_tokens = num_hit_tokens
             request.num_external_cached_tokens = num_loaded
+            request.prefix_miss = miss
             request.first_scheduled_time = time.monotonic()
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -367,6 +370,7 @@ class Scheduler:
                     # Set at first scheduling: a request with a token has been scheduled.
                     num_cached_tokens=request.num_cached_tokens,
                     num_external_cached_tokens=request.num_external_cached_tokens,
+                    prefix_miss=_miss_wire(request),
                     first_scheduled_time=request.first_scheduled_time,
                     kv_transfer_s=request.kv_transfer_s,
                     kv_transfer_bytes=request.kv_transfer_bytes,
@@ -390,6 +394,7 @@ class Scheduler:
             pooled=pooled,
             num_cached_tokens=request.num_cached_tokens,
             num_external_cached_tokens=request.num_external_cached_tokens,
+            prefix_miss=_miss_wire(request),
             first_scheduled_time=request.first_scheduled_time,
         )
 
@@ -409,3 +414,9 @@ class Scheduler:
         if request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+def _miss_wire(request: Request) -> tuple[str, int] | None:
+    """The request's prefix-cache miss as the output carries it: (cause, tokens)."""
+    miss = request.prefix_miss
+    return None if miss is None else (miss.cause.value, miss.num_tokens)

@@ -76,6 +76,19 @@ class ServerMetrics:
         self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
         self.generation_tokens = Counter("pagedserve_generation_tokens", "Tokens generated", ["model"], registry=r)
         self.disagg = DisaggMetrics(r)
+        self.prefix_cache_misses = Counter(
+            "pagedserve_prefix_cache_misses",
+            "Requests whose full prompt blocks were not all reused from the prefix cache, by the cause "
+            "of the first missed block (first_seen, evicted, salt_differs, lora_differs, group_not_cached)",
+            ["model", "cause"],
+            registry=r,
+        )
+        self.prefix_cache_missed_tokens = Counter(
+            "pagedserve_prefix_cache_missed_tokens",
+            "Prompt tokens in full blocks not reused from the prefix cache, by cause",
+            ["model", "cause"],
+            registry=r,
+        )
         if versions is not None:
             r.register(EngineCollector(versions))
         self.vllm = VllmMetrics(r, versions) if vllm else None
@@ -96,6 +109,10 @@ class ServerMetrics:
         num_out = sum(len(c.token_ids) for c in output.outputs)
         self.prompt_tokens.labels(model).inc(len(output.prompt_token_ids))
         self.generation_tokens.labels(model).inc(num_out)
+        if output.prefix_miss is not None:
+            cause, tokens = output.prefix_miss
+            self.prefix_cache_misses.labels(model, cause).inc()
+            self.prefix_cache_missed_tokens.labels(model, cause).inc(tokens)
         per_seq = max((len(c.token_ids) for c in output.outputs), default=0)
         if m is not None and per_seq > 1:
             self.tpot.labels(model).observe(m.decode_s / (per_seq - 1))

@@ -77,5 +77,6 @@ def merge_outputs(request_id: str, outputs: list[RequestOutput], n: int) -> Requ
         finished=finished,
         num_cached_tokens=sum(out.num_cached_tokens for out in outputs),
         num_external_cached_tokens=sum(out.num_external_cached_tokens for out in outputs),
+        prefix_miss=next((out.prefix_miss for out in outputs if out.prefix_miss is not None), None),
         metrics=outputs[0].metrics if finished else None,
     )

@@ -103,6 +103,7 @@ def test_metrics_are_a_record_or_none():
         "ttft_s": 1.0,
         "cached_prompt_tokens": 0,
         "offloaded_prompt_tokens": 0,
+        "prefix_cache_miss": None,
         "total_s": 3.5,
     }
     offline = RequestOutput("r", None, [1, 2], [], finished=True)  # no worker measured it
