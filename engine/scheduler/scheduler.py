@@ -237,7 +237,11 @@ class Scheduler:
         then the offload tiers); False when the pool lacks the blocks (it stays at the head)."""
         hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
         # Before its own blocks are published (they would read as "evicted"); once per request.
-        miss = self.kv.prefix_miss(request, len(hit_blocks)) if request.first_scheduled_time is None else None
+        miss = (
+            self.kv.prefix_miss(request, num_hit_tokens // self.kv.block_size)
+            if request.first_scheduled_time is None
+            else None
+        )
         num_external = self.kv_offload.lookup(request, num_hit_tokens) if self.kv_offload else 0
         request.num_computed_tokens = num_hit_tokens + num_external
         num_new = self._num_new_tokens(request, plan.budget)

@@ -214,18 +214,21 @@ def test_kv_offload_serves_a_sliding_window_model_with_one_group(gemma3_dir, tmp
         max_num_batched_tokens=640,
         kv_offload={"cpu_size_gb": 0.05, "chunk_size": 64},
     )
-    assert [g.window for g in engine.kv_manager.groups] == [None] and not engine.runner.kv_layout.is_hybrid
-    prompt = _prompt(3)[:300]
-    first = _greedy(engine, [prompt])
-    _greedy(engine, [_prompt(4)[:630]], max_tokens=1)  # needs every block: the pool forgets the prompt
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    engine.add_request(Request("again", prompt, params))
-    tokens, restored = [], 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens.extend(out.new_token_ids)
-            restored = max(restored, out.num_external_cached_tokens)
-    assert restored >= 256 and tokens == first[0]
+    try:  # LMCache's threads end only when the engine shuts down
+        assert [g.window for g in engine.kv_manager.groups] == [None] and not engine.runner.kv_layout.is_hybrid
+        prompt = _prompt(3)[:300]
+        first = _greedy(engine, [prompt])
+        _greedy(engine, [_prompt(4)[:630]], max_tokens=1)  # needs every block: the pool forgets the prompt
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        engine.add_request(Request("again", prompt, params))
+        tokens, restored = [], 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens.extend(out.new_token_ids)
+                restored = max(restored, out.num_external_cached_tokens)
+        assert restored >= 256 and tokens == first[0]
+    finally:
+        engine.shutdown()
 
 
 def test_kv_budget_divides_by_a_page_of_the_shared_tensors(gemma3_dir, served_once):
