@@ -158,7 +158,7 @@ class CausalLM(nn.Module):
             h = h * self.embed_scale
         fused = self.fused_decode
         if fused is not None and fused.applies(input_ids, meta, lora):
-            h, residual = fused.run_layers(self, h, positions, kv_caches, meta)  # type: ignore[arg-type]
+            h, residual = fused.run_layers(self, h, positions, kv_caches, meta)
         else:
             rope = self.rope_for(positions)
             residual = None

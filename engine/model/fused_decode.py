@@ -55,7 +55,8 @@ def layer_refusal(layer: nn.Module, dtype: torch.dtype, intermediate: int) -> st
     """Why `layer` cannot take the fused path (None: it can)."""
     if type(layer) is not DecoderLayer:
         return f"{type(layer).__name__} (not the pre-norm Llama layer)"
-    attn, mlp = layer.self_attn, layer.mlp
+    attn: Any = layer.self_attn
+    mlp: Any = layer.mlp
     if not (isinstance(layer.input_layernorm, RMSNorm) and isinstance(layer.post_attention_layernorm, RMSNorm)):
         return "Gemma's RMSNorm"
     if not isinstance(mlp, GatedMLP):
