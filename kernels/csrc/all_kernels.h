@@ -16,3 +16,6 @@ namespace fused {
 namespace decode {
 #include "paged_decode_attention.h"
 }
+namespace layer {
+#include "decode_layer.h"
+}

@@ -102,6 +102,135 @@ Isa pick_isa(const std::string& requested) {
 using torch::Tensor;
 namespace py = pybind11;
 
+// ---- fused decode layers (decode_layer.h) --------------------------------------------------------
+// One model's Llama-family layers for the fused decode path: the weights (kept alive here) of the
+// layers that take it, and a forward that runs a step's decode rows through layers [first, last)
+// in one call. Weights per layer, in this order: input norm, post-attention norm, qkv, qkv bias,
+// o, o bias, gate_up, gate_up bias, down, down bias, RoPE cos, RoPE sin (None for an absent bias).
+class DecodeStack {
+ public:
+  DecodeStack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
+              const std::vector<std::vector<c10::optional<Tensor>>>& weights, const std::vector<double>& scales) {
+    TORCH_CHECK(!weights.empty() && weights.size() == scales.size(), "one scale per layer, at least one layer");
+    TORCH_CHECK(head_dim % 2 == 0 && heads % kv_heads == 0, "head_dim must be even, heads a multiple of kv_heads");
+    const auto dtype = weights[0][0]->scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "weights must be float32 or bfloat16");
+    dims_ = {hidden, heads, kv_heads, head_dim, intermediate, static_cast<float>(eps), dtype == at::kBFloat16};
+    dtype_ = dtype;
+    const int64_t qkv = (heads + 2 * kv_heads) * head_dim;
+    // (rows, columns) of each entry; columns 0: a vector; rows -1: RoPE tables [any, head_dim / 2]
+    const std::array<std::pair<int64_t, int64_t>, 12> shapes = {{{hidden, 0}, {hidden, 0}, {qkv, hidden}, {qkv, 0},
+        {hidden, heads * head_dim}, {hidden, 0}, {2 * intermediate, hidden}, {2 * intermediate, 0},
+        {hidden, intermediate}, {hidden, 0}, {-1, head_dim / 2}, {-1, head_dim / 2}}};
+    for (size_t l = 0; l < weights.size(); ++l) {
+      TORCH_CHECK(weights[l].size() == 12, "layer ", l, ": 12 weight entries expected");
+      const void* p[12];
+      for (int i = 0; i < 12; ++i) {
+        const auto& t = weights[l][i];
+        const bool bias = i == 3 || i == 5 || i == 7 || i == 9;
+        if (!t.has_value()) {
+          TORCH_CHECK(bias, "layer ", l, ": weight entry ", i, " is required");
+          p[i] = nullptr;
+          continue;
+        }
+        TORCH_CHECK(t->scalar_type() == dtype && t->is_contiguous() && t->device().is_cpu(), "layer ", l,
+                    ": weight entry ", i, " must be a contiguous CPU tensor of the model dtype");
+        const auto [rows, cols] = shapes[i];
+        const bool fits = cols == 0 ? t->dim() == 1 && t->size(0) == rows
+                                    : t->dim() == 2 && (rows < 0 || t->size(0) == rows) && t->size(1) == cols;
+        TORCH_CHECK(fits, "layer ", l, ": entry ", i, " shape");
+        keep_.push_back(*t);
+        p[i] = t->data_ptr();
+      }
+      layers_.push_back({p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11],
+                         static_cast<float>(scales[l])});
+      max_positions_.push_back(weights[l][10]->size(0));
+    }
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // Returns (h, residual) after layers [first, last); kv_caches: those layers' caches
+  // [2, blocks, block_size, kv_heads, head_dim]; residual None before the model's first layer.
+  std::vector<Tensor> forward(int64_t first, int64_t last, const Tensor& h, const c10::optional<Tensor>& residual,
+                              const std::vector<Tensor>& kv_caches, const Tensor& positions, const Tensor& slots,
+                              const Tensor& block_tables, const Tensor& seq_lens, const std::string& isa) const {
+    TORCH_CHECK(0 <= first && first < last && last <= num_layers(), "layers [first, last) out of range");
+    TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == last - first, "one KV cache per layer run");
+    const int64_t E = dims_.hidden;
+    TORCH_CHECK(h.dim() == 2 && h.size(1) == E && h.is_contiguous() && h.scalar_type() == dtype_,
+                "h must be contiguous [rows, hidden] of the model dtype");
+    const int64_t M = h.size(0);
+    TORCH_CHECK(!residual.has_value() || (residual->sizes() == h.sizes() && residual->is_contiguous() &&
+                                          residual->scalar_type() == dtype_),
+                "residual must match h");
+    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == M,
+                "positions must be int64 [rows]");
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == M,
+                "slots must be int64 [rows]");
+    TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.stride(1) == 1 &&
+                block_tables.size(0) >= M, "block_tables must be int32 [>= rows, blocks] with contiguous rows");
+    TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.numel() >= M,
+                "seq_lens must be int32 [>= rows]");
+    std::vector<void*> kp, vp;
+    int64_t block_size = 0, slots_total = 0;
+    for (const auto& kv : kv_caches) {
+      TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2 && kv.size(3) == dims_.kv_heads && kv.size(4) == dims_.head_dim &&
+                  kv.is_contiguous() && kv.scalar_type() == dtype_, "kv cache must be contiguous [2, blocks, "
+                  "block_size, kv_heads, head_dim] of the model dtype");
+      TORCH_CHECK(block_size == 0 || kv.size(2) == block_size, "the layers' block sizes differ");
+      block_size = kv.size(2);
+      slots_total = kv.size(1) * block_size;
+      char* base = static_cast<char*>(kv.data_ptr());
+      kp.push_back(base);
+      vp.push_back(base + kv.stride(0) * kv.element_size());
+    }
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    const int32_t* lens = seq_lens.data_ptr<int32_t>();
+    for (int64_t m = 0; m < M; ++m) {
+      TORCH_CHECK(0 <= sl[m] && sl[m] < slots_total, "slot out of the KV cache");
+      TORCH_CHECK(lens[m] >= 1 && lens[m] <= block_tables.size(1) * block_size, "seq_len does not fit its block table");
+      for (int64_t l = first; l < last; ++l)
+        TORCH_CHECK(0 <= pos[m] && pos[m] < max_positions_[l], "position past the RoPE table");
+    }
+    const ps::DecodeStep step{M, pos, sl, block_tables.data_ptr<int32_t>(), block_tables.stride(0), lens, block_size};
+    std::vector<float> hf(M * E), rf(M * E);
+    to_float(h, hf.data());
+    if (residual.has_value()) to_float(*residual, rf.data());
+    const std::vector<ps::DecodeLayerWeights> run(layers_.begin() + first, layers_.begin() + last);
+    PS_CALL(isa, layer::decode_layers, run, dims_, step, kp, vp, hf.data(), rf.data(), !residual.has_value());
+    return {from_float(hf.data(), h), from_float(rf.data(), h)};
+  }
+
+ private:
+  static void to_float(const Tensor& t, float* dst) {
+    if (t.scalar_type() == at::kFloat) {
+      std::memcpy(dst, t.data_ptr<float>(), t.numel() * sizeof(float));
+      return;
+    }
+    const at::BFloat16* src = t.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < t.numel(); ++i) dst[i] = static_cast<float>(src[i]);
+  }
+  static Tensor from_float(const float* src, const Tensor& like) {
+    Tensor out = torch::empty(like.sizes(), like.options());
+    if (out.scalar_type() == at::kFloat) {
+      std::memcpy(out.data_ptr<float>(), src, out.numel() * sizeof(float));
+    } else {
+      at::BFloat16* dst = out.data_ptr<at::BFloat16>();
+      for (int64_t i = 0; i < out.numel(); ++i) dst[i] = at::BFloat16(src[i]);
+    }
+    return out;
+  }
+
+  ps::DecodeLayerDims dims_{};
+  at::ScalarType dtype_ = at::kFloat;
+  std::vector<ps::DecodeLayerWeights> layers_;
+  std::vector<int64_t> max_positions_;
+  std::vector<Tensor> keep_;
+};
+
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto isa = py::arg("isa") = "";
   m.def("cpu_isa", [](const std::string& requested) { return std::string(kIsaNames[static_cast<int>(pick_isa(requested))]); },
@@ -169,4 +298,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         "one sequence's quantized K or V rows, de-quantized", py::arg("cache"), py::arg("blocks"), py::arg("out"),
         py::arg("kv_quant"), isa);
+
+  py::class_<DecodeStack>(m, "DecodeStack", "fused decode layers of one Llama-family model (decode_layer.h)")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double,
+                    const std::vector<std::vector<c10::optional<Tensor>>>&, const std::vector<double>&>(),
+           py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"),
+           py::arg("eps"), py::arg("weights"), py::arg("scales"))
+      .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      .def("forward", &DecodeStack::forward, "(h, residual) after layers [first, last) for the decode rows",
+           py::arg("first"), py::arg("last"), py::arg("h"), py::arg("residual"), py::arg("kv_caches"),
+           py::arg("positions"), py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"), isa);
 }

@@ -34,4 +34,9 @@
                                    int64_t vec_width);                                                         \
   torch::Tensor silu_and_mul(torch::Tensor gate_up, int64_t vec_bytes);                                       \
   void rotary_embedding_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);                               \
+  }                                                                                                            \
+  namespace ns::layer {                                                                                        \
+  void decode_layers(const std::vector<ps::DecodeLayerWeights>& layers, const ps::DecodeLayerDims& d,          \
+                     const ps::DecodeStep& s, const std::vector<void*>& k_caches,                              \
+                     const std::vector<void*>& v_caches, float* h, float* residual, bool first);               \
   }

@@ -14,4 +14,7 @@
 #include <cstring>
 #include <numeric>
 #include <string>
+#include <type_traits>
 #include <vector>
+
+#include "decode_layer_api.h"

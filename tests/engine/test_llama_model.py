@@ -281,7 +281,8 @@ def test_loader_refuses_pickle_only_checkpoints(llama_dir, tmp_path):
 def test_bfloat16_on_cpu_runs_packed_linears(checkpoint):
     """bf16 models on CPU run their projections and LM head through PackedLinear, or through
     UpcastLinear where the CPU has no bf16 dot products (the full-model closeness to HF is
-    test_bfloat16_stays_close); logits match F.linear."""
+    test_bfloat16_stays_close); logits match F.linear. Projections the fused decode layers read
+    (pagedserve.engine.model.fused_decode) keep their plain weights instead of a packed copy."""
     from pagedserve.kernels.cpu_isa import cpu_has_bf16_dot
     from pagedserve.kernels.cpu_packed_linear import PackedLinear, packed_linear_supported
     from pagedserve.kernels.cpu_upcast_linear import UpcastLinear
@@ -293,7 +294,8 @@ def test_bfloat16_on_cpu_runs_packed_linears(checkpoint):
     model = PagedRunner(checkpoint, torch.bfloat16).model
     layer = model.model.layers[0]
     projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    assert all(isinstance(p, expected) for p in projections)
+    fused = model.fused_decode is not None and model.fused_decode.index[0] is not None
+    assert all(isinstance(p, torch.nn.Linear if fused and native else expected) for p in projections)
     assert isinstance(model.packed_lm_head, expected)
     assert isinstance(PagedRunner(checkpoint, torch.float32).model.model.layers[0].mlp.down_proj, torch.nn.Linear)
     if model.spec.tie_word_embeddings:

@@ -1,0 +1,202 @@
+"""The fused decode path on CPU: a step whose rows are all decodes runs each Llama-family layer
+as one C++ call (kernels/csrc/decode_layer.h through the native extension's `DecodeStack`), and
+consecutive such layers as one call, so a batch-1 step costs a few dozen dispatcher calls
+instead of ~2,000.
+
+A layer takes the fused path when it is the plain pre-norm layer (`DecoderLayer`) with Llama's
+RMSNorm, no q/k norm, no sliding window, no soft-capping, the SiLU-gated dense MLP and
+float32/bfloat16 projections (nn.Linear, or the bf16 CPU layers that keep the plain weight), on
+one process (no tensor parallelism), with the model-dtype KV cache. Every other layer runs its
+own module in the same step (`FusedDecode.reasons` says why, per layer): Gemma's sandwich norms,
+Qwen3's q/k norms, sliding windows, soft-capping, mixtures of experts, GELU, quantized
+projections (int8 / int4: their own kernels), quantized KV caches, tensor-parallel shards.
+A step takes the fused path when every row is a decode, there are at most `MAX_ROWS` of them,
+no row has a LoRA adapter, and the forward is not being traced by torch.compile.
+
+`PAGEDSERVE_FUSED_DECODE=0` turns the path off (the reference path runs instead).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from pagedserve.engine.attention.metadata import AttentionMetadata
+from pagedserve.engine.model.layers.decoder import DecoderLayer
+from pagedserve.engine.model.layers.mlp import GatedMLP
+from pagedserve.engine.model.layers.norm import RMSNorm
+from pagedserve.kernels.cpu_native import load_native
+
+if TYPE_CHECKING:
+    from pagedserve.engine.model.causal_lm import CausalLM
+
+MAX_ROWS = 16  # decode rows at most: the GEMVs read each weight row once for all rows; more rows take oneDNN's GEMMs
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def fused_decode_disabled() -> bool:
+    return os.environ.get("PAGEDSERVE_FUSED_DECODE") == "0"
+
+
+def _plain_weight(proj: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight [out, in], bias) of a projection whose plain weight is at hand, else None."""
+    weight = getattr(proj, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return None
+    bias = getattr(proj, "bias", None)
+    return weight, bias if isinstance(bias, torch.Tensor) else None
+
+
+def layer_refusal(layer: nn.Module, dtype: torch.dtype, intermediate: int) -> str | None:
+    """Why `layer` cannot take the fused path (None: it can)."""
+    if type(layer) is not DecoderLayer:
+        return f"{type(layer).__name__} (not the pre-norm Llama layer)"
+    attn: Any = layer.self_attn
+    mlp: Any = layer.mlp
+    if not (isinstance(layer.input_layernorm, RMSNorm) and isinstance(layer.post_attention_layernorm, RMSNorm)):
+        return "Gemma's RMSNorm"
+    if not isinstance(mlp, GatedMLP):
+        return "mixture of experts"
+    checks = (
+        (attn.q_norm is not None, "q/k norms"),
+        (attn.window is not None, "sliding window"),
+        (attn.softcap is not None, "soft-capped scores"),
+        (mlp.gelu, "GELU activation"),
+        (attn.reduce is not None or mlp.reduce is not None, "tensor-parallel shard"),
+        (attn.backend.kv_dtype.quantized, "quantized KV cache"),
+    )
+    for failed, reason in checks:
+        if failed:
+            return reason
+    for name, proj in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj)) + (
+        ("gate_up_proj", mlp.gate_up_proj),
+        ("down_proj", mlp.down_proj),
+    ):
+        plain = _plain_weight(proj)
+        if plain is None or plain[0].dtype != dtype:
+            return f"{name} is a {type(proj).__name__} (not a {dtype} weight)"
+    if _plain_weight(mlp.gate_up_proj)[0].shape[0] != 2 * intermediate:  # type: ignore[index]
+        return "an MLP of another width"
+    return None
+
+
+def _layer_weights(model: CausalLM, layer: DecoderLayer) -> list[torch.Tensor | None]:
+    attn, mlp = layer.self_attn, layer.mlp
+    out: list[torch.Tensor | None] = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        weight, bias = _plain_weight(proj)  # type: ignore[misc]  # checked by layer_refusal
+        out += [weight.contiguous(), None if bias is None else bias.contiguous()]
+    half = model.spec.head_dim // 2
+    cos = getattr(model, f"rope_{attn.rope_table}_cos").reshape(-1, half)
+    sin = getattr(model, f"rope_{attn.rope_table}_sin").reshape(-1, half)
+    return [*out, cos.contiguous(), sin.contiguous()]
+
+
+@dataclass(slots=True)
+class FusedDecode:
+    """The model's fused layers: `stack` holds them in model order, `index[i]` is layer i's place
+    in it (None: layer i runs its own module, for `reasons[i]`)."""
+
+    stack: Any  # the extension's DecodeStack
+    index: list[int | None]
+    reasons: list[str | None]
+    weights: frozenset[int]  # ids of the projection weights the stack reads
+
+    def holds(self, linear: nn.Linear) -> bool:
+        """Whether the stack reads this projection's weight."""
+        return id(linear.weight) in self.weights
+
+    def applies(self, input_ids: torch.Tensor, meta: object, lora: object) -> bool:
+        """Whether this step takes the fused path."""
+        return (
+            isinstance(meta, AttentionMetadata)
+            and lora is None
+            and meta.num_decodes == meta.num_seqs == meta.num_tokens
+            and 0 < meta.num_tokens <= MAX_ROWS
+            and input_ids.device.type == "cpu"
+            and not torch.compiler.is_compiling()
+        )
+
+    def run_layers(
+        self,
+        model: CausalLM,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(h, residual) after every layer: runs of fused layers as one call each, the others
+        through their modules."""
+        residual: torch.Tensor | None = None
+        rope = None
+        layers = model.model.layers
+        i, n = 0, len(layers)
+        while i < n:
+            first = self.index[i]
+            if first is None:
+                if rope is None:
+                    rope = model.rope_for(positions)
+                h, residual = layers[i](h, residual, rope, kv_caches[i], meta, None)
+                i += 1
+                continue
+            end = i
+            while end < n and self.index[end] is not None:
+                end += 1
+            h, residual = self.stack.forward(
+                first,
+                first + end - i,
+                h,
+                residual,
+                kv_caches[i:end],
+                positions,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.seq_lens_tensor,
+            )
+            i = end
+        return h, residual
+
+
+def build_fused_decode(model: CausalLM) -> FusedDecode | None:
+    """The fused decode path for `model` (its weights loaded, before any packing), or None where
+    no layer takes it: not on CPU, not float32/bfloat16, the native extension unavailable, turned
+    off, or no layer qualifies."""
+    if (
+        fused_decode_disabled()
+        or model.device.type != "cpu"
+        or model.dtype not in _DTYPES
+        or model.tp is not None
+        or not len(model.model.layers)
+    ):
+        return None
+    reasons = [layer_refusal(layer, model.dtype, model.rank_spec.intermediate_size) for layer in model.model.layers]
+    fused = [layer for layer, why in zip(model.model.layers, reasons) if why is None]
+    if not fused:
+        return None
+    ext = load_native()
+    if ext is None:
+        return None
+    spec = model.rank_spec
+    stack = ext.DecodeStack(
+        spec.hidden_size,
+        spec.num_heads,
+        spec.num_kv_heads,
+        spec.head_dim,
+        spec.intermediate_size,
+        float(spec.rms_norm_eps),
+        [_layer_weights(model, layer) for layer in fused],
+        [float(layer.self_attn.scale) for layer in fused],
+    )
+    index: list[int | None] = []
+    for why in reasons:
+        index.append(None if why is not None else sum(1 for j in index if j is not None))
+    held = frozenset(
+        id(proj.weight)
+        for layer in fused
+        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    )
+    return FusedDecode(stack, index, reasons, held)
