@@ -41,7 +41,7 @@ from pagedserve.engine.model.spec import ModelSpec
 from pagedserve.kernels.cpu_fused_ops import CpuFusedOps
 from pagedserve.kernels.cpu_int4_dequant import load_int4_dequant
 from pagedserve.kernels.cpu_int8_mm_io import load_int8_mm_io
-from pagedserve.kernels.cpu_packed_linear import PackedLinear
+from pagedserve.kernels.cpu_packed_linear import PackedLinear, SharedWeightLinear
 from pagedserve.kernels.cpu_upcast_linear import UpcastLinear
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ class CausalLM(nn.Module):
         self._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=self.device))
         self.requires_grad_(False)
         # pack_linear_weights(), or (quantized, tied) an Int8Linear over the embedding's storage
-        self.packed_lm_head: PackedLinear | UpcastLinear | Int8Linear | None = None
+        self.packed_lm_head: PackedLinear | UpcastLinear | SharedWeightLinear | Int8Linear | None = None
         # {table: (cos, sin)}, [max_len, head_dim // 2] each, in the model dtype like HF's cast before use.
         tables = rope_tables(spec, max_len, dtype, self.device)
         self.rope_names = tuple(tables)
@@ -234,11 +234,16 @@ class CausalLM(nn.Module):
             )
 
     def pack_linear_weights(
-        self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module] = PackedLinear
+        self,
+        make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module] = PackedLinear,
+        make_tied: Callable[[torch.Tensor], nn.Module] | None = None,
     ) -> None:
         """Swap every bf16 projection and the LM head for a CPU linear layer (after the weights
         are loaded): a PackedLinear (oneDNN then skips its per-call weight reorder) or, on a CPU
-        without bf16 dot products, an UpcastLinear (float32 GEMMs). Quantized layers stay."""
+        without bf16 dot products, an UpcastLinear (float32 GEMMs). Quantized layers stay.
+        A tied head is built by `make_tied(embedding weight)` when given (a layer that reads the
+        embedding's own table, e.g. SharedWeightLinear: one copy serves the lookups and the
+        head), else by `make` (which must not copy it: UpcastLinear keeps the tensor it gets)."""
         for _, parent, name in self._projections():
             if isinstance(getattr(parent, name), nn.Linear):
                 linear = getattr(parent, name)
@@ -246,7 +251,8 @@ class CausalLM(nn.Module):
         if self.packed_lm_head is not None or isinstance(self.lm_head, Int8Linear):
             return
         if self.lm_head is None:  # tied: the embedding keeps its plain table for lookups
-            self.packed_lm_head = make(self.model.embed_tokens.weight, None)
+            weight = self.model.embed_tokens.weight
+            self.packed_lm_head = make(weight, None) if make_tied is None else make_tied(weight)
         else:
             self.packed_lm_head = make(self.lm_head.weight, self.lm_head.bias)
             self.lm_head = None
