@@ -41,8 +41,9 @@ def from_path_cache_dir() -> Path:
 
 
 def gguf_summary(path: Path) -> dict[str, Any]:
-    """{architecture, tensor_types: {type: count}} of a GGUF, checked: ValueError naming an
-    unsupported architecture or tensor type and listing what is supported."""
+    """{architecture, tensor_types: {type: count}, weights: how many} of a GGUF, read from its
+    header and tensor table (nothing de-quantized), checked: ValueError naming an unsupported
+    architecture or tensor type and listing what is supported."""
     from gguf import GGUFReader
 
     try:
@@ -61,7 +62,8 @@ def gguf_summary(path: Path) -> dict[str, Any]:
             f"unsupported GGUF tensor type {', '.join(bad)} in {path.name}; supported: "
             f"{', '.join(_registry().SUPPORTED_GGUF_TYPES)}"
         )
-    return {"architecture": arch, "tensor_types": dict(sorted(types.items()))}
+    weights = sum(int(t.n_elements) for t in reader.tensors)
+    return {"architecture": arch, "tensor_types": dict(sorted(types.items())), "weights": weights}
 
 
 def check_hf_folder(path: Path) -> dict[str, Any]:
