@@ -157,16 +157,17 @@ def hf_qwen3(hf_config):
 
 @pytest.mark.parametrize("file_type", list(FILE_TYPES))
 def test_a_gguf_of_each_type_loads_and_matches_its_dequantized_reference(
-    hf_qwen3, hf_config, file_type, tmp_path, monkeypatch
+    hf_qwen3, hf_config, file_type, tmp_path
 ):
     from pagedserve.engine.model.path_source import archive_from_path, describe_model
 
-    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    # Its own archive cache (not PAGEDSERVE_CACHE_DIR, which would also move the CPU extension's
+    # build folder and rebuild it: minutes).
     path = tmp_path / f"tiny-qwen3-{file_type}.gguf"
     write_gguf(path, hf_qwen3, file_type)
     base, special = FILE_TYPES[file_type]
     try:
-        model_dir = archive_from_path(path)
+        model_dir = archive_from_path(path, cache_dir=tmp_path / "cache")
         info = json.loads((model_dir / "pagedserve_source_info.json").read_text())
         quantized = {base: 5 * LAYERS + 1, special: 2 * LAYERS} if base != special else {base: 7 * LAYERS + 1}
         assert info["gguf"]["tensor_types"] == {"F32": 4 * LAYERS + 1, **quantized}
