@@ -43,8 +43,9 @@ FILE_TYPES = {
     "Q4_0": ("Q4_0", "Q4_0"),
     "Q4_1": ("Q4_1", "Q4_1"),
 }
-# byte offsets of a K-quant super-block's half-float scales, and their range
-_K_SCALES = {"Q4_K": (0, 4, 2e-4, 6e-4), "Q5_K": (0, 4, 1e-4, 3e-4), "Q6_K": (208, 210, 1e-5, 3e-5)}
+# byte offsets of a K-quant super-block's half-float scales (Q4_K/Q5_K: d and dmin; Q6_K: d),
+# their range (weights of std ~0.1), and (Q4_K/Q5_K) the code that maps to zero
+_K_SCALES = {"Q4_K": (0, 4, 6e-3, 1e-2, 7), "Q5_K": (0, 4, 3e-3, 5e-3, 15), "Q6_K": (208, 210, 6e-5, 1e-4, 0)}
 
 
 def _tokenizer_fields():
@@ -60,17 +61,26 @@ def _tokenizer_fields():
 
 def _blocks(data: np.ndarray, kind: str, rng: np.random.Generator) -> np.ndarray:
     """`data` [rows, cols] as `kind` blocks: quantized by gguf, or (K-quants, which gguf cannot
-    make) random codes with half-float scales in a range giving weights of ~0.05."""
+    make) random codes with half-float scales giving zero-centred weights of std ~0.1 (Q6_K's
+    codes are centred by its format; Q4_K / Q5_K sub-block mins are set to `zero` x scale)."""
     qtype = gguf.GGMLQuantizationType[kind]
     if kind not in _K_SCALES:
         return gguf.quants.quantize(data, qtype)
     per_block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     rows, blocks = data.shape[0], data.shape[1] // per_block
     raw = rng.integers(0, 256, size=(rows, blocks, nbytes), dtype=np.uint8)
-    start, stop, low, high = _K_SCALES[kind]
-    raw[..., start:stop] = (
-        rng.uniform(low, high, size=(rows, blocks, (stop - start) // 2)).astype(np.float16).view(np.uint8)
-    )
+    start, stop, low, high, zero = _K_SCALES[kind]
+    scales = rng.uniform(low, high, size=(rows, blocks, (stop - start) // 2)).astype(np.float16)
+    raw[..., start:stop] = scales.view(np.uint8)
+    if zero:  # d == dmin; 8 sub-blocks: 6-bit scale sc in 1..4 and min m = zero * sc, packed in 12 bytes
+        raw[..., 2:4] = raw[..., 0:2]
+        sc = rng.integers(1, 5, size=(rows, blocks, 8))
+        m = zero * sc
+        packed = np.zeros((rows, blocks, 12), dtype=np.int64)
+        packed[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+        packed[..., 4:8] = m[..., :4] | ((m[..., 4:] >> 4) << 6)
+        packed[..., 8:12] = (sc[..., 4:] & 0xF) | ((m[..., 4:] & 0xF) << 4)
+        raw[..., 4:16] = packed.astype(np.uint8)
     return raw.reshape(rows, blocks * nbytes)
 
 
@@ -156,9 +166,7 @@ def hf_qwen3(hf_config):
 
 
 @pytest.mark.parametrize("file_type", list(FILE_TYPES))
-def test_a_gguf_of_each_type_loads_and_matches_its_dequantized_reference(
-    hf_qwen3, hf_config, file_type, tmp_path
-):
+def test_a_gguf_of_each_type_loads_and_matches_its_dequantized_reference(hf_qwen3, hf_config, file_type, tmp_path):
     from pagedserve.engine.model.path_source import archive_from_path, describe_model
 
     # Its own archive cache (not PAGEDSERVE_CACHE_DIR, which would also move the CPU extension's
@@ -211,3 +219,152 @@ def test_a_gguf_of_each_type_loads_and_matches_its_dequantized_reference(
             torch.testing.assert_close(torch.tensor(entry.logprobs), logprobs[i, entry.token_ids], atol=1e-4, rtol=0)
     finally:
         shutil.rmtree(tmp_path / "cache", ignore_errors=True)  # ~50 MB of float32 weights
+
+
+MOE_EXPERTS, MOE_INTER = 4, 768  # transformers reads no expert size from a qwen3moe GGUF: its default, 768
+
+
+def test_a_moe_gguf_loads_and_matches_its_dequantized_reference(tmp_path):
+    """A Qwen3-MoE GGUF (experts as 3-D `ffn_{gate,up,down}_exps` tensors, Q8_0) is registered
+    from its path (each expert's projections split out of the 3-D tensors) and matches
+    transformers' Qwen3-MoE holding the gguf package's de-quantization."""
+    from pagedserve.engine.model.path_source import archive_from_path
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        moe_intermediate_size=MOE_INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        num_experts=MOE_EXPERTS,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        tie_word_embeddings=True,
+        initializer_range=0.05,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+    )
+    path = tmp_path / "tiny-qwen3moe-Q8_0.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(LAYERS)
+    writer.add_feed_forward_length(INTER)
+    writer.add_expert_feed_forward_length(MOE_INTER)
+    writer.add_expert_count(MOE_EXPERTS)
+    writer.add_expert_used_count(2)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_key_length(HEAD_DIM)
+    writer.add_value_length(HEAD_DIM)
+    writer.add_rope_freq_base(1000000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    for key, field in _tokenizer_fields():
+        types = field.types
+        writer.add_key_value(key, field.contents(), types[0], types[1] if len(types) > 1 else None)
+    rng = np.random.default_rng(5)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+
+    def add(name: str, shape: tuple[int, ...], quantize: bool = True, base: float = 0.0) -> None:
+        data = (base + 0.05 * rng.standard_normal(shape)).astype(np.float32)
+        if quantize:
+            writer.add_tensor(name, gguf.quants.quantize(data, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(name, data)
+
+    add("token_embd.weight", (VOCAB, HIDDEN))
+    add("output_norm.weight", (HIDDEN,), quantize=False, base=1.0)
+    for i in range(LAYERS):
+        add(f"blk.{i}.attn_norm.weight", (HIDDEN,), quantize=False, base=1.0)
+        add(f"blk.{i}.ffn_norm.weight", (HIDDEN,), quantize=False, base=1.0)
+        add(f"blk.{i}.attn_q_norm.weight", (HEAD_DIM,), quantize=False, base=1.0)
+        add(f"blk.{i}.attn_k_norm.weight", (HEAD_DIM,), quantize=False, base=1.0)
+        add(f"blk.{i}.attn_q.weight", (HEADS * HEAD_DIM, HIDDEN))
+        add(f"blk.{i}.attn_k.weight", (KV_HEADS * HEAD_DIM, HIDDEN))
+        add(f"blk.{i}.attn_v.weight", (KV_HEADS * HEAD_DIM, HIDDEN))
+        add(f"blk.{i}.attn_output.weight", (HIDDEN, HEADS * HEAD_DIM))
+        add(f"blk.{i}.ffn_gate_inp.weight", (MOE_EXPERTS, HIDDEN), quantize=False)
+        add(f"blk.{i}.ffn_gate_exps.weight", (MOE_EXPERTS, MOE_INTER, HIDDEN))
+        add(f"blk.{i}.ffn_up_exps.weight", (MOE_EXPERTS, MOE_INTER, HIDDEN))
+        add(f"blk.{i}.ffn_down_exps.weight", (MOE_EXPERTS, HIDDEN, MOE_INTER))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    model_dir = archive_from_path(path, cache_dir=tmp_path / "cache")
+    info = json.loads((model_dir / "pagedserve_source_info.json").read_text())
+    assert info["gguf"]["architecture"] == "qwen3moe" and info["gguf"]["tensor_types"]["Q8_0"] == 1 + 7 * LAYERS
+
+    # The reference: transformers' Qwen3-MoE holding gguf's de-quantization, experts fused as it keeps them.
+    tensors = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(str(path)).tensors}
+    reference = transformers.Qwen3MoeForCausalLM(config).eval()
+    names = {
+        "model.embed_tokens.weight": "token_embd",
+        "model.norm.weight": "output_norm",
+        **{
+            f"model.layers.{i}.{hf}": f"blk.{i}.{g}"
+            for i in range(LAYERS)
+            for hf, g in {
+                "input_layernorm.weight": "attn_norm",
+                "post_attention_layernorm.weight": "ffn_norm",
+                "self_attn.q_norm.weight": "attn_q_norm",
+                "self_attn.k_norm.weight": "attn_k_norm",
+                "self_attn.q_proj.weight": "attn_q",
+                "self_attn.k_proj.weight": "attn_k",
+                "self_attn.v_proj.weight": "attn_v",
+                "self_attn.o_proj.weight": "attn_output",
+                "mlp.gate.weight": "ffn_gate_inp",
+                "mlp.experts.down_proj": "ffn_down_exps",
+            }.items()
+        },
+    }
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if name == "lm_head.weight":
+                continue
+            if name.endswith("mlp.experts.gate_up_proj"):
+                i = name.split(".")[2]
+                value = np.concatenate(
+                    (tensors[f"blk.{i}.ffn_gate_exps.weight"], tensors[f"blk.{i}.ffn_up_exps.weight"]), 1
+                )
+            else:
+                value = tensors[f"{names[name]}.weight"]
+            param.copy_(torch.from_numpy(np.ascontiguousarray(value)).reshape(param.shape))
+    reference.tie_weights()
+
+    prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        out = reference.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, 40, dtype=torch.long),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+        )
+        logprobs = torch.log_softmax(reference(out[:, :-1]).logits[0, len(prompt) - 1 :].float(), -1)
+    engine = EngineCore(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="float32",
+            block_size=4,
+            num_kv_blocks=32,
+            max_num_batched_tokens=16,
+            max_model_len=128,
+        )
+    )
+    engine.add_request(
+        Request("q", prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=3))
+    )
+    tokens, steps = [], []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            tokens += o.new_token_ids
+            steps += o.new_logprobs or []
+    assert tokens == out[0, len(prompt) :].tolist() and len(set(tokens)) > 3
+    for i, entry in enumerate(steps):
+        torch.testing.assert_close(torch.tensor(entry.logprobs), logprobs[i, entry.token_ids], atol=1e-4, rtol=0)
