@@ -178,7 +178,12 @@ def phase_decode(model_dir: Path, batches: list[int], new: int, rounds: int) -> 
 
     torch.set_num_threads(2)
     llm = LLM(
-        model_dir, dtype="bfloat16", kv_cache_memory="256MiB", max_model_len=512, num_threads=2, max_num_seqs=max(batches)
+        model_dir,
+        dtype="bfloat16",
+        kv_cache_memory="256MiB",
+        max_model_len=512,
+        num_threads=2,
+        max_num_seqs=max(batches),
     )
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
