@@ -120,7 +120,7 @@ def _safetensors_header(f, path: Path) -> dict[str, Any]:
 
 
 def _read_tensor(f, start: int, name: str, info: dict[str, Any], path: Path) -> torch.Tensor:
-    dtype = _ST_DTYPES.get(info.get("dtype"))
+    dtype = _ST_DTYPES.get(str(info.get("dtype")))
     if dtype is None:
         raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {info.get('dtype')!r}")
     shape = [int(d) for d in info["shape"]]
@@ -130,7 +130,7 @@ def _read_tensor(f, start: int, name: str, info: dict[str, Any], path: Path) -> 
         raise ValueError(f"{path.name}: tensor {name} spans {end - begin} bytes, expected {count * dtype.itemsize}")
     buf = torch.empty(end - begin, dtype=torch.uint8)
     f.seek(start + begin)
-    view, done = memoryview(buf.numpy()), 0
+    view, done = buf.numpy().data, 0  # a writable memoryview of the buffer
     while done < len(view):
         n = f.readinto(view[done:])
         if not n:
