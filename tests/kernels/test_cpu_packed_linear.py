@@ -35,11 +35,11 @@ def test_keeps_leading_dims_and_refuses_what_it_cannot_pack():
         PackedLinear(w.float(), None)
 
 
-@pytest.mark.parametrize("rows", [1, 8, 9, 64])
+@pytest.mark.parametrize("rows", [1, 2, 9, 64])
 @pytest.mark.parametrize("with_kernel", [False, True])
 def test_shared_weight_linear_reads_the_owners_table_and_matches_f_linear(rows, with_kernel):
     """A tied LM head: no copy of the embedding (same storage), F.linear's numbers on both
-    paths (the native few-rows kernel up to 8 rows, F.linear above)."""
+    paths (the native few-rows kernel for one row, F.linear above)."""
     gemv = load_gemv() if with_kernel else None
     if with_kernel and gemv is None:
         pytest.skip("the native extension is not built here")
