@@ -255,12 +255,16 @@ class CausalLM(nn.Module):
         self,
         make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module] = PackedLinear,
         keep_plain: Callable[[nn.Linear], bool] | None = None,
+        make_tied: Callable[[torch.Tensor], nn.Module] | None = None,
     ) -> None:
         """Swap every bf16 projection and the LM head for a CPU linear layer (after the weights
         are loaded): a PackedLinear (oneDNN then skips its per-call weight reorder) or, on a CPU
         without bf16 dot products, an UpcastLinear (float32 GEMMs). Quantized layers stay, and so
         do the projections `keep_plain` names (the fused decode layers read their plain weights:
-        a packed copy beside them would hold the weights twice)."""
+        a packed copy beside them would hold the weights twice). A tied head is built by
+        `make_tied(embedding weight)` when given (a layer that reads the embedding's own table,
+        e.g. SharedWeightLinear: one copy serves the lookups and the head), else by `make`
+        (which must not copy it: UpcastLinear keeps the tensor it gets)."""
         for _, parent, name in self._projections():
             linear = getattr(parent, name)
             if isinstance(linear, nn.Linear) and (keep_plain is None or not keep_plain(linear)):
@@ -268,7 +272,8 @@ class CausalLM(nn.Module):
         if self.packed_lm_head is not None or isinstance(self.lm_head, Int8Linear):
             return
         if self.lm_head is None:  # tied: the embedding keeps its plain table for lookups
-            self.packed_lm_head = make(self._embedding_weight(), None)
+            weight = self._embedding_weight()
+            self.packed_lm_head = make(weight, None) if make_tied is None else make_tied(weight)
         else:
             self.packed_lm_head = make(self.lm_head.weight, self.lm_head.bias)
             self.lm_head = None

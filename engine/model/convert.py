@@ -122,11 +122,32 @@ def _convert_gguf(path: Path, out: Path) -> list[Path]:
     config.save_pretrained(out)
     _tidy_tokenizer_config(out / "tokenizer_config.json", config.max_position_embeddings)
     specs: list[TensorSpec] = [
-        (n, tuple(t.shape), t.dtype, held(t)) for n, t in _drop_shared(model.state_dict().items())
+        (n, tuple(t.shape), t.dtype, held(t)) for n, t in _per_expert(_drop_shared(model.state_dict().items()))
     ]
     _write_safetensors(out / WEIGHTS_FILE, specs)
     _write_generation_config(out)
     return [path]
+
+
+def _per_expert(items: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """transformers holds a MoE block's experts as 3-D tensors (`mlp.experts.gate_up_proj`
+    `[E, 2I, H]`, gate rows first, and `mlp.experts.down_proj` `[E, H, I]`); the checkpoint
+    names every expert's projections (`mlp.experts.{e}.gate_proj.weight`, ...), as its
+    save_pretrained does."""
+    out = []
+    for name, tensor in items:
+        prefix, _, leaf = name.rpartition(".")
+        if not prefix.endswith("mlp.experts") or tensor.dim() != 3 or leaf not in ("gate_up_proj", "down_proj"):
+            out.append((name, tensor))
+            continue
+        for e, weight in enumerate(tensor):
+            if leaf == "down_proj":
+                out.append((f"{prefix}.{e}.down_proj.weight", weight.contiguous()))
+            else:
+                half = weight.shape[0] // 2
+                out.append((f"{prefix}.{e}.gate_proj.weight", weight[:half].contiguous()))
+                out.append((f"{prefix}.{e}.up_proj.weight", weight[half:].contiguous()))
+    return out
 
 
 def _convert_hf_dir(src: Path, out: Path) -> list[Path]:

@@ -60,5 +60,6 @@ GEMMA2 = Family(
     parse_gemma2,
     Gemma2ForCausalLM,
     gguf_architectures=("gemma2",),
+    tensor_parallel=True,
     notes="attention and final logit soft-capping, alternating sliding layers",
 )

@@ -39,5 +39,6 @@ GEMMA3 = Family(
     parse_gemma3,
     Gemma3ForCausalLM,
     gguf_architectures=("gemma3",),
+    tensor_parallel=True,
     notes="q/k norms, 5:1 sliding/global layers, local RoPE base on sliding layers",
 )

@@ -1,7 +1,8 @@
 """OLMoE: pre-norm layers whose q and k projections are each RMS-normed as a whole (over all
 heads, not per head) before RoPE, and whose MLPs are sparse blocks with softmax top-k routing
-(raw weights unless `norm_topk_prob`). `clip_qkv` is refused. No tensor parallelism: the q/k
-norms span every head, which a rank does not hold."""
+(raw weights unless `norm_topk_prob`). `clip_qkv` is refused. Under tensor parallelism the q/k
+norms are split with the heads, their mean of squares all-reduced
+(pagedserve.engine.parallel.layers.SplitRMSNorm)."""
 
 from __future__ import annotations
 
@@ -40,5 +41,6 @@ OLMOE = Family(
     ("olmoe",),
     parse_olmoe,
     OlmoeForCausalLM,
+    tensor_parallel=True,
     notes="experts with softmax top-k routing, q/k RMSNorm over whole projections",
 )

@@ -41,8 +41,9 @@ def from_path_cache_dir() -> Path:
 
 
 def gguf_summary(path: Path) -> dict[str, Any]:
-    """{architecture, tensor_types: {type: count}} of a GGUF, checked: ValueError naming an
-    unsupported architecture or tensor type and listing what is supported."""
+    """{architecture, tensor_types: {type: count}, weights: how many} of a GGUF, read from its
+    header and tensor table (nothing de-quantized), checked: ValueError naming an unsupported
+    architecture or tensor type and listing what is supported."""
     from gguf import GGUFReader
 
     try:
@@ -61,7 +62,8 @@ def gguf_summary(path: Path) -> dict[str, Any]:
             f"unsupported GGUF tensor type {', '.join(bad)} in {path.name}; supported: "
             f"{', '.join(_registry().SUPPORTED_GGUF_TYPES)}"
         )
-    return {"architecture": arch, "tensor_types": dict(sorted(types.items()))}
+    weights = sum(int(t.n_elements) for t in reader.tensors)
+    return {"architecture": arch, "tensor_types": dict(sorted(types.items())), "weights": weights}
 
 
 def check_hf_folder(path: Path) -> dict[str, Any]:
@@ -71,9 +73,10 @@ def check_hf_folder(path: Path) -> dict[str, Any]:
     return config
 
 
-def content_key(path: Path) -> str:
+def content_key(path: Path, cache_dir: Path | None = None) -> str:
     """sha256 over the source's files (names and contents); each file's digest is remembered in
-    the cache keyed by its path, size and mtime, so an unchanged file is hashed once."""
+    `cache_dir` (default: the from-path cache) keyed by its path, size and mtime, so an unchanged
+    file is hashed once."""
     files = (
         [path]
         if path.is_file()
@@ -85,13 +88,13 @@ def content_key(path: Path) -> str:
     )
     outer = hashlib.sha256()
     for f in files:
-        outer.update(f"{f.name if path.is_file() else f.relative_to(path)}\0{_file_digest(f)}\n".encode())
+        outer.update(f"{f.name if path.is_file() else f.relative_to(path)}\0{_file_digest(f, cache_dir)}\n".encode())
     return outer.hexdigest()
 
 
-def _file_digest(path: Path) -> str:
+def _file_digest(path: Path, cache_dir: Path | None = None) -> str:
     stat = path.stat()
-    memo_dir = from_path_cache_dir() / ".digests"
+    memo_dir = (cache_dir or from_path_cache_dir()) / ".digests"
     memo_dir.mkdir(parents=True, exist_ok=True)
     memo = memo_dir / hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
     if memo.is_file():
@@ -132,12 +135,12 @@ def archive_from_path(path: str | Path, cache_dir: Path | None = None, chat_temp
     else:
         config = check_hf_folder(path)
         info["weights"] = f"as stored ({config.get('torch_dtype') or config.get('dtype') or 'safetensors'})"
-    key = content_key(path)
+    root = cache_dir or from_path_cache_dir()
+    key = content_key(path, root)
     if chat_template is not None:
         key = hashlib.sha256(f"{key}|template|{chat_template}".encode()).hexdigest()
     key = key[:20]
     name = archive_name(path)
-    root = cache_dir or from_path_cache_dir()
     export = root / key
     dest = ArchiveFormat.NO_ARCHIVE.destination(export, name)
     root.mkdir(parents=True, exist_ok=True)

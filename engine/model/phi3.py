@@ -30,5 +30,6 @@ PHI3 = Family(
     parse_phi3,
     Phi3ForCausalLM,
     gguf_architectures=("phi3",),
+    tensor_parallel=True,
     notes="fused qkv and gate_up checkpoint, LongRoPE",
 )

@@ -30,5 +30,6 @@ QWEN3 = Family(
     parse_qwen3,
     Qwen3ForCausalLM,
     gguf_architectures=("qwen3",),
+    tensor_parallel=True,
     notes="per-head q/k RMSNorm",
 )

@@ -39,6 +39,7 @@ QWEN3_MOE = Family(
     ("qwen3_moe",),
     parse_qwen3_moe,
     Qwen3MoeForCausalLM,
+    gguf_architectures=("qwen3moe",),
     tensor_parallel=True,
     notes="experts with softmax top-k routing, per-head q/k RMSNorm",
 )

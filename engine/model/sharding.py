@@ -1,4 +1,4 @@
-"""How a Llama-family model is cut among tensor-parallel ranks, and each rank's read of its slices.
+"""How a model is cut among tensor-parallel ranks, and each rank's read of its slices.
 
 Rank r of N holds (as vLLM does):
 - query heads `[r*H/N, (r+1)*H/N)` of q_proj (rows) and of o_proj (columns);
@@ -9,7 +9,12 @@ Rank r of N holds (as vLLM does):
 - mixture of experts: every expert, each cut like the MLP by its own intermediate size E
   (rows `[r*E/N, (r+1)*E/N)` of its gate/up, those columns of its down), the shared expert
   likewise; the router and the shared expert's gate whole (every rank routes every token);
-- the norms whole. A row-parallel bias (o_proj, down_proj) is added once: rank 0 holds it,
+- a checkpoint that fuses them (Phi-3's `qkv_proj`, `gate_up_proj`): the same slices of each
+  part, read from the fused tensor and concatenated (q|k|v, gate|up);
+- per-head q/k norms (Qwen3, Gemma 3) whole: every head shares them; q/k norms over whole
+  projections (OLMoE) sliced like q_proj / k_proj rows, their mean of squares all-reduced
+  (pagedserve.engine.parallel.layers.SplitRMSNorm) — so KV heads cannot be replicated there;
+- the other norms whole. A row-parallel bias (o_proj, down_proj) is added once: rank 0 holds it,
   the other ranks zeros, so the all-reduce of the partial outputs adds it exactly once.
 
 Sizes that do not divide are refused up front by `check_tensor_parallel`, naming them. Each
@@ -52,6 +57,11 @@ def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
         problems.append(
             f"{kv} KV heads (with fewer KV heads than ranks, the ranks must be a "
             f"multiple of them: each KV head is replicated on tensor_parallel_size / KV heads ranks)"
+        )
+    if kv < size and spec.qk_norm_full:
+        problems.append(
+            f"{kv} KV heads (the k norm of {spec.architecture} spans all KV heads: each rank needs a share of them, "
+            "none replicated)"
         )
     if spec.intermediate_size % size:
         problems.append(f"MLP intermediate size {spec.intermediate_size}")
@@ -100,6 +110,8 @@ class TensorSlice:
     length: int = 0
     full: int = 0
     zeros: bool = False
+    # A fused tensor (dimension 0): the rank's rows are these (start, length) ranges, concatenated.
+    segments: tuple[tuple[int, int], ...] = ()
 
 
 def tensor_slice(name: str, spec: ModelSpec, rank: int, size: int) -> TensorSlice | None:
@@ -120,13 +132,23 @@ def tensor_slice(name: str, spec: ModelSpec, rank: int, size: int) -> TensorSlic
         return None  # norms (and anything load_weights will refuse by name)
     proj, leaf = match.group(2), match.group(3)
     d = spec.head_dim
-    if proj == "q_proj":
-        return TensorSlice(0, rank * local.num_heads * d, local.num_heads * d, spec.num_heads * d)
-    if proj in ("k_proj", "v_proj"):
-        first = rank * spec.num_kv_heads // size  # replicated heads: ranks share one
-        return TensorSlice(0, first * d, local.num_kv_heads * d, spec.num_kv_heads * d)
+    q_rows = (rank * local.num_heads * d, local.num_heads * d)
+    first = rank * spec.num_kv_heads // size  # replicated heads: ranks share one
+    kv_rows = (first * d, local.num_kv_heads * d)
+    q_full, kv_full = spec.num_heads * d, spec.num_kv_heads * d
+    mlp_rows = (rank * local.intermediate_size, local.intermediate_size)
+    if proj == "q_proj" or (proj == "q_norm" and spec.qk_norm_full):
+        return TensorSlice(0, *q_rows, q_full)
+    if proj in ("k_proj", "v_proj") or (proj == "k_norm" and spec.qk_norm_full):
+        return TensorSlice(0, *kv_rows, kv_full)
     if proj in ("gate_proj", "up_proj"):
-        return TensorSlice(0, rank * local.intermediate_size, local.intermediate_size, spec.intermediate_size)
+        return TensorSlice(0, *mlp_rows, spec.intermediate_size)
+    if proj == "qkv_proj":  # fused q|k|v (Phi-3)
+        segments = (q_rows, (q_full + kv_rows[0], kv_rows[1]), (q_full + kv_full + kv_rows[0], kv_rows[1]))
+        return TensorSlice(0, full=q_full + 2 * kv_full, segments=segments)
+    if proj == "gate_up_proj":  # fused gate|up (Phi-3)
+        segments = (mlp_rows, (spec.intermediate_size + mlp_rows[0], mlp_rows[1]))
+        return TensorSlice(0, full=2 * spec.intermediate_size, segments=segments)
     if proj in ("o_proj", "down_proj"):
         if leaf == "bias":
             return None if rank == 0 else TensorSlice(zeros=True)
@@ -158,5 +180,8 @@ def iter_rank_tensors(files: list[Path], spec: ModelSpec, rank: int, size: int) 
                         raise ValueError(
                             f"tensor {name} has shape {tuple(shape)}, expected {part.full} along dimension {part.dim}"
                         )
+                    if part.segments:
+                        yield name, torch.cat([view[start : start + n] for start, n in part.segments])
+                        continue
                     stop = part.start + part.length
                     yield name, view[part.start : stop] if part.dim == 0 else view[:, part.start : stop]

@@ -217,7 +217,7 @@ class Server:
         store = self.config.model_store_path
         try:
             path = resolve_url(e.url, store, self.config.allowed_urls)
-            archive = await registry.open(path)
+            archive = await registry.open(path, chat_template=e.chat_template)
             try:
                 entry = await registry.register(
                     archive,

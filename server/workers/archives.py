@@ -95,6 +95,9 @@ class LoadedArchive:
     config_keys: frozenset[str] = field(default_factory=frozenset)  # top-level keys it set
     custom_handler: Path | None = None
     handler: BaseHandler | None = None  # the custom handler's instance, not yet initialized
+    # The chat template given at registration of a .gguf file or model folder (kept in the
+    # snapshot, so a restart builds — or finds — the same archive with it).
+    chat_template: str | None = None
 
     @property
     def name(self) -> str:
@@ -129,7 +132,7 @@ def load_archive(path: Path, allow_custom_handlers: bool, chat_template: str | N
     spec = str(model.get("handler", ""))
     custom = resolve_handler(spec, files, allow_custom_handlers)
     handler = load_custom_handler(custom, spec) if custom is not None else None
-    return LoadedArchive(path, model_dir, manifest, model_config, config_keys, custom, handler)
+    return LoadedArchive(path, model_dir, manifest, model_config, config_keys, custom, handler, chat_template)
 
 
 def check_name(name: str) -> str:

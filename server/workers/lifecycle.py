@@ -29,10 +29,19 @@ from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from pagedserve.server.workers.memory_budget import Footprint, MemoryBudget, ModelTooLargeError, fmt, version_sizes
+from pagedserve.server.workers.memory_budget import (
+    Footprint,
+    MemoryBudget,
+    ModelTooLargeError,
+    fmt,
+    path_sizes,
+    version_sizes,
+)
 from pagedserve.server.workers.pool import NoWorkerError, WorkerSlot, WorkerStartFailed, WorkerStatus
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from pagedserve.engine.config.engine import EngineConfig
     from pagedserve.engine.core.async_llm import AsyncLLM
     from pagedserve.server.workers.version import ModelVersion
@@ -152,6 +161,23 @@ class ModelLifecycle:
                 f"(weights {fmt(one.weights)} + KV pool {fmt(one.kv_pool)} + overhead "
                 f"{fmt(one.overhead)}), more than the whole memory budget of "
                 f"{fmt(self.budget.total)}"
+            )
+
+    def check_path_fits(self, path: Path) -> None:
+        """ModelTooLargeError when one worker of the archive a .gguf file or model folder would
+        become is larger than the whole budget: checked before the archive is built (a GGUF is
+        not de-quantized, a folder not copied, for a model that can never load). Such an
+        archive has no model-config, so its workers take the engine's defaults."""
+        from pagedserve.engine.config.engine import EngineConfig
+
+        weights, kv, source = path_sizes(path, EngineConfig(model=str(path)))
+        overhead = self.budget.overhead_estimate
+        total = weights + kv + overhead
+        if total > self.budget.total:
+            raise ModelTooLargeError(
+                f"model {path.name} needs about {fmt(total)} per worker (weights {fmt(weights)} + KV pool "
+                f"{fmt(kv)} + overhead {fmt(overhead)}, estimated from {source} before converting it), "
+                f"more than the whole memory budget of {fmt(self.budget.total)}"
             )
 
     async def start_workers(self, entry: ModelVersion, n: int, *, wait: bool, for_request: bool = False) -> None:

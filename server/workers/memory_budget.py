@@ -112,6 +112,22 @@ def kv_pool_bytes(config: EngineConfig, hf_config: dict) -> int:
     return blocks * per_block
 
 
+def path_sizes(path: Path, config: EngineConfig) -> tuple[int, int, str]:
+    """(weights, KV pool, what they were read from) of a worker of the archive that a .gguf file
+    or model folder becomes, estimated before anything is converted or copied: the weights from
+    the GGUF's tensor table (every weight de-quantized to `config`'s dtype) or the folder's
+    safetensors headers; the KV pool from its config.json, or for a GGUF (no config.json yet)
+    `kv_cache_memory`, which the pool fills to within one block."""
+    from pagedserve.engine.model.path_source import gguf_summary
+
+    itemsize = config.torch_dtype.itemsize
+    if path.is_file():  # ValueError first for an architecture or tensor type it cannot serve
+        kv = config.kv_cache_memory if config.num_kv_blocks is None else 0
+        return gguf_summary(path)["weights"] * itemsize, kv, "its GGUF tensor table"
+    hf_config = json.loads((path / "config.json").read_text())
+    return weights_bytes(path, itemsize), kv_pool_bytes(config, hf_config), "its config.json and safetensors headers"
+
+
 @dataclass(slots=True, frozen=True)
 class Footprint:
     """What one worker of a version counts against the budget."""

@@ -30,6 +30,7 @@ import msgspec
 
 from pagedserve.engine.config.kv_offload import DEFAULT_CHUNK_SIZE
 from pagedserve.engine.model.model_config import ModelConfig
+from pagedserve.engine.model.path_source import is_model_path
 from pagedserve.handlers.base_handler import BaseHandler, Context
 from pagedserve.handlers.custom_handler import CustomHandlerError
 from pagedserve.handlers.llm_handler import ENGINE_WORKERS
@@ -138,8 +139,11 @@ class ModelRegistry:
     # -- changes (the management app's side) --------------------------------------------
     async def open(self, path: Path, chat_template: str | None = None) -> LoadedArchive:
         """Verify and extract the archive off the event loop (a .gguf file or a model folder:
-        archived first, with `chat_template` when given)."""
+        archived first, with `chat_template` when given, once the budget can hold a worker of
+        it: ModelTooLargeError otherwise)."""
         loop = asyncio.get_running_loop()
+        if is_model_path(path):
+            await loop.run_in_executor(self._executor, self.lifecycle.check_path_fits, path)
         return await loop.run_in_executor(self._executor, load_archive, path, self.allow_custom_handlers, chat_template)
 
     async def register(

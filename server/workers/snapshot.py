@@ -3,7 +3,8 @@
 The file holds, per model version: name, version, archive URL, min/max workers, whether it
 is the default version, its lifecycle state (loaded, sleeping or unloaded) and whether it is
 pinned (one `SnapshotEntry`; the last two default to "loaded" and unpinned, as in files
-written before they existed); and per LoRA adapter its name and archive URL (`AdapterEntry`,
+written before they existed), and the chat template a .gguf file or model folder was registered
+with, if any; and per LoRA adapter its name and archive URL (`AdapterEntry`,
 restored after the models, onto its base version). The registry saves it before each change takes
 effect (`pagedserve.server.common.safe_write`: an O_EXCL|O_NOFOLLOW temporary file, fsync, rename, fsync of the
 folder), and a failed save undoes the change (`pagedserve.server.workers.registry.SaveFailedError`). It is read
@@ -51,6 +52,8 @@ class SnapshotEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     default: bool
     state: Literal["loaded", "sleeping", "unloaded"] = "loaded"
     pinned: bool = False
+    # The chat template given when a .gguf file or model folder was registered (written only when set).
+    chat_template: Annotated[str, msgspec.Meta(min_length=1, max_length=65536)] | None = None
 
 
 def entries_of(registry: ModelRegistry) -> list[SnapshotEntry]:
@@ -68,6 +71,7 @@ def entries_of(registry: ModelRegistry) -> list[SnapshotEntry]:
                     version == model.default_version,
                     _saved_state(v),
                     v.pinned,
+                    v.archive.chat_template,
                 )
             )
     return out
@@ -111,6 +115,9 @@ class Snapshotter:
         """Write the registry's entries (and the carried ones not registered again). OSError,
         naming the file, when it cannot be written; the file is then unchanged."""
         entries: list[Any] = msgspec.to_builtins(entries_of(registry))
+        for e in entries:
+            if e["chat_template"] is None:
+                del e["chat_template"]
         registered = {_key(e) for e in entries}
         entries += [e for e in self.carried if _key(e) is None or _key(e) not in registered]
         adapters: list[Any] = [

@@ -284,7 +284,7 @@ def test_bfloat16_on_cpu_runs_packed_linears(checkpoint):
     test_bfloat16_stays_close); logits match F.linear. Projections the fused decode layers read
     (pagedserve.engine.model.fused_decode) keep their plain weights instead of a packed copy."""
     from pagedserve.kernels.cpu_isa import cpu_has_bf16_dot
-    from pagedserve.kernels.cpu_packed_linear import PackedLinear, packed_linear_supported
+    from pagedserve.kernels.cpu_packed_linear import PackedLinear, SharedWeightLinear, packed_linear_supported
     from pagedserve.kernels.cpu_upcast_linear import UpcastLinear
 
     native = cpu_has_bf16_dot()
@@ -296,9 +296,41 @@ def test_bfloat16_on_cpu_runs_packed_linears(checkpoint):
     projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
     fused = model.fused_decode is not None and model.fused_decode.index[0] is not None
     assert all(isinstance(p, torch.nn.Linear if fused and native else expected) for p in projections)
-    assert isinstance(model.packed_lm_head, expected)
+    if model.spec.tie_word_embeddings and native:  # the head reads the embedding's own table
+        assert isinstance(model.packed_lm_head, SharedWeightLinear)
+        assert model.packed_lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    else:
+        assert isinstance(model.packed_lm_head, expected)
     assert isinstance(PagedRunner(checkpoint, torch.float32).model.model.layers[0].mlp.down_proj, torch.nn.Linear)
     if model.spec.tie_word_embeddings:
         hidden = torch.randn(7, model.spec.hidden_size).bfloat16()
         want = F.linear(hidden, model.model.embed_tokens.weight)
         torch.testing.assert_close(model.compute_logits(hidden).float(), want.float(), rtol=1e-2, atol=2e-2)
+
+
+def test_safetensors_are_read_tensor_by_tensor_as_safetensors_reads_them(tmp_path):
+    """The loader's own reader (plain reads, no memory map: pagedserve.engine.model.loader) gives
+    what safetensors gives, for every dtype; a truncated file is refused naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from pagedserve.engine.model.loader import iter_safetensors
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "b": torch.randn(3, 5, generator=gen).bfloat16(),
+        "a": torch.randn(7, generator=gen),
+        "i": torch.arange(6, dtype=torch.int64).view(2, 3),
+        "q": torch.randint(-128, 127, (4, 4), dtype=torch.int8, generator=gen),
+        "h": torch.randn(2, 2, generator=gen).half(),
+        "empty": torch.zeros(0, 4),
+    }
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    got = dict(iter_safetensors([path]))
+    want = load_file(str(path))
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    path.write_bytes(path.read_bytes()[:-8])
+    with pytest.raises(ValueError, match=r"model.safetensors: tensor \w+ is cut short"):
+        dict(iter_safetensors([path]))

@@ -1,7 +1,8 @@
 """Mixture of experts under tensor parallelism (gloo, CPU): every rank holds every expert with a
 slice of its intermediate size, the router whole. TP = 2 generates what TP = 1 does on tiny
 random Qwen2-MoE (gated shared expert, a dense layer) and Mixtral (w1/w2/w3 names) configs;
-each rank reads its experts' slices; sizes that do not divide and OLMoE are refused."""
+each rank reads its experts' slices; sizes that do not divide are refused, and so is OLMoE with
+KV heads replicated (its TP run is in tests/engine/test_families_tensor_parallel.py)."""
 
 from __future__ import annotations
 
@@ -142,15 +143,18 @@ def test_expert_sizes_that_do_not_divide_are_named(moe, named):
         check_tensor_parallel(moe_spec(**moe), 4)
 
 
-def test_olmoe_is_refused_under_tensor_parallelism():
+def test_olmoe_with_fewer_kv_heads_than_ranks_is_refused():
+    """Its k norm spans all KV heads: replicated KV heads would count twice in the split norm."""
     spec = parse_config(
         transformers.OlmoeConfig(
             **COMMON, num_hidden_layers=1, num_experts=4, num_experts_per_tok=2, intermediate_size=32
         )
     )
+    check_tensor_parallel_support(spec, 4)
+    check_tensor_parallel(spec, 2)
     with pytest.raises(
         ValueError,
-        match="tensor parallelism is not supported for OlmoeForCausalLM; supported: .*"
-        "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM",
+        match=r"tensor_parallel_size=4 does not divide the model's 2 KV heads \(the k norm of OlmoeForCausalLM "
+        r"spans all KV heads: each rank needs a share of them, none replicated\)",
     ):
-        check_tensor_parallel_support(spec, 2)
+        check_tensor_parallel(spec, 4)

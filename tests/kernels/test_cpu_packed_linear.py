@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.cpu_packed_linear import PackedLinear, packed_linear_supported
+from pagedserve.kernels.cpu_packed_linear import PackedLinear, SharedWeightLinear, packed_linear_supported
+from pagedserve.kernels.cpu_upcast_linear import load_gemv
 
 pytestmark = pytest.mark.skipif(not packed_linear_supported(), reason="no oneDNN bf16 linear here")
 
@@ -32,3 +33,21 @@ def test_keeps_leading_dims_and_refuses_what_it_cannot_pack():
         PackedLinear(w, None)(torch.randn(3, 15).bfloat16())
     with pytest.raises(ValueError, match="bfloat16"):
         PackedLinear(w.float(), None)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 9, 64])
+@pytest.mark.parametrize("with_kernel", [False, True])
+def test_shared_weight_linear_reads_the_owners_table_and_matches_f_linear(rows, with_kernel):
+    """A tied LM head: no copy of the embedding (same storage), F.linear's numbers on both
+    paths (the native few-rows kernel for one row, F.linear above)."""
+    gemv = load_gemv() if with_kernel else None
+    if with_kernel and gemv is None:
+        pytest.skip("the native extension is not built here")
+    gen = torch.Generator().manual_seed(rows)
+    table = torch.nn.Embedding(300, 96, dtype=torch.bfloat16)
+    table.weight.data.copy_(torch.randn(300, 96, generator=gen))
+    head = SharedWeightLinear(table.weight, gemv=gemv)
+    assert head.weight.data_ptr() == table.weight.data_ptr() and not list(head.parameters())
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    torch.testing.assert_close(head(x).float(), F.linear(x, table.weight).float(), rtol=1e-2, atol=2e-2)
+    assert head(x.view(1, rows, 96)).shape == (1, rows, 300)

@@ -37,6 +37,7 @@ def paths(tmp_path_factory, tiny_model) -> dict[str, Path]:
         out[name] = folder
     out["iq2"] = _gguf(root / "iq2.gguf", "llama", "IQ2_XXS")
     out["bert"] = _gguf(root / "bert.gguf", "bert", "Q8_0")
+    out["llama_gguf"] = _gguf(root / "llama.gguf", "llama", "Q8_0")
     return out
 
 
@@ -142,17 +143,64 @@ def test_the_archive_is_built_once_per_content(mgmt, paths, tmp_path):
     assert archive_from_path(copy).parent.name == first.parent.name  # keyed by content, not path
 
 
-def test_a_model_larger_than_the_memory_budget_is_refused_507(inprocess_factory, paths, tmp_path_factory):
+@pytest.mark.parametrize(
+    "case, source",
+    [("base", "its config.json and safetensors headers"), ("llama_gguf", "its GGUF tensor table")],
+)
+def test_a_model_larger_than_the_memory_budget_is_refused_507_before_it_is_converted(
+    inprocess_factory, paths, tmp_path_factory, case, source
+):
+    """The estimate (weights in the serving dtype, the KV pool, the overhead) is read from the
+    folder's headers or the GGUF's tensor table: nothing is converted or copied into the cache."""
+    cache = tmp_path_factory.mktemp("cache507")
     mp = pytest.MonkeyPatch()
-    mp.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("cache507")))
+    mp.setenv("PAGEDSERVE_CACHE_DIR", str(cache))
     root = re.escape(str(paths["base"].parent.resolve()))
     small = inprocess_factory(enable_model_api=True, allowed_urls=[f"{root}/.*"], memory_budget="64MiB")
     try:
-        r = _register(small, paths["base"])
+        r = _register(small, paths[case])
         assert r.status == 507, r.text
         message = r.json()["message"]
-        assert "more than the whole memory budget of 64.0 MiB" in message, message
-        assert "weights" in message
+        assert re.search(
+            rf"model {paths[case].name} needs about [0-9.]+ GiB per worker \(weights [0-9.]+ (KiB|MiB) \+ KV pool "
+            rf"1.00 GiB \+ overhead [0-9.]+ MiB, estimated from {source} before converting it\), more than the "
+            r"whole memory budget of 64.0 MiB",
+            message,
+        ), message
         assert small.get("management", "/models").json() == {"models": []}
+        assert not (cache / "from-path").exists()  # no archive built, no file even hashed
+    finally:
+        mp.undo()
+
+
+def test_a_chat_template_given_at_registration_survives_a_restart(inprocess_factory, paths, tmp_path_factory):
+    """The snapshot keeps the template (a restored model chats); a model registered without
+    one has none in its entry."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("cache-restart")))
+    snapshot = tmp_path_factory.mktemp("snap") / "snapshot.json"
+    root = re.escape(str(paths["base"].parent.resolve()))
+    settings = {"enable_model_api": True, "allowed_urls": [f"{root}/.*"], "snapshot_path": str(snapshot)}
+    try:
+        first = inprocess_factory(**settings)
+        r = _register(first, paths["base"], model_name="chatty", chat_template=TEMPLATE, initial_workers=0)
+        assert r.status == 200, r.text
+        assert _register(first, paths["base"], model_name="plain", initial_workers=0).status == 200
+        entries = {e["name"]: e for e in json.loads(snapshot.read_text())["models"]}
+        assert entries["chatty"]["chat_template"] == TEMPLATE and "chat_template" not in entries["plain"]
+        first.stop()
+        again = inprocess_factory(**settings)
+        chat = again.post(
+            "inference",
+            "/v1/chat/completions",
+            json={"model": "chatty", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        )
+        assert chat.status == 200, chat.text
+        plain = again.post(
+            "inference",
+            "/v1/chat/completions",
+            json={"model": "plain", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        )
+        assert plain.status == 400 and "has no chat template" in plain.json()["error"]["message"], plain.text
     finally:
         mp.undo()

@@ -56,10 +56,28 @@ class VocabParallelEmbedding(nn.Module):
         return self.group.all_reduce(out)
 
 
+class SplitRMSNorm(nn.Module):
+    """An RMSNorm over a vector split among the ranks (OLMoE's q/k norms span every head; a rank
+    holds its heads' part): each rank holds its part of the weight, and the mean of squares is
+    the all-reduced sum of the ranks' squares over the whole size. Rounds like
+    pagedserve.engine.model.layers.norm.RMSNorm (float32, cast back, then the weight)."""
+
+    def __init__(self, size: int, full: int, eps: float, dtype: torch.dtype, group: RankGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
+        self.full, self.eps, self.group = full, eps, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        squares = self.group.all_reduce(h.pow(2).sum(-1, keepdim=True))
+        h = h * torch.rsqrt(squares / self.full + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
 def parallelize(model: DecoderModel, group: RankGroup, vocab_per_rank: int) -> None:
     """Make `model` (built at its rank's sizes, on the meta device, before its weights load)
-    rank `group.rank`'s part: a vocabulary-parallel embedding, and an all-reduce after every
-    row-parallel projection."""
+    rank `group.rank`'s part: a vocabulary-parallel embedding, an all-reduce after every
+    row-parallel projection, and q/k norms over whole projections (OLMoE) split."""
     embedding = model.embed_tokens
     assert isinstance(embedding, nn.Embedding)  # tensor parallelism takes no quantized embedding
     model.embed_tokens = VocabParallelEmbedding(
@@ -68,3 +86,11 @@ def parallelize(model: DecoderModel, group: RankGroup, vocab_per_rank: int) -> N
     for layer in model.layers:
         for part in ("self_attn", "mlp"):  # row-parallel projections inside: all-reduce their sums
             cast(_Reduced, layer.get_submodule(part)).reduce = group.all_reduce
+        attn = layer.self_attn
+        if getattr(
+            attn, "qk_norm_full", False
+        ):  # each rank holds an equal share of the heads (sharding refuses replicas)
+            for name in ("q_norm", "k_norm"):
+                norm = getattr(attn, name)
+                size = norm.weight.shape[0]
+                setattr(attn, name, SplitRMSNorm(size, size * group.size, norm.eps, norm.weight.dtype, group))
