@@ -333,6 +333,7 @@ class EngineCore:
         if not done:
             return
         started = time.perf_counter()
+        assert self.kv_offload is not None  # producers exist only with the offload connector
         self.kv_offload.wait_for_writes()
         waited = time.perf_counter() - started
         for output in done:

@@ -15,7 +15,7 @@ run as single C++ ops that round exactly like the torch code they replace.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +44,6 @@ from pagedserve.kernels.cpu_int8_mm_io import load_int8_mm_io
 from pagedserve.kernels.cpu_packed_linear import PackedLinear
 
 if TYPE_CHECKING:
-    from pagedserve.engine.model.fused_decode import FusedDecode
     from pagedserve.engine.model.layers.parallel import RankGroup
 
 # HF projection name -> (fused module name, shard index).
@@ -58,6 +57,17 @@ _FUSED = {
 _QUANT_LINEARS = (Int8Linear, Int4Linear)
 _UNFUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _PROJECTION_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+class DecodeShortcut(Protocol):
+    """A faster path for some steps' layers (pagedserve.engine.model.fused_decode.FusedDecode,
+    which imports this module: the model names only what it calls)."""
+
+    def applies(self, input_ids: torch.Tensor, meta: object, lora: object) -> bool: ...
+
+    def run_layers(
+        self, model: CausalLM, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
 class CausalLM(nn.Module):
@@ -136,7 +146,7 @@ class CausalLM(nn.Module):
         )
         self._qkv_sizes = [local.num_heads * local.head_dim] + [local.num_kv_heads * local.head_dim] * 2
         # Decode steps as one C++ call per run of layers (pagedserve.engine.model.fused_decode); set by the loader.
-        self.fused_decode: FusedDecode | None = None
+        self.fused_decode: DecodeShortcut | None = None
 
     def forward(
         self,

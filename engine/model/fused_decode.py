@@ -84,7 +84,7 @@ def layer_refusal(layer: nn.Module, dtype: torch.dtype, intermediate: int) -> st
     return None
 
 
-def _layer_weights(model: CausalLM, layer: DecoderLayer) -> list[torch.Tensor | None]:
+def _layer_weights(model: CausalLM, layer: Any) -> list[torch.Tensor | None]:
     attn, mlp = layer.self_attn, layer.mlp
     out: list[torch.Tensor | None] = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
     for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -174,7 +174,7 @@ def build_fused_decode(model: CausalLM) -> FusedDecode | None:
     ):
         return None
     reasons = [layer_refusal(layer, model.dtype, model.rank_spec.intermediate_size) for layer in model.model.layers]
-    fused = [layer for layer, why in zip(model.model.layers, reasons) if why is None]
+    fused: list[Any] = [layer for layer, why in zip(model.model.layers, reasons) if why is None]
     if not fused:
         return None
     ext = load_native()

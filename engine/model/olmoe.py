@@ -2,7 +2,7 @@
 heads, not per head) before RoPE, and whose MLPs are sparse blocks with softmax top-k routing
 (raw weights unless `norm_topk_prob`). `clip_qkv` is refused. Under tensor parallelism the q/k
 norms are split with the heads, their mean of squares all-reduced
-(pagedserve.engine.parallel.layers.SplitRMSNorm)."""
+(pagedserve.engine.model.layers.parallel.SplitRMSNorm)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ Rank r of N holds (as vLLM does):
   part, read from the fused tensor and concatenated (q|k|v, gate|up);
 - per-head q/k norms (Qwen3, Gemma 3) whole: every head shares them; q/k norms over whole
   projections (OLMoE) sliced like q_proj / k_proj rows, their mean of squares all-reduced
-  (pagedserve.engine.parallel.layers.SplitRMSNorm) — so KV heads cannot be replicated there;
+  (pagedserve.engine.model.layers.parallel.SplitRMSNorm) — so KV heads cannot be replicated there;
 - the other norms whole. A row-parallel bias (o_proj, down_proj) is added once: rank 0 holds it,
   the other ranks zeros, so the all-reduce of the partial outputs adds it exactly once.
 
@@ -144,8 +144,12 @@ def tensor_slice(name: str, spec: ModelSpec, rank: int, size: int) -> TensorSlic
     if proj in ("gate_proj", "up_proj"):
         return TensorSlice(0, *mlp_rows, spec.intermediate_size)
     if proj == "qkv_proj":  # fused q|k|v (Phi-3)
-        segments = (q_rows, (q_full + kv_rows[0], kv_rows[1]), (q_full + kv_full + kv_rows[0], kv_rows[1]))
-        return TensorSlice(0, full=q_full + 2 * kv_full, segments=segments)
+        qkv: tuple[tuple[int, int], ...] = (
+            q_rows,
+            (q_full + kv_rows[0], kv_rows[1]),
+            (q_full + kv_full + kv_rows[0], kv_rows[1]),
+        )
+        return TensorSlice(0, full=q_full + 2 * kv_full, segments=qkv)
     if proj == "gate_up_proj":  # fused gate|up (Phi-3)
         segments = (mlp_rows, (spec.intermediate_size + mlp_rows[0], mlp_rows[1]))
         return TensorSlice(0, full=2 * spec.intermediate_size, segments=segments)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ from pagedserve.engine.spec_decode.rejection import rejection_sample, verify_gre
 from pagedserve.engine.structured_output.manager import apply_bitmask
 
 if TYPE_CHECKING:
+    from pagedserve.engine.model.layers.decoder import DecoderLayer
     from pagedserve.engine.parallel.driver import TensorParallelModel
 
 
@@ -163,7 +164,7 @@ class ModelRunner:
         """The attention backend per attention kind: sliding-window and soft-capped layers on
         the torch backend where the configured one cannot serve them (Triton)."""
         plain = functools.cache(lambda: select_backend(self.device, "torch", self.kv_dtype))
-        for layer in self.model.model.layers:
+        for layer in cast("Iterable[DecoderLayer]", self.model.model.layers):
             attn = layer.self_attn
             attn.backend = backend_for_layer(attn.backend, attn.window, attn.softcap, plain)
 

@@ -113,6 +113,7 @@ class Speculator:
                 batch.append((request, room))
                 continue
             if self.suffix is None:
+                assert self.ngram is not None  # method ngram: the one proposer
                 request.spec_token_ids = self.ngram.propose(request.all_token_ids, room)
                 continue
             assert self.suffix is not None  # suffix and auto: the one proposer left

@@ -122,7 +122,7 @@ def path_sizes(path: Path, config: EngineConfig) -> tuple[int, int, str]:
 
     itemsize = config.torch_dtype.itemsize
     if path.is_file():  # ValueError first for an architecture or tensor type it cannot serve
-        kv = config.kv_cache_memory if config.num_kv_blocks is None else 0
+        kv = parse_size(config.kv_cache_memory) if config.num_kv_blocks is None else 0
         return gguf_summary(path)["weights"] * itemsize, kv, "its GGUF tensor table"
     hf_config = json.loads((path / "config.json").read_text())
     return weights_bytes(path, itemsize), kv_pool_bytes(config, hf_config), "its config.json and safetensors headers"

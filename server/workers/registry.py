@@ -386,7 +386,7 @@ class ModelRegistry:
         return DisaggRouter(
             list(config.worker_roles or ()),
             decode_router=router,
-            prefill_router=Router(config.routing, block_size=block_size),
+            prefill_router=Router(RoutingPolicy(config.routing), block_size=block_size),
             chunk_size=chunk,
             block_size=block_size,
             retry_wait_s=float(config.response_timeout),

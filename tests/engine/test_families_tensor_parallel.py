@@ -15,7 +15,7 @@ import transformers
 
 from pagedserve.engine.config.engine import EngineConfig
 from pagedserve.engine.core.engine_core import EngineCore
-from pagedserve.engine.parallel.sharding import tensor_slice
+from pagedserve.engine.model.sharding import tensor_slice
 from pagedserve.engine.request.request import Request
 from pagedserve.engine.sampling.params import SamplingParams
 from tests.engine import test_families, test_moe_parity
