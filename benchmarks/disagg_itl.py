@@ -202,8 +202,9 @@ def write_results(result: dict) -> None:
         "",
         f"{len(result['rounds'])} of {a['rounds']} paired rounds.",
         "",
-        f"CPU: {result['cpu']}; commit {result['commit']}; busy machine (other jobs running; "
-        f"load average at start {result['load_average']}).",
+        f"CPU: {result['cpu']}; commit {result['commit']}; "
+        + ("busy machine (other jobs running; " if float(result["load_average"]) > 1.0 else "quiet machine (")
+        + f"load average at start {result['load_average']}).",
         f"SmolLM2-135M bf16, 2 workers per side, 1 torch thread each; {a['concurrency']} closed-loop clients for "
         f"{a['seconds']} s per phase: {a['long_clients']} send ~{a['long_tokens']}-token prompts "
         f"({a['long_max_tokens']} tokens out), the others short chats ({a['short_max_tokens']} tokens out, streamed). "
