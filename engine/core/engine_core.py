@@ -89,7 +89,8 @@ class EngineCore:
         self.kv_offload = None
         if config.kv_offload_config is not None:
             # Imported here: it imports LMCache (seconds, ~120 MB), needed only with offload on.
-            from pagedserve.engine.kv_offload.manager import KVOffloadManager, model_fingerprint
+            from pagedserve.engine.kv_offload.keys import model_fingerprint
+            from pagedserve.engine.kv_offload.manager import KVOffloadManager
 
             self.kv_offload = KVOffloadManager(
                 config.kv_offload_config,

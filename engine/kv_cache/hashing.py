@@ -4,7 +4,7 @@ A block's hash covers its parent block's hash, its token ids and extra keys (LoR
 per-request cache salt), so equal hashes mean equal prefixes: a block can be shared by any
 request whose prefix up to and including that block is identical. The one definition for the
 prefix cache and the KV offload tier (whose chunks are runs of blocks: see
-`pagedserve.engine.kv_offload.manager.chunk_hash`).
+`pagedserve.engine.kv_offload.keys.chunk_hash`).
 """
 
 from __future__ import annotations

@@ -207,7 +207,7 @@ def test_engine_with_quantized_kv(tiny_model_dir):
 
 def test_offload_keys_tell_kv_dtypes_apart(tiny_model_dir):
     """One disk folder shared by a bf16-KV and an fp8-KV engine of one model never mixes their chunks."""
-    from pagedserve.engine.kv_offload.manager import model_fingerprint
+    from pagedserve.engine.kv_offload.keys import model_fingerprint
 
     keys = {model_fingerprint(tiny_model_dir, torch.bfloat16, kind) for kind in ("auto", "fp8_e4m3", "int8")}
     assert len(keys) == 3
