@@ -71,9 +71,10 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, lora), residual
 
 
-class SandwichDecoderLayer(nn.Module):
+class SandwichDecoderLayer(DecoderLayer):
     """Gemma 2 / 3: `x + post_attn_norm(attn(input_norm(x)))`, then
-    `x + post_ff_norm(mlp(pre_ff_norm(x)))`."""
+    `x + post_ff_norm(mlp(pre_ff_norm(x)))`: the plain layer's parts plus two norms around the
+    MLP, and its own forward."""
 
     def __init__(
         self,
@@ -84,12 +85,8 @@ class SandwichDecoderLayer(nn.Module):
         ops: CpuFusedOps | None = None,
         make_mlp: MakeMLP = dense_mlp,
     ) -> None:
-        super().__init__()
-        self.input_layernorm = make_norm(spec, spec.hidden_size, dtype, ops)
-        self.self_attn = Attention(spec, layer, dtype, backend, ops)
-        self.post_attention_layernorm = make_norm(spec, spec.hidden_size, dtype, ops)
+        super().__init__(spec, layer, dtype, backend, ops, make_mlp)
         self.pre_feedforward_layernorm = make_norm(spec, spec.hidden_size, dtype, ops)
-        self.mlp = make_mlp(spec, layer, dtype, ops)
         self.post_feedforward_layernorm = make_norm(spec, spec.hidden_size, dtype, ops)
 
     def forward(
