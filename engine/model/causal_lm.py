@@ -118,6 +118,7 @@ class CausalLM(nn.Module):
         max_len = max_model_len or spec.max_position_embeddings
         self.spec, self.dtype, self.device, self.max_model_len = spec, dtype, torch.device(device), max_len
         local = self.rank_spec
+        self.head_io: Any = None  # the native extension for an int8 head (set with quantized layers)
         with torch.device("meta"):
             self.model = DecoderModel(local, dtype, backend, fused_ops, self.layer_cls, self.make_mlp)
             self.lm_head: nn.Linear | Int8Linear | None = None
@@ -231,6 +232,8 @@ class CausalLM(nn.Module):
         on_cpu = self.device.type == "cpu"
         int4_dequant = load_int4_dequant() if on_cpu and QuantMethod.INT4 in methods else None
         int8_mm_io = load_int8_mm_io() if on_cpu and methods & {QuantMethod.INT8, QuantMethod.W8A8} else None
+        # The int8 embedding's head (tied or not) runs the native few-row int8 GEMV where it is built.
+        self.head_io = load_int8_mm_io() if on_cpu else None
         for qualified, parent, name in self._projections():
             linear = getattr(parent, name)
             method = quant.method_for(qualified)
@@ -259,6 +262,7 @@ class CausalLM(nn.Module):
                 False,
                 self.dtype,
                 weight_only_max_rows=HEAD_WEIGHT_ONLY_MAX_ROWS,
+                io=self.head_io,
             )
 
     def pack_linear_weights(
@@ -345,7 +349,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"tensors missing from checkpoint: {', '.join(sorted(missing)[:20])}")
         emb = self.model.embed_tokens
         if isinstance(emb, Int8Embedding) and self.lm_head is None:
-            self.packed_lm_head = Int8Linear.sharing(emb.qweight, emb.scale, self.dtype)
+            self.packed_lm_head = Int8Linear.sharing(emb.qweight, emb.scale, self.dtype, io=self.head_io)
 
     def _quant_target(self, name: str) -> tuple[Int8Embedding | Int8Linear | Int4Linear, int, int] | None:
         """For an HF weight name held by a quantized layer: (layer, first row, row count)."""

@@ -4,12 +4,14 @@ consecutive such layers as one call, so a batch-1 step costs a few dozen dispatc
 instead of ~2,000.
 
 A layer takes the fused path when it is the plain pre-norm layer (`DecoderLayer`) with Llama's
-RMSNorm, no q/k norm, no sliding window, no soft-capping, the SiLU-gated dense MLP and
-float32/bfloat16 projections (nn.Linear, or the bf16 CPU layers that keep the plain weight), on
-one process (no tensor parallelism), with the model-dtype KV cache. Every other layer runs its
-own module in the same step (`FusedDecode.reasons` says why, per layer): Gemma's sandwich norms,
-Qwen3's q/k norms, sliding windows, soft-capping, mixtures of experts, GELU, quantized
-projections (int8 / int4: their own kernels), quantized KV caches, tensor-parallel shards.
+RMSNorm, no q/k norm, no sliding window, no soft-capping, the SiLU-gated dense MLP, on one
+process (no tensor parallelism), with the model-dtype KV cache, and projections the extension
+multiplies: float32/bfloat16 (nn.Linear, or the bf16 CPU layers that keep the plain weight),
+weight-only int8 (`Int8Linear`: int8 codes widened in registers, the channel scale after the
+sum) or int4 (`Int4Linear`: the native int4 GEMV on torch's packed layout), each rounded as its
+layer rounds. Every other layer runs its own module in the same step (`FusedDecode.reasons`
+says why, per layer): Gemma's sandwich norms, Qwen3's q/k norms, sliding windows, soft-capping,
+mixtures of experts, GELU, W8A8 projections, quantized KV caches, tensor-parallel shards.
 A step takes the fused path when every row is a decode, there are at most `MAX_ROWS` of them,
 no row has a LoRA adapter, and the forward is not being traced by torch.compile.
 
@@ -29,6 +31,8 @@ from pagedserve.engine.attention.metadata import AttentionMetadata
 from pagedserve.engine.model.layers.decoder import DecoderLayer
 from pagedserve.engine.model.layers.mlp import GatedMLP
 from pagedserve.engine.model.layers.norm import RMSNorm
+from pagedserve.engine.model.quant_linear import Int4Linear, Int8Linear
+from pagedserve.kernels.cpu_int4_dequant import packed_block_n
 from pagedserve.kernels.cpu_native import load_native
 
 if TYPE_CHECKING:
@@ -49,6 +53,41 @@ def _plain_weight(proj: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] |
         return None
     bias = getattr(proj, "bias", None)
     return weight, bias if isinstance(bias, torch.Tensor) else None
+
+
+# The extension's projection kinds (kernels/csrc/decode_layer_api.h, ps::ProjKind).
+_PLAIN, _INT8, _INT4 = 0, 1, 2
+ProjArg = tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, int, int]
+
+
+def proj_arg(proj: nn.Module, dtype: torch.dtype) -> ProjArg | str:
+    """The extension's form of a projection: (kind, weight, bias, scale, shift, group size,
+    block rows), or why the fused layer cannot run it. int8 and int4 run the same kernels as
+    their layers' few-row paths (weight-only int8; the native int4 GEMV)."""
+    if isinstance(proj, Int8Linear):
+        if proj.weight_only_max_rows < MAX_ROWS or not proj.qweight.is_contiguous():
+            return "a W8A8 projection (activations quantized per token)"
+        return (_INT8, proj.qweight, proj.bias, proj.kernel_scale, None, 0, 0)
+    if isinstance(proj, Int4Linear):
+        if proj.dequant is None:
+            return "an int4 projection without the native GEMV"
+        scale, shift = proj.gemv_scale_shift
+        return (_INT4, proj.packed, proj.bias, scale, shift, proj.group_size, packed_block_n())
+    plain = _plain_weight(proj)
+    if plain is None or plain[0].dtype != dtype:
+        return f"a {type(proj).__name__} (not a {dtype} weight)"
+    weight, bias = plain
+    return (_PLAIN, weight.contiguous(), None if bias is None else bias.contiguous(), None, None, 0, 0)
+
+
+def _projections(layer: Any) -> list[tuple[str, nn.Module]]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [
+        ("qkv_proj", attn.qkv_proj),
+        ("o_proj", attn.o_proj),
+        ("gate_up_proj", mlp.gate_up_proj),
+        ("down_proj", mlp.down_proj),
+    ]
 
 
 def layer_refusal(layer: nn.Module, dtype: torch.dtype, intermediate: int) -> str | None:
@@ -72,28 +111,23 @@ def layer_refusal(layer: nn.Module, dtype: torch.dtype, intermediate: int) -> st
     for failed, reason in checks:
         if failed:
             return reason
-    for name, proj in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj)) + (
-        ("gate_up_proj", mlp.gate_up_proj),
-        ("down_proj", mlp.down_proj),
-    ):
-        plain = _plain_weight(proj)
-        if plain is None or plain[0].dtype != dtype:
-            return f"{name} is a {type(proj).__name__} (not a {dtype} weight)"
-    if _plain_weight(mlp.gate_up_proj)[0].shape[0] != 2 * intermediate:  # type: ignore[index]
+    for name, proj in _projections(layer):
+        arg = proj_arg(proj, dtype)
+        if isinstance(arg, str):
+            return f"{name} is {arg}"
+    gate_up = mlp.gate_up_proj
+    if getattr(gate_up, "out_features", None) != 2 * intermediate:
         return "an MLP of another width"
     return None
 
 
-def _layer_weights(model: CausalLM, layer: Any) -> list[torch.Tensor | None]:
-    attn, mlp = layer.self_attn, layer.mlp
-    out: list[torch.Tensor | None] = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-    for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-        weight, bias = _plain_weight(proj)  # type: ignore[misc]  # checked by layer_refusal
-        out += [weight.contiguous(), None if bias is None else bias.contiguous()]
+def _layer_tables(model: CausalLM, layer: Any) -> list[torch.Tensor]:
+    """Input norm, post-attention norm, RoPE cos, RoPE sin."""
     half = model.spec.head_dim // 2
-    cos = getattr(model, f"rope_{attn.rope_table}_cos").reshape(-1, half)
-    sin = getattr(model, f"rope_{attn.rope_table}_sin").reshape(-1, half)
-    return [*out, cos.contiguous(), sin.contiguous()]
+    rope = layer.self_attn.rope_table
+    cos = getattr(model, f"rope_{rope}_cos").reshape(-1, half)
+    sin = getattr(model, f"rope_{rope}_sin").reshape(-1, half)
+    return [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, cos.contiguous(), sin.contiguous()]
 
 
 @dataclass(slots=True)
@@ -188,15 +222,14 @@ def build_fused_decode(model: CausalLM) -> FusedDecode | None:
         spec.head_dim,
         spec.intermediate_size,
         float(spec.rms_norm_eps),
-        [_layer_weights(model, layer) for layer in fused],
+        [_layer_tables(model, layer) for layer in fused],
+        [[proj_arg(proj, model.dtype) for _, proj in _projections(layer)] for layer in fused],
         [float(layer.self_attn.scale) for layer in fused],
     )
     index: list[int | None] = []
     for why in reasons:
         index.append(None if why is not None else sum(1 for j in index if j is not None))
     held = frozenset(
-        id(proj.weight)
-        for layer in fused
-        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        id(proj.weight) for layer in fused for _, proj in _projections(layer) if isinstance(proj, nn.Linear)
     )
     return FusedDecode(stack, index, reasons, held)

@@ -1,7 +1,9 @@
 """Quantized linear layers for CPU inference: int8 and int4 weight-only, and W8A8.
 
 - `Int8Linear`: int8 weights, one float scale per output channel (symmetric). Few rows (decode)
-  run `aten._weight_int8pack_mm` (weight-only: activations stay in the model dtype), which loses
+  run weight-only (activations stay in the model dtype): up to 16 rows the native extension's
+  int8 GEMV (kernels/csrc/proj_gemv.h, the fused decode layer's), else or without it
+  `aten._weight_int8pack_mm`, which loses
   to bf16 from a few dozen rows on. More rows run `torch._int_mm` (VNNI int8 dot products) on
   activations quantized per token at run time, the call's largest input channels kept apart in
   float32 (`_w8a8_mm`; the quantization and the rescaling with the outlier product run as one
@@ -215,10 +217,11 @@ class Int8Linear(_QuantBase):
         scale: torch.Tensor,
         dtype: torch.dtype,
         weight_only_max_rows: int = HEAD_WEIGHT_ONLY_MAX_ROWS,
+        io=None,
     ) -> Int8Linear:
         """A bias-free layer over existing int8 storage (the tied LM head over the embedding)."""
         with torch.device("meta"):
-            layer = cls(qweight.shape[1], qweight.shape[0], False, dtype, weight_only_max_rows)
+            layer = cls(qweight.shape[1], qweight.shape[0], False, dtype, weight_only_max_rows, io=io)
         layer.qweight, layer.scale = qweight, scale
         layer.kernel_scale = scale.to(dtype)
         layer.rows_loaded = layer.out_features
@@ -242,7 +245,9 @@ class Int8Linear(_QuantBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = self._rows(x)
-        if rows.shape[0] <= self.weight_only_max_rows:
+        if self.io is not None and rows.shape[0] <= min(self.weight_only_max_rows, INT8_WEIGHT_ONLY_MAX_ROWS):
+            out = self.io.int8_linear_few_rows(rows.to(self.dtype), self.qweight, self.kernel_scale)
+        elif rows.shape[0] <= self.weight_only_max_rows:
             out = torch.ops.aten._weight_int8pack_mm(rows.to(self.dtype), self.qweight, self.kernel_scale)
         elif rows.shape[0] < self.dequant_min_rows:
             out = _w8a8_mm(rows, self.qweight, self.scale, io=self.io)

@@ -17,5 +17,6 @@ namespace decode {
 #include "paged_decode_attention.h"
 }
 namespace layer {
+#include "proj_gemv.h"
 #include "decode_layer.h"
 }

@@ -10,83 +10,10 @@
 // Activations stay float32 between the ops; with a bfloat16 model every result is rounded to
 // bf16 where the torch layers round it (each linear's output, the residual adds, the norm before
 // and after its weight, RoPE's products and sums, SiLU and its product), so the values follow the
-// unfused path's up to summation order. The linears are GEMVs over the weight's rows (each row
-// read once for all M rows, float32 FMAs on vec.h's vectors), split over output rows with
-// at::parallel_for (torch's thread pool); the small elementwise steps run on one thread.
-// Included by native.cpp once per instruction set, after paged_decode_attention.h.
-using bf16 = at::BFloat16;
-
-static inline float widen(float x) { return x; }
-static inline float widen(bf16 x) { return vec::bf16_to_float(x.x); }
-static inline vec::F wload(const float* p) { return vec::load(p); }
-static inline vec::F wload(const bf16* p) { return vec::load_bf16(reinterpret_cast<const uint16_t*>(p)); }
-
-// x rounded to T's precision (bf16: nearest even, as torch rounds each bf16 op's result).
-template <typename T>
-static inline float round_as(float x) {
-  if constexpr (std::is_same_v<T, bf16>) return vec::bf16_to_float(vec::float_to_bf16(x));
-  else return x;
-}
-template <typename T>
-static inline void store_as(T* dst, float x) {
-  if constexpr (std::is_same_v<T, bf16>) dst->x = vec::float_to_bf16(x);
-  else *dst = x;
-}
-
-// acc[j] = dot(x[j * K :], w_row) for j < MR (MR rows of x, float32, row stride K).
-template <int MR, typename T>
-static inline void row_dots(const T* w_row, const float* x, int64_t K, float* acc) {
-  using namespace vec;
-  int64_t k = 0;
-  if constexpr (MR == 1) {  // four independent FMA chains, else the loop waits on the FMA latency
-    F s0 = zero(), s1 = s0, s2 = s0, s3 = s0;
-    for (; k + 4 * W <= K; k += 4 * W) {
-      s0 = fma(wload(w_row + k), load(x + k), s0);
-      s1 = fma(wload(w_row + k + W), load(x + k + W), s1);
-      s2 = fma(wload(w_row + k + 2 * W), load(x + k + 2 * W), s2);
-      s3 = fma(wload(w_row + k + 3 * W), load(x + k + 3 * W), s3);
-    }
-    for (; k + W <= K; k += W) s0 = fma(wload(w_row + k), load(x + k), s0);
-    acc[0] = reduce_add(add(add(s0, s1), add(s2, s3)));
-  } else {
-    F s[MR];
-    for (int j = 0; j < MR; ++j) s[j] = zero();
-    for (; k + W <= K; k += W) {
-      const F wv = wload(w_row + k);
-      for (int j = 0; j < MR; ++j) s[j] = fma(wv, load(x + j * K + k), s[j]);
-    }
-    for (int j = 0; j < MR; ++j) acc[j] = reduce_add(s[j]);
-  }
-  for (; k < K; ++k) {
-    const float wv = widen(w_row[k]);
-    for (int j = 0; j < MR; ++j) acc[j] += wv * x[j * K + k];
-  }
-}
-
-// y [M, N] = x [M, K] W^T (+ bias), rounded to T; W [N, K] in T.
-template <typename T>
-static void gemv(const float* x, int64_t M, int64_t K, const T* w, const T* bias, int64_t N, float* y) {
-  constexpr int64_t kGrain = 32;  // output rows per task at least
-  at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
-    float acc[4];
-    for (int64_t n = begin; n < end; ++n) {
-      const T* wr = w + n * K;
-      const float b = bias ? widen(bias[n]) : 0.f;
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int64_t mr = std::min<int64_t>(4, M - m0);
-        const float* xm = x + m0 * K;
-        switch (mr) {
-          case 1: row_dots<1>(wr, xm, K, acc); break;
-          case 2: row_dots<2>(wr, xm, K, acc); break;
-          case 3: row_dots<3>(wr, xm, K, acc); break;
-          default: row_dots<4>(wr, xm, K, acc); break;
-        }
-        for (int64_t j = 0; j < mr; ++j) y[(m0 + j) * N + n] = round_as<T>(acc[j] + b);
-      }
-    }
-  });
-}
-
+// unfused path's up to summation order. The linears are proj_gemv.h's GEMVs, in the format of
+// each projection's weight (float32 / bf16, int8, int4); the small elementwise steps run on one
+// thread. Included by native.cpp once per instruction set, after paged_decode_attention.h and
+// proj_gemv.h.
 // out [M, n] = RMSNorm(r) * weight as HF's LlamaRMSNorm rounds it: normalised in float32, cast
 // to T, then times the weight in T.
 template <typename T>
@@ -150,7 +77,7 @@ static void layer_forward(const ps::DecodeLayerWeights& L, const ps::DecodeLayer
   if (first) std::memcpy(residual, h, M * E * sizeof(float));
   else add_residual<T>(residual, h, M * E);
   rms_norm_rows(residual, static_cast<const T*>(L.input_norm), M, E, d.eps, b.x.data());
-  gemv(b.x.data(), M, E, static_cast<const T*>(L.qkv), static_cast<const T*>(L.qkv_bias), QKV, b.qkv.data());
+  project<T>(L.qkv, b.x.data(), M, E, QKV, b.qkv.data());
   for (int64_t m = 0; m < M; ++m) {
     float* row = b.qkv.data() + m * QKV;
     rope_row(row, H + KVH, D, static_cast<const T*>(L.rope_cos), static_cast<const T*>(L.rope_sin), s.positions[m]);
@@ -165,11 +92,10 @@ static void layer_forward(const ps::DecodeLayerWeights& L, const ps::DecodeLayer
   decode::decode_kernel<T>(b.q.data(), kc, vc, s.block_tables, s.seq_lens, b.attn_t.data(), M, H, KVH, D,
                            s.block_size, s.table_stride, L.scale);
   for (int64_t i = 0; i < M * H * D; ++i) b.attn[i] = widen(b.attn_t[i]);
-  gemv(b.attn.data(), M, H * D, static_cast<const T*>(L.o), static_cast<const T*>(L.o_bias), E, b.o.data());
+  project<T>(L.o, b.attn.data(), M, H * D, E, b.o.data());
   add_residual<T>(residual, b.o.data(), M * E);
   rms_norm_rows(residual, static_cast<const T*>(L.post_norm), M, E, d.eps, b.x.data());
-  gemv(b.x.data(), M, E, static_cast<const T*>(L.gate_up), static_cast<const T*>(L.gate_up_bias), 2 * I,
-       b.gate_up.data());
+  project<T>(L.gate_up, b.x.data(), M, E, 2 * I, b.gate_up.data());
   for (int64_t m = 0; m < M; ++m) {
     const float* g = b.gate_up.data() + m * 2 * I;
     for (int64_t i = 0; i < I; ++i) {
@@ -177,7 +103,7 @@ static void layer_forward(const ps::DecodeLayerWeights& L, const ps::DecodeLayer
       b.act[m * I + i] = round_as<T>(silu * g[I + i]);
     }
   }
-  gemv(b.act.data(), M, I, static_cast<const T*>(L.down), static_cast<const T*>(L.down_bias), E, h);
+  project<T>(L.down, b.act.data(), M, I, E, h);
 }
 
 template <typename T>

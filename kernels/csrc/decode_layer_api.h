@@ -5,22 +5,36 @@
 
 namespace ps {
 
-// One Llama-family decoder layer (pre-norm, RMSNorm, SiLU-gated MLP): weights in the model dtype
-// (float32 or bfloat16), nn.Linear's [out, in] row-major layout; biases may be null.
+// How a projection's weight is stored (the engine's layers: nn.Linear, Int8Linear, Int4Linear).
+enum class ProjKind : int32_t {
+  kPlain = 0,  // [out, in] row-major in the model dtype
+  kInt8 = 1,   // int8 [out, in] row-major, `scale` [out] in the model dtype (per output channel)
+  kInt4 = 2,   // torch's CPU int4 packed layout (int4_gemv.h), float32 `scale`, `shift` [in / group, out]
+};
+
+// One projection: y = x W^T (+ bias), the bias in the model dtype or null.
+struct Proj {
+  ProjKind kind;
+  const void* w;
+  const void* bias;
+  const void* scale;   // kInt8: model dtype [out]; kInt4: float32 [groups, out]
+  const float* shift;  // kInt4: float32 [groups, out]
+  int64_t group_size;  // kInt4
+  int64_t block_n;     // kInt4: output rows per packed block (32 or 64)
+};
+
+// One Llama-family decoder layer (pre-norm, RMSNorm, SiLU-gated MLP); norms and RoPE tables in
+// the model dtype (float32 or bfloat16).
 struct DecodeLayerWeights {
-  const void* input_norm;     // [hidden]
-  const void* post_norm;      // [hidden]
-  const void* qkv;            // [(H + 2 KVH) D, hidden], rows q | k | v
-  const void* qkv_bias;       // [(H + 2 KVH) D] or null
-  const void* o;              // [hidden, H D]
-  const void* o_bias;         // [hidden] or null
-  const void* gate_up;        // [2 I, hidden], rows gate | up
-  const void* gate_up_bias;   // [2 I] or null
-  const void* down;           // [hidden, I]
-  const void* down_bias;      // [hidden] or null
-  const void* rope_cos;       // [max_len, D / 2]
-  const void* rope_sin;       // [max_len, D / 2]
-  float scale;                // attention score scale
+  const void* input_norm;  // [hidden]
+  const void* post_norm;   // [hidden]
+  Proj qkv;                // [(H + 2 KVH) D, hidden], rows q | k | v
+  Proj o;                  // [hidden, H D]
+  Proj gate_up;            // [2 I, hidden], rows gate | up
+  Proj down;               // [hidden, I]
+  const void* rope_cos;    // [max_len, D / 2]
+  const void* rope_sin;    // [max_len, D / 2]
+  float scale;             // attention score scale
 };
 
 // Shapes shared by the layers of one model.

@@ -89,6 +89,28 @@ void int4_gemv_blocks(const uint8_t* p, const float* x, const float* xsum, const
 
 }  // namespace
 
+// out [M, N] float32 = x [M, K] float32 @ W^T, W in the packed layout (raw pointers; M <= 16;
+// the shapes checked by the caller). Also the fused decode layer's int4 projection.
+void int4_gemv_raw(const float* x, int64_t M, int64_t K, const uint8_t* p, const float* sp, const float* hp,
+                   int64_t N, int64_t block_n, int64_t group_size, float* out) {
+  const int64_t groups = K / group_size;
+  std::vector<float> xsum(M * groups);  // each group's sum of x, for the shift term
+  float* xs = xsum.data();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) s += x[m * K + k];
+      xs[m * groups + g] = s;
+    }
+  switch (block_n / 2 / vec::W) {  // vectors per half block
+    case 1: int4_gemv_blocks<1>(p, x, xs, sp, hp, M, K, N, block_n, group_size, out); break;
+    case 2: int4_gemv_blocks<2>(p, x, xs, sp, hp, M, K, N, block_n, group_size, out); break;
+    case 4: int4_gemv_blocks<4>(p, x, xs, sp, hp, M, K, N, block_n, group_size, out); break;
+    case 16: int4_gemv_blocks<16>(p, x, xs, sp, hp, M, K, N, block_n, group_size, out); break;
+    default: int4_gemv_blocks<32>(p, x, xs, sp, hp, M, K, N, block_n, group_size, out); break;
+  }
+}
+
 // float32 `x [M, K] @ W^T` -> [M, N] for M <= 16, W in the packed layout (block_n 32 or 64).
 torch::Tensor int4pack_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor shift,
                             int64_t group_size, int64_t block_n) {
@@ -106,24 +128,8 @@ torch::Tensor int4pack_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor
                   shift.is_contiguous() && scale.dim() == 2 && scale.size(0) == groups && scale.size(1) == N &&
                   shift.sizes() == scale.sizes(),
               "scale and shift must be contiguous float32 [K / group_size, N]");
-  const float* xp = x.data_ptr<float>();
-  std::vector<float> xsum(M * groups);  // each group's sum of x, for the shift term
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) s += xp[m * K + k];
-      xsum[m * groups + g] = s;
-    }
   torch::Tensor out = torch::empty({M, N}, x.options());
-  const uint8_t* p = packed.data_ptr<uint8_t>();
-  const float *sp = scale.data_ptr<float>(), *hp = shift.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  switch (block_n / 2 / vec::W) {  // vectors per half block
-    case 1: int4_gemv_blocks<1>(p, xp, xsum.data(), sp, hp, M, K, N, block_n, group_size, op); break;
-    case 2: int4_gemv_blocks<2>(p, xp, xsum.data(), sp, hp, M, K, N, block_n, group_size, op); break;
-    case 4: int4_gemv_blocks<4>(p, xp, xsum.data(), sp, hp, M, K, N, block_n, group_size, op); break;
-    case 16: int4_gemv_blocks<16>(p, xp, xsum.data(), sp, hp, M, K, N, block_n, group_size, op); break;
-    default: int4_gemv_blocks<32>(p, xp, xsum.data(), sp, hp, M, K, N, block_n, group_size, op); break;
-  }
+  int4_gemv_raw(x.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                shift.data_ptr<float>(), N, block_n, group_size, out.data_ptr<float>());
   return out;
 }

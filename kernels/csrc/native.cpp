@@ -103,48 +103,46 @@ using torch::Tensor;
 namespace py = pybind11;
 
 // ---- fused decode layers (decode_layer.h) --------------------------------------------------------
+// A projection as Python hands it over: (kind, weight, bias, scale, shift, group_size, block_n),
+// kind 0 plain / 1 int8 / 2 int4 (ps::ProjKind); absent entries None.
+using ProjArg = std::tuple<int64_t, Tensor, c10::optional<Tensor>, c10::optional<Tensor>, c10::optional<Tensor>,
+                           int64_t, int64_t>;
+
 // One model's Llama-family layers for the fused decode path: the weights (kept alive here) of the
 // layers that take it, and a forward that runs a step's decode rows through layers [first, last)
-// in one call. Weights per layer, in this order: input norm, post-attention norm, qkv, qkv bias,
-// o, o bias, gate_up, gate_up bias, down, down bias, RoPE cos, RoPE sin (None for an absent bias).
+// in one call. Per layer: `tables` = input norm, post-attention norm, RoPE cos, RoPE sin (model
+// dtype); `projs` = qkv, o, gate_up, down.
 class DecodeStack {
  public:
   DecodeStack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
-              const std::vector<std::vector<c10::optional<Tensor>>>& weights, const std::vector<double>& scales) {
-    TORCH_CHECK(!weights.empty() && weights.size() == scales.size(), "one scale per layer, at least one layer");
+              const std::vector<std::vector<Tensor>>& tables, const std::vector<std::vector<ProjArg>>& projs,
+              const std::vector<double>& scales) {
+    TORCH_CHECK(!tables.empty() && tables.size() == scales.size() && projs.size() == scales.size(),
+                "tables, projections and a scale per layer, at least one layer");
     TORCH_CHECK(head_dim % 2 == 0 && heads % kv_heads == 0, "head_dim must be even, heads a multiple of kv_heads");
-    const auto dtype = weights[0][0]->scalar_type();
+    TORCH_CHECK(tables[0].size() == 4, "4 tables per layer");
+    const auto dtype = tables[0][0].scalar_type();
     TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "weights must be float32 or bfloat16");
     dims_ = {hidden, heads, kv_heads, head_dim, intermediate, static_cast<float>(eps), dtype == at::kBFloat16};
     dtype_ = dtype;
-    const int64_t qkv = (heads + 2 * kv_heads) * head_dim;
-    // (rows, columns) of each entry; columns 0: a vector; rows -1: RoPE tables [any, head_dim / 2]
-    const std::array<std::pair<int64_t, int64_t>, 12> shapes = {{{hidden, 0}, {hidden, 0}, {qkv, hidden}, {qkv, 0},
-        {hidden, heads * head_dim}, {hidden, 0}, {2 * intermediate, hidden}, {2 * intermediate, 0},
-        {hidden, intermediate}, {hidden, 0}, {-1, head_dim / 2}, {-1, head_dim / 2}}};
-    for (size_t l = 0; l < weights.size(); ++l) {
-      TORCH_CHECK(weights[l].size() == 12, "layer ", l, ": 12 weight entries expected");
-      const void* p[12];
-      for (int i = 0; i < 12; ++i) {
-        const auto& t = weights[l][i];
-        const bool bias = i == 3 || i == 5 || i == 7 || i == 9;
-        if (!t.has_value()) {
-          TORCH_CHECK(bias, "layer ", l, ": weight entry ", i, " is required");
-          p[i] = nullptr;
-          continue;
-        }
-        TORCH_CHECK(t->scalar_type() == dtype && t->is_contiguous() && t->device().is_cpu(), "layer ", l,
-                    ": weight entry ", i, " must be a contiguous CPU tensor of the model dtype");
-        const auto [rows, cols] = shapes[i];
-        const bool fits = cols == 0 ? t->dim() == 1 && t->size(0) == rows
-                                    : t->dim() == 2 && (rows < 0 || t->size(0) == rows) && t->size(1) == cols;
-        TORCH_CHECK(fits, "layer ", l, ": entry ", i, " shape");
-        keep_.push_back(*t);
-        p[i] = t->data_ptr();
+    // (out, in) of qkv, o, gate_up, down
+    const std::array<std::pair<int64_t, int64_t>, 4> shapes = {
+        {{(heads + 2 * kv_heads) * head_dim, hidden}, {hidden, heads * head_dim}, {2 * intermediate, hidden},
+         {hidden, intermediate}}};
+    for (size_t l = 0; l < tables.size(); ++l) {
+      TORCH_CHECK(tables[l].size() == 4 && projs[l].size() == 4, "layer ", l, ": 4 tables and 4 projections");
+      const void* t[4];
+      for (int i = 0; i < 4; ++i) {
+        const Tensor& x = tables[l][i];
+        const bool fits = i < 2 ? x.dim() == 1 && x.size(0) == hidden : x.dim() == 2 && x.size(1) == head_dim / 2;
+        TORCH_CHECK(fits && x.scalar_type() == dtype && x.is_contiguous() && x.device().is_cpu(), "layer ", l,
+                    ": table ", i, " must be a contiguous CPU tensor of the model dtype and shape");
+        t[i] = keep(x);
       }
-      layers_.push_back({p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11],
-                         static_cast<float>(scales[l])});
-      max_positions_.push_back(weights[l][10]->size(0));
+      ps::Proj p[4];
+      for (int i = 0; i < 4; ++i) p[i] = proj(projs[l][i], shapes[i].first, shapes[i].second, l, i);
+      layers_.push_back({t[0], t[1], p[0], p[1], p[2], p[3], t[2], t[3], static_cast<float>(scales[l])});
+      max_positions_.push_back(tables[l][2].size(0));
     }
   }
 
@@ -223,6 +221,42 @@ class DecodeStack {
     return out;
   }
 
+  const void* keep(const Tensor& t) {
+    keep_.push_back(t);
+    return t.data_ptr();
+  }
+
+  // Checks one projection's tensors against its kind and shape [N, K]; keeps them alive.
+  ps::Proj proj(const ProjArg& a, int64_t N, int64_t K, size_t l, int i) {
+    const auto& [kind, w, bias, scale, shift, group_size, block_n] = a;
+    auto check = [&](const Tensor& t, at::ScalarType type, std::vector<int64_t> shape, const char* what) {
+      TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.device().is_cpu() && t.sizes() == shape, "layer ",
+                  l, ", projection ", i, ": ", what, " must be a contiguous CPU tensor of the expected dtype and shape");
+      return keep(t);
+    };
+    ps::Proj p{static_cast<ps::ProjKind>(kind), nullptr, nullptr, nullptr, nullptr, group_size, block_n};
+    if (bias.has_value()) p.bias = check(*bias, dtype_, {N}, "bias");
+    switch (kind) {
+      case 0: p.w = check(w, dtype_, {N, K}, "weight"); break;
+      case 1:
+        p.w = check(w, at::kChar, {N, K}, "int8 weight");
+        TORCH_CHECK(scale.has_value(), "layer ", l, ", projection ", i, ": int8 needs a scale");
+        p.scale = check(*scale, dtype_, {N}, "int8 scale");
+        break;
+      case 2: {
+        TORCH_CHECK((block_n == 32 || block_n == 64) && N % block_n == 0 && group_size > 0 && K % group_size == 0,
+                    "layer ", l, ", projection ", i, ": int4 block_n must be 32 or 64 dividing N, group_size dividing K");
+        p.w = check(w, at::kByte, {N, K / 2}, "int4 packed weight");
+        TORCH_CHECK(scale.has_value() && shift.has_value(), "layer ", l, ", projection ", i, ": int4 needs scale and shift");
+        p.scale = check(*scale, at::kFloat, {K / group_size, N}, "int4 scale");
+        p.shift = static_cast<const float*>(check(*shift, at::kFloat, {K / group_size, N}, "int4 shift"));
+        break;
+      }
+      default: TORCH_CHECK(false, "layer ", l, ", projection ", i, ": kind must be 0 (plain), 1 (int8) or 2 (int4)");
+    }
+    return p;
+  }
+
   ps::DecodeLayerDims dims_{};
   at::ScalarType dtype_ = at::kFloat;
   std::vector<ps::DecodeLayerWeights> layers_;
@@ -261,6 +295,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         "float32 x [1-16, K] @ W^T for int4 W in the packed layout", py::arg("x"), py::arg("packed"),
         py::arg("scale"), py::arg("shift"), py::arg("group_size"), py::arg("block_n"), isa);
+  m.def("int8_linear_few_rows",
+        [](Tensor x, Tensor q, Tensor s, const std::string& isa) { return PS_CALL(isa, layer::int8_linear_few_rows, x, q, s); },
+        "weight-only int8 linear for 1-16 rows", py::arg("x"), py::arg("qweight"), py::arg("scale"), isa);
   m.def("int8_quantize_rows",
         [](Tensor x, int64_t j, const std::string& isa) { return PS_CALL(isa, int8io::int8_quantize_rows, x, j); },
         "per-token int8 quantization with outlier channels kept apart", py::arg("x"), py::arg("outliers"), isa);
@@ -300,10 +337,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("kv_quant"), isa);
 
   py::class_<DecodeStack>(m, "DecodeStack", "fused decode layers of one Llama-family model (decode_layer.h)")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double,
-                    const std::vector<std::vector<c10::optional<Tensor>>>&, const std::vector<double>&>(),
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, const std::vector<std::vector<Tensor>>&,
+                    const std::vector<std::vector<ProjArg>>&, const std::vector<double>&>(),
            py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"),
-           py::arg("eps"), py::arg("weights"), py::arg("scales"))
+           py::arg("eps"), py::arg("tables"), py::arg("projs"), py::arg("scales"))
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
       .def("forward", &DecodeStack::forward, "(h, residual) after layers [first, last) for the decode rows",
            py::arg("first"), py::arg("last"), py::arg("h"), py::arg("residual"), py::arg("kv_caches"),

@@ -36,6 +36,7 @@
   void rotary_embedding_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);                               \
   }                                                                                                            \
   namespace ns::layer {                                                                                        \
+  torch::Tensor int8_linear_few_rows(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale);             \
   void decode_layers(const std::vector<ps::DecodeLayerWeights>& layers, const ps::DecodeLayerDims& d,          \
                      const ps::DecodeStep& s, const std::vector<void*>& k_caches,                              \
                      const std::vector<void*>& v_caches, float* h, float* residual, bool first);               \

@@ -74,6 +74,30 @@ def test_greedy_tokens_equal_the_reference_path_in_float32(llm, monkeypatch):
     assert avx2 == reference
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_models_fuse_every_layer_with_the_same_greedy_tokens(default_model_dir, mode):
+    """int8 and int4 projections run inside the fused layers (the kernels their layers' own
+    few-row paths run), so greedy tokens equal the reference path's in float32."""
+    engine = LLM(
+        default_model_dir,
+        dtype="float32",
+        quantization=mode,
+        kv_cache_memory="64MiB",
+        max_model_len=512,
+        num_threads=2,
+    )
+    try:
+        model = engine.engine.runner.model
+        fused = model.fused_decode
+        assert fused is not None and fused.reasons == [None] * len(model.model.layers)
+        with_fused = _greedy(engine, 8)
+        model.fused_decode = None
+        reference = _greedy(engine, 8)
+    finally:
+        engine.shutdown()
+    assert with_fused == reference
+
+
 def test_a_batch_1_decode_step_costs_at_most_100_dispatcher_calls(llm):
     def ops(n: int) -> int:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -8,6 +8,7 @@ import torch
 
 from pagedserve.engine.model.quant_linear import _w8a8_mm, quantize_int8
 from pagedserve.kernels.cpu_int8_mm_io import load_int8_mm_io
+from pagedserve.kernels.cpu_native import available_isas
 from tests.kernels import built_or_skip
 
 
@@ -67,3 +68,22 @@ def test_refuses_mismatched_shapes(ext):
         ext.int8_mm_epilogue(acc, torch.ones(4), torch.ones(8), torch.zeros(4, 2), torch.zeros(2, 7), False)
     with pytest.raises(RuntimeError, match="outliers"):
         ext.int8_quantize_rows(torch.zeros(2, 4), 5)
+
+
+@pytest.mark.parametrize("rows,in_f,out_f", [(1, 576, 960), (3, 1536, 576), (16, 37, 50)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_row_linear_matches_torchs_weight_only_kernel(ext, rows, in_f, out_f, dtype):
+    """The native weight-only int8 GEMV (decode rows, the LM head) against the float64 product
+    rounded once to the dtype (what `aten._weight_int8pack_mm` computes; that kernel crashes on
+    a ragged K such as 37), on every instruction-set path."""
+    gen = torch.Generator().manual_seed(rows * in_f)
+    qweight, scale = quantize_int8(torch.randn(out_f, in_f, generator=gen))
+    x = torch.randn(rows, in_f, generator=gen).to(dtype)
+    want = (x.double() @ (qweight.double() * scale.to(dtype).double()[:, None]).t()).to(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2  # summation order; bf16: one rounding of the sum
+    for isa in available_isas(ext):
+        got = ext.int8_linear_few_rows(x, qweight, scale.to(dtype), isa=isa)
+        assert got.dtype == dtype and got.shape == (rows, out_f)
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol, msg=lambda m: f"{isa}: {m}")
+    with pytest.raises(RuntimeError, match="scale must be"):
+        ext.int8_linear_few_rows(x, qweight, scale.to(torch.float64))
