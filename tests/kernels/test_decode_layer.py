@@ -124,7 +124,7 @@ def _step(g: torch.Generator, d: Dims, lens: list[int], dtype: torch.dtype):
 def _reference(d: Dims, layers: list[Layer], h, residual, caches, positions, slots, tables, lens, scale):
     """float64 Llama layers: h, residual after every layer; the caches (float64) get the new K/V."""
     f64 = torch.float64
-    H, KVH, D, I = d.heads, d.kv_heads, d.head_dim, d.inter
+    H, KVH, D, inter = d.heads, d.kv_heads, d.head_dim, d.inter
     h = h.to(f64)
     residual = None if residual is None else residual.to(f64)
     half = D // 2
@@ -159,7 +159,7 @@ def _reference(d: Dims, layers: list[Layer], h, residual, caches, positions, slo
                 out[r, hd] = p @ values[:, kvh]
         residual = residual + linear(out.reshape(len(lens), -1), 1, layer)
         gu = linear(norm(residual, n2), 2, layer)
-        h = linear(torch.nn.functional.silu(gu[:, :I]) * gu[:, I:], 3, layer)
+        h = linear(torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:], 3, layer)
     return h, residual
 
 
