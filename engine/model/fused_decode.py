@@ -1,17 +1,19 @@
-"""The fused decode path on CPU: a step whose rows are all decodes runs each Llama-family layer
-as one C++ call (kernels/csrc/decode_layer.h through the native extension's `DecodeStack`), and
+"""The fused decode path on CPU: a step whose rows are all decodes runs each decoder layer as
+one C++ call (kernels/csrc/decode_layer.h through the native extension's `DecodeStack`), and
 consecutive such layers as one call, so a batch-1 step costs a few dozen dispatcher calls
 instead of ~2,000.
 
-A layer takes the fused path when it is the plain pre-norm layer (`DecoderLayer`) with Llama's
-RMSNorm, no q/k norm, no sliding window, no soft-capping, the SiLU-gated dense MLP, on one
-process (no tensor parallelism), with the model-dtype KV cache, and projections the extension
-multiplies: float32/bfloat16 (nn.Linear, or the bf16 CPU layers that keep the plain weight),
-weight-only int8 (`Int8Linear`: int8 codes widened in registers, the channel scale after the
-sum) or int4 (`Int4Linear`: the native int4 GEMV on torch's packed layout), each rounded as its
-layer rounds. Every other layer runs its own module in the same step (`FusedDecode.reasons`
-says why, per layer): Gemma's sandwich norms, Qwen3's q/k norms, sliding windows, soft-capping,
-mixtures of experts, GELU, W8A8 projections, quantized KV caches, tensor-parallel shards.
+A layer takes the fused path when it is the pre-norm layer (`DecoderLayer`: Llama, Mistral,
+Qwen2/3, Phi-3) or Gemma 2/3's sandwich layer (`SandwichDecoderLayer`), with the family's
+RMSNorm (Llama's or Gemma's), q/k norms per head or none, a sliding window or none, soft-capped
+scores or not, the gated dense MLP (SiLU or GELU-tanh), on one process (no tensor parallelism),
+with the model-dtype KV cache, and projections the extension multiplies: float32/bfloat16
+(nn.Linear, or the bf16 CPU layers that keep the plain weight), weight-only int8 (`Int8Linear`:
+int8 codes widened in registers, the channel scale after the sum) or int4 (`Int4Linear`: the
+native int4 GEMV on torch's packed layout), each rounded as its layer rounds. Every other layer
+runs its own module in the same step (`FusedDecode.reasons` says why, per layer): mixtures of
+experts, q/k norms over whole projections (OLMoE), W8A8 projections, quantized KV caches,
+tensor-parallel shards.
 A step takes the fused path when every row is a decode, there are at most `MAX_ROWS` of them,
 no row has a LoRA adapter, and the forward is not being traced by torch.compile.
 
@@ -28,10 +30,10 @@ import torch
 from torch import nn
 
 from pagedserve.engine.attention.metadata import AttentionMetadata
-from pagedserve.engine.model.layers.decoder import DecoderLayer
+from pagedserve.engine.model.layers.decoder import DecoderLayer, SandwichDecoderLayer
 from pagedserve.engine.model.layers.mlp import GatedMLP
-from pagedserve.engine.model.layers.norm import RMSNorm
 from pagedserve.engine.model.quant_linear import Int4Linear, Int8Linear
+from pagedserve.engine.model.spec import NormKind
 from pagedserve.kernels.cpu_int4_dequant import packed_block_n
 from pagedserve.kernels.cpu_native import load_native
 
@@ -92,19 +94,14 @@ def _projections(layer: Any) -> list[tuple[str, nn.Module]]:
 
 def layer_refusal(layer: nn.Module, dtype: torch.dtype, intermediate: int) -> str | None:
     """Why `layer` cannot take the fused path (None: it can)."""
-    if type(layer) is not DecoderLayer:
-        return f"{type(layer).__name__} (not the pre-norm Llama layer)"
+    if type(layer) not in (DecoderLayer, SandwichDecoderLayer):
+        return f"{type(layer).__name__} (neither the pre-norm nor the sandwich layer)"
     attn: Any = layer.self_attn
     mlp: Any = layer.mlp
-    if not (isinstance(layer.input_layernorm, RMSNorm) and isinstance(layer.post_attention_layernorm, RMSNorm)):
-        return "Gemma's RMSNorm"
     if not isinstance(mlp, GatedMLP):
         return "mixture of experts"
     checks = (
-        (attn.q_norm is not None, "q/k norms"),
-        (attn.window is not None, "sliding window"),
-        (attn.softcap is not None, "soft-capped scores"),
-        (mlp.gelu, "GELU activation"),
+        (attn.qk_norm_full, "q/k norms over whole projections"),
         (attn.reduce is not None or mlp.reduce is not None, "tensor-parallel shard"),
         (attn.backend.kv_dtype.quantized, "quantized KV cache"),
     )
@@ -121,13 +118,30 @@ def layer_refusal(layer: nn.Module, dtype: torch.dtype, intermediate: int) -> st
     return None
 
 
-def _layer_tables(model: CausalLM, layer: Any) -> list[torch.Tensor]:
-    """Input norm, post-attention norm, RoPE cos, RoPE sin."""
+def _layer_tables(model: CausalLM, layer: Any) -> list[torch.Tensor | None]:
+    """Input norm, post-attention norm, pre- and post-feedforward norms (the sandwich layer's),
+    q and k norms (per head), RoPE cos, RoPE sin."""
+    attn = layer.self_attn
     half = model.spec.head_dim // 2
-    rope = layer.self_attn.rope_table
-    cos = getattr(model, f"rope_{rope}_cos").reshape(-1, half)
-    sin = getattr(model, f"rope_{rope}_sin").reshape(-1, half)
-    return [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, cos.contiguous(), sin.contiguous()]
+    cos = getattr(model, f"rope_{attn.rope_table}_cos").reshape(-1, half)
+    sin = getattr(model, f"rope_{attn.rope_table}_sin").reshape(-1, half)
+    sandwich = isinstance(layer, SandwichDecoderLayer)
+    return [
+        layer.input_layernorm.weight,
+        layer.post_attention_layernorm.weight,
+        layer.pre_feedforward_layernorm.weight if sandwich else None,
+        layer.post_feedforward_layernorm.weight if sandwich else None,
+        None if attn.q_norm is None else attn.q_norm.weight,
+        None if attn.k_norm is None else attn.k_norm.weight,
+        cos.contiguous(),
+        sin.contiguous(),
+    ]
+
+
+def _layer_params(layer: Any) -> tuple[float, int, float]:
+    """(score scale, sliding window or 0, soft cap or 0)."""
+    attn = layer.self_attn
+    return float(attn.scale), int(attn.window or 0), float(attn.softcap or 0.0)
 
 
 @dataclass(slots=True)
@@ -222,9 +236,11 @@ def build_fused_decode(model: CausalLM) -> FusedDecode | None:
         spec.head_dim,
         spec.intermediate_size,
         float(spec.rms_norm_eps),
+        spec.norm_kind is NormKind.GEMMA,
+        spec.hidden_act == "gelu_pytorch_tanh",
         [_layer_tables(model, layer) for layer in fused],
         [[proj_arg(proj, model.dtype) for _, proj in _projections(layer)] for layer in fused],
-        [float(layer.self_attn.scale) for layer in fused],
+        [_layer_params(layer) for layer in fused],
     )
     index: list[int | None] = []
     for why in reasons:

@@ -23,25 +23,36 @@ struct Proj {
   int64_t block_n;     // kInt4: output rows per packed block (32 or 64)
 };
 
-// One Llama-family decoder layer (pre-norm, RMSNorm, SiLU-gated MLP); norms and RoPE tables in
-// the model dtype (float32 or bfloat16).
+// One decoder layer of the Llama shape and its variants: the pre-norm layer (Llama, Mistral,
+// Qwen2/3, Phi-3), or Gemma 2/3's sandwich (`pre_ff_norm` and `post_ff_norm` set: the attention
+// output is normed by `post_norm` before its add, the MLP's input by `pre_ff_norm` and its output
+// by `post_ff_norm`). Norm weights are in the model dtype, or float32 for Gemma's norms (the
+// model's `gemma_norm`); RoPE tables in the model dtype.
 struct DecodeLayerWeights {
-  const void* input_norm;  // [hidden]
-  const void* post_norm;   // [hidden]
-  Proj qkv;                // [(H + 2 KVH) D, hidden], rows q | k | v
-  Proj o;                  // [hidden, H D]
-  Proj gate_up;            // [2 I, hidden], rows gate | up
-  Proj down;               // [hidden, I]
-  const void* rope_cos;    // [max_len, D / 2]
-  const void* rope_sin;    // [max_len, D / 2]
-  float scale;             // attention score scale
+  const void* input_norm;    // [hidden]
+  const void* post_norm;     // [hidden]
+  const void* pre_ff_norm;   // [hidden] or null
+  const void* post_ff_norm;  // [hidden] or null
+  const void* q_norm;        // [D] per head (Qwen3, Gemma 3) or null
+  const void* k_norm;        // [D] or null
+  Proj qkv;                  // [(H + 2 KVH) D, hidden], rows q | k | v
+  Proj o;                    // [hidden, H D]
+  Proj gate_up;              // [2 I, hidden], rows gate | up
+  Proj down;                 // [hidden, I]
+  const void* rope_cos;      // [max_len, D / 2]
+  const void* rope_sin;      // [max_len, D / 2]
+  float scale;               // attention score scale
+  int64_t window;            // sliding window in tokens, 0: none
+  float softcap;             // attention scores' soft cap, 0: none
 };
 
-// Shapes shared by the layers of one model.
+// Shapes and kinds shared by the layers of one model.
 struct DecodeLayerDims {
   int64_t hidden, heads, kv_heads, head_dim, intermediate;
   float eps;
-  bool bf16;  // else float32
+  bool bf16;        // else float32
+  bool gemma_norm;  // Gemma's RMSNorm: (x / rms) * (1 + w) in float32, rounded once; else Llama's
+  bool gelu;        // GELU (tanh approximation) gates the MLP; else SiLU
 };
 
 // One step's decode rows: M sequences, one new token each.

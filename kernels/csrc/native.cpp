@@ -108,41 +108,60 @@ namespace py = pybind11;
 using ProjArg = std::tuple<int64_t, Tensor, c10::optional<Tensor>, c10::optional<Tensor>, c10::optional<Tensor>,
                            int64_t, int64_t>;
 
-// One model's Llama-family layers for the fused decode path: the weights (kept alive here) of the
-// layers that take it, and a forward that runs a step's decode rows through layers [first, last)
-// in one call. Per layer: `tables` = input norm, post-attention norm, RoPE cos, RoPE sin (model
-// dtype); `projs` = qkv, o, gate_up, down.
+// Per layer: (attention score scale, sliding window or 0, soft cap or 0).
+using LayerParams = std::tuple<double, int64_t, double>;
+
+// One model's layers for the fused decode path (decode_layer.h): the weights (kept alive here) of
+// the layers that take it, and a forward that runs a step's decode rows through layers
+// [first, last) in one call. Per layer: `tables` = input norm, post-attention norm, pre- and
+// post-feedforward norms (Gemma's sandwich, else None), q and k norms (per head, else None), RoPE
+// cos, RoPE sin; `projs` = qkv, o, gate_up, down; `params` = LayerParams.
 class DecodeStack {
  public:
   DecodeStack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
-              const std::vector<std::vector<Tensor>>& tables, const std::vector<std::vector<ProjArg>>& projs,
-              const std::vector<double>& scales) {
-    TORCH_CHECK(!tables.empty() && tables.size() == scales.size() && projs.size() == scales.size(),
-                "tables, projections and a scale per layer, at least one layer");
+              bool gemma_norm, bool gelu, const std::vector<std::vector<c10::optional<Tensor>>>& tables,
+              const std::vector<std::vector<ProjArg>>& projs, const std::vector<LayerParams>& params) {
+    TORCH_CHECK(!tables.empty() && tables.size() == params.size() && projs.size() == params.size(),
+                "tables, projections and parameters per layer, at least one layer");
     TORCH_CHECK(head_dim % 2 == 0 && heads % kv_heads == 0, "head_dim must be even, heads a multiple of kv_heads");
-    TORCH_CHECK(tables[0].size() == 4, "4 tables per layer");
-    const auto dtype = tables[0][0].scalar_type();
+    TORCH_CHECK(tables[0].size() == 8 && tables[0][6].has_value(), "8 tables per layer, RoPE cos at 6");
+    const auto dtype = tables[0][6]->scalar_type();
     TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "weights must be float32 or bfloat16");
-    dims_ = {hidden, heads, kv_heads, head_dim, intermediate, static_cast<float>(eps), dtype == at::kBFloat16};
+    dims_ = {hidden, heads, kv_heads, head_dim, intermediate, static_cast<float>(eps), dtype == at::kBFloat16,
+             gemma_norm, gelu};
     dtype_ = dtype;
+    const auto norm_dtype = gemma_norm ? at::kFloat : dtype;
     // (out, in) of qkv, o, gate_up, down
     const std::array<std::pair<int64_t, int64_t>, 4> shapes = {
         {{(heads + 2 * kv_heads) * head_dim, hidden}, {hidden, heads * head_dim}, {2 * intermediate, hidden},
          {hidden, intermediate}}};
     for (size_t l = 0; l < tables.size(); ++l) {
-      TORCH_CHECK(tables[l].size() == 4 && projs[l].size() == 4, "layer ", l, ": 4 tables and 4 projections");
-      const void* t[4];
-      for (int i = 0; i < 4; ++i) {
-        const Tensor& x = tables[l][i];
-        const bool fits = i < 2 ? x.dim() == 1 && x.size(0) == hidden : x.dim() == 2 && x.size(1) == head_dim / 2;
-        TORCH_CHECK(fits && x.scalar_type() == dtype && x.is_contiguous() && x.device().is_cpu(), "layer ", l,
-                    ": table ", i, " must be a contiguous CPU tensor of the model dtype and shape");
-        t[i] = keep(x);
+      TORCH_CHECK(tables[l].size() == 8 && projs[l].size() == 4, "layer ", l, ": 8 tables and 4 projections");
+      const void* t[8];
+      for (int i = 0; i < 8; ++i) {
+        const auto& x = tables[l][i];
+        const bool optional = i >= 2 && i < 6;
+        if (!x.has_value()) {
+          TORCH_CHECK(optional, "layer ", l, ": table ", i, " is required");
+          t[i] = nullptr;
+          continue;
+        }
+        const int64_t n = i < 4 ? hidden : head_dim;
+        const bool fits = i < 6 ? x->dim() == 1 && x->size(0) == n : x->dim() == 2 && x->size(1) == head_dim / 2;
+        TORCH_CHECK(fits && x->scalar_type() == (i < 6 ? norm_dtype : dtype) && x->is_contiguous() &&
+                        x->device().is_cpu(), "layer ", l, ": table ", i,
+                    " must be a contiguous CPU tensor of its dtype (norms: float32 for Gemma) and shape");
+        t[i] = keep(*x);
       }
+      TORCH_CHECK((t[2] == nullptr) == (t[3] == nullptr) && (t[4] == nullptr) == (t[5] == nullptr), "layer ", l,
+                  ": the feedforward norms and the q/k norms come in pairs");
       ps::Proj p[4];
       for (int i = 0; i < 4; ++i) p[i] = proj(projs[l][i], shapes[i].first, shapes[i].second, l, i);
-      layers_.push_back({t[0], t[1], p[0], p[1], p[2], p[3], t[2], t[3], static_cast<float>(scales[l])});
-      max_positions_.push_back(tables[l][2].size(0));
+      const auto& [scale, window, softcap] = params[l];
+      TORCH_CHECK(window >= 0 && softcap >= 0, "layer ", l, ": window and softcap must be >= 0");
+      layers_.push_back({t[0], t[1], t[2], t[3], t[4], t[5], p[0], p[1], p[2], p[3], t[6], t[7],
+                         static_cast<float>(scale), window, static_cast<float>(softcap)});
+      max_positions_.push_back(tables[l][6]->size(0));
     }
   }
 
@@ -336,11 +355,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one sequence's quantized K or V rows, de-quantized", py::arg("cache"), py::arg("blocks"), py::arg("out"),
         py::arg("kv_quant"), isa);
 
-  py::class_<DecodeStack>(m, "DecodeStack", "fused decode layers of one Llama-family model (decode_layer.h)")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, const std::vector<std::vector<Tensor>>&,
-                    const std::vector<std::vector<ProjArg>>&, const std::vector<double>&>(),
+  py::class_<DecodeStack>(m, "DecodeStack", "fused decode layers of one model (decode_layer.h)")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, bool, bool,
+                    const std::vector<std::vector<c10::optional<Tensor>>>&, const std::vector<std::vector<ProjArg>>&,
+                    const std::vector<LayerParams>&>(),
            py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"),
-           py::arg("eps"), py::arg("tables"), py::arg("projs"), py::arg("scales"))
+           py::arg("eps"), py::arg("gemma_norm"), py::arg("gelu"), py::arg("tables"), py::arg("projs"),
+           py::arg("params"))
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
       .def("forward", &DecodeStack::forward, "(h, residual) after layers [first, last) for the decode rows",
            py::arg("first"), py::arg("last"), py::arg("h"), py::arg("residual"), py::arg("kv_caches"),

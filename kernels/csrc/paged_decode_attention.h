@@ -136,11 +136,11 @@ static inline void prefetch_row(const T* cache, const int32_t* table, int64_t t,
 // Scores straight from bf16 q and K with AVX512-BF16 dot-product instructions (products exact
 // in float32, float32 accumulation), 4 tokens at a time. Returns false where it does not apply.
 static inline bool bf16_scores(const float*, const float*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
-                               int64_t, int64_t, float, float*) {
+                               int64_t, int64_t, int64_t, float, float*) {
   return false;
 }
-static inline bool bf16_scores(const at::BFloat16* q, const at::BFloat16* kc, const int32_t* table, int64_t L,
-                               int64_t H, int64_t G, int64_t D, int64_t BS, int64_t row, float scale,
+static inline bool bf16_scores(const at::BFloat16* q, const at::BFloat16* kc, const int32_t* table, int64_t first,
+                               int64_t L, int64_t H, int64_t G, int64_t D, int64_t BS, int64_t row, float scale,
                                float* scores) {
 #if PS_HAS_BF16_DOT
   if (D % 32) return false;
@@ -148,9 +148,9 @@ static inline bool bf16_scores(const at::BFloat16* q, const at::BFloat16* kc, co
     const int64_t n = std::min<int64_t>(4, L - t0);
     const at::BFloat16* rows[4];
     for (int64_t j = 0; j < 4; ++j) {
-      const int64_t t = t0 + std::min<int64_t>(j, n - 1);  // a short tile repeats its last row
+      const int64_t t = first + t0 + std::min<int64_t>(j, n - 1);  // a short tile repeats its last row
       rows[j] = kc + (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * row;
-      prefetch_row(kc, table, t0 + j + 16, L, BS, row);
+      prefetch_row(kc, table, first + t0 + j + 16, first + L, BS, row);
     }
     for (int64_t h = 0; h < H; ++h) {
       const int64_t off = (h / G) * D;
@@ -176,11 +176,11 @@ static inline bool bf16_scores(const at::BFloat16* q, const at::BFloat16* kc, co
 // acc[h] += sum_t p[h][t] * V[t][h / G] straight from bf16 V: each 16-wide chunk of a V row is
 // converted once and used by all G query heads of its KV head. Returns false where it does not apply.
 static inline bool bf16_weighted_v(const float*, const int32_t*, const float*, int64_t, int64_t, int64_t, int64_t,
-                                   int64_t, int64_t, float*) {
+                                   int64_t, int64_t, int64_t, float*) {
   return false;
 }
-static inline bool bf16_weighted_v(const at::BFloat16* vc, const int32_t* table, const float* scores, int64_t L,
-                                   int64_t H, int64_t G, int64_t D, int64_t BS, int64_t row, float* acc) {
+static inline bool bf16_weighted_v(const at::BFloat16* vc, const int32_t* table, const float* scores, int64_t first,
+                                   int64_t L, int64_t H, int64_t G, int64_t D, int64_t BS, int64_t row, float* acc) {
   using namespace vec;
   if (D % W) return false;
   const int64_t KVH = H / G;
@@ -188,9 +188,9 @@ static inline bool bf16_weighted_v(const at::BFloat16* vc, const int32_t* table,
     const int64_t n = std::min<int64_t>(4, L - t0);
     const at::BFloat16* rows[4];
     for (int64_t j = 0; j < 4; ++j) {
-      const int64_t t = t0 + std::min<int64_t>(j, n - 1);  // a short tile repeats its last row (with p = 0)
+      const int64_t t = first + t0 + std::min<int64_t>(j, n - 1);  // a short tile repeats its last row (with p = 0)
       rows[j] = vc + (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * row;
-      prefetch_row(vc, table, t0 + j + 16, L, BS, row);
+      prefetch_row(vc, table, first + t0 + j + 16, first + L, BS, row);
     }
     for (int64_t kh = 0; kh < KVH; ++kh) {
       for (int64_t i = 0; i < D; i += W) {
@@ -394,27 +394,30 @@ static Codes parse_codes(const std::string& kv_quant) {
   return Codes::kE4M3;
 }
 
+// `window` > 0: each row attends only to its last `window` tokens (a sliding layer: positions
+// (p - window, p]); `softcap` > 0: scores s become softcap * tanh(s / softcap) (Gemma 2).
 template <typename T>
 static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens,
                           T* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t max_blocks,
-                          float scale) {
+                          float scale, int64_t window = 0, float softcap = 0.f) {
   const int64_t G = H / KVH;
   const int64_t row = KVH * D;  // elements of one token in the cache
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), acc(H * D), ktile(4 * row, 0.f), scores, inv_sum(H);
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t L = lens[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;  // first visible token
+      const int64_t L = lens[b] - first, end_t = lens[b];
       scores.resize(H * L);
       for (int64_t i = 0; i < H * D; ++i) qf[i] = to_float(q[b * H * D + i]) * scale;
       const int32_t* table = tables + b * max_blocks;
       // Scores in tiles of 4 tokens: 4 independent dot products per head keep the FMA units busy
       // (one dot product alone is a chain of dependent FMAs plus a horizontal sum).
-      if (!bf16_scores(q + b * H * D, kc, table, L, H, G, D, BS, row, scale, scores.data())) {
+      if (!bf16_scores(q + b * H * D, kc, table, first, L, H, G, D, BS, row, scale, scores.data())) {
         for (int64_t t0 = 0; t0 < L; t0 += 4) {
           const int64_t n = std::min<int64_t>(4, L - t0);
           for (int64_t j = 0; j < n; ++j) {
-            const int64_t t = t0 + j;
-            prefetch_row(kc, table, t + 16, L, BS, row);
+            const int64_t t = first + t0 + j;
+            prefetch_row(kc, table, t + 16, end_t, BS, row);
             row_to_float(kc + (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * row, ktile.data() + j * row, row);
           }
           for (int64_t h = 0; h < H; ++h) {
@@ -424,16 +427,18 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int32_t* t
           }
         }
       }
+      if (softcap > 0.f)
+        for (float& x : scores) x = softcap * std::tanh(x / softcap);
       for (int64_t h = 0; h < H; ++h) inv_sum[h] = softmax_in_place(scores.data() + h * L, L);
       std::fill(acc.begin(), acc.end(), 0.f);
       // Weighted sum of V in tiles of 4 tokens: each accumulator is loaded and stored once per tile.
-      if (!bf16_weighted_v(vc, table, scores.data(), L, H, G, D, BS, row, acc.data()))
+      if (!bf16_weighted_v(vc, table, scores.data(), first, L, H, G, D, BS, row, acc.data()))
       for (int64_t t0 = 0; t0 < L; t0 += 4) {
         const int64_t n = std::min<int64_t>(4, L - t0);
         if (n < 4) std::fill(ktile.begin() + n * row, ktile.end(), 0.f);  // 0 * stale could be NaN
         for (int64_t j = 0; j < n; ++j) {
-          const int64_t t = t0 + j;
-          prefetch_row(vc, table, t + 16, L, BS, row);
+          const int64_t t = first + t0 + j;
+          prefetch_row(vc, table, t + 16, end_t, BS, row);
           row_to_float(vc + (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * row, ktile.data() + j * row, row);
         }
         for (int64_t h = 0; h < H; ++h) {

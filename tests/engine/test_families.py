@@ -1,7 +1,7 @@
 """Every supported family against transformers, through the real engine (scheduler, paged KV
-cache, sampler): a tiny random-weight config per family, float32, greedy 32 tokens identical to
-transformers' and logprobs within 1e-4 of transformers' (log-softmax of its logits) at every
-generated step. Where the family has a sliding window, prompts are longer than the window, the
+cache, sampler, the fused decode layers): a tiny random-weight config per family, float32, greedy
+32 tokens identical to transformers' and logprobs within 1e-4 of transformers' (log-softmax of
+its logits) at every generated step. Where the family has a sliding window, prompts are longer than the window, the
 budget forces chunked prefill and decodes share steps with prefill chunks."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pagedserve.engine.core.engine_core import EngineCore
 from pagedserve.engine.model.registry import FAMILIES, supported_architectures
 from pagedserve.engine.request.request import Request
 from pagedserve.engine.sampling.params import SamplingParams
+from pagedserve.kernels.cpu_native import load_native
 
 BLOCK_SIZE = 4
 NEW_TOKENS = 32
@@ -167,6 +168,9 @@ def test_greedy_and_logprobs_match_transformers(family):
             max_model_len=128,
         )
     )
+    if load_native() is not None:  # decode steps run every layer fused (pagedserve.engine.model.fused_decode)
+        fused = engine.runner.model.fused_decode
+        assert fused is not None and fused.reasons == [None] * len(engine.runner.model.model.layers)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
     for i, prompt in enumerate(prompts):
         engine.add_request(Request(f"r{i}", prompt, params))

@@ -108,19 +108,22 @@ def test_a_batch_1_decode_step_costs_at_most_100_dispatcher_calls(llm):
     assert 0 < per_step <= 100, per_step
 
 
-def test_layers_outside_the_llama_shape_are_refused_with_a_reason(llm):
+def test_layers_the_kernel_does_not_cover_are_refused_with_a_reason(llm):
     model = llm.engine.runner.model
     layer = model.model.layers[0]
     spec = model.rank_spec
     assert layer_refusal(layer, torch.float32, spec.intermediate_size) is None
     assert layer_refusal(layer, torch.bfloat16, spec.intermediate_size).startswith("qkv_proj")
     assert layer_refusal(layer, torch.float32, spec.intermediate_size + 1) == "an MLP of another width"
-    window = layer.self_attn.window
-    layer.self_attn.window = 64
+    attn = layer.self_attn
+    window = attn.window
+    attn.window, attn.qk_norm_full = 64, True
     try:
-        assert layer_refusal(layer, torch.float32, spec.intermediate_size) == "sliding window"
+        assert layer_refusal(layer, torch.float32, spec.intermediate_size) == "q/k norms over whole projections"
+        attn.qk_norm_full = False
+        assert layer_refusal(layer, torch.float32, spec.intermediate_size) is None  # sliding windows are fused
     finally:
-        layer.self_attn.window = window
+        attn.window, attn.qk_norm_full = window, False
 
 
 def test_steps_with_prefills_or_many_rows_take_the_reference_path(llm):
