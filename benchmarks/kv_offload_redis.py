@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import socket
 import statistics
@@ -33,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import RESULTS, peak_rss_mib, result_path, run_phase
+from _common import RESULTS, peak_rss_mib, provenance, result_path, run_phase, stamp
 
 BLOCK = 16
 
@@ -152,6 +151,8 @@ def write_results(result: dict) -> None:
     lines = [
         "# Shared Redis KV tier: a prompt prefilled by one engine process, served by another",
         "",
+        stamp(result),
+        "",
         f"Settings: `{json.dumps(result['settings'])}`",
         "",
         "| case | TTFT per prompt (s) |",
@@ -168,7 +169,7 @@ def write_results(result: dict) -> None:
         f"second {s['same_output_second']}, after the kill {s['same_output_killed']}; faults after the kill: "
         f"`{json.dumps(result['killed']['stats']['fault_kinds'])}`.",
         "",
-        f"Machine: {result['machine']} (shared and busy: absolute times are rough; the ratio is paired).",
+        "Absolute times are rough on a shared machine; the ratio is paired.",
     ]
     result_path("kv_offload_redis", "md").write_text("\n".join(lines) + "\n")
 
@@ -234,7 +235,7 @@ def main() -> None:
             "same_output_second": second["outputs"] == first["outputs"],
             "same_output_killed": killed["outputs"] == first["outputs"],
         },
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}",
+        **provenance(),
     }
     write_results(result)
     print(json.dumps(result["summary"], indent=2))
