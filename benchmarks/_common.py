@@ -54,17 +54,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(workdir: Path, models: list[str], timeout: float) -> tuple[subprocess.Popen, dict[str, str]]:
-    """`pagedserve serve` (token auth off, one engine thread per worker) over `workdir/store`
-    with `models` (NAME=ARCHIVE), on free ports; returns once it is ready and lists every model
-    (another process may have taken a port picked as free), with each API's base URL."""
+def start_server(
+    workdir: Path, models: list[str], timeout: float, worker_threads: int = 1
+) -> tuple[subprocess.Popen, dict[str, str]]:
+    """`pagedserve serve` (token auth off, `worker_threads` engine threads per worker) over
+    `workdir/store` with `models` (NAME=ARCHIVE), on free ports; returns once it is ready and
+    lists every model (another process may have taken a port picked as free), with each API's
+    base URL."""
     repo = Path(__file__).resolve().parent.parent
     ports = {api: free_port() for api in ("inference", "management", "metrics")}
-    # One engine thread: on a shared 2-core machine a 2-thread worker's OpenMP threads stall
-    # whenever one of them is descheduled.
+    # One engine thread by default: on a shared 2-core machine a 2-thread worker's OpenMP
+    # threads stall whenever one of them is descheduled.
     # The caller's PYTHONPATH first: a worktree's shim package then serves its own code.
     path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(repo)) if p)
-    env = {**os.environ, "PYTHONPATH": path, "PAGEDSERVE_WORKER_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": path, "PAGEDSERVE_WORKER_THREADS": str(worker_threads)}
     cmd = [
         sys.executable,
         "-m",
