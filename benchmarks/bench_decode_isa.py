@@ -82,9 +82,8 @@ def main() -> None:
         for isa in isas:
             # candidate / baseline = scalar time / this path's time: its speed-up over scalar
             paired[(label, isa)] = PairedRounds(isa, "scalar", "s", runs={isa: runs[isa], "scalar": runs["scalar"]})
-        print(
-            f"{label}: " + " ".join(f"{isa} {paired[(label, isa)].ratios}" for isa in isas), file=sys.stderr, flush=True
-        )
+        ratios = ", ".join(f"{isa} " + " ".join(f"{x:.2f}" for x in paired[(label, isa)].ratios) for isa in isas)
+        print(f"{label}, speed-up over scalar per round: {ratios}", file=sys.stderr, flush=True)
     record = provenance(loads)
     lines = [
         f"# paged decode attention per path, context {args.context}, {args.threads} thread(s)",

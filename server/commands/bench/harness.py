@@ -181,17 +181,22 @@ def _cpuinfo() -> tuple[str, set[str], int] | None:
     return name, flags, sum(ln.startswith("processor") for ln in lines)
 
 
+# Every name cpu_kind() gives: x86 vendors by their matmul-relevant ISA, other machines by their
+# architecture, "unknown" for the rest.
+CPU_KINDS = ("zen3", "zen4", "amd", "xeon", "xeon-amx", "intel", "aarch64", "arm64", "unknown")
+
+
 def cpu_kind() -> str:
-    """A short name for the kind of CPU: the key of a benchmark's results file."""
+    """A short name for the kind of CPU (one of CPU_KINDS): the key of a benchmark's results file."""
     info = _cpuinfo()
-    if info is None:
-        return platform.machine() or "unknown"
-    name, flags, _ = info
-    if "AMD" in name:
-        return "zen4" if "avx512f" in flags else "zen3" if "avx2" in flags else "amd"
-    if "Intel" in name:
-        return "xeon-amx" if "amx_bf16" in flags else "xeon" if "avx512f" in flags else "intel"
-    return platform.machine() or "unknown"
+    if info is not None:
+        name, flags, _ = info
+        if "AMD" in name:
+            return "zen4" if "avx512f" in flags else "zen3" if "avx2" in flags else "amd"
+        if "Intel" in name:
+            return "xeon-amx" if "amx_bf16" in flags else "xeon" if "avx512f" in flags else "intel"
+    machine = platform.machine()
+    return machine if machine in CPU_KINDS else "unknown"
 
 
 def cpu_description() -> str:
