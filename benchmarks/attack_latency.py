@@ -38,14 +38,13 @@ import asyncio
 import json
 import math
 import os
-import signal
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from _common import RESULTS, result_path
+from _common import RESULTS, result_path, stop_server
 from _common import start_server as common_start_server
 
 from pagedserve.server.commands.bench.harness import (
@@ -282,11 +281,7 @@ def main() -> None:
             paired = {name: measure_attack(base, name, args, pids) for name in attacks}
             rss = {"start_mib": rss_start, "end_mib": rss_mib(proc.pid), "peak_mib": peak_rss_mib(proc.pid)}
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     summary = summarize(paired)
     write_results(args, attacks, paired, summary, rss)
     print(json.dumps({"summary": summary, "front_end_rss": rss}, indent=1))

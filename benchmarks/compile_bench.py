@@ -17,19 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from _common import RESULTS, result_path
+from _common import RESULTS, result_path, run_phase
 
 from pagedserve.server.commands.bench.harness import provenance, run_paired, stamp
 
-ROOT = Path(__file__).resolve().parent.parent
 CONTEXT = 256
 PREFILL = 512
 NUM_BLOCKS = 64
@@ -184,33 +180,13 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(run_dtype(args.child, args.rounds, args.threads, args.cache_dir)))
+        print(json.dumps(run_dtype(args.child, args.rounds, args.threads, args.cache_dir)))
         return
     results: dict = {"threads": args.threads, "rounds": args.rounds, "dtypes": []}
-    # The caller's PYTHONPATH first: a worktree's shim package then serves its own code.
-    pythonpath = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes.split(","):
-            cmd = [
-                sys.executable,
-                __file__,
-                "--child",
-                dtype,
-                "--rounds",
-                str(args.rounds),
-                "--threads",
-                str(args.threads),
-                "--cache-dir",
-                args.cache_dir or tmp,
-            ]
-            proc = subprocess.run(
-                cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": pythonpath}, capture_output=True, text=True, check=False
-            )
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode or not lines:
-                sys.exit(f"{dtype} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-            results["dtypes"].append(json.loads(lines[-1][len("RESULT ") :]))
-            print("\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")))
+            child = ["--child", dtype, "--rounds", str(args.rounds), "--threads", str(args.threads)]
+            results["dtypes"].append(run_phase(__file__, [*child, "--cache-dir", args.cache_dir or tmp], echo=True))
     loads = [x for d in results["dtypes"] for c in d["cases"].values() for x in c["load_average_per_round"]]
     results |= provenance(loads)
     RESULTS.mkdir(exist_ok=True)

@@ -29,15 +29,13 @@ import json
 import os
 import random
 import shutil
-import signal
 import statistics
-import subprocess
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-from _common import peak_rss_mib, result_path
+from _common import peak_rss_mib, result_path, stop_server
 from _common import start_server as common_start_server
 
 from pagedserve.server.commands.bench.harness import MIN_ROUNDS, PairedRounds, alternating_rounds, provenance, stamp
@@ -301,11 +299,7 @@ def main() -> None:
 
         alternating_rounds(SIDES, measure, args.rounds, on_round=done)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
         shutil.copy(work / "server.log", Path(tempfile.gettempdir()) / "disagg_itl-server.log")
         shutil.rmtree(kv_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)

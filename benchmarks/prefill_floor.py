@@ -19,17 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from _common import result_path
+from _common import result_path, run_phase
 
 from pagedserve.server.commands.bench.harness import PairedRounds, alternating_rounds, provenance, stamp
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_dtype(dtype_name: str, tokens: int, rounds: int, threads: int) -> dict:
@@ -145,7 +141,7 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(run_dtype(args.child, args.tokens, args.rounds, args.threads)))
+        print(json.dumps(run_dtype(args.child, args.tokens, args.rounds, args.threads)))
         return
     results: dict = {
         "threads": args.threads,
@@ -153,29 +149,9 @@ def main() -> None:
         "tokens": args.tokens,
         "dtypes": [],
     }
-    # The caller's PYTHONPATH first: a worktree's shim package then serves its own code.
-    pythonpath = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
     for dtype in args.dtypes.split(","):
-        cmd = [
-            sys.executable,
-            __file__,
-            "--child",
-            dtype,
-            "--rounds",
-            str(args.rounds),
-            "--tokens",
-            str(args.tokens),
-            "--threads",
-            str(args.threads),
-        ]
-        proc = subprocess.run(
-            cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": pythonpath}, capture_output=True, text=True, check=False
-        )
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            sys.exit(f"{dtype} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        print("\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")))
-        results["dtypes"].append(json.loads(lines[-1][len("RESULT ") :]))
+        child = ["--child", dtype, "--rounds", str(args.rounds), "--tokens", str(args.tokens)]
+        results["dtypes"].append(run_phase(__file__, [*child, "--threads", str(args.threads)], echo=True))
     results |= provenance([d["load_average"] for d in results["dtypes"]])
     result_path("prefill_floor", "json").write_text(json.dumps(results, indent=2) + "\n")
     write_markdown(results, result_path("prefill_floor", "md"))

@@ -30,7 +30,6 @@ import asyncio
 import itertools
 import json
 import random
-import signal
 import statistics
 import subprocess
 import tempfile
@@ -39,7 +38,7 @@ import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
-from _common import RESULTS, result_path
+from _common import RESULTS, result_path, stop_server
 from _common import start_server as common_start_server
 
 from pagedserve.server.commands.bench.harness import MIN_ROUNDS, provenance, run_paired, stamp
@@ -256,8 +255,7 @@ def main() -> None:
             )
             hits = route_hits(metrics)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(120)
+            stop_server(proc, timeout=120)
     latency = replace(paired, metric="mean_latency_s")
     summary = {
         "tok_per_s_ratio_median": paired.ratio_median,

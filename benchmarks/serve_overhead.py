@@ -34,14 +34,13 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from _common import RESULTS, make_prompts, peak_rss_mib, result_path, run_phase, start_server
+from _common import RESULTS, make_prompts, peak_rss_mib, result_path, run_phase, start_server, stop_server
 
 from pagedserve.server.commands.bench.harness import (
     MIN_ROUNDS,
@@ -169,11 +168,7 @@ def phase_http(args, prompts, workdir: Path) -> dict:
         }
         return result
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
 
 
 async def _drive(base: str, prompts: list[list[int]], args, warmup: bool = False) -> dict:
