@@ -2,13 +2,14 @@
 name, the results' paths and provenance: pagedserve.server.commands.bench.harness, which
 `pagedserve bench` uses too): workload prompts, running one phase of a script in a fresh child
 process (its last stdout line is the phase's JSON result), and a `pagedserve serve` process on
-free ports."""
+free ports, and stopping it."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -34,12 +35,16 @@ def make_prompts(tokenizer, num: int, length: int, seed: int) -> list[list[int]]
     ]
 
 
-def run_phase(script: str, args: list[str]) -> dict:
-    """Run `script --phase ...` in a fresh process; RuntimeError (with its stderr) if it fails."""
+def run_phase(script: str, args: list[str], echo: bool = False) -> dict:
+    """Run `script --phase ...` in a fresh process; its last stdout line is its JSON result (with
+    `echo`, the lines before it are printed). RuntimeError (with its stderr) if it fails."""
     out = subprocess.run([sys.executable, script, *args], check=False, capture_output=True, text=True)
     if out.returncode != 0:
-        raise RuntimeError(f"{Path(script).name} {' '.join(args)} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"{Path(script).name} {' '.join(args)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    *lines, last = out.stdout.strip().splitlines()
+    if echo and lines:
+        print("\n".join(lines), flush=True)
+    return json.loads(last)
 
 
 def result_path(name: str, ext: str) -> Path:
@@ -54,17 +59,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(workdir: Path, models: list[str], timeout: float) -> tuple[subprocess.Popen, dict[str, str]]:
-    """`pagedserve serve` (token auth off, one engine thread per worker) over `workdir/store`
-    with `models` (NAME=ARCHIVE), on free ports; returns once it is ready and lists every model
-    (another process may have taken a port picked as free), with each API's base URL."""
+def start_server(
+    workdir: Path, models: list[str], timeout: float, worker_threads: int = 1
+) -> tuple[subprocess.Popen, dict[str, str]]:
+    """`pagedserve serve` (token auth off, `worker_threads` engine threads per worker) over
+    `workdir/store` with `models` (NAME=ARCHIVE), on free ports; returns once it is ready and
+    lists every model (another process may have taken a port picked as free), with each API's
+    base URL."""
     repo = Path(__file__).resolve().parent.parent
     ports = {api: free_port() for api in ("inference", "management", "metrics")}
-    # One engine thread: on a shared 2-core machine a 2-thread worker's OpenMP threads stall
-    # whenever one of them is descheduled.
+    # One engine thread by default: on a shared 2-core machine a 2-thread worker's OpenMP
+    # threads stall whenever one of them is descheduled.
     # The caller's PYTHONPATH first: a worktree's shim package then serves its own code.
     path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(repo)) if p)
-    env = {**os.environ, "PYTHONPATH": path, "PAGEDSERVE_WORKER_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": path, "PAGEDSERVE_WORKER_THREADS": str(worker_threads)}
     cmd = [
         sys.executable,
         "-m",
@@ -99,3 +107,13 @@ def start_server(workdir: Path, models: list[str], timeout: float) -> tuple[subp
             proc.wait(30)
             raise TimeoutError("server not ready")
         time.sleep(0.5)
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM (the server drains and stops its workers), then SIGKILL if it outlives `timeout`."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)

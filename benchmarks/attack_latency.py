@@ -18,10 +18,11 @@ plain client: one request at a time, `POST /predictions/bench` with a 4-token pr
   what its stop strings cost from what sharing the worker with a 256-token stream costs.
 
 An attack client sends its next request when the previous one is answered, at most one per
-`--min-interval` seconds (per attack, see ATTACKS). Each round measures, for each attack, the
-plain latencies with no attack and with the attack running, in an order that flips every round;
-the headline per attack is the median over rounds of the paired ratio (attack / no attack) of
-p50 and of p99, and the criterion is p99 within 2x. Plain requests that fail are counted (a 503
+`--min-interval` seconds (per attack, see ATTACKS). Each attack in turn runs the harness's
+paired rounds (pagedserve.server.commands.bench.harness.run_paired): a round measures the plain
+latencies with no attack and with the attack running, in an order that flips every round; the
+headline per attack is the median over rounds of the paired ratio (attack / no attack) of p50
+and of p99, and the criterion is p99 within 2x. Plain requests that fail are counted (a 503
 is a failed request, not a fast one). The front end's peak RSS (VmHWM) is reported at the end.
 Loopback only; request counts and time are bounded (`--requests` per phase, `--rounds`).
 
@@ -35,18 +36,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
-import platform
-import signal
-import statistics
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from _common import RESULTS, peak_rss_mib, result_path
+from _common import RESULTS, result_path, stop_server
 from _common import start_server as common_start_server
+
+from pagedserve.server.commands.bench.harness import (
+    MIN_ROUNDS,
+    PairedRounds,
+    peak_rss_mib,
+    percentile,
+    provenance,
+    rss_mib,
+    run_paired,
+    stamp,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_NAME = "bench"
@@ -91,11 +101,6 @@ def attack_body(name: str, args) -> bytes:
     else:
         raise ValueError(f"unknown attack {name!r}")
     return json.dumps(body).encode()
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
 async def plain_latencies(session, url: str, n: int) -> dict:
@@ -209,54 +214,62 @@ def cpu_seconds(pid: int) -> float:
 
 def measured_phase(base: str, name: str | None, args, pids: dict[str, int]) -> dict:
     """One phase, with the CPU seconds each server process used during it and the machine's
-    load, to tell a stall of the server from a busy machine."""
+    load, to tell a stall of the server from a busy machine. A phase whose plain requests all
+    failed has an infinite p50 and p99 (a failed request is not a fast one)."""
     cpu = {k: cpu_seconds(p) for k, p in pids.items()}
     t0 = time.monotonic()
-    result = asyncio.run(phase(base, name, args))
+    result = {"p50_s": math.inf, "p99_s": math.inf, **asyncio.run(phase(base, name, args))}
     result["wall_s"] = time.monotonic() - t0
     result["cpu_s"] = {k: cpu_seconds(p) - cpu[k] for k, p in pids.items()}
     result["loadavg_1m"] = os.getloadavg()[0]
+    print(
+        f"  {name or 'none':12s} p50 {result['p50_s'] * 1000:7.1f} ms p99 {result['p99_s'] * 1000:7.1f} ms"
+        f" | plain failed {result['failed']} | attacks {result.get('attack_statuses', {})}"
+        f" | front-end CPU {result['cpu_s']['front_end']:.1f} s | load {result['loadavg_1m']:.1f}",
+        flush=True,
+    )
     return result
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+def measure_attack(base: str, name: str, args, pids: dict[str, int]) -> PairedRounds:
+    """Paired rounds of plain latency with no attack and with attack `name` (the harness's
+    alternating order); the rounds compare p99, their p50 view is `replace(..., metric="p50_s")`."""
+    print(f"{name}:", flush=True)
+    return run_paired(
+        "none",
+        "attack",
+        lambda side: measured_phase(base, None if side == "none" else name, args, pids),
+        metric="p99_s",
+        rounds=args.rounds,
+    )
 
 
-def summarize(rounds: list[dict], attacks: list[str]) -> dict:
+def summarize(paired: dict[str, PairedRounds]) -> dict:
     summary = {}
-    for name in attacks:
-        pairs = [(r[name]["attack"], r[name]["none"]) for r in rounds]
-        ok = [(a, n) for a, n in pairs if "p99_s" in a and "p99_s" in n]
-        p50 = [a["p50_s"] / n["p50_s"] for a, n in ok]
-        p99 = [a["p99_s"] / n["p99_s"] for a, n in ok]
-        failed = sum(a["failed"] for a, _ in pairs)
+    for name, p99 in paired.items():
+        p50 = replace(p99, metric="p50_s")
+        failed = sum(a["failed"] for a in p99.runs["attack"])
         summary[name] = {
-            "p50_ratio_median": statistics.median(p50) if p50 else None,
-            "p99_ratio_median": statistics.median(p99) if p99 else None,
-            "p50_ratios": p50,
-            "p99_ratios": p99,
+            "p50_ratio_median": p50.ratio_median,
+            "p99_ratio_median": p99.ratio_median,
+            "p50_ratios": p50.ratios,
+            "p99_ratios": p99.ratios,
             "plain_failed_under_attack": failed,
-            "p99_within_2x": bool(p99) and statistics.median(p99) <= 2.0 and failed == 0,
+            "p99_within_2x": p99.ratio_median <= 2.0 and failed == 0,
         }
     return summary
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=MIN_ROUNDS)
     parser.add_argument("--requests", type=int, default=30, help="plain requests per phase")
     parser.add_argument("--attacks", default="grammar,stops,bad_field,huge_prompt")
     parser.add_argument("--stop-count", type=int, default=64)
     parser.add_argument("--stop-len", type=int, default=1024)
     parser.add_argument("--settle-s", type=float, default=1.0)
-    parser.add_argument("--results", default="attack_latency", help="results file name (without suffix)")
     args = parser.parse_args()
     attacks = args.attacks.split(",")
-    rounds: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="attack-latency-") as tmp:
         workdir = Path(tmp)
         write_store(workdir / "store")
@@ -265,57 +278,36 @@ def main() -> None:
             asyncio.run(phase(base, None, argparse.Namespace(**{**vars(args), "requests": 3})))  # warm-up
             pids = {"front_end": proc.pid, "worker": worker_pid(management)}
             rss_start = rss_mib(proc.pid)
-            for i in range(args.rounds):
-                result = {}
-                for name in attacks:
-                    order = [None, name] if i % 2 == 0 else [name, None]
-                    result[name] = {}
-                    for which in order:
-                        result[name]["none" if which is None else "attack"] = measured_phase(base, which, args, pids)
-                    a, n = result[name]["attack"], result[name]["none"]
-                    print(
-                        f"round {i + 1} {name:12s} none p50 {n.get('p50_s', float('nan')) * 1000:7.1f} ms "
-                        f"p99 {n.get('p99_s', float('nan')) * 1000:7.1f} ms | attack p50 "
-                        f"{a.get('p50_s', float('nan')) * 1000:7.1f} ms p99 {a.get('p99_s', float('nan')) * 1000:7.1f} ms"
-                        f" | p99 ratio {a.get('p99_s', float('nan')) / n.get('p99_s', float('nan')):5.2f}"
-                        f" | plain failed {a['failed']} | attacks {a['attack_statuses']}"
-                        f" | front-end CPU {n['cpu_s']['front_end']:.1f}/{a['cpu_s']['front_end']:.1f} s"
-                        f" | load {n['loadavg_1m']:.1f}/{a['loadavg_1m']:.1f}",
-                        flush=True,
-                    )
-                rounds.append(result)
+            paired = {name: measure_attack(base, name, args, pids) for name in attacks}
             rss = {"start_mib": rss_start, "end_mib": rss_mib(proc.pid), "peak_mib": peak_rss_mib(proc.pid)}
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    summary = summarize(rounds, attacks)
-    write_results(args, attacks, rounds, summary, rss)
+            stop_server(proc)
+    summary = summarize(paired)
+    write_results(args, attacks, paired, summary, rss)
     print(json.dumps({"summary": summary, "front_end_rss": rss}, indent=1))
 
 
-def write_results(args, attacks: list[str], rounds: list[dict], summary: dict, rss: dict) -> None:
+def write_results(args, attacks: list[str], paired: dict[str, PairedRounds], summary: dict, rss: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
     meta = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "loadavg_1m_end": os.getloadavg()[0],
+        **provenance([load for p in paired.values() for load in p.loads]),
         "rounds": args.rounds,
         "requests_per_phase": args.requests,
         "stop_strings": f"{args.stop_count} x {args.stop_len} chars",
         "attacks": {name: vars(ATTACKS[name]) for name in attacks},
     }
-    result_path(f"{args.results}", "json").write_text(
+    rounds = {name: p.summary() for name, p in paired.items()}
+    result_path("attack_latency", "json").write_text(
         json.dumps({"meta": meta, "summary": summary, "front_end_rss": rss, "rounds": rounds}, indent=1)
     )
     lines = [
-        f"# {args.results}",
+        "# attack_latency",
+        "",
+        stamp(meta),
         "",
         f"Plain `/predictions` latency (4 tokens, one request at a time, {args.requests} per phase) with "
-        f"each attack running vs none; {args.rounds} paired rounds, order flipping each round; "
-        f"median of per-round ratios. Machine: {meta['machine']}, shared with other work "
-        f"(load {meta['loadavg_1m_end']:.1f} at the end). With {args.requests} requests a phase, p99 is the "
+        f"each attack running vs none; {args.rounds} paired rounds per attack, order flipping each round; "
+        f"median of per-round ratios. With {args.requests} requests a phase, p99 is the "
         "slowest request, so one hiccup of the machine decides a round; the median over rounds "
         "is the headline. Per-phase CPU seconds of the server's processes and the load are in "
         "the .json. See benchmarks/attack_latency.py.",
@@ -325,12 +317,8 @@ def write_results(args, attacks: list[str], rounds: list[dict], summary: dict, r
     ]
     for name in attacks:
         s = summary[name]
-
-        def fmt(x):
-            return "-" if x is None else f"{x:.2f}"
-
         lines.append(
-            f"| {name} | {fmt(s['p50_ratio_median'])} | {fmt(s['p99_ratio_median'])} | "
+            f"| {name} | {s['p50_ratio_median']:.2f} | {s['p99_ratio_median']:.2f} | "
             f"{', '.join(f'{r:.2f}' for r in s['p99_ratios'])} | {s['plain_failed_under_attack']} | "
             f"{'yes' if s['p99_within_2x'] else 'no'} |"
         )
@@ -340,7 +328,7 @@ def write_results(args, attacks: list[str], rounds: list[dict], summary: dict, r
         f"peak {rss['peak_mib']:.0f} MiB.",
         "",
     ]
-    result_path(f"{args.results}", "md").write_text("\n".join(lines))
+    result_path("attack_latency", "md").write_text("\n".join(lines))
 
 
 if __name__ == "__main__":

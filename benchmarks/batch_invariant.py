@@ -1,9 +1,9 @@
 """Batch-invariant mode on vs off (EngineConfig.batch_invariant): its throughput cost, and whether
 the default model's tokens change with the batch, in bf16.
 
-Throughput: each round runs the same offline workload (prompts together, greedy, EOS ignored)
-once with the mode off and once on, each in a fresh child process, the order reversed every other
-round; the ratio on / off is taken within each round, every round's ratio is printed and the
+Throughput: the harness's paired rounds (run_paired) run the same offline workload (prompts
+together, greedy, EOS ignored) once with the mode off and once on per round, each in a fresh child
+process, the order reversed every other round; the ratio on / off is taken within each round, every round's ratio is printed and the
 result is their median (at least 5 rounds). One prompt alone (its prefill and batch-1 decode) is
 timed the same way. Then one check per side on the same prompts: greedy tokens and logprobs alone, in one batch,
 with chunked prefill (64-token budget) and again after a prefix-cache hit, compared with the
@@ -21,15 +21,14 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
-from statistics import median
 
-from _common import RESULTS, cpu_description, peak_rss_mib, result_path, run_phase
+from _common import RESULTS, peak_rss_mib, result_path, run_phase
 
-MIN_ROUNDS = 5
+from pagedserve.server.commands.bench.harness import MIN_ROUNDS, provenance, run_paired, stamp
 
 
 def _prompts(args) -> list[list[int]]:
@@ -107,12 +106,6 @@ def check(args, on: bool) -> dict:
     }
 
 
-def _commit() -> str:
-    repo = Path(__file__).resolve().parent.parent
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None)
@@ -139,44 +132,37 @@ def main() -> None:
     common = ["--model", args.model, "--threads", str(args.threads), "--check-prompts", str(args.check_prompts)]
     common += ["--num-prompts", str(args.num_prompts), "--prompt-len", str(args.prompt_len)]
     common += ["--output-len", str(args.output_len)]
-    runs: dict[str, list[dict]] = {"off": [], "on": []}
-    loads = []
-    for r in range(args.rounds):
-        order = ("off", "on") if r % 2 == 0 else ("on", "off")
-        for side in order:
-            runs[side].append(run_phase(__file__, ["--phase", f"run-{side}", *common]))
-        loads.append(os.getloadavg()[0])
-        on, off = runs["on"][-1], runs["off"][-1]
-        print(
-            f"round {r + 1} ({', '.join(order)}): throughput off {off['tok_per_s']:.1f} / on {on['tok_per_s']:.1f} "
-            f"tok/s = {on['tok_per_s'] / off['tok_per_s']:.3f}; batch-1 off {off['batch1_tok_per_s']:.1f} / on "
-            f"{on['batch1_tok_per_s']:.1f} = {on['batch1_tok_per_s'] / off['batch1_tok_per_s']:.3f} "
-            f"(load {loads[-1]:.1f})",
-            flush=True,
-        )
+    paired = run_paired(
+        "off",
+        "on",
+        lambda side: run_phase(__file__, ["--phase", f"run-{side}", *common]),
+        metric="tok_per_s",
+        rounds=args.rounds,
+    )
+    batch1 = replace(paired, metric="batch1_tok_per_s")
+    runs, loads = paired.runs, paired.loads
     checks = {side: run_phase(__file__, ["--phase", f"check-{side}", *common]) for side in ("off", "on")}
     print(json.dumps(checks))
-    ratios = [a["tok_per_s"] / b["tok_per_s"] for a, b in zip(runs["on"], runs["off"])]
-    ratios1 = [a["batch1_tok_per_s"] / b["batch1_tok_per_s"] for a, b in zip(runs["on"], runs["off"])]
+    ratios, ratios1 = paired.ratios, batch1.ratios
     summary = {
         "workload": vars(args) | {"dtype": "bfloat16"},
-        "cpu": cpu_description(),
-        "commit": _commit(),
+        **provenance(loads),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "load_average_per_round": loads,
-        "throughput_ratio_median": median(ratios),
+        "throughput_ratio_median": paired.ratio_median,
         "throughput_ratio_per_round": ratios,
-        "batch1_ratio_median": median(ratios1),
+        "batch1_ratio_median": batch1.ratio_median,
         "batch1_ratio_per_round": ratios1,
         "checks": checks,
         "runs": runs,
     }
-    med = {s: {k: median(x[k] for x in runs[s]) for k in runs[s][0]} for s in runs}
+    med = {s: {k: replace(paired, metric=k).side_median(s) for k in runs[s][0]} for s in runs}
     md = [
         "# Batch-invariant mode on / off (latest run)",
         "",
-        f"Default model, bf16, {args.threads} torch threads, commit {summary['commit']}, on {summary['cpu']}; "
-        "busy machine (other jobs running): load average after each round "
+        stamp(summary),
+        "",
+        f"Default model, bf16, {args.threads} torch threads; load average after each round "
         + ", ".join(f"{x:.1f}" for x in loads)
         + f" on {os.cpu_count()} cores. {args.rounds} paired rounds (fresh processes, order reversed every other "
         f"round). Throughput: {args.num_prompts} prompts x {args.prompt_len} tokens -> {args.output_len} tokens "
@@ -185,9 +171,9 @@ def main() -> None:
         "| measure | off | on | on / off, median of per-round ratios | per-round ratios |",
         "| --- | --- | --- | --- | --- |",
         f"| throughput (tok/s) | {med['off']['tok_per_s']:.1f} | {med['on']['tok_per_s']:.1f} | "
-        f"**{median(ratios):.3f}** | {', '.join(f'{r:.3f}' for r in ratios)} |",
+        f"**{paired.ratio_median:.3f}** | {', '.join(f'{r:.3f}' for r in ratios)} |",
         f"| one prompt alone (tok/s) | {med['off']['batch1_tok_per_s']:.1f} | {med['on']['batch1_tok_per_s']:.1f} | "
-        f"**{median(ratios1):.3f}** | {', '.join(f'{r:.3f}' for r in ratios1)} |",
+        f"**{batch1.ratio_median:.3f}** | {', '.join(f'{r:.3f}' for r in ratios1)} |",
         f"| peak RSS (MiB) | {med['off']['peak_rss_mib']:.0f} | {med['on']['peak_rss_mib']:.0f} | | |",
         "",
         f"Prompts (of {args.check_prompts}) whose greedy tokens / logprobs differ from the same prompt alone:",

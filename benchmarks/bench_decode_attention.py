@@ -6,8 +6,8 @@
         [--kv-variants auto,fp8_e4m3,int8,fp8_e4m3-torch,int8-torch]
 
 Each variant runs over `--layers` distinct caches in turn (default 30, like the model), so every
-call reads a cache that is cold as in a real step; rounds are interleaved and the median ms per
-layer is printed.
+call reads a cache that is cold as in a real step; rounds are interleaved (the harness's
+alternating_rounds) and the median ms per layer is printed.
 
 Variants:
   loop      per-sequence block gather + SDPA (the naive path)
@@ -29,18 +29,20 @@ read quantized caches). Also a whole-prompt prefill of `--prefill-len` tokens (e
 its K/V and attends; quantized kinds read them back through the cache). Paired rounds: every
 round times every variant, the order reversed every other round; the result is the median of the
 per-round ratios bf16 time / variant time (> 1: faster than bf16). The matmuls of a step do not
-depend on the KV dtype and are not timed.
+depend on the KV dtype and are not timed. Writes benchmarks/results/kv_quant_decode.<cpu-kind>.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from _common import RESULTS, result_path
 
 from pagedserve.engine.attention.backend import write_kv_cache
 from pagedserve.engine.attention.kv_quant import KVCacheDtype, quantize_kv
@@ -48,7 +50,13 @@ from pagedserve.engine.attention.metadata import AttentionMetadata
 from pagedserve.engine.attention.torch_backend import TorchAttentionBackend, _build_decode_plan
 from pagedserve.engine.platform.process_setup import tune_glibc_malloc
 from pagedserve.kernels.cpu_paged_attention import load_cpu_kernels
-from pagedserve.server.commands.bench.harness import alternating_rounds
+from pagedserve.server.commands.bench.harness import (
+    PairedRounds,
+    alternating_rounds,
+    median_call_s,
+    provenance,
+    stamp,
+)
 
 
 def context_lengths(kind: str, batch: int, g: torch.Generator) -> list[int]:
@@ -130,13 +138,12 @@ def fused_attention(q, cache, tables, mask, scale: float):
 
 def ms_per_layer(fn, caches: list[torch.Tensor], reps: int) -> float:
     """Median over `reps` passes of the mean time of `fn(cache)` over all caches."""
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
+
+    def one_pass() -> None:
         for cache in caches:
             fn(cache)
-        times.append((time.perf_counter() - start) / len(caches))
-    return statistics.median(times) * 1e3
+
+    return median_call_s(one_pass, reps, warmup=0) / len(caches) * 1e3
 
 
 KV_VARIANTS = ("auto", "fp8_e4m3", "int8", "fp8_e4m3-torch", "int8-torch")
@@ -183,19 +190,12 @@ def kv_variant(name: str, ext, cache, meta, q, kv, layers: int):
     return step
 
 
-def paired_rounds(steps: dict, rounds: int, reps: int) -> dict[str, list[float]]:
+def paired_rounds(steps: dict, rounds: int, reps: int) -> dict[str, list[dict]]:
     """ms per step of every variant, each round in alternating order (the shared harness's
     alternating_rounds; median of `reps` runs)."""
-
-    def ms_per_step(name: str) -> float:
-        runs = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            steps[name]()
-            runs.append(time.perf_counter() - start)
-        return statistics.median(runs) * 1e3
-
-    return alternating_rounds(list(steps), ms_per_step, rounds)
+    return alternating_rounds(
+        list(steps), lambda name: {"ms": median_call_s(steps[name], reps, warmup=0) * 1e3}, rounds
+    )
 
 
 def kv_compare(args) -> None:
@@ -206,26 +206,43 @@ def kv_compare(args) -> None:
     workloads = [(f"decode B={b}", make_batch(b, args.contexts, 9, 3, 64, 16, dtype)) for b in args.batches]
     if args.prefill_len:
         workloads.append((f"prefill {args.prefill_len} tokens", prefill_batch(args.prefill_len, 9, 3, 64, 16, dtype)))
-    print(
-        f"{args.dtype} queries, threads={args.threads}, layers={args.layers}, contexts {args.contexts}, "
-        f"{args.rounds} paired rounds; ratio = bf16 KV time / variant time (median of per-round ratios)"
-    )
-    print("| workload | KV | median ms per step | ratio vs bf16 KV | per-round ratios |")
-    print("| --- | --- | --- | --- | --- |")
+    lines = [
+        "# Quantized KV cache vs bf16 KV: decode-step and prefill attention (CPU)",
+        "",
+        "",
+        f"`benchmarks/bench_decode_attention.py --kv-compare`: {args.dtype} queries, threads={args.threads}, "
+        f"layers={args.layers}, contexts {args.contexts}, {args.rounds} paired rounds (every variant once per "
+        "round, the order reversed every other round); ratio = bf16 KV time / variant time (median of "
+        "per-round ratios).",
+        "",
+        "| workload | KV | median ms per step | ratio vs bf16 KV | per-round ratios |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    loads, summary = [], {}
     with torch.inference_mode():
         for label, (cache, meta, q, kv) in workloads:
             steps = {name: kv_variant(name, ext, cache, meta, q, kv, args.layers) for name in args.kv_variants}
             for step in steps.values():
                 step()  # warm-up (first touch of the caches, the decode plan)
             times = paired_rounds(steps, args.rounds, args.reps)
+            loads.append(os.getloadavg()[0])
             for name, values in times.items():
-                ratios = [base / t for base, t in zip(times["auto"], values)]
-                print(
-                    f"| {label} | {name} | {statistics.median(values):.2f} | {statistics.median(ratios):.3f}x | "
-                    + ", ".join(f"{x:.2f}" for x in ratios)
+                # candidate / baseline = bf16 time / this variant's time
+                p = PairedRounds(name, "auto", "ms", runs={name: values, "auto": times["auto"]})
+                summary[f"{label} {name}"] = {"ms": p.side_median(name), "ratio": p.ratio_median, "ratios": p.ratios}
+                lines.append(
+                    f"| {label} | {name} | {p.side_median(name):.2f} | {p.ratio_median:.3f}x | "
+                    + ", ".join(f"{x:.2f}" for x in p.ratios)
                     + " |"
                 )
+                print(lines[-1], flush=True)
             del steps
+    record = provenance(loads)
+    RESULTS.mkdir(exist_ok=True)
+    lines[2:2] = [stamp(record), ""]
+    result_path("kv_quant_decode", "json").write_text(json.dumps({**record, **summary}, indent=1) + "\n")
+    result_path("kv_quant_decode", "md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def main() -> None:
@@ -280,10 +297,9 @@ def main() -> None:
             if name != "plan":
                 err = (fn(cache).float() - reference).abs().max().item()
                 print(f"{name:9s} max |diff| vs loop: {err:.2e}")
-        results: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(args.rounds):
-            for name, fn in variants.items():
-                results[name].append(ms_per_layer(fn, caches, args.reps))
+        results = alternating_rounds(
+            list(variants), lambda name: ms_per_layer(variants[name], caches, args.reps), args.rounds
+        )
     print(
         f"B={args.batch} {args.dtype} threads={args.threads} malloc_tuned={tuned} layers={args.layers} "
         f"contexts {args.contexts} (mean {sum(meta.seq_lens) / len(meta.seq_lens):.0f}, max {max(meta.seq_lens)}), "

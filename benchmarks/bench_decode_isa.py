@@ -4,29 +4,37 @@
 `avx2` is the path an AVX2-only CPU runs (forced on an AVX-512 machine with isa=). `scalar` is
 this build's baseline path (plain x86-64, no -ffast-math): NOT the old AVX2 build, whose scalar
 loops were compiled with -march=native -ffast-math and so auto-vectorised; the speed-ups over
-`scalar` overstate the gain on an AVX2 CPU, the avx2 : avx512 ratios are the informative part. Each round times every path (each the median of `--calls` calls), the order rotating;
-a path's result is the median over rounds of (scalar time / its time), every round printed.
+`scalar` overstate the gain on an AVX2 CPU, the avx2 : avx512 ratios are the informative part.
+Each case runs the harness's alternating rounds (every path once per round, each the median of
+`--calls` calls, the order reversed every other round); a path's result is the median over
+rounds of (scalar time / its time), every round printed.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_decode_isa.py [--rounds 5] [--batch 1,16] [--context 1000]
 
-Writes benchmarks/results/{--name, default bench_decode_isa}.{json,md}.
+Writes benchmarks/results/bench_decode_isa.<cpu-kind>.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks._common import RESULTS, cpu_description, result_path  # noqa: E402
+from benchmarks._common import RESULTS, result_path  # noqa: E402
 from pagedserve.engine.attention.kv_quant import KVCacheDtype, quantize_kv  # noqa: E402
 from pagedserve.kernels.cpu_native import available_isas, load_native  # noqa: E402
+from pagedserve.server.commands.bench.harness import (  # noqa: E402
+    PairedRounds,
+    alternating_rounds,
+    median_call_s,
+    provenance,
+    stamp,
+)
 
 
 def _case(batch: int, context: int, kv: str):
@@ -49,7 +57,6 @@ def main() -> None:
     ap.add_argument("--kv", default="bf16,int8")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--calls", type=int, default=30)
-    ap.add_argument("--name", default="bench_decode_isa")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ext = load_native()
@@ -59,37 +66,43 @@ def main() -> None:
     cases = {
         f"batch {b} {kv}": _case(int(b), args.context, kv) for b in args.batch.split(",") for kv in args.kv.split(",")
     }
-    ratios = {(c, i): [] for c in cases for i in isas}
-    for r in range(args.rounds):
-        order = isas[r % len(isas) :] + isas[: r % len(isas)]
-        for label, (q, k, v, t, lens, kvq) in cases.items():
-            ms = {}
-            for isa in order:
-                ext.paged_decode_attention(q, k, v, t, lens, 0.125, kvq, isa=isa)
-                times = []
-                for _ in range(args.calls):
-                    t0 = time.perf_counter()
-                    ext.paged_decode_attention(q, k, v, t, lens, 0.125, kvq, isa=isa)
-                    times.append(time.perf_counter() - t0)
-                ms[isa] = statistics.median(times)
-            for isa in isas:
-                ratios[(label, isa)].append(ms["scalar"] / ms[isa])
-        print(f"round {r}: " + " ".join(f"{v[-1]:.2f}" for v in ratios.values()), file=sys.stderr, flush=True)
+    paired: dict[tuple[str, str], PairedRounds] = {}
+    loads: list[float] = []
+    for label, (q, k, v, t, lens, kvq) in cases.items():
+
+        def measure(isa: str, q=q, k=k, v=v, t=t, lens=lens, kvq=kvq) -> dict:
+            return {
+                "s": median_call_s(
+                    lambda: ext.paged_decode_attention(q, k, v, t, lens, 0.125, kvq, isa=isa), args.calls
+                )
+            }
+
+        runs = alternating_rounds(isas, measure, args.rounds)
+        loads.append(os.getloadavg()[0])
+        for isa in isas:
+            # candidate / baseline = scalar time / this path's time: its speed-up over scalar
+            paired[(label, isa)] = PairedRounds(isa, "scalar", "s", runs={isa: runs[isa], "scalar": runs["scalar"]})
+        ratios = ", ".join(f"{isa} " + " ".join(f"{x:.2f}" for x in paired[(label, isa)].ratios) for isa in isas)
+        print(f"{label}, speed-up over scalar per round: {ratios}", file=sys.stderr, flush=True)
+    record = provenance(loads)
     lines = [
         f"# paged decode attention per path, context {args.context}, {args.threads} thread(s)",
         "",
-        f"CPU: {cpu_description()}; {args.rounds} paired rounds (order rotating); busy machine (other jobs running)",
+        stamp(record),
+        "",
+        f"{args.rounds} rounds per case, every path once per round, the order reversed every other round; "
+        f"each time the median of {args.calls} calls.",
         "",
         "| case | path | speed-up over scalar per round | median |",
         "| --- | --- | --- | --- |",
     ]
     summary = {}
-    for (label, isa), vals in ratios.items():
-        summary[f"{label} {isa}"] = {"rounds": vals, "median": statistics.median(vals)}
-        lines.append(f"| {label} | {isa} | {' '.join(f'{x:.2f}' for x in vals)} | {statistics.median(vals):.2f} |")
+    for (label, isa), p in paired.items():
+        summary[f"{label} {isa}"] = {"rounds": p.ratios, "median": p.ratio_median}
+        lines.append(f"| {label} | {isa} | {' '.join(f'{x:.2f}' for x in p.ratios)} | {p.ratio_median:.2f} |")
     RESULTS.mkdir(exist_ok=True)
-    result_path(args.name, "json").write_text(json.dumps(summary, indent=1))
-    result_path(args.name, "md").write_text("\n".join(lines) + "\n")
+    result_path("bench_decode_isa", "json").write_text(json.dumps({**record, **summary}, indent=1))
+    result_path("bench_decode_isa", "md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
-from statistics import median
 
-from _common import RESULTS, cpu_description, peak_rss_mib, result_path
+from _common import RESULTS, peak_rss_mib, result_path
 
-from pagedserve.server.commands.bench.harness import MIN_ROUNDS, run_paired
+from pagedserve.server.commands.bench.harness import MIN_ROUNDS, provenance, run_paired, stamp
 
 REPO = Path(__file__).resolve().parent.parent
 # (name, out_features, in_features) of SmolLM2-135M's projections and its LM head.
@@ -77,8 +75,8 @@ def bench_shapes(rounds: int) -> list[dict]:
                 {
                     "rows": m,
                     "layer": name,
-                    "plain_us": median(x["us"] for x in calls.runs["plain"]),
-                    "packed_us": median(x["us"] for x in calls.runs["packed"]),
+                    "plain_us": replace(calls, metric="us").side_median("plain"),
+                    "packed_us": replace(calls, metric="us").side_median("packed"),
                     "speedup": calls.ratio_median,
                     "per_round": ratios,
                 }
@@ -118,7 +116,13 @@ def bench_engine(rounds: int) -> dict:
         "plain", "packed", lambda side: {"tok_per_s": tok_per_s(engines[side])}, metric="tok_per_s", rounds=rounds
     )
     runs = {side: [x["tok_per_s"] for x in result.runs[side]] for side in engines}
-    return {"runs_tok_per_s": runs, "speedup": result.ratio_median, "per_round": result.ratios}
+    return {
+        "runs_tok_per_s": runs,
+        "median_tok_per_s": {side: result.side_median(side) for side in engines},
+        "speedup": result.ratio_median,
+        "per_round": result.ratios,
+        "loads": result.loads,
+    }
 
 
 def main() -> None:
@@ -139,17 +143,16 @@ def main() -> None:
         "engine": engine,
         "peak_rss_mib": peak_mib,
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "platform": platform.platform(),
+        **provenance(engine["loads"]),
     }
     RESULTS.mkdir(exist_ok=True)
     result_path("bench_packed_linear", "json").write_text(json.dumps(summary, indent=2) + "\n")
     md = [
         "# bf16 linear on CPU: F.linear vs PackedLinear (latest run)",
         "",
-        (
-            f"2 threads; median of {args.rounds} paired rounds (order reversed every other round); "
-            f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores."
-        ),
+        stamp(summary),
+        "",
+        f"2 threads; median of {args.rounds} paired rounds (order reversed every other round).",
         "",
         "| rows | layer | F.linear (us) | packed (us) | speedup |",
         "| --- | --- | --- | --- | --- |",
@@ -158,16 +161,16 @@ def main() -> None:
         f"| {r['rows']} | {r['layer']} | {r['plain_us']:.0f} | {r['packed_us']:.0f} | {r['speedup']:.2f}x |"
         for r in shapes
     ]
-    runs = engine["runs_tok_per_s"]
+    medians = engine["median_tok_per_s"]
     md += [
         "",
         "Engine, 64 prompts x 200 tokens, 48 output tokens: plain "
-        f"{median(runs['plain']):.1f} tok/s, packed {median(runs['packed']):.1f} tok/s (medians); "
+        f"{medians['plain']:.1f} tok/s, packed {medians['packed']:.1f} tok/s (medians); "
         f"median of the per-round ratios **{engine['speedup']:.2f}x** (per round: "
         + ", ".join(f"{r:.2f}x" for r in engine["per_round"])
         + ").",
         "",
-        f"Peak RSS {peak_mib:.0f} MiB (both engines loaded). Run on {summary['date']} ({summary['platform']}; {cpu_description()}).",
+        f"Peak RSS {peak_mib:.0f} MiB (both engines loaded). Run on {summary['date']}.",
     ]
     result_path("bench_packed_linear", "md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

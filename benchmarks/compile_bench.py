@@ -8,22 +8,24 @@ reported). Each round times `reps` forwards of each side, the two sides alternat
 first; the result is the median of the per-round eager/compiled time ratios (> 1: compiled is
 faster), every round's ratio printed. Never best-of.
 
-    .venv/bin/python benchmarks/compile_bench.py [--rounds 7] [--threads 2] [--out benchmarks/results/compile.xeon.json]
+    .venv/bin/python benchmarks/compile_bench.py [--rounds 7] [--threads 2]
+
+Writes benchmarks/results/compile.<cpu-kind>.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from _common import RESULTS, result_path, run_phase
+
+from pagedserve.server.commands.bench.harness import provenance, run_paired, stamp
+
 CONTEXT = 256
 PREFILL = 512
 NUM_BLOCKS = 64
@@ -80,7 +82,6 @@ def run_dtype(dtype_name: str, rounds: int, threads: int, cache_dir: str) -> dic
     from pagedserve.engine.model.default_model import default_model_dir
     from pagedserve.engine.model.loader import allocate_kv_caches, load_model, read_config, select_fused_ops
     from pagedserve.engine.platform.process_setup import tune_glibc_malloc
-    from pagedserve.server.commands.bench.harness import run_paired
 
     tune_glibc_malloc()
     torch.set_num_threads(threads)
@@ -122,14 +123,14 @@ def run_dtype(dtype_name: str, rounds: int, threads: int, cache_dir: str) -> dic
             paired = run_paired(
                 "eager", "compiled", measure, metric="calls_per_s", rounds=rounds, log=lambda line: None
             )
-            ratios = paired.ratios
-            times = {side: [x["ms"] for x in paired.runs[side]] for side in ("eager", "compiled")}
+            ms = replace(paired, metric="ms")
             out["cases"][name] = {
-                "eager_ms_median": round(statistics.median(times["eager"]), 2),
-                "compiled_ms_median": round(statistics.median(times["compiled"]), 2),
-                "ratios": [round(x, 3) for x in ratios],
-                "median_ratio": round(statistics.median(ratios), 3),
+                "eager_ms_median": round(ms.side_median("eager"), 2),
+                "compiled_ms_median": round(ms.side_median("compiled"), 2),
+                "ratios": [round(x, 3) for x in paired.ratios],
+                "median_ratio": round(paired.ratio_median, 3),
                 "max_abs_diff": diff,
+                "load_average_per_round": paired.loads,
             }
             print(
                 f"{dtype_name} {name}: eager {out['cases'][name]['eager_ms_median']} ms, compiled "
@@ -144,11 +145,11 @@ def write_markdown(results: dict, path: Path) -> None:
     lines = [
         "# Compiled forward vs eager (benchmarks/compile_bench.py)",
         "",
+        stamp(results),
+        "",
         (
             f"Default model, {results['threads']} threads, {results['rounds']} paired rounds (order alternating), "
-            f"median of per-round eager/compiled time ratios (> 1: compiled faster). Load average "
-            f"{results['load_before']:.1f} before, {results['load_after']:.1f} after"
-            f"{': a busy shared machine, figures are rough' if results['load_before'] > 1.0 else ''}."
+            "median of per-round eager/compiled time ratios (> 1: compiled faster)."
         ),
         "",
         "| dtype | case | eager ms | compiled ms | eager / compiled (median) | per-round ratios | max abs diff |",
@@ -176,39 +177,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--cache-dir", default=None, help="inductor cache (default: a fresh temporary dir)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compile.json"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(run_dtype(args.child, args.rounds, args.threads, args.cache_dir)))
+        print(json.dumps(run_dtype(args.child, args.rounds, args.threads, args.cache_dir)))
         return
-    results = {"load_before": os.getloadavg()[0], "threads": args.threads, "rounds": args.rounds, "dtypes": []}
+    results: dict = {"threads": args.threads, "rounds": args.rounds, "dtypes": []}
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes.split(","):
-            cmd = [
-                sys.executable,
-                __file__,
-                "--child",
-                dtype,
-                "--rounds",
-                str(args.rounds),
-                "--threads",
-                str(args.threads),
-                "--cache-dir",
-                args.cache_dir or tmp,
-            ]
-            proc = subprocess.run(
-                cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, check=False
-            )
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode or not lines:
-                sys.exit(f"{dtype} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-            results["dtypes"].append(json.loads(lines[-1][len("RESULT ") :]))
-            print("\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")))
-    results["load_after"] = os.getloadavg()[0]
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    write_markdown(results, Path(args.out).with_suffix(".md"))
-    print(f"load average before {results['load_before']:.1f}, after {results['load_after']:.1f}; wrote {args.out}")
+            child = ["--child", dtype, "--rounds", str(args.rounds), "--threads", str(args.threads)]
+            results["dtypes"].append(run_phase(__file__, [*child, "--cache-dir", args.cache_dir or tmp], echo=True))
+    loads = [x for d in results["dtypes"] for c in d["cases"].values() for x in c["load_average_per_round"]]
+    results |= provenance(loads)
+    RESULTS.mkdir(exist_ok=True)
+    result_path("compile", "json").write_text(json.dumps(results, indent=2) + "\n")
+    write_markdown(results, result_path("compile", "md"))
+    print(f"{stamp(results)} Wrote {result_path('compile', 'md')}")
 
 
 if __name__ == "__main__":

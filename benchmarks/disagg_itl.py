@@ -11,7 +11,7 @@ random words, new ones every request, so no prefix is reused) for `--long-max-to
 the others send short chats (~30-token prompts) for `--short-max-tokens` tokens, streamed. The
 inter-token latency (ITL) of a short chat is the gap between its consecutive streamed chunks;
 the phase reports its p50/p99 over every short chat that finished, and the long prompts' TTFT.
-The sides alternate for `--rounds` rounds, the order flipping every round; the headline is the
+The sides run as the harness's alternating rounds (`--rounds`, the order flipping every round); the headline is the
 median of the per-round ratios of short-chat p99 ITL (pd / both). The load generator shares the
 machine with the server.
 
@@ -24,22 +24,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
 import shutil
-import signal
 import statistics
-import subprocess
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-from _common import cpu_description, peak_rss_mib, result_path
+from _common import peak_rss_mib, result_path, stop_server
 from _common import start_server as common_start_server
 
-REPO = Path(__file__).resolve().parent.parent
+from pagedserve.server.commands.bench.harness import MIN_ROUNDS, PairedRounds, alternating_rounds, provenance, stamp
+
 SIDES = ("both", "pd")
 
 
@@ -200,11 +200,10 @@ def write_results(result: dict) -> None:
     lines = [
         "# Disaggregated prefill/decode vs two `both` workers: short chats' p99 inter-token latency",
         "",
+        stamp(result),
+        "",
         f"{len(result['rounds'])} of {a['rounds']} paired rounds.",
         "",
-        f"CPU: {result['cpu']}; commit {result['commit']}; "
-        + ("busy machine (other jobs running; " if float(result["load_average"]) > 1.0 else "quiet machine (")
-        + f"load average at start {result['load_average']}).",
         f"SmolLM2-135M bf16, 2 workers per side, 1 torch thread each; {a['concurrency']} closed-loop clients for "
         f"{a['seconds']} s per phase: {a['long_clients']} send ~{a['long_tokens']}-token prompts "
         f"({a['long_max_tokens']} tokens out), the others short chats ({a['short_max_tokens']} tokens out, streamed). "
@@ -246,7 +245,7 @@ def _f(x: float | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=MIN_ROUNDS)
     parser.add_argument("--seconds", type=float, default=25.0)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--long-clients", type=int, default=2)
@@ -261,43 +260,46 @@ def main() -> None:
     os.environ.setdefault("PAGEDSERVE_WORKER_HEARTBEAT_TIMEOUT", "600")
     work = Path(tempfile.mkdtemp(prefix="disagg-bench-"))
     kv_dir = Path(tempfile.mkdtemp(prefix="disagg-kv-", dir="/dev/shm"))
-    load = os.getloadavg()[0]
     write_store(work / "store", kv_dir, args)
     proc, urls = common_start_server(work, [f"{n}={n}.mar" for n in SIDES], timeout=1800)
     try:
-        rounds = []
-        for k in range(args.rounds):
-            order = SIDES if k % 2 == 0 else SIDES[::-1]
-            res = {}
-            for side in order:
-                res[side] = asyncio.run(phase(urls["inference"], side, seed=1000 * k + SIDES.index(side), args=args))
-                print(f"round {k} {side}: {json.dumps(res[side])}", flush=True)
-            ratio = res["pd"]["short_itl_p99_s"] / res["both"]["short_itl_p99_s"]
-            rounds.append({"round": k, "order": "/".join(order), "ratio_p99": ratio, **res})
-            print(f"round {k}: p99 ITL ratio pd/both = {ratio:.3f}", flush=True)
-            median = statistics.median(r["ratio_p99"] for r in rounds)
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        calls = itertools.count()  # round k's side gets the seed 1000 k + its index
+        orders: list[str] = []
+        loads: list[float] = []
+
+        def measure(side: str) -> dict:
+            seed = 1000 * (next(calls) // len(SIDES)) + SIDES.index(side)
+            res = asyncio.run(phase(urls["inference"], side, seed=seed, args=args))
+            print(f"{side}: {json.dumps(res)}", flush=True)
+            return res
+
+        def done(k: int, order: tuple[str, ...], runs: dict[str, list[dict]]) -> None:
+            orders.append("/".join(order))
+            loads.append(os.getloadavg()[0])
+            paired = PairedRounds("both", "pd", "short_itl_p99_s", runs=runs)  # pd / both per round
+            print(f"round {k}: p99 ITL ratio pd/both = {paired.ratios[-1]:.3f}", flush=True)
+            rounds = [
+                {"round": i, "order": o, "ratio_p99": ratio, "both": b, "pd": d}
+                for i, (o, ratio, b, d) in enumerate(zip(orders, paired.ratios, runs["both"], runs["pd"]))
+            ]
             write_results(  # after every round: a run cut short still leaves its rounds
                 {
-                    "cpu": cpu_description(),
-                    "commit": commit.stdout.strip(),
-                    "load_average": round(load, 1),
+                    **provenance(loads),
                     "args": vars(args),
                     "rounds": rounds,
-                    "median_ratio_p99": median,
+                    "median_ratio_p99": paired.ratio_median,
                     "peak_rss_mib": tree_peak_rss_mib(proc.pid),
                     "disagg_metrics": [
                         ln for ln in metric_lines(urls["metrics"], "pagedserve_disagg_") if "_bucket" not in ln
                     ],
                 }
             )
-        print(f"median paired ratio (pd/both) of short chats' p99 ITL: {median:.3f} (bar <= 0.5)", flush=True)
+            if k == args.rounds - 1:
+                print(f"median paired ratio (pd/both) of short chats' p99 ITL: {paired.ratio_median:.3f} (bar <= 0.5)")
+
+        alternating_rounds(SIDES, measure, args.rounds, on_round=done)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
         shutil.copy(work / "server.log", Path(tempfile.gettempdir()) / "disagg_itl-server.log")
         shutil.rmtree(kv_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)

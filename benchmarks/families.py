@@ -12,7 +12,7 @@ speed of Gemma 3 270M and that Qwen3 against transformers.
    whole generate call (prefill included on both sides). Rounds alternate which side goes first;
    the median of the per-round ratios is reported.
 
-    python benchmarks/families.py [--rounds 5] [--new 16] [--out families]
+    python benchmarks/families.py [--rounds 5] [--new 16]
 """
 
 from __future__ import annotations
@@ -20,15 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import RESULTS, cpu_description, peak_rss_mib, result_path, run_phase
-from pagedserve.server.commands.bench.harness import alternating_rounds
+from benchmarks._common import RESULTS, peak_rss_mib, provenance, result_path, run_phase, stamp
+from pagedserve.server.commands.bench.harness import PairedRounds, alternating_rounds
 
 QWEN3_1B = dict(
     architectures=["Qwen3ForCausalLM"],
@@ -238,7 +237,6 @@ def main() -> int:
     parser.add_argument("--new", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batches", default="1,32")
-    parser.add_argument("--out", default="families")
     args = parser.parse_args()
     if args.phase == "write":
         print(json.dumps({"dir": str(write_qwen3(cache_dir()))}))
@@ -279,21 +277,24 @@ def run_all(args: argparse.Namespace) -> int:
         for row in measured:
             rounds = row["rounds"]
             print(model, row["batch"], json.dumps(rounds), flush=True)
+            # ours / hf tok/s per round, the harness's median of them
+            paired = PairedRounds(
+                "hf", "ours", "tok_per_s", runs={s: [{"tok_per_s": x[s]} for x in rounds] for s in ("hf", "ours")}
+            )
             rows.append(
                 {
                     "model": model,
                     "batch": row["batch"],
                     "rounds": rounds,
-                    "ours": statistics.median(x["ours"] for x in rounds),
-                    "hf": statistics.median(x["hf"] for x in rounds),
-                    "ratio": statistics.median(x["ours"] / x["hf"] for x in rounds),
+                    "ours": paired.side_median("ours"),
+                    "hf": paired.side_median("hf"),
+                    "ratio": paired.ratio_median,
                 }
             )
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"cpu": cpu_description(), "commit": commit, "load": loads, "decode": rows, "new_tokens": args.new}
+    result = {**provenance(), "load": loads, "decode": rows, "new_tokens": args.new}
     RESULTS.mkdir(exist_ok=True)
-    result_path(args.out, "json").write_text(json.dumps(result, indent=2))
-    result_path(args.out, "md").write_text(render(result))
+    result_path("families", "json").write_text(json.dumps(result, indent=2))
+    result_path("families", "md").write_text(render(result))
     print(render(result))
     return 0
 
@@ -304,8 +305,9 @@ def render(result: dict) -> str:
     lines = [
         "# Model families at real sizes: loading and decode vs transformers",
         "",
-        f"CPU: {result['cpu']}. Commit {result['commit']}. Busy machine (other jobs running). bf16, 2 threads, "
-        "each measurement in a fresh process (`benchmarks/families.py`).",
+        stamp(result),
+        "",
+        "bf16, 2 threads, each measurement in a fresh process (`benchmarks/families.py`).",
         "",
         "## Loading a random-weight 1B-class Qwen3 (16 layers, hidden 2048, vocab 151,936; bf16 shards of ~500 MB)",
         "",

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ import traceback
 from pathlib import Path
 from statistics import median
 
-from _common import RESULTS, result_path
+from _common import RESULTS, provenance, result_path, stamp
 
 REPO = Path(__file__).resolve().parent.parent
 BLOCK = 16
@@ -363,7 +362,7 @@ def main() -> int:
         "device": name,
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "platform": platform.platform(),
+        **provenance(),
         "checks": {},
     }
     start = time.perf_counter()
@@ -387,6 +386,8 @@ def main() -> int:
 def write_results(results: dict) -> None:
     md = [
         f"# GPU check (latest run): {results['device']}",
+        "",
+        stamp(results),
         "",
         f"torch {results['torch']}, {results['date']}, {results['seconds']} s in all.",
         "",

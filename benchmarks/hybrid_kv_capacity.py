@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import cpu_description, result_path
+from benchmarks._common import provenance, result_path, stamp
 from pagedserve.engine.attention.kv_quant import KVCacheDtype
 from pagedserve.engine.config.engine import EngineConfig
 from pagedserve.engine.model.loader import kv_layout, kv_pool_size
@@ -43,7 +42,6 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=None)
     parser.add_argument("--budget", default="1GiB")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--out", default="hybrid_kv_capacity")
     args = parser.parse_args()
     path = args.config or _default_config()
     spec = parse_config(json.loads(path.read_text()))
@@ -67,14 +65,15 @@ def main() -> None:
             }
         row["ratio"] = row["hybrid"]["sequences"] / max(1, row["plain"]["sequences"])
         rows.append(row)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"cpu": cpu_description(), "commit": commit, "config": str(path), "budget": args.budget, "rows": rows}
-    result_path(args.out, "json").write_text(json.dumps(result, indent=2))
+    result = {**provenance(), "config": str(path), "budget": args.budget, "rows": rows}
+    result_path("hybrid_kv_capacity", "json").write_text(json.dumps(result, indent=2))
     lines = [
         "# Hybrid KV cache: long sequences per KV budget (Gemma 3 270M shape)",
         "",
+        stamp(result),
+        "",
         f"Budget {args.budget} of {args.dtype} KV, block size 16, decoding sequences (between steps).",
-        f"Counted by the engine's sizing code (no timing; the CPU does not matter): {result['cpu']}, commit {commit}.",
+        "Counted by the engine's sizing code (no timing; the CPU does not matter).",
         "",
         "| context | hybrid: groups x layers/block | blocks | blocks/seq | sequences | plain: blocks | blocks/seq | sequences | ratio |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -86,7 +85,7 @@ def main() -> None:
             f" | {h['sequences']} | {p['blocks']:,} | {p['blocks_per_sequence']:,} | {p['sequences']} | {r['ratio']:.2f}x |"
         )
     text = "\n".join(lines) + "\n"
-    result_path(args.out, "md").write_text(text)
+    result_path("hybrid_kv_capacity", "md").write_text(text)
     print(text)
 
 

@@ -14,7 +14,8 @@ copies several times slower and erratic:
 
 A restore covers the prompt but its last block (the last token must be computed). The run covers
 the default chunk_size 256 and 128. Each phase runs in a fresh child process (its own peak RSS);
-each case reports the median over its prompts and the median ratio of paired measurements.
+each case reports the median over its prompts and the median ratio of paired measurements (the
+harness's PairedRounds; a prompt is cold before it is restored, so the order within a pair is fixed).
 Results go to benchmarks/results/kv_offload_ttft.<cpu-kind>.{json,md}.
 
     .venv/bin/python benchmarks/kv_offload_ttft.py [--prompt-len 2000] [--trials 3]
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 
 from _common import RESULTS, peak_rss_mib, result_path, run_phase
+
+from pagedserve.server.commands.bench.harness import PairedRounds, provenance, stamp
 
 BLOCK = 16
 
@@ -207,7 +209,7 @@ def main() -> None:
                 "cpu_size_gb": 1,
                 "disk_size_gb": 4,
             },
-            "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
+            **provenance(),
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "by_chunk_size": {},
         }
@@ -255,18 +257,33 @@ def summarize(first: dict, restart: dict) -> dict:
     restart_cold = restart["cold_s"]
     if len(restart_cold) == len(restart["disk_hit_s"]) + len(restart["disk_hit_dropped_s"]):
         pairs = {
-            "cpu": list(zip(first["cold_s"], first["cpu_hit_s"])),
-            "disk": list(zip(restart_cold[0::2], restart["disk_hit_s"])),
-            "disk_dropped": list(zip(restart_cold[1::2], restart["disk_hit_dropped_s"])),
+            "cpu": (first["cold_s"], first["cpu_hit_s"]),
+            "disk": (restart_cold[0::2], restart["disk_hit_s"]),
+            "disk_dropped": (restart_cold[1::2], restart["disk_hit_dropped_s"]),
         }
-        out["paired_speedup_median"] = {case: statistics.median(c / h for c, h in p) for case, p in pairs.items() if p}
+        out["paired_speedup_median"] = {
+            case: paired(cold, hit).ratio_median for case, (cold, hit) in pairs.items() if hit
+        }
     return out
+
+
+def paired(cold: list[float], restored: list[float]) -> PairedRounds:
+    """The harness's paired rounds over TTFTs taken next to each other (a prompt must be cold
+    before it can be restored, so here the order within a pair is fixed): cold / restored."""
+    return PairedRounds(
+        "restored",
+        "cold",
+        "ttft_s",
+        runs={"restored": [{"ttft_s": t} for t in restored], "cold": [{"ttft_s": t} for t in cold[: len(restored)]]},
+    )
 
 
 def render(summary: dict) -> str:
     w = summary["workload"]
     md = [
         "# KV offload: time to first token (latest run)",
+        "",
+        stamp(summary),
         "",
         (
             f"A {w['prompt_len']}-token prompt, bf16, {w['threads']} torch thread, the default model. Cold = "
@@ -311,10 +328,7 @@ def render(summary: dict) -> str:
             "Peak RSS includes the model, the KV pool and the part of the 1 GB CPU tier that was touched."
         ),
         "",
-        (
-            f"Run on {summary['date']} ({summary['machine']['platform']}, {summary['machine']['cpus']} CPUs "
-            "shared with other jobs: absolute times are noisy, ratios are taken within one run)."
-        ),
+        f"Run on {summary['date']} (absolute times are noisy on a shared machine; ratios are taken within one run).",
     ]
     return "\n".join(md) + "\n"
 

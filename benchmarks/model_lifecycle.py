@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -37,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import RESULTS, result_path  # noqa: E402
+from _common import RESULTS, provenance, result_path, stamp  # noqa: E402
 
 MODEL = "smollm2"
 CONFIG = """\
@@ -175,8 +174,7 @@ def main() -> None:
         "rounds": args.rounds,
         "threads": args.threads,
         "cpus": os.cpu_count(),
-        "load_average": os.getloadavg(),
-        "machine": platform.machine(),
+        **provenance(),
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     RESULTS.mkdir(exist_ok=True)
@@ -190,10 +188,10 @@ def render(r: dict) -> str:
     lines = [
         "# Model lifecycle: TTFT and memory per state",
         "",
+        stamp(r),
+        "",
         f"Default model (SmolLM2-135M, bfloat16, 256 MiB KV pool), one worker, {r['threads']} torch "
-        f"threads, {r['cpus']} CPUs, {r['when']}; load average at the end "
-        f"{', '.join(f'{x:.1f}' for x in r['load_average'])} (a shared, busy machine: compare the "
-        f"ratios, not the absolute times). Median of {r['rounds']} requests per state "
+        f"threads, {r['cpus']} CPUs, {r['when']} (compare the ratios, not the absolute times). Median of {r['rounds']} requests per state "
         "(8 greedy tokens; the output was identical in every round).",
         "",
         "| state before the request | TTFT median (s) | all TTFTs (s) | workers' RSS in that state (MiB) | budget counts (MiB) |",

@@ -18,25 +18,22 @@ CPU-time timers on every routed expert's projections (gate_up_proj, down_proj) a
 block: the share of decode CPU time spent in expert GEMMs, and in the whole MoE block (router,
 grouping, gather, scatter included).
 
-    .venv/bin/python benchmarks/moe_throughput.py [--rounds 5] [--arch qwen3_moe] [--name moe_throughput]
+    .venv/bin/python benchmarks/moe_throughput.py [--rounds 5] [--arch qwen3_moe]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
-import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
-from statistics import median
 
-from _common import RESULTS, cpu_description, peak_rss_mib, result_path, run_phase
+from _common import RESULTS, peak_rss_mib, result_path, run_phase
 
-from pagedserve.server.commands.bench.harness import MIN_ROUNDS, alternating_rounds
+from pagedserve.server.commands.bench.harness import MIN_ROUNDS, PairedRounds, alternating_rounds, provenance, stamp
 
 SHARE_TOKENS = 4  # tokens per sequence of the engine's timed share run
 BATCHES = (1, 32)
@@ -232,19 +229,6 @@ def run_child(args, phase: str) -> dict:
     return result
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--phase", choices=("engine", "hf"))
@@ -254,7 +238,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=MIN_ROUNDS)
     parser.add_argument("--tokens", type=int, default=8, help="tokens generated per sequence")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per side")
-    parser.add_argument("--name", default="moe_throughput")
     args = parser.parse_args()
     if args.phase:
         print(json.dumps(phase_engine(args) if args.phase == "engine" else phase_hf(args)))
@@ -277,8 +260,8 @@ def main() -> None:
     runs = alternating_rounds(("engine", "hf"), lambda phase: run_child(args, phase), args.rounds, on_round=ratios)
     summary = summarize(args, runs, params)
     RESULTS.mkdir(exist_ok=True)
-    result_path(args.name, "json").write_text(json.dumps(summary | {"runs": runs}, indent=2))
-    result_path(args.name, "md").write_text(markdown(summary))
+    result_path("moe_throughput", "json").write_text(json.dumps(summary | {"runs": runs}, indent=2))
+    result_path("moe_throughput", "md").write_text(markdown(summary))
     print(markdown(summary))
 
 
@@ -293,23 +276,20 @@ def summarize(args, runs, params: int) -> dict:
         "prompt_len": PROMPT_LEN,
         "tokens": args.tokens,
         "rounds": args.rounds,
-        "commit": commit(),
-        "cpu": cpu_description(),
-        "platform": platform.platform(),
-        "load_average_at_end": os.getloadavg(),
+        **provenance(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "hf_experts_implementation": runs["hf"][0]["experts_implementation"],
     }
     for b in BATCHES:
-        key = f"batch{b}_tok_per_s"
+        paired = PairedRounds("hf", "engine", f"batch{b}_tok_per_s", runs=runs)  # engine / hf per round
         out[f"batch{b}"] = {
-            "engine_tok_per_s": median(r[key] for r in runs["engine"]),
-            "hf_tok_per_s": median(r[key] for r in runs["hf"]),
-            "ratios": [e[key] / h[key] for e, h in zip(runs["engine"], runs["hf"])],
-            "expert_gemm_share": median(r[f"batch{b}_expert_gemm_share"] for r in runs["engine"]),
-            "moe_block_share": median(r[f"batch{b}_moe_block_share"] for r in runs["engine"]),
+            "engine_tok_per_s": paired.side_median("engine"),
+            "hf_tok_per_s": paired.side_median("hf"),
+            "ratios": paired.ratios,
+            "median_ratio": paired.ratio_median,
+            "expert_gemm_share": replace(paired, metric=f"batch{b}_expert_gemm_share").side_median("engine"),
+            "moe_block_share": replace(paired, metric=f"batch{b}_moe_block_share").side_median("engine"),
         }
-        out[f"batch{b}"]["median_ratio"] = median(out[f"batch{b}"]["ratios"])
     return out
 
 
@@ -331,8 +311,7 @@ the median of the per-round (paired) ratios, so the two need not agree: on this 
 load moved from round to round, and the spread of the per-round ratios is the honest error bar.
 transformers' experts implementation: `{s['hf_experts_implementation']}`.
 
-CPU: {s['cpu']}. Commit {s['commit']}, {s['date']}. Busy machine (other jobs running; load average
-at the end {', '.join(f'{x:.1f}' for x in s['load_average_at_end'])}).
+{stamp(s)} Run on {s['date']}.
 
 | batch | pagedserve tok/s | transformers tok/s | pagedserve / transformers | expert GEMMs (share of decode CPU) \
 | whole MoE block |

@@ -30,15 +30,22 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from statistics import median
 
-from _common import RESULTS, cpu_description, make_prompts, peak_rss_mib, result_path, run_phase
+from _common import RESULTS, make_prompts, peak_rss_mib, result_path, run_phase
 
-from pagedserve.server.commands.bench.harness import MIN_ROUNDS, alternating_rounds
+from pagedserve.server.commands.bench.harness import (
+    MIN_ROUNDS,
+    PairedRounds,
+    alternating_rounds,
+    median_call_s,
+    provenance,
+    stamp,
+)
 
 TTFT_TRIALS = 5
 
@@ -215,13 +222,7 @@ def phase_floor(args) -> dict:
         with safe_open(str(path), "pt") as f:
             numel += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
     big = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
-    big.sum()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        big.sum()
-        times.append(time.perf_counter() - start)
-    bandwidth = big.numel() * 4 / median(times)
+    bandwidth = big.numel() * 4 / median_call_s(big.sum, 5)
     weight_bytes = 2 * numel
     return {
         "read_gb_per_s": bandwidth / 1e9,
@@ -251,7 +252,13 @@ def phase_ttft(args, tokenizer) -> dict:
     return {
         "ttft_cold_s": median(results["cold_s"]),
         "ttft_cached_900_s": median(results["cached_900_s"]),
-        "speedup": median([c / w for c, w in zip(results["cold_s"], results["cached_900_s"])]),
+        # the harness's paired ratio cold / cached (a prefix is computed cold before it is cached)
+        "speedup": PairedRounds(
+            "cached",
+            "cold",
+            "s",
+            runs={k: [{"s": t} for t in results[f"{v}_s"]] for k, v in (("cold", "cold"), ("cached", "cached_900"))},
+        ).ratio_median,
         "trials": results,
         "peak_rss_mib": peak_rss_mib(),
     }
@@ -281,11 +288,14 @@ def run_child(args, phase: str) -> dict:
     return result
 
 
-def paired_rounds(args) -> dict[str, list[dict]]:
-    """`args.rounds` rounds of the five phases, the order reversed every other round."""
+def paired_rounds(args) -> tuple[dict[str, list[dict]], list[float]]:
+    """`args.rounds` rounds of the five phases, the order reversed every other round; the
+    load average after each round."""
     phases = ("engine", "hf", "engine_nocache", "latency_engine", "latency_hf")
+    loads: list[float] = []
 
     def show(r: int, order: tuple[str, ...], runs: dict[str, list[dict]]) -> None:
+        loads.append(os.getloadavg()[0])
         engine, hf, nocache = (runs[p][-1]["tok_per_s"] for p in phases[:3])
         lat_e, lat_h = runs["latency_engine"][-1], runs["latency_hf"][-1]
         print(
@@ -297,17 +307,15 @@ def paired_rounds(args) -> dict[str, list[dict]]:
         )
 
     # the shared harness (pagedserve.server.commands.bench.harness)
-    return alternating_rounds(phases, lambda phase: run_child(args, phase), args.rounds, on_round=show)
+    return alternating_rounds(phases, lambda phase: run_child(args, phase), args.rounds, on_round=show), loads
 
 
-def summarize(args, runs: dict[str, list[dict]], ttft: dict) -> dict:
-    tps = {k: [x["tok_per_s"] for x in v] for k, v in runs.items() if not k.startswith("latency")}
-    decode_ratios = [
-        e["decode_tok_per_s"] / h["decode_tok_per_s"] for e, h in zip(runs["latency_engine"], runs["latency_hf"])
-    ]
-    ttft_ratios = [e["ttft_1000_s"] / h["ttft_1000_s"] for e, h in zip(runs["latency_engine"], runs["latency_hf"])]
-    ratios = [e / h for e, h in zip(tps["engine"], tps["hf"])]
-    caching = [e / n for e, n in zip(tps["engine"], tps["engine_nocache"])]
+def summarize(args, runs: dict[str, list[dict]], ttft: dict, loads: list[float]) -> dict:
+    # The harness's paired rounds of each comparison (candidate / baseline per round, their median).
+    throughput = PairedRounds("hf", "engine", "tok_per_s", runs=runs)
+    caching = PairedRounds("engine_nocache", "engine", "tok_per_s", runs=runs)
+    decode = PairedRounds("latency_hf", "latency_engine", "decode_tok_per_s", runs=runs)
+    ttft_1000 = replace(decode, metric="ttft_1000_s")
     bookkeeping = [
         (e["scheduler_kv_s"] - n["scheduler_kv_s"]) / e["elapsed_s"]
         for e, n in zip(runs["engine"], runs["engine_nocache"])
@@ -320,24 +328,28 @@ def summarize(args, runs: dict[str, list[dict]], ttft: dict) -> dict:
             "dtype": "bfloat16",
             "threads": 2,
         },
-        "machine": {"platform": platform.platform(), "cpu": cpu_description(), "load_average_at_end": os.getloadavg()},
+        **provenance(loads),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "rounds": args.rounds,
-        "engine_tok_per_s_median": median(tps["engine"]),
-        "hf_tok_per_s_median": median(tps["hf"]),
-        "engine_vs_hf": median(ratios),
-        "engine_vs_hf_per_round": ratios,
+        "engine_tok_per_s_median": throughput.side_median("engine"),
+        "hf_tok_per_s_median": throughput.side_median("hf"),
+        "engine_vs_hf": throughput.ratio_median,
+        "engine_vs_hf_per_round": throughput.ratios,
         # Noisy: whole-run throughput with caching on vs off (different processes).
         "batch1_decode_tok_per_s_median": {
-            k: median(x["decode_tok_per_s"] for x in runs[f"latency_{k}"]) for k in ("engine", "hf")
+            "engine": decode.side_median("latency_engine"),
+            "hf": decode.side_median("latency_hf"),
         },
-        "batch1_decode_vs_hf": median(decode_ratios),
-        "batch1_decode_vs_hf_per_round": decode_ratios,
-        "ttft_1000_s_median": {k: median(x["ttft_1000_s"] for x in runs[f"latency_{k}"]) for k in ("engine", "hf")},
-        "ttft_1000_vs_hf": median(ttft_ratios),
-        "ttft_1000_vs_hf_per_round": ttft_ratios,
-        "prefix_caching_cost_end_to_end": 1 - median(caching),
-        "caching_on_vs_off_per_round": caching,
+        "batch1_decode_vs_hf": decode.ratio_median,
+        "batch1_decode_vs_hf_per_round": decode.ratios,
+        "ttft_1000_s_median": {
+            "engine": ttft_1000.side_median("latency_engine"),
+            "hf": ttft_1000.side_median("latency_hf"),
+        },
+        "ttft_1000_vs_hf": ttft_1000.ratio_median,
+        "ttft_1000_vs_hf_per_round": ttft_1000.ratios,
+        "prefix_caching_cost_end_to_end": 1 - caching.ratio_median,
+        "caching_on_vs_off_per_round": caching.ratios,
         # Exact: extra scheduler + KV-manager time with caching on, as a share of the run.
         "prefix_caching_cost_bookkeeping": median(bookkeeping),
         "ttft": ttft,
@@ -352,12 +364,12 @@ def write_results(args, summary: dict) -> None:
     md = [
         "# Offline throughput (latest run)",
         "",
+        stamp(summary),
+        "",
         (
             f"{args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens, bf16, "
             f"2 threads; median of {args.rounds} paired rounds (engine, transformers and the engine without "
-            "prefix caching once each per round, fresh processes, the order reversed every other round). "
-            f"Load average at the end of the run: {summary['machine']['load_average_at_end'][0]:.1f} "
-            f"on {os.cpu_count()} cores."
+            "prefix caching once each per round, fresh processes, the order reversed every other round)."
         ),
         "",
         "| measure | value |",
@@ -392,7 +404,7 @@ def write_results(args, summary: dict) -> None:
         f"| TTFT with a cached 900-token prefix (median) | {1000 * ttft['ttft_cached_900_s']:.0f} ms ({ttft['speedup']:.1f}x faster, median of paired trials) |",
         "| peak RSS (MiB) | " + ", ".join(f"{k} {v:.0f}" for k, v in summary["peak_rss_mib"].items()) + " |",
         "",
-        f"Run on {summary['date']} ({summary['machine']['platform']}; {summary['machine']['cpu']}).",
+        f"Run on {summary['date']}.",
     ]
     RESULTS.mkdir(exist_ok=True)
     result_path(f"{args.name}", "json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -407,17 +419,18 @@ def run_profile(args) -> None:
     md = [
         "# Offline engine step breakdown (latest `--profile` run)",
         "",
+        stamp(provenance()),
+        "",
         (
             f"{args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens, {args.dtype}, "
-            f"2 threads, prefix caching on; one run: {result['tok_per_s']:.1f} tok/s with the timers on. "
-            f"Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores."
+            f"2 threads, prefix caching on; one run: {result['tok_per_s']:.1f} tok/s with the timers on."
         ),
         "",
     ]
     md += format_breakdown(result["breakdown_s"], result["steps"], out=lambda _: None)
     md += [
         "",
-        f"Run on {time.strftime('%Y-%m-%d %H:%M')} ({platform.platform()}).",
+        f"Run on {time.strftime('%Y-%m-%d %H:%M')}.",
         "Parts: see benchmarks/step_profile.py.",
     ]
     RESULTS.mkdir(exist_ok=True)
@@ -477,9 +490,9 @@ def main() -> None:
         return
     if args.rounds < MIN_ROUNDS:
         parser.error(f"--rounds must be at least {MIN_ROUNDS} (the result is a median of paired rounds)")
-    runs = paired_rounds(args)
+    runs, loads = paired_rounds(args)
     ttft = run_child(args, "ttft")
-    summary = summarize(args, runs, ttft)
+    summary = summarize(args, runs, ttft, loads)
     summary["batch1_floor"] = run_child(args, "floor")
     write_results(args, summary)
 

@@ -19,17 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
-import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from _common import result_path
+from _common import result_path, run_phase
 
-from pagedserve.server.commands.bench.harness import alternating_rounds
-
-ROOT = Path(__file__).resolve().parent.parent
+from pagedserve.server.commands.bench.harness import PairedRounds, alternating_rounds, provenance, stamp
 
 
 def run_dtype(dtype_name: str, tokens: int, rounds: int, threads: int) -> dict:
@@ -76,38 +72,40 @@ def run_dtype(dtype_name: str, tokens: int, rounds: int, threads: int) -> dict:
         model.compute_logits(last_row)
         return time.perf_counter() - start
 
-    def ttft() -> tuple[float, float]:
+    def ttft() -> dict:
         prompt = torch.randint(0, vocab, (tokens,), generator=gen).tolist()
         attention_s[0] = 0.0
         start = time.perf_counter()
         llm.generate([prompt], params)
-        return time.perf_counter() - start, attention_s[0]
+        return {"s": time.perf_counter() - start, "attention_s": attention_s[0]}
 
     ttft()
     floor()  # warm-up of both
-    rows = []
 
     def record(r: int, order: tuple[str, ...], got: dict[str, list]) -> None:
-        (t, attn), f = got["ttft"][-1], got["floor"][-1]
-        rows.append({"ttft_s": t, "floor_s": f, "attention_s": attn, "ratio": t / f})
+        t, f = got["ttft"][-1], got["floor"][-1]
         print(
-            f"{dtype_name} round {r}: ttft {t * 1e3:.0f} ms, floor {f * 1e3:.0f} ms, attention {attn * 1e3:.0f} ms, "
-            f"ratio {t / f:.3f}",
+            f"{dtype_name} round {r}: ttft {t['s'] * 1e3:.0f} ms, floor {f['s'] * 1e3:.0f} ms, attention "
+            f"{t['attention_s'] * 1e3:.0f} ms, ratio {t['s'] / f['s']:.3f}",
             flush=True,
         )
 
     # the shared harness (pagedserve.server.commands.bench.harness): the order reversed every other round
-    sides: dict = {"ttft": ttft, "floor": floor}
-    alternating_rounds(("ttft", "floor"), lambda side: sides[side](), rounds, on_round=record)
-    med = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
+    sides: dict = {"ttft": ttft, "floor": lambda: {"s": floor()}}
+    got = alternating_rounds(("ttft", "floor"), lambda side: sides[side](), rounds, on_round=record)
+    paired = PairedRounds("floor", "ttft", "s", runs=got)  # TTFT / floor per round
     return {
         "dtype": dtype_name,
         "tokens": tokens,
-        "rounds": rows,
-        "median_ratio": round(med["ratio"], 3),
-        "median_ttft_ms": round(med["ttft_s"] * 1e3, 1),
-        "median_floor_ms": round(med["floor_s"] * 1e3, 1),
-        "median_attention_ms": round(med["attention_s"] * 1e3, 1),
+        "rounds": [
+            {"ttft_s": t["s"], "floor_s": f["s"], "attention_s": t["attention_s"], "ratio": ratio}
+            for t, f, ratio in zip(got["ttft"], got["floor"], paired.ratios)
+        ],
+        "median_ratio": round(paired.ratio_median, 3),
+        "median_ttft_ms": round(paired.side_median("ttft") * 1e3, 1),
+        "median_floor_ms": round(paired.side_median("floor") * 1e3, 1),
+        "median_attention_ms": round(replace(paired, metric="attention_s").side_median("ttft") * 1e3, 1),
+        "load_average": os.getloadavg()[0],
     }
 
 
@@ -115,11 +113,11 @@ def write_markdown(results: dict, path: Path) -> None:
     lines = [
         "# Prefill vs matmul floor (benchmarks/prefill_floor.py)",
         "",
+        stamp(results),
+        "",
         (
             f"{results['tokens']}-token prompt, default model, {results['threads']} threads, {results['rounds']} paired "
-            f"rounds (order alternating), median of per-round ratios. Load average {results['load_before']:.1f} before, "
-            f"{results['load_after']:.1f} after"
-            f"{': a busy shared machine, figures are rough' if results['load_before'] > 1.0 else ''}."
+            "rounds (order alternating), median of per-round ratios."
         ),
         "",
         "| dtype | TTFT ms | matmul floor ms | attention ms | TTFT / floor (median) | per-round ratios |",
@@ -140,44 +138,24 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--name", default="prefill_floor")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(run_dtype(args.child, args.tokens, args.rounds, args.threads)))
+        print(json.dumps(run_dtype(args.child, args.tokens, args.rounds, args.threads)))
         return
-    results = {
-        "load_before": os.getloadavg()[0],
+    results: dict = {
         "threads": args.threads,
         "rounds": args.rounds,
         "tokens": args.tokens,
         "dtypes": [],
     }
     for dtype in args.dtypes.split(","):
-        cmd = [
-            sys.executable,
-            __file__,
-            "--child",
-            dtype,
-            "--rounds",
-            str(args.rounds),
-            "--tokens",
-            str(args.tokens),
-            "--threads",
-            str(args.threads),
-        ]
-        proc = subprocess.run(
-            cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, check=False
-        )
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            sys.exit(f"{dtype} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        print("\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")))
-        results["dtypes"].append(json.loads(lines[-1][len("RESULT ") :]))
-    results["load_after"] = os.getloadavg()[0]
-    result_path(f"{args.name}", "json").write_text(json.dumps(results, indent=2) + "\n")
-    write_markdown(results, result_path(args.name, "md"))
-    print(f"wrote {result_path(args.name, 'md')} and .json")
+        child = ["--child", dtype, "--rounds", str(args.rounds), "--tokens", str(args.tokens)]
+        results["dtypes"].append(run_phase(__file__, [*child, "--threads", str(args.threads)], echo=True))
+    results |= provenance([d["load_average"] for d in results["dtypes"]])
+    result_path("prefill_floor", "json").write_text(json.dumps(results, indent=2) + "\n")
+    write_markdown(results, result_path("prefill_floor", "md"))
+    print(f"wrote {result_path('prefill_floor', 'md')} and .json")
 
 
 if __name__ == "__main__":

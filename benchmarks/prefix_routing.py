@@ -20,27 +20,28 @@ for `--rounds` rounds, the order flipping every round; the headline is the media
 per-round paired ratios (pa / ll). The load generator shares the machine with the server.
 Results go to benchmarks/results/prefix_routing.<cpu-kind>.{json,md}.
 
-    .venv/bin/python benchmarks/prefix_routing.py [--rounds 3] [--conversations 8] [--turns 4]
+    .venv/bin/python benchmarks/prefix_routing.py [--rounds 5] [--conversations 8] [--turns 4]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
-import os
-import platform
 import random
-import signal
 import statistics
 import subprocess
 import tempfile
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
-from _common import RESULTS, result_path
+from _common import RESULTS, result_path, stop_server
 from _common import start_server as common_start_server
+
+from pagedserve.server.commands.bench.harness import MIN_ROUNDS, provenance, run_paired, stamp
 
 REPO = Path(__file__).resolve().parent.parent
 POLICIES = {"ll": "least_loaded", "pa": "prefix_affinity"}
@@ -193,6 +194,8 @@ def write_results(result: dict) -> None:
     lines = [
         "# Prefix-affinity routing vs least-loaded (2 workers, multi-turn chat)",
         "",
+        stamp(result),
+        "",
         f"{result['settings']}",
         "",
         "| round | policy | hit rate (all) | hit rate (follow-ups) | tokens/s | req/s | mean latency s |",
@@ -213,14 +216,14 @@ def write_results(result: dict) -> None:
         "",
         f"Router prefix hits per worker at the end: `{json.dumps(result['route_prefix_hits'])}`",
         "",
-        f"Machine: {result['machine']} (shared, busy: figures are rough; ratios are paired per round).",
+        "Figures are rough on a shared machine; the ratios are paired per round.",
     ]
     result_path("prefix_routing", "md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=MIN_ROUNDS)
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--doc-words", type=int, default=300)
@@ -242,32 +245,32 @@ def main() -> None:
                 phase(base, "ll", 1, argparse.Namespace(**{**vars(args), "conversations": 2, "turns": 1}))
             )  # warm-up
             asyncio.run(phase(base, "pa", 2, argparse.Namespace(**{**vars(args), "conversations": 2, "turns": 1})))
-            rounds = []
-            for i in range(args.rounds):
-                order = ["ll", "pa"] if i % 2 == 0 else ["pa", "ll"]
-                rnd = [asyncio.run(phase(base, m, 100 + i * 10 + j, args)) for j, m in enumerate(order)]
-                rounds.append(sorted(rnd, key=lambda r: r["model"]))
-                print(json.dumps(rounds[-1]), flush=True)
+            seeds = itertools.count(100)  # every phase its own new documents
+            paired = run_paired(
+                "ll",
+                "pa",
+                lambda m: asyncio.run(phase(base, m, next(seeds), args)),
+                metric="tok_per_s",
+                rounds=args.rounds,
+            )
             hits = route_hits(metrics)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(120)
-    ll = [r[0] for r in rounds]
-    pa = [r[1] for r in rounds]
+            stop_server(proc, timeout=120)
+    latency = replace(paired, metric="mean_latency_s")
     summary = {
-        "tok_per_s_ratio_median": statistics.median(p["tok_per_s"] / q["tok_per_s"] for p, q in zip(pa, ll)),
-        "latency_ratio_median": statistics.median(p["mean_latency_s"] / q["mean_latency_s"] for p, q in zip(pa, ll)),
-        "hit_rate_ll_median": statistics.median(r["hit_rate"] for r in ll),
-        "hit_rate_pa_median": statistics.median(r["hit_rate"] for r in pa),
-        "followup_hit_rate_ll_median": statistics.median(r["hit_rate_followups"] for r in ll),
-        "followup_hit_rate_pa_median": statistics.median(r["hit_rate_followups"] for r in pa),
+        "tok_per_s_ratio_median": paired.ratio_median,
+        "latency_ratio_median": latency.ratio_median,
+        "hit_rate_ll_median": replace(paired, metric="hit_rate").side_median("ll"),
+        "hit_rate_pa_median": replace(paired, metric="hit_rate").side_median("pa"),
+        "followup_hit_rate_ll_median": replace(paired, metric="hit_rate_followups").side_median("ll"),
+        "followup_hit_rate_pa_median": replace(paired, metric="hit_rate_followups").side_median("pa"),
     }
     result = {
         "settings": {k: v for k, v in vars(args).items()},
-        "rounds": rounds,
+        "rounds": [sorted(pair, key=lambda r: r["model"]) for pair in zip(paired.runs["ll"], paired.runs["pa"])],
         "summary": summary,
         "route_prefix_hits": hits,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}",
+        **provenance(paired.loads),
     }
     write_results(result)
     print(json.dumps(summary, indent=2))

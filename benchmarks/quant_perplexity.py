@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from _common import RESULTS, result_path
+from _common import RESULTS, provenance, result_path, stamp
 
 from pagedserve.engine import LLM
 from pagedserve.engine.attention.metadata import AttentionMetadata
@@ -93,11 +92,13 @@ def write_results(rows: list[dict], kept: list[dict], labels: list[str], num_tok
         "window": args.window,
         "threads": args.threads,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "platform": platform.platform(),
+        **provenance(),
     }
     result_path("quant_perplexity", "json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = [
         "# Perplexity by quantization mode (default model, SmolLM2-135M-Instruct)",
+        "",
+        stamp(meta),
         "",
         f"{meta['tokens']} tokens of *Coriolanus* (benchmarks/data/coriolanus_act1.txt), windows of "
         f"{args.window} tokens, {meta['when']}.",

@@ -13,16 +13,16 @@ tokens each, EOS ignored, greedy, bfloat16, the default model, all requests arri
 
 Throughput is output tokens / (last token - first request sent); TTFT is first token - request
 sent; ITL is the gap between consecutive token arrivals of a request; TPOT is (last token - first
-token) / (tokens - 1) per request. The phases alternate for `--rounds` rounds, the order flipping
-every round (offline first, then http first) so that a machine speeding up or slowing down during
+token) / (tokens - 1) per request. The phases run as the harness's alternating rounds
+(`--rounds` of them, the order reversed every other round: offline first, then http first) so that a machine speeding up or slowing down during
 the run does not favour one side. The headline is the median of the per-round paired overheads
 (each round's http vs the offline run next to it); the best round of each side is reported too. `--threads 2,1` measures with 2 and with 1 engine thread: on a 2-core machine a
 2-thread worker shares its cores with the front end and the clients, which stalls its OpenMP
 threads; with 1 thread the other core is theirs. Note: the load generator shares the machine with the server (on a 2-core box
 it competes with the worker for CPU), so the overhead measured is an upper bound.
-Results go to benchmarks/results/{--out, default serve_overhead}.{json,md}.
+Results go to benchmarks/results/serve_overhead.<cpu-kind>.{json,md}.
 
-    .venv/bin/python benchmarks/serve_overhead.py [--num-prompts 32] [--output-len 64] [--threads 2,1] [--out NAME]
+    .venv/bin/python benchmarks/serve_overhead.py [--num-prompts 32] [--output-len 64] [--threads 2,1] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -32,17 +32,24 @@ import asyncio
 import itertools
 import json
 import os
-import platform
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from _common import RESULTS, cpu_description, make_prompts, peak_rss_mib, result_path, run_phase
+from _common import RESULTS, make_prompts, peak_rss_mib, result_path, run_phase, start_server, stop_server
+
+from pagedserve.server.commands.bench.harness import (
+    MIN_ROUNDS,
+    PairedRounds,
+    alternating_rounds,
+    percentile,
+    provenance,
+    stamp,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_NAME = "bench"
@@ -51,12 +58,7 @@ MODEL_NAME = "bench"
 def percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
-    values = sorted(values)
-
-    def pick(q: float) -> float:
-        return values[min(len(values) - 1, round(q * (len(values) - 1)))]
-
-    return {"p50": pick(0.50), "p90": pick(0.90), "p99": pick(0.99), "mean": statistics.fmean(values)}
+    return {f"p{round(100 * q)}": percentile(values, q) for q in (0.5, 0.9, 0.99)} | {"mean": statistics.fmean(values)}
 
 
 def summarize(sent: float, token_times: dict[str, list[float]]) -> dict:
@@ -130,12 +132,6 @@ def phase_offline(args, prompts) -> dict:
 # -- http phase (server in a subprocess, clients here) ---------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def write_store(args, store: Path) -> None:
     import yaml
 
@@ -153,43 +149,10 @@ def write_store(args, store: Path) -> None:
 def phase_http(args, prompts, workdir: Path) -> dict:
     import urllib.request
 
-    ports = {api: free_port() for api in ("inference", "management", "metrics")}
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDSERVE_WORKER_THREADS": str(args.threads)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "pagedserve.server.cli",
-        "serve",
-        "--model-store",
-        str(workdir / "store"),
-        "--models",
-        f"{MODEL_NAME}={MODEL_NAME}.mar",
-        "--disable-token-auth",
-        "--inference-address",
-        f"127.0.0.1:{ports['inference']}",
-        "--management-address",
-        f"127.0.0.1:{ports['management']}",
-        "--metrics-address",
-        f"127.0.0.1:{ports['metrics']}",
-    ]
-    with open(workdir / "server.log", "ab") as log:
-        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{ports['inference']}"
+    proc, urls = start_server(workdir, [f"{MODEL_NAME}={MODEL_NAME}.mar"], timeout=300, worker_threads=args.threads)
+    base = urls["inference"]
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {(workdir / 'server.log').read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(base + "/ready", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("server not ready")
-            time.sleep(0.5)
-        with urllib.request.urlopen(f"http://127.0.0.1:{ports['management']}/models/{MODEL_NAME}") as r:
+        with urllib.request.urlopen(f"{urls['management']}/models/{MODEL_NAME}") as r:
             worker_pid = json.loads(r.read())[0]["workers"][0]["pid"]
         asyncio.run(_drive(base, prompts[:1], args, warmup=True))
         pids = {"front_end": proc.pid, "worker": worker_pid, "client": os.getpid()}
@@ -205,11 +168,7 @@ def phase_http(args, prompts, workdir: Path) -> dict:
         }
         return result
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
 
 
 async def _drive(base: str, prompts: list[list[int]], args, warmup: bool = False) -> dict:
@@ -288,19 +247,19 @@ def _run_child_once(args, phase: str, threads: int) -> dict:
 
 
 def compare(runs: dict[str, list[dict]]) -> dict:
+    """The paired rounds of one thread count (http / offline per round, the harness's median)."""
+    throughput = PairedRounds("offline", "http", "tok_per_s", runs=runs)
+    ttft = replace(throughput, metric="ttft_p50_s")
     best = {k: max(v, key=lambda x: x["tok_per_s"]) for k, v in runs.items()}
     off, http = best["offline"], best["http"]
-    per_round = [1 - h["tok_per_s"] / o["tok_per_s"] for o, h in zip(runs["offline"], runs["http"])]
     return {
         "offline_tok_per_s": off["tok_per_s"],
         "http_tok_per_s": http["tok_per_s"],
         "throughput_overhead": 1 - http["tok_per_s"] / off["tok_per_s"],
         "ttft_p50_overhead": http["ttft_s"]["p50"] / off["ttft_s"]["p50"] - 1,
-        "per_round_throughput_overhead": per_round,
-        "median_throughput_overhead": statistics.median(per_round),
-        "median_ttft_p50_overhead": statistics.median(
-            h["ttft_s"]["p50"] / o["ttft_s"]["p50"] - 1 for o, h in zip(runs["offline"], runs["http"])
-        ),
+        "per_round_throughput_overhead": [1 - r for r in throughput.ratios],
+        "median_throughput_overhead": 1 - throughput.ratio_median,
+        "median_ttft_p50_overhead": ttft.ratio_median - 1,
         "best": best,
         "runs": runs,
     }
@@ -351,10 +310,7 @@ def main() -> None:
     parser.add_argument(
         "--threads", default="2,1", help="torch threads of the engine / worker; a list compares several"
     )
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of each phase")
-    parser.add_argument(
-        "--out", default="serve_overhead", help="results file name under benchmarks/results/ (no suffix)"
-    )
+    parser.add_argument("--rounds", type=int, default=MIN_ROUNDS, help="paired rounds of each phase")
     parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
@@ -379,17 +335,26 @@ def main() -> None:
         return
 
     thread_counts = [int(t) for t in args.threads.split(",")]
-    runs = {t: {"offline": [], "http": []} for t in thread_counts}
-    for r in range(args.rounds):
-        print(f"round {r + 1}/{args.rounds}", flush=True)
-        for t in thread_counts:
-            for phase in ("offline", "http")[:: 1 if r % 2 == 0 else -1]:
-                runs[t][phase].append(run_child(args, phase, t))
-        write_results(args, thread_counts, runs, rounds_done=r + 1)  # a later failure keeps these
+    sides = [f"{phase}@{t}" for t in thread_counts for phase in ("offline", "http")]
+
+    def measure(side: str) -> dict:
+        phase, threads = side.split("@")
+        result = run_child(args, phase, int(threads))
+        return result | {"ttft_p50_s": result["ttft_s"]["p50"], "loadavg_1m_after": os.getloadavg()[0]}
+
+    def done(r: int, order: tuple[str, ...], runs: dict[str, list[dict]]) -> None:
+        print(f"round {r + 1}/{args.rounds} done ({', '.join(order)})", flush=True)
+        write_results(args, thread_counts, runs)  # a later failure keeps these
+
+    # Each round runs every (phase, threads) side, the order reversed every other round: a
+    # thread count's offline and http runs stay next to each other, either one first.
+    alternating_rounds(sides, measure, args.rounds, on_round=done)
 
 
-def write_results(args, thread_counts: list[int], runs: dict, rounds_done: int) -> None:
-    results = {str(t): compare(runs[t]) for t in thread_counts}
+def write_results(args, thread_counts: list[int], runs: dict[str, list[dict]]) -> None:
+    results = {str(t): compare({p: runs[f"{p}@{t}"] for p in ("offline", "http")}) for t in thread_counts}
+    rounds_done = len(runs[f"http@{thread_counts[0]}"])
+    loads = [r["loadavg_1m_after"] for side in runs.values() for r in side]
     summary = {
         "workload": {
             "num_prompts": args.num_prompts,
@@ -400,14 +365,16 @@ def write_results(args, thread_counts: list[int], runs: dict, rounds_done: int) 
             "cpus": os.cpu_count(),
             "rounds": rounds_done,
         },
-        "machine": {"platform": platform.platform(), "processor": cpu_description()},
+        **provenance(loads),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "by_threads": results,
     }
     RESULTS.mkdir(exist_ok=True)
-    result_path(f"{args.out}", "json").write_text(json.dumps(summary, indent=2) + "\n")
+    result_path("serve_overhead", "json").write_text(json.dumps(summary, indent=2) + "\n")
     md = [
         "# Serving overhead: HTTP server vs offline engine (latest run)",
+        "",
+        stamp(summary),
         "",
         (
             f"{args.num_prompts} concurrent requests x {args.prompt_len} prompt tokens, {args.output_len} output "
@@ -428,7 +395,7 @@ def write_results(args, thread_counts: list[int], runs: dict, rounds_done: int) 
         "http_threads": http_t,
         "throughput_overhead": 1 - http_best / off_best,
     }
-    result_path(f"{args.out}", "json").write_text(json.dumps(summary, indent=2) + "\n")
+    result_path("serve_overhead", "json").write_text(json.dumps(summary, indent=2) + "\n")
     md += [
         (
             f"**Each side at its best thread setting** (offline engine {off_t} thread(s): {off_best:.1f} tok/s; "
@@ -437,8 +404,8 @@ def write_results(args, thread_counts: list[int], runs: dict, rounds_done: int) 
         ),
         "",
     ]
-    md.append(f"Run on {summary['date']} ({summary['machine']['platform']}; {summary['machine']['processor']}).")
-    result_path(f"{args.out}", "md").write_text("\n".join(md) + "\n")
+    md.append(f"Run on {summary['date']}.")
+    result_path("serve_overhead", "md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 

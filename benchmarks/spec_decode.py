@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from _common import RESULTS, cpu_description, result_path, run_phase
+from _common import RESULTS, result_path, run_phase
 
-from pagedserve.server.commands.bench.harness import alternating_rounds
+from pagedserve.server.commands.bench.harness import PairedRounds, alternating_rounds, provenance, stamp
 
 REPO = Path(__file__).resolve().parent.parent
 METHODS = ("plain", "ngram", "suffix", "auto")
@@ -228,9 +227,6 @@ def main() -> None:
 
 
 def write_results(args, methods: list[str], runs: dict) -> None:
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, check=False, text=True
-    ).stdout.strip()
     summary, rows = {}, []
     for case in runs["plain"][0]:
         plain = [r[case] for r in runs["plain"]]
@@ -238,19 +234,20 @@ def write_results(args, methods: list[str], runs: dict) -> None:
             if case not in runs[method][0]:
                 continue
             spec = [r[case] for r in runs[method]]
-            ratios = [s["tok_per_s"] / p["tok_per_s"] for p, s in zip(plain, spec)]
-            cpu_ratios = [s["tok_per_cpu_s"] / p["tok_per_cpu_s"] for p, s in zip(plain, spec)]
+            wall = PairedRounds("plain", method, "tok_per_s", runs={"plain": plain, method: spec})
+            cpu = replace(wall, metric="tok_per_cpu_s")
+            ratios, cpu_ratios = wall.ratios, cpu.ratios
             same = all(p["tokens"] == s["tokens"] for p, s in zip(plain, spec))
             acc = [s["acceptance"] for s in spec if s["acceptance"] is not None]
             drafted = sum(s["drafted_steps"] for s in spec)
             skipped = sum(s["skipped_steps"] for s in spec)
             summary[f"{case}/{method}"] = {
-                "speedup_median": statistics.median(ratios),
+                "speedup_median": wall.ratio_median,
                 "speedup_per_round": ratios,
-                "cpu_speedup_median": statistics.median(cpu_ratios),
+                "cpu_speedup_median": cpu.ratio_median,
                 "cpu_speedup_per_round": cpu_ratios,
-                "plain_tok_per_s": statistics.median(p["tok_per_s"] for p in plain),
-                "tok_per_s": statistics.median(s["tok_per_s"] for s in spec),
+                "plain_tok_per_s": wall.side_median("plain"),
+                "tok_per_s": wall.side_median(method),
                 "acceptance": statistics.median(acc) if acc else None,
                 "same_tokens": same,
                 "auto_drafted_share": drafted / (drafted + skipped) if drafted + skipped else None,
@@ -281,15 +278,14 @@ def write_results(args, methods: list[str], runs: dict) -> None:
         "k": args.k,
         "max_tokens": args.max_tokens,
         "rounds": len(runs["plain"]),
-        "commit": commit,
-        "cpu": cpu_description(),
+        **provenance(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "note": "busy machine (other jobs running; 1-minute load average at the end: "
-        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)",
     }
     result_path(args.out, "json").write_text(json.dumps({**meta, "cases": summary}, indent=2) + "\n")
     md = [
         f"# Speculative decoding: each method vs plain decoding ({len(runs['plain'])} paired rounds)",
+        "",
+        stamp(meta),
         "",
         (
             f"Default model (SmolLM2-135M), bf16, {args.threads} thread(s), num_speculative_tokens={args.k}, up to "
@@ -313,7 +309,7 @@ def write_results(args, methods: list[str], runs: dict) -> None:
         "",
         memory,
         "",
-        f"CPU: {meta['cpu']}; commit {commit}; {meta['date']}; {meta['note']}.",
+        f"Run on {meta['date']}.",
     ]
     result_path(args.out, "md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

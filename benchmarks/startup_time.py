@@ -13,9 +13,9 @@ To measure a fresh clone without touching the shared venv: `git clone /work/main
 empty). The ports are picked free (port 0), so the script runs beside other servers.
 
 `--compare REV_A REV_B --cache DIR` measures later starts of two revisions of that clone (git
-checkout in it) on the same prepared caches, in paired rounds with the order reversed every
-other round, and prints each round's ratio and the median: on a busy machine only a paired
-ratio means anything.
+checkout in it) on the same prepared caches, in the harness's paired rounds (the order reversed
+every other round), and prints each round's ratio and the median: on a busy machine only a
+paired ratio means anything. Results: benchmarks/results/startup_time.<cpu-kind>.{json,md}.
 """
 
 from __future__ import annotations
@@ -23,16 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from statistics import median
 
 from _common import RESULTS, result_path
+
+from pagedserve.server.commands.bench.harness import MIN_ROUNDS, PairedRounds, provenance, run_paired, stamp
 
 REPO = Path(__file__).resolve().parent.parent
 READY = "pagedserve: ready"
@@ -103,23 +103,15 @@ def time_start(checkout: Path, env: dict[str, str], timeout: float) -> dict:
     return {"ready_s": round(ready, 2), "lines": lines}
 
 
-def compare(args, checkout: Path, env: dict[str, str]) -> dict:
-    """Paired rounds of one start of each revision; the median ratio REV_B / REV_A."""
-    revs = args.compare
-    times: dict[str, list[float]] = {rev: [] for rev in revs}
-    for r in range(args.rounds):
-        for rev in revs if r % 2 == 0 else revs[::-1]:
-            subprocess.run(["git", "-C", str(checkout), "checkout", "-q", rev], check=True)
-            print(f"round {r + 1}, {rev}:", flush=True)
-            times[rev].append(time_start(checkout, env, args.timeout)["ready_s"])
-        print(f"  round {r + 1}: {revs[1]} / {revs[0]} = {times[revs[1]][-1] / times[revs[0]][-1]:.2f}", flush=True)
-    ratios = [b / a for a, b in zip(times[revs[0]], times[revs[1]])]
-    return {
-        "ready_s": times,
-        "ratios": ratios,
-        "median_ratio": median(ratios),
-        "median_ready_s": {rev: median(t) for rev, t in times.items()},
-    }
+def compare(args, checkout: Path, env: dict[str, str]) -> PairedRounds:
+    """The harness's paired rounds of one start of each revision (REV_B / REV_A per round)."""
+
+    def start(rev: str) -> dict:
+        subprocess.run(["git", "-C", str(checkout), "checkout", "-q", rev], check=True)
+        print(f"{rev}:", flush=True)
+        return {"ready_s": time_start(checkout, env, args.timeout)["ready_s"]}
+
+    return run_paired(*args.compare, start, metric="ready_s", rounds=args.rounds)
 
 
 def main() -> int:
@@ -129,7 +121,6 @@ def main() -> int:
     ap.add_argument("--prepare", action="store_true", help="run `pagedserve prepare` first (as .ci/install does)")
     ap.add_argument("--starts", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=600.0)
-    ap.add_argument("--name", default="startup_time", help="results file name (without suffix)")
     ap.add_argument("--cache", type=Path, help="PAGEDSERVE_CACHE_DIR to use (kept); default: the user's")
     ap.add_argument(
         "--compare",
@@ -137,25 +128,17 @@ def main() -> int:
         metavar=("REV_A", "REV_B"),
         help="paired starts of two revisions of --checkout (a clone: it is checked out)",
     )
-    ap.add_argument("--rounds", type=int, default=5, help="paired rounds of --compare")
+    ap.add_argument("--rounds", type=int, default=MIN_ROUNDS, help="paired rounds of --compare")
     args = ap.parse_args()
     checkout = args.checkout.resolve()
     with tempfile.TemporaryDirectory(prefix="pagedserve-startup-") as tmp:
         cache = Path(tmp) / "cache" if args.fresh_cache else args.cache
         env = environment(checkout, cache)
-        result: dict = {
-            "checkout": str(checkout),
-            "fresh_cache": args.fresh_cache,
-            "machine": platform.processor() or platform.machine(),
-            "load_before": os.getloadavg()[0],
-            "starts": [],
-        }
+        result: dict = {"checkout": str(checkout), "fresh_cache": args.fresh_cache, "starts": []}
         if args.compare:
-            result["compare"] = compare(args, checkout, env)
-            result["load_after"] = os.getloadavg()[0]
-            print(json.dumps({k: v for k, v in result["compare"].items() if k != "ready_s"}))
-            RESULTS.mkdir(exist_ok=True)
-            result_path(f"{args.name}", "json").write_text(json.dumps(result, indent=1) + "\n")
+            paired = compare(args, checkout, env)
+            result |= provenance(paired.loads) | {"compare": paired.summary()}
+            write_results(result, paired.table(" s"))
             return 0
         if args.prepare:
             print("pagedserve prepare:", flush=True)
@@ -164,18 +147,34 @@ def main() -> int:
         for i in range(args.starts):
             print(f"start {i + 1}:", flush=True)
             result["starts"].append(time_start(checkout, env, args.timeout))
-        result["load_after"] = os.getloadavg()[0]
-    print(
-        json.dumps(
-            {
-                "prepare_s": result.get("prepare", {}).get("elapsed_s"),
-                "ready_s": [s["ready_s"] for s in result["starts"]],
-            }
-        )
-    )
-    RESULTS.mkdir(exist_ok=True)
-    result_path(f"{args.name}", "json").write_text(json.dumps(result, indent=1) + "\n")
+        result |= provenance()
+    rows = ["| start | seconds to ready |", "| --- | --- |"]
+    if "prepare" in result:
+        rows.append(f"| `pagedserve prepare` | {result['prepare']['elapsed_s']:.2f} |")
+    rows += [f"| start {i + 1} | {s['ready_s']:.2f} |" for i, s in enumerate(result["starts"])]
+    write_results(result, rows)
     return 0
+
+
+def write_results(result: dict, rows: list[str]) -> None:
+    what = (
+        f"Later starts of `{'` and `'.join(result['compare'][k] for k in ('baseline', 'candidate'))}` in paired rounds"
+        if "compare" in result
+        else f"{len(result['starts'])} starts in a row" + (", fresh caches" if result["fresh_cache"] else "")
+    )
+    md = [
+        "# Start-up time: `pagedserve serve --models default` to its ready line",
+        "",
+        stamp(result),
+        "",
+        f"{what}, checkout `{result['checkout']}`; every line the server printed, with its time, is in the .json.",
+        "",
+        *rows,
+    ]
+    RESULTS.mkdir(exist_ok=True)
+    result_path("startup_time", "json").write_text(json.dumps(result, indent=1) + "\n")
+    result_path("startup_time", "md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
 
 
 if __name__ == "__main__":

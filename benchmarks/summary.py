@@ -39,7 +39,7 @@ def table(runs: list[dict]) -> str:
     for run in runs:
         ttft = run["ttft_1000_s_median"]["engine"] * 1000
         rows.append(
-            f"| {run['machine']['cpu']} | {run['engine_tok_per_s_median']:.1f} tok/s "
+            f"| {run['cpu']} | {run['engine_tok_per_s_median']:.1f} tok/s "
             f"| {run['engine_vs_hf']:.2f}x "
             f"| {run['batch1_decode_tok_per_s_median']['engine']:.1f} tok/s "
             f"| {run['batch1_decode_vs_hf']:.2f}x | {ttft:.0f} ms ({run['ttft_1000_vs_hf']:.2f}x) |"

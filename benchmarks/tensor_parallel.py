@@ -2,11 +2,13 @@
 
 Each phase runs in a fresh process (one engine per process; the worker's threads shared among
 its ranks as the engine does): load `LLM(default model, tensor_parallel_size=N, num_threads=T)`,
-one warm-up request, then a timed greedy batch. Phases alternate TP = 1, TP = N for `--rounds`
-rounds; the result is each round's ratio TP=N / TP=1 of output tokens per second and their
-median (paired, as the machine's load drifts), plus whether the outputs were identical.
+one warm-up request, then a timed greedy batch. The phases run as the harness's paired rounds
+(run_paired: TP = 1 and TP = N once per round, the order reversed every other round); the result
+is each round's ratio TP=N / TP=1 of output tokens per second and their median (paired, as the
+machine's load drifts), plus whether the outputs were identical.
+Results: benchmarks/results/{--out, default tensor_parallel}.<cpu-kind>.{json,md}.
 
-    .venv/bin/python benchmarks/tensor_parallel.py --tp 3 --rounds 3
+    .venv/bin/python benchmarks/tensor_parallel.py --tp 3 --rounds 5
 """
 
 from __future__ import annotations
@@ -15,14 +17,14 @@ import argparse
 import hashlib
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import RESULTS, cpu_description, make_prompts, result_path, run_phase
+from benchmarks._common import RESULTS, make_prompts, result_path, run_phase
+from pagedserve.server.commands.bench.harness import MIN_ROUNDS, provenance, run_paired, stamp
 
 
 def phase(args: argparse.Namespace) -> dict:
@@ -59,7 +61,7 @@ def phase(args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=MIN_ROUNDS)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the worker's torch threads")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-prompts", type=int, default=8)
@@ -92,25 +94,24 @@ def main() -> None:
         "--prompts",
         str(prompts_file),
     ]
-    rounds = []
-    for _ in range(args.rounds):
-        one, many = (run_phase(__file__, ["--phase-tp", str(tp), *common]) for tp in (1, args.tp))
-        rounds.append(
-            {
-                "tp1": one,
-                f"tp{args.tp}": many,
-                "ratio": many["output_tok_s"] / one["output_tok_s"],
-                "identical": one["outputs_sha256"] == many["outputs_sha256"],
-            }
-        )
-        print(json.dumps(rounds[-1]), flush=True)
+    many = f"tp{args.tp}"
+    paired = run_paired(
+        "tp1",
+        many,
+        lambda side: run_phase(__file__, ["--phase-tp", side.removeprefix("tp"), *common]),
+        metric="output_tok_s",
+        rounds=args.rounds,
+    )
     prompts_file.unlink()
+    rounds = [
+        {"tp1": one, many: other, "ratio": ratio, "identical": one["outputs_sha256"] == other["outputs_sha256"]}
+        for one, other, ratio in zip(paired.runs["tp1"], paired.runs[many], paired.ratios)
+    ]
     result = {
-        "cpu": cpu_description(),
-        "load_average": os.getloadavg(),
+        **provenance(paired.loads),
         "settings": vars(args) | {"phase_tp": None, "prompts": None},
         "rounds": rounds,
-        "median_ratio": statistics.median(r["ratio"] for r in rounds),
+        "median_ratio": paired.ratio_median,
         "all_identical": all(r["identical"] for r in rounds),
     }
     RESULTS.mkdir(exist_ok=True)
@@ -118,10 +119,12 @@ def main() -> None:
     lines = [
         f"# Tensor parallelism: TP = {args.tp} vs TP = 1 (offline, default model, {args.dtype})",
         "",
+        stamp(result),
+        "",
         (
-            f"{result['cpu']}; {args.threads} threads per worker (shared among its ranks); load average at the "
-            f"end {result['load_average'][0]:.1f}. {args.num_prompts} prompts x {args.prompt_len} tokens, "
-            f"{args.output_len} greedy output tokens each."
+            f"{args.threads} threads per worker (shared among its ranks); {args.rounds} paired rounds, the order "
+            f"alternating. {args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} greedy output "
+            "tokens each."
         ),
         "",
         f"| round | TP=1 tok/s | TP={args.tp} tok/s | ratio | identical output |",

@@ -156,7 +156,7 @@ class EngineFields(msgspec.Struct, forbid_unknown_fields=True):
     max_lora_rank: _Positive = 16
     # Schedule and prepare step k+1 while step k's forward runs on a thread of the engine's own
     # (pagedserve.engine.core.engine_core.EngineCore.step). Output is the same; off by default: 0.71x with 2
-    # threads, 0.98x with 1 on a quiet 2-core CPU (benchmarks/results/async_scheduling.unrecorded.md).
+    # threads, 0.98x with 1 on a quiet 2-core CPU (benchmarks/async_scheduling.py; docs/concepts/engine-step.md).
     async_scheduling: bool = False
     # Tensor parallelism (pagedserve.engine.parallel): the worker runs as this many processes joined by
     # torch.distributed (gloo on CPU, NCCL on CUDA with one device each), each holding 1/N of

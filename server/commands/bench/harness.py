@@ -4,7 +4,9 @@
 - `run_paired`: paired rounds of two sides (a baseline and a candidate), the order alternating
   every round so that neither side always runs on a warmer or a quieter machine; every round's
   ratio candidate / baseline is printed, and the result is the median of the per-round ratios.
-- `peak_rss_mib`: peak resident memory of this process or of another one.
+- `percentile`: a nearest-rank percentile of a few samples.
+- `median_call_s`: the median time of a call of a function (micro-benchmarks).
+- `peak_rss_mib` and `rss_mib`: peak and current resident memory of this process or another.
 - `cpu_kind` and `cpu_description`: what the numbers were measured on; `result_path`: one
   current results file per benchmark and CPU kind (`<benchmark>.<cpu-kind>.<ext>`, the history
   is in git).
@@ -17,6 +19,7 @@ import os
 import platform
 import resource
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,12 +131,41 @@ def run_paired(
     return result
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The value at quantile `q` (0..1) of `values`, the nearest rank (no interpolation: with
+    few samples, p99 is the slowest one)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def median_call_s(fn: Callable[[], object], calls: int, warmup: int = 1) -> float:
+    """The median wall time of `calls` calls of `fn`, after `warmup` untimed ones (a call that a
+    busy machine descheduled does not move a median)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return median(times)
+
+
 def peak_rss_mib(pid: int | None = None) -> float:
     """Peak resident memory of this process, or of process `pid` (Linux /proc)."""
     if pid is None:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return _proc_status_mib(pid, "VmHWM")
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of process `pid` now (Linux /proc)."""
+    return _proc_status_mib(pid, "VmRSS")
+
+
+def _proc_status_mib(pid: int, key: str) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{key}:"):
             return int(line.split()[1]) / 1024
     return 0.0
 
@@ -149,17 +181,22 @@ def _cpuinfo() -> tuple[str, set[str], int] | None:
     return name, flags, sum(ln.startswith("processor") for ln in lines)
 
 
+# Every name cpu_kind() gives: x86 vendors by their matmul-relevant ISA, other machines by their
+# architecture, "unknown" for the rest.
+CPU_KINDS = ("zen3", "zen4", "amd", "xeon", "xeon-amx", "intel", "aarch64", "arm64", "unknown")
+
+
 def cpu_kind() -> str:
-    """A short name for the kind of CPU: the key of a benchmark's results file."""
+    """A short name for the kind of CPU (one of CPU_KINDS): the key of a benchmark's results file."""
     info = _cpuinfo()
-    if info is None:
-        return platform.machine() or "unknown"
-    name, flags, _ = info
-    if "AMD" in name:
-        return "zen4" if "avx512f" in flags else "zen3" if "avx2" in flags else "amd"
-    if "Intel" in name:
-        return "xeon-amx" if "amx_bf16" in flags else "xeon" if "avx512f" in flags else "intel"
-    return platform.machine() or "unknown"
+    if info is not None:
+        name, flags, _ = info
+        if "AMD" in name:
+            return "zen4" if "avx512f" in flags else "zen3" if "avx2" in flags else "amd"
+        if "Intel" in name:
+            return "xeon-amx" if "amx_bf16" in flags else "xeon" if "avx512f" in flags else "intel"
+    machine = platform.machine()
+    return machine if machine in CPU_KINDS else "unknown"
 
 
 def cpu_description() -> str:

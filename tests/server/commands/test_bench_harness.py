@@ -4,6 +4,7 @@ the per-round ratios, one results file per benchmark and CPU kind, and the prove
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -76,3 +77,12 @@ def test_one_results_file_per_benchmark_and_cpu_kind_stamped_with_commit_and_cpu
     line = harness.stamp(record)
     assert record["commit"] in line and record["cpu"] in line
     assert harness.peak_rss_mib() > 0
+
+
+def test_nearest_rank_percentile_median_call_time_and_resident_memory():
+    assert harness.percentile([5.0, 1.0, 3.0, 2.0, 4.0], 0.5) == 3.0
+    assert harness.percentile([5.0, 1.0, 3.0], 0.99) == 5.0  # few samples: p99 is the slowest
+    calls: list[int] = []
+    assert harness.median_call_s(lambda: calls.append(1), calls=5, warmup=2) >= 0.0
+    assert len(calls) == 7
+    assert 0 < harness.rss_mib(os.getpid()) <= harness.peak_rss_mib(os.getpid())
