@@ -40,7 +40,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks._common import RESULTS, cpu_description, make_prompts, result_path  # noqa: E402
+from benchmarks._common import RESULTS, make_prompts, peak_rss_mib, provenance, result_path, stamp  # noqa: E402
+from pagedserve.server.commands.bench.harness import alternating_rounds  # noqa: E402
 
 
 def _model_dir(gguf: str | None):
@@ -109,7 +110,8 @@ def pagedserve_phase(args) -> dict:
     # Bytes one bf16 decode step reads: every checkpoint tensor once, 2 bytes a value (the tied
     # LM head is the embedding, stored once).
     out["weight_bytes"] = 2 * _checkpoint_numel(llm.engine.model_dir)
-    out["bandwidth_gbs"] = read_bandwidth_gbs(args.threads)
+    out["peak_rss_mib"] = peak_rss_mib()
+    out["bandwidth_gbs"] = read_bandwidth_gbs(args.threads)  # after the peak: its 256 MiB probe is not the engine's
     return out
 
 
@@ -161,6 +163,9 @@ def llamacpp_phase(args) -> dict:
     llm.eval(ids["timed"])
     llm.sample(temp=0.0)
     out["ttft"] = time.perf_counter() - t0
+    import resource
+
+    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the venv has no pagedserve
     return out
 
 
@@ -211,7 +216,6 @@ def main() -> None:
     ap.add_argument("--gguf", dest="model_gguf", help="the GGUF both sides run (default: the default model's)")
     ap.add_argument("--q8", action="store_true", help="also run llama.cpp on a Q8_0 copy (int8's peer)")
     ap.add_argument("--name", default="llamacpp_peer")
-    ap.add_argument("--quiet-machine", action="store_true", help="say so in the results (default: busy)")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--llama-gguf", dest="gguf", help=argparse.SUPPRESS)
@@ -246,82 +250,89 @@ def main() -> None:
         _child(args.llama_python, args, ["--phase=quantize", f"--llama-gguf={gguf}", f"--out={q8}"], llama_env)
         files["llama.cpp Q8_0"] = q8
     sides = [*files, *[m for m in args.modes.split(",") if m]]
-    results: dict[str, list[dict]] = {s: [] for s in sides}
+
+    def measure(side: str) -> dict:
+        if side in files:
+            extra = ["--phase=llamacpp", f"--llama-gguf={files[side]}", f"--prompts-file={prompts_file}"]
+            out = _child(args.llama_python, args, extra, llama_env)
+        else:
+            out = _child(sys.executable, args, ["--phase=pagedserve", f"--mode={side}"], env)
+        print(
+            f"{side:14s} decode {out['decode']:.1f} tok/s ttft {out['ttft']:.3f} s"
+            + (f" read {out['bandwidth_gbs']:.1f} GB/s" if "bandwidth_gbs" in out else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+        return out
+
+    loads: list[float] = []
+
+    def done(r: int, order: tuple[str, ...], results: dict[str, list[dict]]) -> None:
+        loads.append(os.getloadavg()[0])
+        report(args, sides, results, gguf.name, loads)
+
     try:
-        for r in range(args.rounds):
-            for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
-                if side in files:
-                    out = _child(
-                        args.llama_python,
-                        args,
-                        ["--phase=llamacpp", f"--llama-gguf={files[side]}", f"--prompts-file={prompts_file}"],
-                        llama_env,
-                    )
-                else:
-                    out = _child(sys.executable, args, ["--phase=pagedserve", f"--mode={side}"], env)
-                results[side].append(out)
-                print(
-                    f"round {r} {side:14s} decode {out['decode']:.1f} tok/s ttft {out['ttft']:.3f} s"
-                    + (f" read {out['bandwidth_gbs']:.1f} GB/s" if "bandwidth_gbs" in out else ""),
-                    file=sys.stderr,
-                    flush=True,
-                )
-            report(args, sides, results, gguf.name)
+        alternating_rounds(sides, measure, args.rounds, on_round=done)
     finally:
         prompts_file.unlink(missing_ok=True)
         for path in list(files.values())[1:]:
             Path(path).unlink(missing_ok=True)
 
 
-def report(args, sides: list[str], results: dict, gguf_name: str) -> None:
-    rounds = len(results["llama.cpp"])
+def _peer(side: str, results: dict) -> str:
+    """int8's peer is llama.cpp's Q8_0 when it ran; every other side's is the file as given."""
+    return "llama.cpp Q8_0" if side in ("int8", "llama.cpp Q8_0") and "llama.cpp Q8_0" in results else "llama.cpp"
+
+
+def report(args, sides: list[str], results: dict, gguf_name: str, loads: list[float]) -> None:
+    rounds = len(results[sides[-1]])
+    record = provenance(loads)
     lines = [
         f"# pagedserve vs llama.cpp ({gguf_name}), batch 1",
         "",
+        stamp(record),
+        "",
         "Ratios: each side over its llama.cpp peer in the same round (int8 over Q8_0 when it ran, "
-        "the others over the file as given; lower TTFT ratios are better).",
+        f"the others over the file as given; lower TTFT ratios are better). {args.threads} threads; "
+        f"{rounds} rounds, every side once per round, the order reversed every other round; each side "
+        "in a fresh process.",
         "",
-        (
-            f"CPU: {cpu_description()}; {args.threads} threads; {rounds} paired rounds (order rotating); "
-            f"commit {_commit()}; " + ("quiet machine" if args.quiet_machine else "busy machine (other jobs running)")
-        ),
-        "",
-        "| side | decode tok/s (median) | ratio to llama.cpp per round | median | TTFT s (median) | ratio per round | median |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| side | decode tok/s (median) | ratio to llama.cpp per round | median | TTFT s (median) | ratio per round"
+        " | median | peak RSS MiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    summary: dict = {}
+    summary: dict = {**record, "threads": args.threads, "rounds": rounds, "sides": {}}
     for side in sides:
-        # int8's peer is llama.cpp's Q8_0 when it ran; every other side's is the file as given
-        llama = results[
-            "llama.cpp Q8_0" if side in ("int8", "llama.cpp Q8_0") and "llama.cpp Q8_0" in results else "llama.cpp"
-        ]
-        rows = results[side]
+        llama, rows = results[_peer(side, results)], results[side][:rounds]
         dec = [o["decode"] for o in rows]
         ttft = [o["ttft"] for o in rows]
         d_ratio = [o["decode"] / ll["decode"] for o, ll in zip(rows, llama)]
         t_ratio = [o["ttft"] / ll["ttft"] for o, ll in zip(rows, llama)]
-        summary[side] = {
+        rss = statistics.median(o["peak_rss_mib"] for o in rows)
+        summary["sides"][side] = {
             "decode": statistics.median(dec),
             "ttft": statistics.median(ttft),
             "decode_ratio": statistics.median(d_ratio),
             "ttft_ratio": statistics.median(t_ratio),
+            "peak_rss_mib": rss,
             "rounds": rows,
         }
         lines.append(
             f"| {side} | {statistics.median(dec):.1f} | {' '.join(f'{x:.2f}' for x in d_ratio)} | "
             f"{statistics.median(d_ratio):.2f} | {statistics.median(ttft):.3f} | "
-            f"{' '.join(f'{x:.2f}' for x in t_ratio)} | {statistics.median(t_ratio):.2f} |"
+            f"{' '.join(f'{x:.2f}' for x in t_ratio)} | {statistics.median(t_ratio):.2f} | {rss:.0f} |"
         )
     if "bf16" in results:
-        floors = [o["bandwidth_gbs"] * 1e9 / o["weight_bytes"] for o in results["bf16"]]
-        share = [o["decode"] / f for o, f in zip(results["bf16"], floors)]
+        bf16 = results["bf16"][:rounds]
+        floors = [o["bandwidth_gbs"] * 1e9 / o["weight_bytes"] for o in bf16]
+        share = [o["decode"] / f for o, f in zip(bf16, floors)]
         summary["bf16_floor"] = {"floor_tok_s": statistics.median(floors), "share": statistics.median(share)}
-        read = statistics.median(o["bandwidth_gbs"] for o in results["bf16"])
+        read = statistics.median(o["bandwidth_gbs"] for o in bf16)
         lines += [
             "",
             (
                 f"bf16 bandwidth floor: {statistics.median(floors):.1f} tok/s "
-                f"({results['bf16'][0]['weight_bytes'] / 1e6:.0f} MB per token at a median {read:.1f} GB/s "
+                f"({bf16[0]['weight_bytes'] / 1e6:.0f} MB per token at a median {read:.1f} GB/s "
                 f"read); bf16 decode reaches {' '.join(f'{x:.2f}' for x in share)} of it per round, "
                 f"median {statistics.median(share):.2f}."
             ),
@@ -329,19 +340,6 @@ def report(args, sides: list[str], results: dict, gguf_name: str) -> None:
     result_path(args.name, "json").write_text(json.dumps(summary, indent=1))
     result_path(args.name, "md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parent,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 if __name__ == "__main__":

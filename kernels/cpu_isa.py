@@ -2,9 +2,23 @@
 
 Where the flags cannot be read (another OS), the answers are the optimistic defaults: bf16 dot
 products present (keep torch's own bf16 GEMMs), VNNI absent (refuse w8a8 rather than emulate it).
+
+`PAGEDSERVE_CPU_ISA` (`avx2`, `avx512`, `scalar`; the native extension's cap, see
+pagedserve.kernels.cpu_native) also hides the flags above that level here, so an AVX-512 machine
+makes the choices an AVX2-only one makes (with `ATEN_CPU_CAPABILITY=avx2` and
+`ONEDNN_MAX_CPU_ISA=AVX2`, torch's own kernels run as they would there too).
 """
 
 from __future__ import annotations
+
+import os
+
+# Flags hidden under each PAGEDSERVE_CPU_ISA cap (prefixes).
+_ABOVE = {
+    "scalar": ("avx", "fma", "f16c", "amx"),
+    "avx2": ("avx512", "amx", "avx_vnni"),
+    "avx512": ("avx512_bf16", "amx"),
+}
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str] | None:
@@ -14,7 +28,10 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str] | None:
             line = next((line for line in f if line.startswith("flags")), None)
     except OSError:
         return None
-    return None if line is None else line.split(":", 1)[-1].split()
+    if line is None:
+        return None
+    hidden = _ABOVE.get(os.environ.get("PAGEDSERVE_CPU_ISA", ""), ())
+    return [f for f in line.split(":", 1)[-1].split() if not f.startswith(hidden)]
 
 
 def cpu_has_vnni(flags: list[str] | None = None) -> bool:

@@ -95,3 +95,15 @@ def test_flags(tmp_path):
     assert cpu_flags(str(tmp_path / "missing")) is None
     info.write_text("processor\t: 0\n")
     assert cpu_flags(str(info)) is None
+
+
+def test_the_isa_cap_hides_the_flags_above_it(tmp_path, monkeypatch):
+    """PAGEDSERVE_CPU_ISA=avx2 makes an AVX-512/AMX machine choose as an AVX2-only one does."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fma avx2 avx512f avx512_bf16 avx512_vnni amx_bf16 avx_vnni\n")
+    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "avx2")
+    flags = cpu_flags(str(info))
+    assert flags == ["fma", "avx2"]
+    assert not cpu_has_bf16_dot(flags) and not cpu_has_vnni(flags)
+    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "avx512")
+    assert cpu_flags(str(info)) == ["fma", "avx2", "avx512f", "avx512_vnni", "avx_vnni"]
