@@ -10,7 +10,9 @@ the engine as shipped, the reference side the same with `PAGEDSERVE_FUSED_DECODE
   divided by K (so the prefill step and the request's setup cancel out); counted once per side
   in the first round (it does not vary).
 
-Writes benchmarks/results/fused_decode_<dtype>.<cpu kind>.{json,md}.
+`--quantization int8|int4` compares the fused and unfused paths of that mode.
+
+Writes benchmarks/results/fused_decode_<dtype>[_<quantization>].<cpu kind>.{json,md}.
     PYTHONPATH=. OMP_NUM_THREADS=2 python benchmarks/fused_decode.py --dtype float32 --threads 2
 """
 
@@ -26,7 +28,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks._common import cpu_description, make_prompts, peak_rss_mib, result_path  # noqa: E402
+from benchmarks._common import make_prompts, peak_rss_mib, provenance, result_path, stamp  # noqa: E402
+from pagedserve.server.commands.bench.harness import PairedRounds, run_paired  # noqa: E402
 
 SIDES = ("fused", "reference")
 
@@ -47,6 +50,7 @@ def phase(args) -> dict:
         kv_cache_memory="256MiB",
         max_model_len=2048,
         enable_prefix_caching=False,
+        quantization=args.quantization,
     )
     fused = llm.engine.runner.model.fused_decode
 
@@ -80,43 +84,47 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", choices=["int8", "int4"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--quiet-machine", action="store_true")
     ap.add_argument("--phase", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--count", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.phase:
         print(json.dumps(phase(args)))
         return
-    results: dict[str, list[dict]] = {s: [] for s in SIDES}
     repo = str(Path(__file__).resolve().parent.parent)
-    for r in range(args.rounds):
-        for side in SIDES if r % 2 == 0 else SIDES[::-1]:
-            env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", repo), "OMP_NUM_THREADS": str(args.threads)}
-            if side == "reference":
-                env["PAGEDSERVE_FUSED_DECODE"] = "0"
-            cmd = [sys.executable, __file__, f"--phase={side}", f"--dtype={args.dtype}", f"--threads={args.threads}"]
-            cmd += [f"--decode-tokens={args.decode_tokens}"] + (["--count"] if r == 0 else [])
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-            if proc.returncode != 0:
-                sys.exit(f"{side} failed:\n{proc.stderr[-4000:]}")
-            out = json.loads(proc.stdout.strip().splitlines()[-1])
-            results[side].append(out)
-            print(f"round {r} {side:9s} {out['decode']:.1f} tok/s", file=sys.stderr, flush=True)
-    report(args, results)
+    counted: set[str] = set()
+
+    def measure(side: str) -> dict:
+        env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", repo), "OMP_NUM_THREADS": str(args.threads)}
+        if side == "reference":
+            env["PAGEDSERVE_FUSED_DECODE"] = "0"
+        cmd = [sys.executable, __file__, f"--phase={side}", f"--dtype={args.dtype}", f"--threads={args.threads}"]
+        cmd += [f"--decode-tokens={args.decode_tokens}"] + (["--count"] if side not in counted else [])
+        cmd += [f"--quantization={args.quantization}"] if args.quantization else []
+        counted.add(side)  # the call count does not vary: once per side
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        if proc.returncode != 0:
+            sys.exit(f"{side} failed:\n{proc.stderr[-4000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    paired = run_paired("reference", "fused", measure, metric="decode", rounds=args.rounds)
+    report(args, paired)
 
 
-def report(args, results: dict[str, list[dict]]) -> None:
+def report(args, paired: PairedRounds) -> None:
+    results = paired.runs
     fused, ref = results["fused"], results["reference"]
-    ratios = [f["decode"] / r["decode"] for f, r in zip(fused, ref)]
     cpu_ratios = [f["decode_cpu"] / r["decode_cpu"] for f, r in zip(fused, ref)]
-    machine = "quiet machine" if args.quiet_machine else "busy machine (other jobs running)"
+    record = provenance(paired.loads)
+    what = args.dtype + (f", {args.quantization} projections" if args.quantization else "")
     lines = [
-        f"# Fused decode layers, batch-1 decode, SmolLM2-135M {args.dtype}",
+        f"# Fused decode layers, batch-1 decode, SmolLM2-135M {what}",
         "",
-        f"CPU: {cpu_description()}; {args.threads} threads; {len(ratios)} paired rounds (order alternating); "
-        f"commit {_commit()}; {machine}",
+        stamp(record),
+        "",
+        f"{args.threads} threads; {len(fused)} paired rounds (order alternating).",
         "",
         "| side | decode tok/s (median) | per round | tok per CPU-second (median) | dispatcher calls per decode step "
         "| fused layers | peak RSS MiB |",
@@ -124,35 +132,24 @@ def report(args, results: dict[str, list[dict]]) -> None:
     ]
     for side, rows in results.items():
         rates = " ".join(f"{o['decode']:.1f}" for o in rows)
+        calls = next((o["calls_per_step"] for o in rows if "calls_per_step" in o), 0)
         lines.append(
             f"| {side} | {statistics.median(o['decode'] for o in rows):.1f} | "
-            f"{rates} | {statistics.median(o['decode_cpu'] for o in rows):.1f} | {rows[0].get('calls_per_step', 0):.0f} | "
+            f"{rates} | {statistics.median(o['decode_cpu'] for o in rows):.1f} | {calls:.0f} | "
             f"{rows[0]['fused_layers']} | {max(o['peak_rss_mib'] for o in rows):.0f} |"
         )
     lines += [
         "",
-        f"fused / reference per round (wall clock): {' '.join(f'{x:.2f}' for x in ratios)}; "
-        f"median {statistics.median(ratios):.2f}",
+        f"fused / reference per round (wall clock): {' '.join(f'{x:.2f}' for x in paired.ratios)}; "
+        f"median {paired.ratio_median:.2f}",
         f"fused / reference per round (per CPU-second): {' '.join(f'{x:.2f}' for x in cpu_ratios)}; "
         f"median {statistics.median(cpu_ratios):.2f}",
     ]
-    name = f"fused_decode_{args.dtype}"
-    result_path(name, "json").write_text(json.dumps({**results, "ratios": ratios, "cpu_ratios": cpu_ratios}, indent=1))
+    name = f"fused_decode_{args.dtype}" + (f"_{args.quantization}" if args.quantization else "")
+    summary = {**record, **paired.summary(), "cpu_ratios": cpu_ratios}
+    result_path(name, "json").write_text(json.dumps(summary, indent=1))
     result_path(name, "md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 if __name__ == "__main__":
