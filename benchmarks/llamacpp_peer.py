@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks._common import RESULTS, make_prompts, peak_rss_mib, provenance, result_path, stamp  # noqa: E402
-from pagedserve.server.commands.bench.harness import alternating_rounds  # noqa: E402
+# The llama.cpp phases run under llama-cpp-python's own venv, without pagedserve: the project's
+# modules are imported inside the functions that run under the project's interpreter.
 
 
 def _model_dir(gguf: str | None):
@@ -58,6 +58,8 @@ def _model_dir(gguf: str | None):
 def _prompts(n_decode: int, n_ttft: int, gguf: str | None) -> tuple[list[int], list[int], list[int]]:
     """The decode prompt and two TTFT prompts (warm-up, timed) as token ids of the model's tokenizer."""
     from transformers import AutoTokenizer
+
+    from benchmarks._common import make_prompts
 
     tok = AutoTokenizer.from_pretrained(_model_dir(gguf))
     ttft = make_prompts(tok, 2, n_ttft, seed=2)
@@ -80,6 +82,7 @@ def read_bandwidth_gbs(threads: int, mib: int = 256, repeats: int = 5) -> float:
 
 
 def pagedserve_phase(args) -> dict:
+    from benchmarks._common import peak_rss_mib
     from pagedserve.engine import LLM, SamplingParams
 
     quant = None if args.mode == "bf16" else args.mode
@@ -234,7 +237,9 @@ def main() -> None:
         return
     if not Path(args.llama_python).exists():
         sys.exit(f"no llama-cpp-python interpreter at {args.llama_python}; see this script's docstring")
+    from benchmarks._common import RESULTS
     from pagedserve.engine.model.default_model import default_gguf_path
+    from pagedserve.server.commands.bench.harness import alternating_rounds
 
     gguf = Path(args.model_gguf) if args.model_gguf else default_gguf_path()
     decode, warm, timed = _prompts(32, args.ttft_len, args.model_gguf)
@@ -285,6 +290,8 @@ def _peer(side: str, results: dict) -> str:
 
 
 def report(args, sides: list[str], results: dict, gguf_name: str, loads: list[float]) -> None:
+    from benchmarks._common import provenance, result_path, stamp
+
     rounds = len(results[sides[-1]])
     record = provenance(loads)
     lines = [
