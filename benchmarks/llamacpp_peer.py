@@ -21,8 +21,17 @@ llama-cpp-python is NOT a project dependency (a source build takes ~12+ minutes 
 so it stays out of CI). Build it once into its own venv and point `--llama-python` at it:
 
     python -m venv /work/llamacpp-venv
-    CMAKE_BUILD_PARALLEL_LEVEL=2 /work/llamacpp-venv/bin/pip install llama-cpp-python==0.3.36
+    CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="-DGGML_NATIVE=ON" /work/llamacpp-venv/bin/pip install llama-cpp-python==0.3.36
     PYTHONPATH=. .venv/bin/python benchmarks/llamacpp_peer.py --llama-python /work/llamacpp-venv/bin/python
+
+On an Intel Xeon with AMX (Sapphire Rapids) the native build's AMX matmul path
+(`ggml_backend_amx_mul_mat`) crashed with SIGSEGV on both GGUFs here (0.3.36, 2026-12-07). Its
+two ggml libraries were rebuilt from the same sdist with every AVX-512 extension but AMX
+(`cmake -S vendor/llama.cpp -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON
+-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AVX2=ON -DGGML_FMA=ON
+-DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+-DBUILD_SHARED_LIBS=ON`, target `ggml-cpu`, ~2 minutes) and copied over the wheel's
+`llama_cpp/lib/libggml-cpu.so*` and `libggml-base.so*`.
 
 Writes benchmarks/results/{--name, default llamacpp_peer}.{json,md}.
 """
