@@ -159,12 +159,14 @@ class FusedDecode:
         return id(linear.weight) in self.weights
 
     def applies(self, input_ids: torch.Tensor, meta: object, lora: object) -> bool:
-        """Whether this step takes the fused path."""
+        """Whether this step takes the fused path (`meta`: the step's metadata, or one per
+        layer with a hybrid KV cache)."""
+        first = meta[0] if isinstance(meta, list) and meta else meta
         return (
-            isinstance(meta, AttentionMetadata)
+            isinstance(first, AttentionMetadata)
             and lora is None
-            and meta.num_decodes == meta.num_seqs == meta.num_tokens
-            and 0 < meta.num_tokens <= MAX_ROWS
+            and first.num_decodes == first.num_seqs == first.num_tokens
+            and 0 < first.num_tokens <= MAX_ROWS
             and input_ids.device.type == "cpu"
             and not torch.compiler.is_compiling()
         )
@@ -175,24 +177,28 @@ class FusedDecode:
         h: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | list[AttentionMetadata],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(h, residual) after every layer: runs of fused layers as one call each, the others
-        through their modules."""
+        through their modules. With a hybrid KV cache (one metadata per layer: each group's block
+        tables and slots) a run also ends where the next layer belongs to another group."""
         residual: torch.Tensor | None = None
         rope = None
         layers = model.model.layers
+        per_layer = meta if isinstance(meta, list) else None
         i, n = 0, len(layers)
         while i < n:
+            layer_meta = meta if per_layer is None else per_layer[i]
+            assert isinstance(layer_meta, AttentionMetadata)
             first = self.index[i]
             if first is None:
                 if rope is None:
                     rope = model.rope_for(positions)
-                h, residual = layers[i](h, residual, rope, kv_caches[i], meta, None)
+                h, residual = layers[i](h, residual, rope, kv_caches[i], layer_meta, None)
                 i += 1
                 continue
-            end = i
-            while end < n and self.index[end] is not None:
+            end = i + 1
+            while end < n and self.index[end] is not None and (per_layer is None or per_layer[end] is layer_meta):
                 end += 1
             h, residual = self.stack.forward(
                 first,
@@ -201,9 +207,9 @@ class FusedDecode:
                 residual,
                 kv_caches[i:end],
                 positions,
-                meta.slot_mapping,
-                meta.block_tables,
-                meta.seq_lens_tensor,
+                layer_meta.slot_mapping,
+                layer_meta.block_tables,
+                layer_meta.seq_lens_tensor,
             )
             i = end
         return h, residual

@@ -129,6 +129,17 @@ def family(request, tmp_path_factory):
     return name, hf, path
 
 
+class _Counting:
+    """Wraps the extension's DecodeStack, counting its forward calls."""
+
+    def __init__(self, stack) -> None:
+        self.stack, self.calls = stack, 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return self.stack.forward(*args)
+
+
 def _prompts(name: str) -> list[list[int]]:
     gen = torch.Generator().manual_seed(1)
     lengths = (3, 29, 30) if name == "phi3" else (3, 37, 61)  # phi3: below its original 128 positions
@@ -168,9 +179,10 @@ def test_greedy_and_logprobs_match_transformers(family):
             max_model_len=128,
         )
     )
+    fused = engine.runner.model.fused_decode
     if load_native() is not None:  # decode steps run every layer fused (pagedserve.engine.model.fused_decode)
-        fused = engine.runner.model.fused_decode
         assert fused is not None and fused.reasons == [None] * len(engine.runner.model.model.layers)
+        fused.stack = _Counting(fused.stack)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
     for i, prompt in enumerate(prompts):
         engine.add_request(Request(f"r{i}", prompt, params))
@@ -189,6 +201,8 @@ def test_greedy_and_logprobs_match_transformers(family):
             ids = torch.tensor(entry.token_ids)
             got = torch.tensor(entry.logprobs)
             torch.testing.assert_close(got, ref_logprobs[step, ids], atol=1e-4, rtol=0)
+    if fused is not None:  # the steps after the last prefill chunk took the fused path
+        assert fused.stack.calls >= NEW_TOKENS // 2
     assert engine.kv_manager.pool.get_num_free_blocks() == 96
     if engine.runner.model.spec.sliding_window is not None:
         assert max(len(p) for p in prompts) > 2 * engine.runner.model.spec.sliding_window
