@@ -221,7 +221,8 @@ def commit() -> str:
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True, timeout=10
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            # the results files a run rewrites do not make the code it measured dirty
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results"],
             cwd=REPO,
             capture_output=True,
             text=True,
