@@ -2,7 +2,7 @@
 float64 reference of the Llama layer on random shapes with ragged tails (hidden, head_dim and
 MLP widths that are no multiple of 8 or 16), on every instruction-set path this CPU runs, and the
 AVX2 path forced on an AVX-512 machine against the AVX-512 one. The real model's greedy tokens
-with and without the fused path: tests/engine/test_fused_decode.py."""
+with and without the fused path: tests/engine/model/test_fused_decode.py."""
 
 from __future__ import annotations
 

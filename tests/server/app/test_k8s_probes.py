@@ -12,7 +12,7 @@ import yaml
 
 from tests.server.conftest import TINY
 
-DEPLOYMENT = Path(__file__).resolve().parents[2] / "config/deploy/kubernetes/deployment.yaml"
+DEPLOYMENT = Path(__file__).resolve().parents[3] / "config/deploy/kubernetes/deployment.yaml"
 # The engine refuses to start: a KV pool of 2 blocks cannot hold max_model_len 256.
 CRASHING_CONFIG = "startupTimeout: 20\nminWorkers: 1\nhandler:\n  max_model_len: 256\n  num_kv_blocks: 2\n"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.server.conftest import TINY, TINY_ARCHIVE
-from tests.server.test_lora_server import ADAPTER, lora_store  # noqa: F401 (a fixture)
+from tests.server.workers.test_lora_server import ADAPTER, lora_store  # noqa: F401 (a fixture)
 
 PROMPT = "1, 2, 3, 4,"
 

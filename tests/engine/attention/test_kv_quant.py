@@ -15,7 +15,7 @@ from pagedserve.engine.core.engine_core import EngineCore
 from pagedserve.engine.model.loader import kv_cache_bytes_per_block
 from pagedserve.engine.request.request import Request
 from pagedserve.engine.sampling.params import SamplingParams
-from tests.engine.test_attention_backends import (
+from tests.engine.attention.test_attention_backends import (
     BLOCK_SIZE,
     HEAD_DIM,
     HEADS,

@@ -13,7 +13,7 @@ import signal
 import pytest
 
 from tests.server.conftest import TINY, TINY_ARCHIVE
-from tests.server.test_inference_api import stream_lines
+from tests.server.torchserve.test_inference_api import stream_lines
 
 MAX_RESPONSE = 20_000
 MAX_REQUEST = 100_000
@@ -147,7 +147,7 @@ def test_bad_input_is_refused_with_4xx_and_the_worker_keeps_serving(server):
     assert server_errors(server) == errors_before
 
 
-ROUTES = [  # the health probes answer without a token (tests/server/test_probes_and_keys.py)
+ROUTES = [  # the health probes answer without a token (tests/server/app/test_probes_and_keys.py)
     ("GET", "/v1/models", None),
     ("GET", f"/predictions/{TINY}/1.0/v1/models", None),
     ("POST", f"/predictions/{TINY}", {"prompt": "x", "max_tokens": 1}),

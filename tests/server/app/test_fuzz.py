@@ -107,7 +107,7 @@ def send(
 ) -> Reply:
     """One request on a fresh connection, the head and the body written apart (as a client on
     a real network often does: a body that arrives after its headers once stalled the server,
-    see tests/server/test_content_encoding.py); the whole reply (a stream to its end) is read."""
+    see tests/server/serving/test_content_encoding.py); the whole reply (a stream to its end) is read."""
     hdrs = {"Host": "127.0.0.1", "Connection": "close", **(headers or {})}
     if token == "right":
         hdrs.update(server.auth_headers(api))

@@ -19,7 +19,7 @@ from pagedserve.engine.model.quant_convert import convert_gguf_quantized, quanti
 from pagedserve.engine.model.quant_linear import Int4Linear, Int8Embedding, Int8Linear, unpack_nibbles
 from pagedserve.kernels.cpu_isa import cpu_has_vnni
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PROMPT, ANSWER = "1, 2, 3, 4,", " 5, 6, 7"  # a robust greedy check (notes: margin 3.5 nats)
 
 

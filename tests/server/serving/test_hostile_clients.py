@@ -27,7 +27,7 @@ import pytest
 
 from tests.server.conftest import TINY, TINY_ARCHIVE
 from tests.server.server_process import ServerProcess
-from tests.server.test_content_encoding import read_reply
+from tests.server.serving.test_content_encoding import read_reply
 
 FLOOD = 512  # slowloris connections from one address
 FLOOD_ADDRESS = "127.0.0.2"

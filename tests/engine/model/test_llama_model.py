@@ -262,7 +262,7 @@ def test_loader_refuses_unexpected_tensor_but_ignores_inv_freq(llama_dir, tmp_pa
             r"GPT2LMHeadModel.*LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM",
         ),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, r"rope type 'yarn'"),
-        # a sliding window is served now (tests/engine/test_families.py): no refusal
+        # a sliding window is served now (tests/engine/model/test_families.py): no refusal
     ],
 )
 def test_loader_refuses_unsupported_configs(llama_dir, tmp_path, update, message):

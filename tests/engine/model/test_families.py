@@ -103,8 +103,8 @@ _HF_CLASSES = {
 
 
 def test_every_registered_family_is_tested_here():
-    """Here, or (mixture-of-experts families) in tests/engine/test_moe_parity.py."""
-    from tests.engine.test_moe_parity import ARCHITECTURES as MOE_ARCHITECTURES
+    """Here, or (mixture-of-experts families) in tests/engine/model/test_moe_parity.py."""
+    from tests.engine.model.test_moe_parity import ARCHITECTURES as MOE_ARCHITECTURES
 
     tested = {cls.__name__ for cls in _HF_CLASSES.values()} | set(MOE_ARCHITECTURES.values())
     assert tested == set(supported_architectures())

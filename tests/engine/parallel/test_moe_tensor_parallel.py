@@ -2,7 +2,7 @@
 slice of its intermediate size, the router whole. TP = 2 generates what TP = 1 does on tiny
 random Qwen2-MoE (gated shared expert, a dense layer) and Mixtral (w1/w2/w3 names) configs;
 each rank reads its experts' slices; sizes that do not divide are refused, and so is OLMoE with
-KV heads replicated (its TP run is in tests/engine/test_families_tensor_parallel.py)."""
+KV heads replicated (its TP run is in tests/engine/parallel/test_families_tensor_parallel.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pagedserve.engine.model.layers.moe import MoESpec, RouterScoring
 from pagedserve.engine.model.registry import check_tensor_parallel_support, parse_config
 from pagedserve.engine.model.sharding import TensorSlice, check_tensor_parallel, shard_spec, tensor_slice
 from pagedserve.engine.model.spec import ModelSpec
-from tests.engine.test_tensor_parallel import PROMPTS, assert_same_generation
+from tests.engine.parallel.test_tensor_parallel import PROMPTS, assert_same_generation
 
 COMMON = {
     "vocab_size": 49152,

@@ -19,7 +19,7 @@ from pagedserve.engine.model.quant_linear import Int4Linear, Int8Linear, QuantMe
 from pagedserve.engine.request.request import Request
 from pagedserve.engine.sampling.params import SamplingParams
 from pagedserve.kernels.cpu_isa import cpu_has_vnni
-from tests.engine.test_moe_layer import make_block
+from tests.engine.model.test_moe_layer import make_block
 
 COMMON = {
     "vocab_size": 256,
@@ -126,7 +126,7 @@ def float_logits(moe_dir):
 @pytest.mark.parametrize("method", METHODS)
 def test_quantized_at_load_reaches_every_expert(moe_dir, float_logits, method):
     if method == "w8a8" and not cpu_has_vnni():
-        pytest.skip("w8a8 needs VNNI (refused otherwise: tests/engine/test_quant_model.py)")
+        pytest.skip("w8a8 needs VNNI (refused otherwise: tests/engine/model/test_quant_model.py)")
     engine, logits = prompt_logits(moe_dir, quantization=method)
     sparse = [layer.mlp for layer in engine.runner.model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
     assert sparse
@@ -171,7 +171,7 @@ def test_int4_refuses_experts_it_cannot_pack_naming_what_to_use(tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen2moe", "olmoe"])
 def test_a_moe_gguf_is_refused_naming_its_architecture(tmp_path, arch):
-    """MoE GGUF files other than Qwen3-MoE (tests/engine/test_gguf_types.py) are refused up front."""
+    """MoE GGUF files other than Qwen3-MoE (tests/engine/model/test_gguf_types.py) are refused up front."""
     import numpy as np
     from gguf import GGUFWriter
 

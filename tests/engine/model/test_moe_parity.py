@@ -79,7 +79,7 @@ FAMILIES = {
 }
 
 
-# The registered architecture each config above builds (tests/engine/test_families.py checks that
+# The registered architecture each config above builds (tests/engine/model/test_families.py checks that
 # every registered family is tested there or here).
 ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",

@@ -19,7 +19,7 @@ from pagedserve.engine.model.model_config import (
     load_model_config,
 )
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "config" / "model-config.yaml"
+EXAMPLE = Path(__file__).resolve().parents[3] / "config" / "model-config.yaml"
 
 VALID = """\
 minWorkers: 1

@@ -3,7 +3,7 @@
 scale), Phi-3 (a checkpoint with fused qkv_proj / gate_up_proj: each rank reads its slice of
 each part) and OLMoE (q/k norms over whole projections, split with the heads; experts replicated,
 each with a slice of its intermediate size). The tiny random configs of
-tests/engine/test_families.py and test_moe_parity.py run through the real engine with two ranks:
+tests/engine/model/test_families.py and test_moe_parity.py run through the real engine with two ranks:
 greedy 32 tokens identical to transformers' and logprobs within 1e-4, prompts longer than the
 window where the family has one."""
 
@@ -18,7 +18,7 @@ from pagedserve.engine.core.engine_core import EngineCore
 from pagedserve.engine.model.sharding import tensor_slice
 from pagedserve.engine.request.request import Request
 from pagedserve.engine.sampling.params import SamplingParams
-from tests.engine import test_families, test_moe_parity
+from tests.engine.model import test_families, test_moe_parity
 
 FAMILIES = ("qwen3", "gemma2", "gemma3", "phi3", "olmoe")
 

@@ -1,7 +1,7 @@
 """The console's shipped files and its origin rules, without a browser or a server: the
 vendored charting library is the pinned one, every file is package data, the page has no inline
 script or style, the page weight is in bounds, and only the console's origin is let through to
-the inference port. (tests/server/test_console.py drives the page in Chromium.)"""
+the inference port. (tests/server/console/test_console.py drives the page in Chromium.)"""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import tomllib
 from pagedserve.server.common.config import ServerConfig
 from pagedserve.server.console.app import STATIC_DIR, console_origin_allowed, inference_origin, load_static, page_csp
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PORTS = {"inference": 8080, "management": 8081, "metrics": 8082}
 
 
