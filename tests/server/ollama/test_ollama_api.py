@@ -142,7 +142,8 @@ def test_format_with_a_json_schema_and_json(client):
 
 def test_tools_answer_a_call_or_text_and_take_a_tool_result(client):
     ask = [{"role": "user", "content": "What is the weather like in Paris? Use the tool."}]
-    r = client.chat(model=MODEL, messages=ask, tools=[WEATHER_TOOL], options={"temperature": 0})
+    # 40 tokens hold a whole call; without a limit the model may write up to the default 1,024
+    r = client.chat(model=MODEL, messages=ask, tools=[WEATHER_TOOL], options={"temperature": 0, "num_predict": 40})
     if r.message.tool_calls:  # the small model may or may not call; either way it is well formed
         [call] = r.message.tool_calls
         assert call.function.name == "get_weather" and isinstance(call.function.arguments["city"], str)
