@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagedserve.engine import LLM, SamplingParams
+from tests.reference_cache import cached_reference
 
 pytestmark = pytest.mark.slow
 
@@ -59,19 +60,25 @@ def prompts(tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_outputs(default_model_dir, prompts) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
+    """transformers' greedy tokens for each prompt alone (kept in the user cache per machine,
+    keyed by the model's files, the prompts and the library versions: tests/reference_cache.py)."""
 
-    model = AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32)
-    model.eval()
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=2
-            )
-            outs.append(gen[0, len(p) :].tolist())
-    return outs
+    def compute() -> list[list[int]]:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32)
+        model.eval()
+        outs = []
+        with torch.inference_mode():
+            for p in prompts:
+                ids = torch.tensor([p])
+                gen = model.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=2
+                )
+                outs.append(gen[0, len(p) :].tolist())
+        return outs
+
+    return cached_reference("parity-greedy", [default_model_dir], {"prompts": prompts, "max_new": MAX_NEW}, compute)
 
 
 def _engine_outputs(llm: LLM, prompts) -> list[list[int]]:

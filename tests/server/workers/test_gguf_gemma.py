@@ -12,6 +12,8 @@ import re
 import pytest
 import torch
 
+from tests.reference_cache import cached_reference
+
 # The first run converts the GGUF (~1 CPU-minute) and transformers de-quantizes it again for the
 # reference: on a loaded shared machine that outgrew the default 900 s timeout.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -28,19 +30,29 @@ def gemma_gguf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(gemma_gguf) -> tuple[list[int], str]:
-    """transformers' greedy tokens and text from the same GGUF, float32."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """transformers' greedy tokens and text from the same GGUF, float32 (kept in the user cache
+    per machine, keyed by the file, the prompt and the library versions: tests/reference_cache.py;
+    transformers reads the GGUF's 262,144-token vocabulary and de-quantizes it: CPU-minutes on a
+    busy machine)."""
 
-    tokenizer = AutoTokenizer.from_pretrained(gemma_gguf.parent, gguf_file=gemma_gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gemma_gguf.parent, gguf_file=gemma_gguf.name, dtype=torch.float32
-    ).eval()
-    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
-    tokens = out[0, ids.shape[1] :].tolist()
+    def compute() -> tuple[list[int], str]:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(gemma_gguf.parent, gguf_file=gemma_gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gemma_gguf.parent, gguf_file=gemma_gguf.name, dtype=torch.float32
+        ).eval()
+        ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
+        tokens = out[0, ids.shape[1] :].tolist()
+        return tokens, tokenizer.decode(tokens)
+
+    tokens, text = cached_reference(
+        "gemma3-270m-greedy", [gemma_gguf], {"prompt": PROMPT, "new_tokens": NEW_TOKENS}, compute
+    )
     assert len(tokens) == NEW_TOKENS  # no end of sequence before 32 tokens
-    return tokens, tokenizer.decode(tokens)
+    return tokens, text
 
 
 @pytest.fixture(scope="module")
