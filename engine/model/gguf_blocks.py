@@ -3,7 +3,7 @@
 Each decoder takes a tensor's raw bytes as `uint8 [rows, bytes_per_row]` (what `gguf.GGUFReader`
 gives for a quantized tensor) and returns float32 `[rows, cols]`, computed with the same float32
 operations, in the same order, as the `gguf` package's numpy de-quantizers, so the values are
-bit-identical to `gguf.quants.dequantize` (tests/engine/test_quant_gguf.py).
+bit-identical to `gguf.quants.dequantize` (tests/engine/model/test_quant_gguf.py).
 
 The 4-bit types also decode to *int4 groups of 32* without rounding anything: codes `q` in 0..15
 with a float32 scale and offset per group such that `value = q * scale + offset` is exactly what

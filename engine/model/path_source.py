@@ -44,25 +44,24 @@ def gguf_summary(path: Path) -> dict[str, Any]:
     """{architecture, tensor_types: {type: count}, weights: how many} of a GGUF, read from its
     header and tensor table (nothing de-quantized), checked: ValueError naming an unsupported
     architecture or tensor type and listing what is supported."""
-    from gguf import GGUFReader
+    from pagedserve.engine.model.gguf_header import read_gguf_header
 
     try:
-        reader = GGUFReader(str(path))
+        header = read_gguf_header(path)
     except (ValueError, OSError) as exc:
         raise ValueError(f"{path.name} is not a readable GGUF file: {exc}") from None
-    field = reader.fields.get("general.architecture")
-    arch = field.contents() if field is not None else None
+    arch = header.fields.get("general.architecture")
     supported = _registry().supported_gguf_architectures()
     if arch not in supported:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(supported)}")
-    types = Counter(t.tensor_type.name for t in reader.tensors)
+    types = Counter(t.type_name for t in header.tensors)
     bad = sorted(set(types) - set(_registry().SUPPORTED_GGUF_TYPES))
     if bad:
         raise ValueError(
             f"unsupported GGUF tensor type {', '.join(bad)} in {path.name}; supported: "
             f"{', '.join(_registry().SUPPORTED_GGUF_TYPES)}"
         )
-    weights = sum(int(t.n_elements) for t in reader.tensors)
+    weights = sum(t.n_elements for t in header.tensors)
     return {"architecture": arch, "tensor_types": dict(sorted(types.items())), "weights": weights}
 
 

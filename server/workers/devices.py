@@ -7,7 +7,7 @@ cut into groups of N, and workers take the groups round-robin by worker index: w
 group i mod (number of groups). A worker's process sees only its devices
 (`CUDA_VISIBLE_DEVICES`), as cuda:0..N-1; `GET /models/{name}` shows them per worker.
 
-Pure functions: tested without a GPU (tests/server/test_devices.py).
+Pure functions: tested without a GPU (tests/server/workers/test_devices.py).
 """
 
 from __future__ import annotations

@@ -2,116 +2,28 @@
 
 Eight varied prompts (plain and chat, 1 to ~1,500 tokens) run in one mixed batch through our
 engine must give token-for-token the same greedy output as transformers `generate` run on each
-prompt alone: with prefix caching on, with a budget that forces chunked prefill, and with a KV
-pool so small that requests get preempted and recomputed (also with async scheduling).
+prompt alone: with prefix caching on and with a budget that forces chunked prefill; under
+preemption in tests/engine/test_parity_preemption.py (the prompts: tests/engine/parity_prompts.py).
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine import LLM
+from tests.engine.parity_prompts import engine_outputs, hf_outputs, prompts, tokenizer  # noqa: F401 -- fixtures
 
 pytestmark = pytest.mark.slow
-
-MAX_NEW = 12
-
-
-def _long_text(n_items: int) -> str:
-    fruits = ["apple", "banana", "cherry", "grape", "lemon", "mango", "orange", "peach", "pear", "plum"]
-    lines = [f"Item {i}: a basket holds {i % 7 + 2} {fruits[i % len(fruits)]}s." for i in range(n_items)]
-    return "Inventory list.\n" + "\n".join(lines) + "\nSummary: the basket with the most fruit is"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir):
-    from pagedserve.engine.llm import load_tokenizer
-
-    return load_tokenizer(default_model_dir)
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer) -> list[list[int]]:
-    def chat(text: str) -> list[int]:
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
-        return tokenizer.encode(rendered, add_special_tokens=False)
-
-    def plain(text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False)
-
-    items = [
-        plain("The")[:1],  # a single token
-        plain("1, 2, 3, 4,"),
-        chat("What is 2 plus 2?"),
-        chat("Write a haiku about the sea."),
-        plain("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
-        chat("Name three primary colors and explain why they are called primary."),
-        plain(_long_text(30)),  # a few hundred tokens
-        plain(_long_text(110)),  # about 1,500 tokens
-    ]
-    lengths = [len(p) for p in items]
-    assert lengths[0] == 1 and 1300 <= lengths[-1] <= 1600, lengths
-    return items
-
-
-@pytest.fixture(scope="module")
-def hf_outputs(default_model_dir, prompts) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32)
-    model.eval()
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=2
-            )
-            outs.append(gen[0, len(p) :].tolist())
-    return outs
-
-
-def _engine_outputs(llm: LLM, prompts) -> list[list[int]]:
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
 def test_greedy_parity_batched_with_prefix_caching(default_model_dir, prompts, hf_outputs):
     llm = LLM(default_model_dir, dtype="float32", kv_cache_memory="512MiB")
-    assert _engine_outputs(llm, prompts) == hf_outputs
+    assert engine_outputs(llm, prompts) == hf_outputs
     # Second pass: every prompt now hits the prefix cache and must not change the output.
-    assert _engine_outputs(llm, prompts) == hf_outputs
+    assert engine_outputs(llm, prompts) == hf_outputs
     assert llm.engine.kv_manager.num_hit_tokens > 0
 
 
 def test_greedy_parity_chunked_prefill(default_model_dir, prompts, hf_outputs):
     llm = LLM(default_model_dir, dtype="float32", kv_cache_memory="512MiB", max_num_batched_tokens=96)
-    assert _engine_outputs(llm, prompts) == hf_outputs
-
-
-def test_greedy_parity_under_preemption(default_model_dir, prompts, hf_outputs):
-    # 110 blocks of 16 tokens: the ~1,500-token prompt alone needs ~95, the batch ~140.
-    llm = LLM(
-        default_model_dir, dtype="float32", num_kv_blocks=110, max_num_batched_tokens=512, enable_prefix_caching=False
-    )
-    assert _engine_outputs(llm, prompts) == hf_outputs
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.kv_manager.pool.get_num_free_blocks() == 110
-
-
-def test_greedy_parity_async_scheduling_under_preemption(default_model_dir, prompts, hf_outputs):
-    # Async scheduling (step k+1 scheduled while step k runs) under the same preemption pressure.
-    llm = LLM(
-        default_model_dir,
-        dtype="float32",
-        num_kv_blocks=110,
-        max_num_batched_tokens=512,
-        enable_prefix_caching=False,
-        async_scheduling=True,
-    )
-    assert _engine_outputs(llm, prompts) == hf_outputs
-    assert llm.engine.scheduler.num_preemptions > 0
-    llm.shutdown()
+    assert engine_outputs(llm, prompts) == hf_outputs

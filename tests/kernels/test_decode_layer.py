@@ -2,9 +2,10 @@
 float64 reference of the layer, with plain (float32 / bfloat16), int8 and int4 projections, in
 the Llama shape and its variants (Qwen3's q/k norms; Gemma's sandwich norms, GELU, sliding
 window and soft-capped scores), on every instruction-set path this CPU runs, and the AVX2 path
-forced on an AVX-512 machine against the AVX-512 one. Plain and int8 run ragged shapes (hidden, head_dim and MLP widths that
-are no multiple of 8 or 16); int4 needs whole packed blocks (64 output rows, groups of 32 inputs).
-The real model's greedy tokens with and without the fused path: tests/engine/test_fused_decode.py."""
+forced on an AVX-512 machine against the AVX-512 one. Plain and int8 run ragged shapes (hidden,
+head_dim and MLP widths that are no multiple of 8 or 16); int4 needs whole packed blocks (64
+output rows, groups of 32 inputs). The real model's greedy tokens with and without the fused
+path: tests/engine/model/test_fused_decode.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hypothesis strategies for the server fuzz (tests/server/test_fuzz.py): JSON bodies built from
+"""Hypothesis strategies for the server fuzz (tests/server/app/test_fuzz.py): JSON bodies built from
 the real field names of the declared request schemas, with hostile values.
 
 Hostile values: integers past every bound (2^63, 2^64, 10^400), floats that are not finite

@@ -7,7 +7,7 @@ depend on how many other tokens share its step: batch size, chunked prefill and 
 hits all change the rounding. `BatchInvariantLinear` calls the GEMM only on tiles of exactly
 `ROW_TILE` rows (the last tile padded with zeros), so every call has one shape and one kernel
 configuration, whose reduction over the input features is the same for every row of the tile
-(tests/engine/test_batch_invariant.py checks a row against itself at every offset of a tile and
+(tests/engine/attention/test_batch_invariant.py checks a row against itself at every offset of a tile and
 alone); the rows of a step are then cut into tiles, and no row's result depends on the others.
 
 The rest of the model needs nothing: RMSNorm (the fused C++ op and torch's last-dim reduction

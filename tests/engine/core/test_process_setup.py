@@ -28,7 +28,12 @@ def run_python(code: str, **env: str) -> dict:
         text=True,
         timeout=600,
         check=False,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        # the caller's PYTHONPATH first: a checkout run through a path shim imports its own code
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, (os.environ.get("PYTHONPATH"), str(ROOT)))),
+            **env,
+        },
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
