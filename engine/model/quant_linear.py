@@ -2,14 +2,17 @@
 
 - `Int8Linear`: int8 weights, one float scale per output channel (symmetric). Few rows (decode)
   run weight-only (activations stay in the model dtype): up to 16 rows the native extension's
-  int8 GEMV (kernels/csrc/proj_gemv.h, the fused decode layer's), else or without it
-  `aten._weight_int8pack_mm`, which loses
+  int8 GEMV (kernels/csrc/proj_gemv.h, the fused decode layer's), or without it
+  `aten._weight_int8pack_mm`; the LM head, weight-only at every row count, widens chunks of its
+  weight to float32 for calls of more rows. Weight-only loses
   to bf16 from a few dozen rows on. More rows run `torch._int_mm` (VNNI int8 dot products) on
   activations quantized per token at run time, the call's largest input channels kept apart in
   float32 (`_w8a8_mm`; the quantization and the rescaling with the outlier product run as one
   C++ pass each, kernels/csrc/int8_mm_io.cpp): mode `w8a8` at every row count (its weight stored as `[K, N]` for
-  that), mode `int8` for 17..255 rows (batched decode); mode `int8` de-quantizes the weight for calls of 256+ rows and uses `F.linear`, so
-  prefill keeps weight-only numerics.
+  that), mode `int8` for 17..255 rows (batched decode) where the CPU has VNNI; mode `int8`
+  de-quantizes the weight for calls of 256+ rows (17+ without VNNI, where `torch._int_mm` is
+  emulated) and uses `F.linear` (without bf16 dot products: float32 GEMMs on chunks of the
+  weight widened in cache), so prefill keeps weight-only numerics.
 - `Int4Linear`: 4-bit codes in groups of 32/64/128 along the input, asymmetric (a scale and an
   offset per group: `w = q * scale + offset`). Few rows run `aten._weight_int4pack_mm_for_cpu`;
   more rows de-quantize the weight for that call with the int4_dequant C++ kernel (one pass
@@ -38,7 +41,7 @@ from pagedserve.kernels.cpu_int4_dequant import (
     scale_and_shift,
     unpack_codes,
 )
-from pagedserve.kernels.cpu_isa import cpu_has_bf16_dot
+from pagedserve.kernels.cpu_isa import cpu_has_bf16_dot, cpu_has_vnni
 
 INT8_WEIGHT_ONLY_MAX_ROWS = 16  # more rows: torch._int_mm on activations quantized per token
 # Mode int8 from this many rows on (prefill-sized calls) de-quantizes the weight for the call:
@@ -198,6 +201,10 @@ class Int8Linear(_QuantBase):
         # activations quantized per token; more: the weight de-quantized for the call.
         if w8a8:  # torch._int_mm at every row count
             weight_only_max_rows, dequant_min_rows = 0, 1 << 62
+        elif not cpu_has_vnni():
+            # Without int8 dot products torch._int_mm is emulated (~5x slower than bf16): every
+            # call above the weight-only kernel's rows de-quantizes instead.
+            dequant_min_rows = min(dequant_min_rows, weight_only_max_rows + 1)
         self.weight_only_max_rows, self.dequant_min_rows = weight_only_max_rows, dequant_min_rows
         if w8a8:
             # Only torch._int_mm reads the weight, and it ran ~2.5x faster on a contiguous [K, N]
@@ -245,12 +252,19 @@ class Int8Linear(_QuantBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = self._rows(x)
-        if self.io is not None and rows.shape[0] <= min(self.weight_only_max_rows, INT8_WEIGHT_ONLY_MAX_ROWS):
+        few = rows.shape[0] <= min(self.weight_only_max_rows, INT8_WEIGHT_ONLY_MAX_ROWS)
+        if self.io is not None and few:
             out = self.io.int8_linear_few_rows(rows.to(self.dtype), self.qweight, self.kernel_scale)
-        elif rows.shape[0] <= self.weight_only_max_rows:
+        elif few or (rows.shape[0] <= self.weight_only_max_rows and rows.device.type != "cpu"):
             out = torch.ops.aten._weight_int8pack_mm(rows.to(self.dtype), self.qweight, self.kernel_scale)
+        elif rows.shape[0] <= self.weight_only_max_rows:
+            # The LM head above 16 rows: aten's weight-only kernel took 105-134 ms at 64 rows of
+            # the 49152 x 576 head where float32 GEMMs on chunks widened in cache take ~42.
+            out = _chunked_int8_linear(rows, self.qweight, self.kernel_scale)
         elif rows.shape[0] < self.dequant_min_rows:
             out = _w8a8_mm(rows, self.qweight, self.scale, io=self.io)
+        elif not cpu_has_bf16_dot() and rows.device.type == "cpu":
+            out = _chunked_int8_linear(rows, self.qweight, self.kernel_scale)
         else:
             out = _dequantized_linear(
                 rows, lambda dtype: self.qweight.to(dtype) * self.kernel_scale[:, None].to(dtype), self.dtype
@@ -352,6 +366,27 @@ class Int4Linear(_QuantBase):
         else:
             out = _dequantized_linear(rows, self.dequantized, self.dtype)
         return self._finish(out.to(x.dtype), x)
+
+
+def _chunked_int8_linear(
+    rows: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, chunk: int = 512
+) -> torch.Tensor:
+    """`rows @ (qweight * scale[:, None]).T` in float32 on a CPU without bf16 dot products: the
+    int8 weight widened to float32 `chunk` output rows at a time into one reused buffer (it stays
+    in cache, as UpcastLinear does for bf16 weights), each chunk's columns scaled after its GEMM."""
+    xf = rows.float()
+    n, k = qweight.shape
+    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    buf = torch.empty(min(chunk, n), k, dtype=torch.float32)
+    scale_f = scale.float()
+    for start in range(0, n, chunk):
+        end = min(start + chunk, n)
+        w = buf[: end - start]
+        w.copy_(qweight[start:end])
+        cols = out[:, start:end]
+        torch.mm(xf, w.t(), out=cols)
+        cols.mul_(scale_f[start:end])
+    return out
 
 
 def _dequantized_linear(rows: torch.Tensor, weight_in, dtype: torch.dtype) -> torch.Tensor:

@@ -28,6 +28,7 @@ from pagedserve.engine.model.quant_linear import (
     quantize_int8,
     unpack_nibbles,
 )
+from pagedserve.kernels.cpu_native import load_native
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out): qkv, o, gate_up, down
 
@@ -146,6 +147,9 @@ def test_embedding_and_shared_head():
     head = Int8Linear.sharing(emb.qweight, emb.scale, torch.bfloat16)
     assert head.qweight.data_ptr() == emb.qweight.data_ptr()
     _check(head, 3, 0.02)
+    _check(head, 64, 0.02)  # weight-only at every row count: float32 GEMMs on widened chunks here
+    native = Int8Linear.sharing(emb.qweight, emb.scale, torch.bfloat16, io=load_native())
+    _check(native, 3, 0.02)  # the native few-row GEMV where the extension is built
 
 
 def test_bad_group_sizes_and_shapes_are_refused():
