@@ -16,6 +16,7 @@ from pagedserve.engine.model.registry import FAMILIES, supported_architectures
 from pagedserve.engine.request.request import Request
 from pagedserve.engine.sampling.params import SamplingParams
 from pagedserve.kernels.cpu_native import load_native
+from tests.engine.model.counting_stack import CountingStack
 
 BLOCK_SIZE = 4
 NEW_TOKENS = 32
@@ -129,17 +130,6 @@ def family(request, tmp_path_factory):
     return name, hf, path
 
 
-class _Counting:
-    """Wraps the extension's DecodeStack, counting its forward calls."""
-
-    def __init__(self, stack) -> None:
-        self.stack, self.calls = stack, 0
-
-    def forward(self, *args):
-        self.calls += 1
-        return self.stack.forward(*args)
-
-
 def _prompts(name: str) -> list[list[int]]:
     gen = torch.Generator().manual_seed(1)
     lengths = (3, 29, 30) if name == "phi3" else (3, 37, 61)  # phi3: below its original 128 positions
@@ -182,7 +172,7 @@ def test_greedy_and_logprobs_match_transformers(family):
     fused = engine.runner.model.fused_decode
     if load_native() is not None:  # decode steps run every layer fused (pagedserve.engine.model.fused_decode)
         assert fused is not None and fused.reasons == [None] * len(engine.runner.model.model.layers)
-        fused.stack = _Counting(fused.stack)
+        fused.stack = CountingStack(fused.stack)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
     for i, prompt in enumerate(prompts):
         engine.add_request(Request(f"r{i}", prompt, params))

@@ -11,6 +11,7 @@ import torch
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.model.fused_decode import MAX_ROWS, layer_refusal
 from pagedserve.kernels.cpu_native import load_native
+from tests.engine.model.counting_stack import CountingStack
 
 pytestmark = pytest.mark.skipif(load_native() is None, reason="the native CPU extension cannot be built here")
 
@@ -19,17 +20,6 @@ PROMPTS = [
     "def fibonacci(n):",
     "Once upon a time, in a small village,",
 ]
-
-
-class _Counting:
-    """Wraps the extension's DecodeStack, counting its forward calls."""
-
-    def __init__(self, stack) -> None:
-        self.stack, self.calls = stack, 0
-
-    def forward(self, *args):
-        self.calls += 1
-        return self.stack.forward(*args)
 
 
 def _greedy(llm: LLM, n: int) -> list[list[int]]:
@@ -56,7 +46,7 @@ def test_greedy_tokens_equal_the_reference_path_in_float32(llm, monkeypatch):
     AVX2-only CPU runs), against the reference path (the layers' own modules)."""
     model = llm.engine.runner.model
     fused = model.fused_decode
-    counting = _Counting(fused.stack)
+    counting = CountingStack(fused.stack)
     fused.stack = counting
     try:
         with_fused = _greedy(llm, 16)
