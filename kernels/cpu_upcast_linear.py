@@ -7,8 +7,9 @@ it to float32 one chunk of output rows at a time (a chunk stays in cache) and mu
 float32 into the matching columns of the output, which is rounded to bf16 once. Products of two
 bf16 values are exact in float32 and a bf16 GEMM accumulates in float32 too, so the results
 match `F.linear` up to summation order. Calls of fewer rows (batch-1 decode: bound by reading
-the weight, where converting it would double the bytes moved) run the `bf16_gemv` C++ kernel
-(kernels/csrc/bf16_gemv.h in the native extension: each weight row read once, widened by a shift, float32 FMAs), or
+the weight, where converting it would double the bytes moved) run the native extension's
+`bf16_linear_few_rows` (kernels/csrc/proj_gemv.h: each weight row read once, widened by a shift,
+float32 FMAs), or
 `F.linear` in bf16 where the extension cannot be built.
 
 Measured per call, 2 threads, [rows, 576] x [576, 1536] in ms, bf16 `F.linear` -> this: 1 row

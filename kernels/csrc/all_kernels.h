@@ -1,8 +1,5 @@
 // The kernel headers of one instruction-set region, each in its own namespace (no include
 // guard: native.cpp and native_avx512.cpp include it once per region, after vec.h).
-namespace gemv {
-#include "bf16_gemv.h"
-}
 namespace int4 {
 #include "int4_dequant.h"
 #include "int4_gemv.h"

@@ -294,7 +294,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("bf16_linear_few_rows",
         [](Tensor x, Tensor w, c10::optional<Tensor> b, const std::string& isa) {
-          return PS_CALL(isa, gemv::bf16_linear_few_rows, x, w, b);
+          return PS_CALL(isa, layer::bf16_linear_few_rows, x, w, b);
         },
         "bf16 linear for a few rows, float32 accumulation", py::arg("x"), py::arg("weight"), py::arg("bias"), isa);
   m.def("int4pack_dequant_t",

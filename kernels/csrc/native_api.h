@@ -12,9 +12,6 @@
 
 #define PS_DECLARE_OPS(ns)                                                                                     \
   PS_DECLARE_DECODE_OPS(ns)                                                                                    \
-  namespace ns::gemv {                                                                                         \
-  torch::Tensor bf16_linear_few_rows(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias); \
-  }                                                                                                            \
   namespace ns::int4 {                                                                                         \
   void int4pack_dequant_t_into(torch::Tensor packed, torch::Tensor scale, torch::Tensor shift, int64_t group_size, \
                                int64_t block_n, int64_t n_begin, int64_t n_end, torch::Tensor out);            \
@@ -36,6 +33,7 @@
   void rotary_embedding_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);                               \
   }                                                                                                            \
   namespace ns::layer {                                                                                        \
+  torch::Tensor bf16_linear_few_rows(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias); \
   torch::Tensor int8_linear_few_rows(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale);             \
   void decode_layers(const std::vector<ps::DecodeLayerWeights>& layers, const ps::DecodeLayerDims& d,          \
                      const ps::DecodeStep& s, const std::vector<void*>& k_caches,                              \

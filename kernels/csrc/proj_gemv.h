@@ -129,3 +129,25 @@ torch::Tensor int8_linear_few_rows(torch::Tensor x, torch::Tensor qweight, torch
   else project<bf16>(p, xf.data_ptr<float>(), M, K, N, y.data_ptr<float>());
   return y.to(x.scalar_type());
 }
+
+// The bf16 linear for up to 8 rows (UpcastLinear's and PackedLinear's few-row path on CPUs
+// without bf16 dot products): x [M, K] and weight [N, K] bfloat16, bias [N] or none -> [M, N]
+// bfloat16, the float32 sum and the bias rounded once.
+torch::Tensor bf16_linear_few_rows(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "x [M, K] and weight [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bfloat16 inputs");
+  TORCH_CHECK(x.size(1) == weight.size(1), "x and weight disagree on K");
+  TORCH_CHECK(x.size(0) <= 8, "at most 8 rows of x");
+  TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  torch::Tensor b;
+  if (bias.has_value()) {
+    b = bias->to(at::kBFloat16).contiguous();
+    TORCH_CHECK(b.numel() == N, "bias must have N elements");
+  }
+  torch::Tensor xf = x.to(at::kFloat).contiguous();
+  torch::Tensor y = torch::empty({M, N}, xf.options());
+  const ps::Proj p{ps::ProjKind::kPlain, weight.data_ptr(), b.defined() ? b.data_ptr() : nullptr, nullptr, nullptr, 0, 0};
+  project<bf16>(p, xf.data_ptr<float>(), M, K, N, y.data_ptr<float>());
+  return y.to(at::kBFloat16);
+}
