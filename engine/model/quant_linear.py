@@ -4,8 +4,8 @@
   run weight-only (activations stay in the model dtype): up to 16 rows the native extension's
   int8 GEMV (kernels/csrc/proj_gemv.h, the fused decode layer's), or without it
   `aten._weight_int8pack_mm`; the LM head, weight-only at every row count, widens chunks of its
-  weight to float32 for calls of more rows. Weight-only loses
-  to bf16 from a few dozen rows on. More rows run `torch._int_mm` (VNNI int8 dot products) on
+  weight to float32 for calls of more rows. Weight-only loses to bf16 from a few dozen rows on.
+  More rows run `torch._int_mm` (VNNI int8 dot products) on
   activations quantized per token at run time, the call's largest input channels kept apart in
   float32 (`_w8a8_mm`; the quantization and the rescaling with the outlier product run as one
   C++ pass each, kernels/csrc/int8_mm_io.cpp): mode `w8a8` at every row count (its weight stored as `[K, N]` for
@@ -371,9 +371,10 @@ class Int4Linear(_QuantBase):
 def _chunked_int8_linear(
     rows: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, chunk: int = 512
 ) -> torch.Tensor:
-    """`rows @ (qweight * scale[:, None]).T` in float32 on a CPU without bf16 dot products: the
-    int8 weight widened to float32 `chunk` output rows at a time into one reused buffer (it stays
-    in cache, as UpcastLinear does for bf16 weights), each chunk's columns scaled after its GEMM."""
+    """`rows @ (qweight * scale[:, None]).T` in float32: the int8 weight widened to float32 `chunk`
+    output rows at a time into one reused buffer (it stays in cache, as UpcastLinear does for
+    bf16 weights), each chunk's columns scaled after its GEMM. The LM head above 16 rows, and
+    prefill-sized calls on a CPU without bf16 dot products."""
     xf = rows.float()
     n, k = qweight.shape
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
