@@ -413,26 +413,9 @@ def write_results(args, summary: dict) -> None:
 
 
 def run_profile(args) -> None:
-    from step_profile import format_breakdown
+    from step_profile import profile_page
 
-    result = run_child(args, "profile")
-    md = [
-        "# Offline engine step breakdown (latest `--profile` run)",
-        "",
-        stamp(provenance()),
-        "",
-        (
-            f"{args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens, {args.dtype}, "
-            f"2 threads, prefix caching on; one run: {result['tok_per_s']:.1f} tok/s with the timers on."
-        ),
-        "",
-    ]
-    md += format_breakdown(result["breakdown_s"], result["steps"], out=lambda _: None)
-    md += [
-        "",
-        f"Run on {time.strftime('%Y-%m-%d %H:%M')}.",
-        "Parts: see benchmarks/step_profile.py.",
-    ]
+    md = profile_page(run_child(args, "profile"), args)
     RESULTS.mkdir(exist_ok=True)
     result_path(f"{args.name}_profile", "md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

@@ -144,3 +144,22 @@ def format_breakdown(parts: dict[str, float], steps: int, out: Callable[[str], N
     for line in lines:
         out(line)
     return lines
+
+
+def profile_page(result: dict, args) -> list[str]:
+    """The results page of one `offline_throughput.py --profile` run (its child's `result`)."""
+    from _common import provenance, stamp
+
+    md = [
+        "# Offline engine step breakdown (latest `--profile` run)",
+        "",
+        stamp(provenance()),
+        "",
+        (
+            f"{args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens, {args.dtype}, "
+            f"2 threads, prefix caching on; one run: {result['tok_per_s']:.1f} tok/s with the timers on."
+        ),
+        "",
+    ]
+    md += format_breakdown(result["breakdown_s"], result["steps"], out=lambda _: None)
+    return md + ["", f"Run on {time.strftime('%Y-%m-%d %H:%M')}.", "Parts: see benchmarks/step_profile.py."]
