@@ -37,7 +37,7 @@ import torch
 from pagedserve.engine.config.kv_offload import KVOffloadConfig
 from pagedserve.engine.kv_offload.disk import DiskBudget, check_writable
 from pagedserve.engine.kv_offload.keys import chunk_hash
-from pagedserve.engine.kv_offload.remote import RemoteProbe, RemoteState, close_redis_backend
+from pagedserve.engine.kv_offload.remote import PendingWrites, RemoteProbe, RemoteState, close_redis_backend
 from pagedserve.engine.kv_offload.stats import KVOffloadStats
 
 logger = logging.getLogger(__name__)
@@ -164,6 +164,7 @@ class KVOffloadManager:
                 self._fault("disk_unavailable", "LMCache could not open the disk tier; CPU tier only")
                 self.disk = None
             self._redis_backend = backends.get(REDIS_BACKEND)
+            self._redis_writes = PendingWrites(self._redis_backend) if self._redis_backend is not None else None
             if config.remote_url is not None and self._redis_backend is None:
                 self._fault(
                     "remote_unavailable",
@@ -395,7 +396,7 @@ class KVOffloadManager:
         disaggregated request finished."""
         backends = [b for b in (self._disk_backend if self.disk is not None else None, self._redis_backend) if b]
         deadline = time.monotonic() + timeout
-        while any(b.put_tasks for b in backends):
+        while any(b.put_tasks for b in backends) or (self._redis_writes is not None and self._redis_writes.pending):
             if time.monotonic() > deadline:
                 self._fault("write_timeout", f"writes to the shared tiers not done within {timeout:g} s")
                 return False

@@ -71,3 +71,58 @@ def close_redis_backend(backend, timeout: float = 10.0) -> None:
     except Exception:  # noqa: BLE001 - a stuck or failed close must not stop the shutdown
         future.cancel()
     backend.connection = _ClosedConnector()
+
+
+class PendingWrites:
+    """Counts the keys of the batched writes LMCache has queued for its Redis backend and not
+    finished yet (`pending`; with the backend's `put_tasks`, everything still on its way).
+
+    lmcache 0.5.6 fills `put_tasks` only on its one-key path; its batched path, the one its
+    Redis connector takes, only removes keys from the set, so `put_tasks` is empty while a batch
+    is still being written. Installed on the backend instance, this wraps the batched submit and
+    counts each key down in the completion callback that LMCache calls once per key after the
+    write ended, failed or not. Batches that LMCache sends down the one-key path (a connector
+    without batched writes) or drops (no connection) are left to `put_tasks`."""
+
+    def __init__(self, backend) -> None:
+        import threading
+
+        self._backend = backend
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._submit = backend.batched_submit_put_task
+        backend.batched_submit_put_task = self._submit_batch
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def _add(self, n: int) -> None:
+        with self._lock:
+            self._pending += n
+
+    def _submit_batch(self, keys, memory_objs, transfer_spec=None, on_complete_callback=None):
+        connection = self._backend.connection
+        batched = (
+            connection is not None
+            and not getattr(self._backend, "_mla_worker_id_as0_mode", False)
+            and connection.support_batched_put()
+        )
+        if not batched:
+            return self._submit(
+                keys, memory_objs, transfer_spec=transfer_spec, on_complete_callback=on_complete_callback
+            )
+        keys = list(keys)
+
+        def done(key) -> None:
+            self._add(-1)
+            if on_complete_callback is not None:
+                on_complete_callback(key)
+
+        self._add(len(keys))
+        try:
+            return self._submit(keys, memory_objs, transfer_spec=transfer_spec, on_complete_callback=done)
+        except BaseException:
+            self._add(-len(keys))
+            raise
