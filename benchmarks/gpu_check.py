@@ -133,8 +133,8 @@ def check_parity(device: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from pagedserve.engine import LLM, SamplingParams
-    from pagedserve.engine.llm import load_tokenizer
     from pagedserve.engine.model.default_model import default_model_dir
+    from pagedserve.engine.request.tokenizer import load_tokenizer
 
     model_dir = default_model_dir()
     tok = load_tokenizer(model_dir)
@@ -180,9 +180,9 @@ def check_offload(device: str) -> dict:
     import torch
 
     from pagedserve.engine import LLM, SamplingParams
-    from pagedserve.engine.llm import load_tokenizer
     from pagedserve.engine.model.default_model import default_model_dir
     from pagedserve.engine.request.request import Request
+    from pagedserve.engine.request.tokenizer import load_tokenizer
 
     model_dir = default_model_dir()
     tok = load_tokenizer(model_dir)

@@ -74,8 +74,8 @@ def main() -> None:
     if args.phase_tp is not None:
         print(json.dumps(phase(args)))
         return
-    from pagedserve.engine.llm import load_tokenizer
     from pagedserve.engine.model.default_model import default_model_dir
+    from pagedserve.engine.request.tokenizer import load_tokenizer
 
     # Made once here: make_prompts draws from the vocabulary in its dict order, which differs
     # from one process to the next, so each phase reads the same prompts from a file.

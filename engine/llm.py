@@ -19,17 +19,12 @@ from pagedserve.engine.platform.process_setup import configure_engine_process
 from pagedserve.engine.request.inputs import EngineInput, PromptSpec, pooling_sampling_params, prepare_input
 from pagedserve.engine.request.outputs import RequestOutput
 from pagedserve.engine.request.pooling import PoolingParams
+from pagedserve.engine.request.tokenizer import load_tokenizer
 from pagedserve.engine.sampling.params import SamplingParams
 
 PromptType = str | Sequence[int]
 Message = dict[str, str]
 LoRAType = LoRARequest | str | Path | None  # an adapter, or its PEFT folder (named after the folder)
-
-
-def load_tokenizer(model_dir: str | Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
 class LLM:

@@ -21,8 +21,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 logger = logging.getLogger(__name__)
 
 BUILT_MARK = "pagedserve_built"  # in the build folder once the extension built and loaded
@@ -44,11 +42,24 @@ def build_tag(source: Path, cflags: tuple[str, ...], extra_sources: tuple[Path, 
     writes into build.ninja: without them two checkouts (or venvs) sharing one cache would
     rebuild the extension for each other at every load. The CPU is not part of it: the build
     targets the portable baseline and picks its instruction set at run time."""
-    paths = f"{source.resolve()}:{Path(torch.__file__).parent}".encode()
+    torch_version, torch_dir = _torch_identity()
+    paths = f"{source.resolve()}:{torch_dir}".encode()
     headers = b"".join(h.name.encode() + h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     sources = b"".join(p.read_bytes() for p in (source, *extra_sources))
-    key = sources + headers + repr(cflags).encode() + torch.__version__.encode() + paths
+    key = sources + headers + repr(cflags).encode() + torch_version.encode() + paths
     return hashlib.sha256(key).hexdigest()[:10]
+
+
+def _torch_identity() -> tuple[str, Path]:
+    """torch's version and package folder (`torch.__version__`, the folder of `torch.__file__`),
+    read from its installed metadata without importing it: whether the build exists is asked by
+    the server's front end at start, which has no other use for torch (~2 s to import)."""
+    from importlib.metadata import version
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        raise ImportError("torch is not installed")
+    return version("torch"), Path(spec.origin).parent
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +95,8 @@ class CpuExtension:
         """The extension module, compiling it first if needed; None if unavailable."""
         if cpu_kernels_disabled():
             return None
+        import torch  # noqa: F401 - the extension links against torch's libraries: loaded first
+
         if self.is_built():
             try:
                 return _import_built(self.module_name, self.library)

@@ -36,13 +36,22 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from pagedserve.engine.model.registry import describe_support
+class _Parser(argparse.ArgumentParser):
+    """The top-level parser: its help ends with the supported architectures, read from the
+    model registry only when the help is printed (the registry imports the model families,
+    and with them torch: ~2 s that `pagedserve serve`'s front end never needs)."""
 
-    parser = argparse.ArgumentParser(
+    def format_help(self) -> str:
+        from pagedserve.engine.model.registry import describe_support
+
+        self.epilog = f"supported model architectures:\n{describe_support()}"
+        return super().format_help()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
         prog="pagedserve",
         description=__doc__,
-        epilog=f"supported model architectures:\n{describe_support()}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"pagedserve {_version()}")

@@ -26,6 +26,24 @@ def pytest_configure(config) -> None:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _torch_threads_per_module():
+    """An engine built in the test process with `num_threads` sets torch's thread count for the
+    whole process, and it used to stay set for every later module of the xdist worker: 2 threads
+    per worker beside the other worker's on 2 cores, where OpenMP threads wait on each other.
+    The worker's count comes back when the module ends (and after each test, below)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_per_test():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The default model converted to a plain directory in the user cache (converted once)."""

@@ -111,16 +111,28 @@ def test_mypy_is_clean_on_engine_and_server(tmp_path):
     assert out.returncode == 0, out.stdout[-6000:]
 
 
+FRONT_END_STEPS = """
+import pagedserve.server.cli, pagedserve.server.app.serve, pagedserve.server.app.inference, pagedserve.server.management.app
+from pagedserve.engine.model.registry import parse_config
+from pagedserve.server.commands.prepare import cpu_extensions
+from pagedserve.server.workers.devices import gpu_driver_present, visible_gpus
+
+pagedserve.server.cli.build_parser()
+parse_config({"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128})
+[ext.is_built() for ext in cpu_extensions()]
+if not gpu_driver_present():
+    assert visible_gpus() == 0
+"""
+
+
 def test_the_front_end_imports_no_torch():
     """The front end's modules (the CLI, the app and every route) load without torch: the
-    engine's data types it uses are plain, and torch is imported where tensors are made."""
-    out = run(
-        sys.executable,
-        "-X",
-        "importtime",
-        "-c",
-        "import pagedserve.server.cli, pagedserve.server.app.serve, pagedserve.server.app.inference, pagedserve.server.management.app",
-    )
+    engine's data types it uses are plain, and torch is imported where tensors are made. So do
+    the steps a server's start and the archive CLI take before any worker: the CLI's parser, the
+    model registry (a config parsed by its family), the check that the CPU kernels are built,
+    and the GPU count on a machine without a GPU driver."""
+    out = run(sys.executable, "-X", "importtime", "-c", FRONT_END_STEPS)
     assert out.returncode == 0, out.stderr[-3000:]
     loaded = [line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line]
     assert "pagedserve.server.app.inference" in loaded  # the import really happened

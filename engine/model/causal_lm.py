@@ -25,7 +25,13 @@ from pagedserve.engine.attention.backend import AttentionBackend
 from pagedserve.engine.attention.compiled_op import AttentionStep
 from pagedserve.engine.attention.metadata import AttentionMetadata
 from pagedserve.engine.lora.punica import LoRABatch
-from pagedserve.engine.model.layers.decoder import DecoderLayer, DecoderModel, MakeMLP, dense_mlp
+from pagedserve.engine.model.layers.decoder import (
+    DecoderLayer,
+    DecoderModel,
+    MakeMLP,
+    SandwichDecoderLayer,
+    dense_mlp,
+)
 from pagedserve.engine.model.layers.rotary import rope_tables
 from pagedserve.engine.model.quant_linear import (
     HEAD_WEIGHT_ONLY_MAX_ROWS,
@@ -424,3 +430,24 @@ class CausalLM(nn.Module):
         """Rows of each part of a fused projection: q|k|v, or gate|up (two halves, whichever MLP
         it belongs to: the dense one, an expert or a shared expert)."""
         return self._qkv_sizes if fused == "qkv_proj" else [rows // 2] * 2
+
+
+# The dense families' classes (each family file names its own: pagedserve.engine.model.family).
+class LlamaForCausalLM(CausalLM):
+    """Llama / Mistral / Qwen2: pre-norm layers, SiLU gated MLP, plain RMSNorm."""
+
+
+class Qwen3ForCausalLM(CausalLM):
+    """Pre-norm layers with q/k norms (the spec's `qk_norm`)."""
+
+
+class Gemma2ForCausalLM(CausalLM):
+    layer_cls = SandwichDecoderLayer
+
+
+class Gemma3ForCausalLM(CausalLM):
+    layer_cls = SandwichDecoderLayer
+
+
+class Phi3ForCausalLM(CausalLM):
+    checkpoint_fused = True

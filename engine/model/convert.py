@@ -91,7 +91,15 @@ def convert_model(source: str | Path, dest: str | Path, *, overwrite: bool = Fal
 
 
 def _convert_gguf(path: Path, out: Path) -> list[Path]:
-    """De-quantise a GGUF through transformers; write weights, config and tokenizer to `out`."""
+    """De-quantise a GGUF through transformers; write weights, config and tokenizer to `out`.
+    The file is parsed once (pagedserve.engine.model.gguf_once)."""
+    from pagedserve.engine.model.gguf_once import gguf_read_once
+
+    with gguf_read_once():
+        return _convert_gguf_read_once(path, out)
+
+
+def _convert_gguf_read_once(path: Path, out: Path) -> list[Path]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

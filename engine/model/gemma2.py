@@ -8,14 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pagedserve.engine.model.causal_lm import CausalLM
 from pagedserve.engine.model.family import Family
-from pagedserve.engine.model.layers.decoder import SandwichDecoderLayer
 from pagedserve.engine.model.spec import ModelSpec, NormKind, base_fields, layer_types_of
-
-
-class Gemma2ForCausalLM(CausalLM):
-    layer_cls = SandwichDecoderLayer
 
 
 def gemma_fields(cfg: Mapping[str, Any], arch: str, pattern: int) -> dict[str, Any]:
@@ -58,7 +52,7 @@ GEMMA2 = Family(
     ("Gemma2ForCausalLM",),
     ("gemma2",),
     parse_gemma2,
-    Gemma2ForCausalLM,
+    "causal_lm.Gemma2ForCausalLM",
     gguf_architectures=("gemma2",),
     tensor_parallel=True,
     notes="attention and final logit soft-capping, alternating sliding layers",

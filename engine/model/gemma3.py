@@ -7,15 +7,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pagedserve.engine.model.causal_lm import CausalLM
 from pagedserve.engine.model.family import Family
 from pagedserve.engine.model.gemma2 import gemma_fields
-from pagedserve.engine.model.layers.decoder import SandwichDecoderLayer
 from pagedserve.engine.model.spec import ModelSpec, rope_params
-
-
-class Gemma3ForCausalLM(CausalLM):
-    layer_cls = SandwichDecoderLayer
 
 
 def parse_gemma3(cfg: Mapping[str, Any], arch: str) -> ModelSpec:
@@ -37,7 +31,7 @@ GEMMA3 = Family(
     ("Gemma3ForCausalLM",),
     ("gemma3_text",),
     parse_gemma3,
-    Gemma3ForCausalLM,
+    "causal_lm.Gemma3ForCausalLM",
     gguf_architectures=("gemma3",),
     tensor_parallel=True,
     notes="q/k norms, 5:1 sliding/global layers, local RoPE base on sliding layers",

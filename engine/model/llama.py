@@ -7,13 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pagedserve.engine.model.causal_lm import CausalLM
 from pagedserve.engine.model.family import Family
 from pagedserve.engine.model.spec import ModelSpec, base_fields, layer_types_of
-
-
-class LlamaForCausalLM(CausalLM):
-    """Llama / Mistral / Qwen2: pre-norm layers, SiLU gated MLP, plain RMSNorm."""
 
 
 def sliding_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -49,7 +44,7 @@ LLAMA = Family(
     ("LlamaForCausalLM",),
     ("llama",),
     parse_llama,
-    LlamaForCausalLM,
+    "causal_lm.LlamaForCausalLM",
     gguf_architectures=("llama",),
     tensor_parallel=True,
     notes="rope scaling: linear, llama3",
@@ -59,7 +54,7 @@ MISTRAL = Family(
     ("MistralForCausalLM",),
     ("mistral",),
     parse_llama,
-    LlamaForCausalLM,
+    "causal_lm.LlamaForCausalLM",
     gguf_architectures=("mistral",),
     tensor_parallel=True,
     notes="sliding window on every layer",
@@ -69,7 +64,7 @@ QWEN2 = Family(
     ("Qwen2ForCausalLM",),
     ("qwen2",),
     parse_llama,
-    LlamaForCausalLM,
+    "causal_lm.LlamaForCausalLM",
     gguf_architectures=("qwen2",),
     tensor_parallel=True,
     notes="q/k/v biases",

@@ -165,7 +165,7 @@ def load_model(
     config = read_config(model_dir)
     files = safetensors_files(model_dir)
     spec = parse_config(config)
-    model = family_of(spec).model_cls(
+    model = family_of(spec).load_model_class()(
         spec,
         resolve_dtype(dtype),
         device,

@@ -1,13 +1,14 @@
 """The causal LM of the mixture-of-experts families (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE): the
 shared decoder whose MLPs are sparse blocks (pagedserve.engine.model.layers.moe), except the layers the
 spec's `moe.dense_layers` keeps dense. Each family file parses its config into the spec's
-`moe` and, where its checkpoint names differ from the block's, renames them (`checkpoint_name`).
+`moe`; the families' classes are below, and rename checkpoint names where they differ from the
+block's (`checkpoint_name`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+import re
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -26,25 +27,6 @@ def moe_mlp(spec: ModelSpec, layer: int, dtype: torch.dtype, ops: CpuFusedOps | 
     return SparseMoeBlock(spec.hidden_size, spec.moe, dtype, ops)
 
 
-def num_experts(cfg: Mapping[str, Any]) -> int:
-    """The expert count, spelled `num_experts` (Qwen, OLMoE checkpoints) or `num_local_experts`
-    (Mixtral, and transformers 5's own Qwen3-MoE config)."""
-    value = cfg.get("num_experts", cfg.get("num_local_experts"))
-    if value is None:
-        raise ValueError(f"config.json of {cfg.get('architectures')} names no num_experts")
-    return int(value)
-
-
-def qwen_dense_layers(cfg: Mapping[str, Any]) -> tuple[int, ...]:
-    """Qwen2/3-MoE: layers in `mlp_only_layers`, and those off the `decoder_sparse_step` grid,
-    keep a dense MLP (as transformers builds them)."""
-    only = set(cfg.get("mlp_only_layers") or ())
-    step = int(cfg.get("decoder_sparse_step") or 1)
-    return tuple(
-        i for i in range(int(cfg["num_hidden_layers"])) if i in only or num_experts(cfg) <= 0 or (i + 1) % step
-    )
-
-
 class MoECausalLM(CausalLM):
     """A CausalLM with `moe_mlp`; checkpoint names go through `checkpoint_name` before loading."""
 
@@ -57,3 +39,28 @@ class MoECausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights((self.checkpoint_name(name), tensor) for name, tensor in weights)
+
+
+_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.")
+_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+class OlmoeForCausalLM(MoECausalLM):
+    """Checkpoint names are the block's own (`mlp.gate`, `mlp.experts.{e}`)."""
+
+
+class Qwen2MoeForCausalLM(MoECausalLM):
+    """Checkpoint names are the block's own (`mlp.gate`, `mlp.experts.{e}`, `mlp.shared_expert`)."""
+
+
+class Qwen3MoeForCausalLM(MoECausalLM):
+    """Checkpoint names are the block's own (`mlp.gate`, `mlp.experts.{e}`)."""
+
+
+class MixtralForCausalLM(MoECausalLM):
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """`...block_sparse_moe.experts.3.w1.weight` -> `...mlp.experts.3.gate_proj.weight`;
+        `...block_sparse_moe.gate.weight` -> `...mlp.gate.weight`."""
+        name = _EXPERT.sub(lambda m: f".mlp.experts.{m.group(1)}.{_PROJ[m.group(2)]}.", name)
+        return name.replace(".block_sparse_moe.gate.", ".mlp.gate.")

@@ -10,13 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pagedserve.engine.model.family import Family
-from pagedserve.engine.model.layers.moe import MoESpec, RouterScoring
-from pagedserve.engine.model.moe_lm import MoECausalLM, num_experts
-from pagedserve.engine.model.spec import ModelSpec, base_fields
-
-
-class OlmoeForCausalLM(MoECausalLM):
-    """Checkpoint names are the block's own (`mlp.gate`, `mlp.experts.{e}`)."""
+from pagedserve.engine.model.spec import ModelSpec, MoESpec, RouterScoring, base_fields, num_experts
 
 
 def parse_olmoe(cfg: Mapping[str, Any], arch: str) -> ModelSpec:
@@ -40,7 +34,7 @@ OLMOE = Family(
     ("OlmoeForCausalLM",),
     ("olmoe",),
     parse_olmoe,
-    OlmoeForCausalLM,
+    "moe_lm.OlmoeForCausalLM",
     tensor_parallel=True,
     notes="experts with softmax top-k routing, q/k RMSNorm over whole projections",
 )

@@ -7,13 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pagedserve.engine.model.causal_lm import CausalLM
 from pagedserve.engine.model.family import Family
 from pagedserve.engine.model.spec import ModelSpec, base_fields
-
-
-class Phi3ForCausalLM(CausalLM):
-    checkpoint_fused = True
 
 
 def parse_phi3(cfg: Mapping[str, Any], arch: str) -> ModelSpec:
@@ -28,7 +23,7 @@ PHI3 = Family(
     ("Phi3ForCausalLM",),
     ("phi3",),
     parse_phi3,
-    Phi3ForCausalLM,
+    "causal_lm.Phi3ForCausalLM",
     gguf_architectures=("phi3",),
     tensor_parallel=True,
     notes="fused qkv and gate_up checkpoint, LongRoPE",

@@ -28,6 +28,7 @@ import torch
 
 from pagedserve.engine.model import convert
 from pagedserve.engine.model.gguf_blocks import GGUFBlockType, block_type, decode, int4_groups
+from pagedserve.engine.model.gguf_once import gguf_read_once
 from pagedserve.engine.model.quant_linear import QuantMethod, pack_nibbles, quantize_int4, quantize_int8
 from pagedserve.engine.model.quant_spec import CONFIG_KEY, QuantSpec, parse_method
 
@@ -83,7 +84,13 @@ def _is_projection(name: str) -> bool:
 
 
 def convert_gguf_quantized(source: str | Path, dest: str | Path, *, overwrite: bool = False) -> Path:
-    """Write a quantized model directory from the GGUF `source`; return `dest` (see module doc)."""
+    """Write a quantized model directory from the GGUF `source`; return `dest` (see module doc).
+    The file is parsed once (pagedserve.engine.model.gguf_once)."""
+    with gguf_read_once():
+        return _convert_gguf_quantized(source, dest, overwrite=overwrite)
+
+
+def _convert_gguf_quantized(source: str | Path, dest: str | Path, *, overwrite: bool) -> Path:
     import gguf
 
     source, dest = Path(source).expanduser().resolve(), Path(dest).expanduser().absolute()

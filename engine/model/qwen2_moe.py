@@ -8,14 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from pagedserve.engine.model.family import Family
-from pagedserve.engine.model.layers.moe import MoESpec, RouterScoring
 from pagedserve.engine.model.llama import sliding_fields
-from pagedserve.engine.model.moe_lm import MoECausalLM, num_experts, qwen_dense_layers
-from pagedserve.engine.model.spec import ModelSpec, base_fields
-
-
-class Qwen2MoeForCausalLM(MoECausalLM):
-    """Checkpoint names are the block's own (`mlp.gate`, `mlp.experts.{e}`, `mlp.shared_expert`)."""
+from pagedserve.engine.model.spec import ModelSpec, MoESpec, RouterScoring, base_fields, num_experts, qwen_dense_layers
 
 
 def parse_qwen2_moe(cfg: Mapping[str, Any], arch: str) -> ModelSpec:
@@ -39,7 +33,7 @@ QWEN2_MOE = Family(
     ("Qwen2MoeForCausalLM",),
     ("qwen2_moe",),
     parse_qwen2_moe,
-    Qwen2MoeForCausalLM,
+    "moe_lm.Qwen2MoeForCausalLM",
     tensor_parallel=True,
     notes="experts with softmax top-k routing, gated shared expert",
 )

@@ -6,14 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pagedserve.engine.model.causal_lm import CausalLM
 from pagedserve.engine.model.family import Family
 from pagedserve.engine.model.llama import sliding_fields
 from pagedserve.engine.model.spec import ModelSpec, base_fields
-
-
-class Qwen3ForCausalLM(CausalLM):
-    """Pre-norm layers with q/k norms (the spec's `qk_norm`)."""
 
 
 def parse_qwen3(cfg: Mapping[str, Any], arch: str) -> ModelSpec:
@@ -28,7 +23,7 @@ QWEN3 = Family(
     ("Qwen3ForCausalLM",),
     ("qwen3",),
     parse_qwen3,
-    Qwen3ForCausalLM,
+    "causal_lm.Qwen3ForCausalLM",
     gguf_architectures=("qwen3",),
     tensor_parallel=True,
     notes="per-head q/k RMSNorm",

@@ -8,14 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from pagedserve.engine.model.family import Family
-from pagedserve.engine.model.layers.moe import MoESpec, RouterScoring
 from pagedserve.engine.model.llama import sliding_fields
-from pagedserve.engine.model.moe_lm import MoECausalLM, num_experts, qwen_dense_layers
-from pagedserve.engine.model.spec import ModelSpec, base_fields
-
-
-class Qwen3MoeForCausalLM(MoECausalLM):
-    """Checkpoint names are the block's own (`mlp.gate`, `mlp.experts.{e}`)."""
+from pagedserve.engine.model.spec import ModelSpec, MoESpec, RouterScoring, base_fields, num_experts, qwen_dense_layers
 
 
 def parse_qwen3_moe(cfg: Mapping[str, Any], arch: str) -> ModelSpec:
@@ -38,7 +32,7 @@ QWEN3_MOE = Family(
     ("Qwen3MoeForCausalLM",),
     ("qwen3_moe",),
     parse_qwen3_moe,
-    Qwen3MoeForCausalLM,
+    "moe_lm.Qwen3MoeForCausalLM",
     gguf_architectures=("qwen3moe",),
     tensor_parallel=True,
     notes="experts with softmax top-k routing, per-head q/k RMSNorm",

@@ -1,7 +1,9 @@
 """The one list of supported model families, and the look-ups built on it.
 
 Each family lives in its own file (engine/model/<family>.py) and declares a `Family`
-(pagedserve.engine.model.family): the HF architectures it serves, its config parser and its model class.
+(pagedserve.engine.model.family): the HF architectures it serves, its config parser and the name
+of its model class (in causal_lm or moe_lm, imported only when a model is built: this module
+and the family files import no torch).
 Everything that asks "is this model supported, and how is it built" asks here: the loader, the
 archive checks, `GET /models/{name}` and `pagedserve --help`.
 """

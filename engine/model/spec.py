@@ -210,3 +210,22 @@ def rope_params(cfg: Mapping[str, Any], kind: str = "full_attention") -> tuple[f
             cfg.get("original_max_position_embeddings") or cfg.get("max_position_embeddings"),
         )
     return theta, params
+
+
+def num_experts(cfg: Mapping[str, Any]) -> int:
+    """The expert count, spelled `num_experts` (Qwen, OLMoE checkpoints) or `num_local_experts`
+    (Mixtral, and transformers 5's own Qwen3-MoE config)."""
+    value = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if value is None:
+        raise ValueError(f"config.json of {cfg.get('architectures')} names no num_experts")
+    return int(value)
+
+
+def qwen_dense_layers(cfg: Mapping[str, Any]) -> tuple[int, ...]:
+    """Qwen2/3-MoE: layers in `mlp_only_layers`, and those off the `decoder_sparse_step` grid,
+    keep a dense MLP (as transformers builds them)."""
+    only = set(cfg.get("mlp_only_layers") or ())
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    return tuple(
+        i for i in range(int(cfg["num_hidden_layers"])) if i in only or num_experts(cfg) <= 0 or (i + 1) % step
+    )

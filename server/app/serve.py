@@ -427,10 +427,9 @@ async def serve(config: ServerConfig) -> int:
 
 
 def run_serve(config: ServerConfig) -> int:
-    """Run in the foreground until SIGTERM/SIGINT; the front end keeps one torch thread."""
-    import torch
-
-    torch.set_num_threads(1)  # tokenization only: leave the cores to the workers
+    """Run in the foreground until SIGTERM/SIGINT. The front end does not import torch (only to
+    ask about GPUs where a GPU driver is loaded); if a custom handler does, torch keeps one
+    thread here (pagedserve.server.workers.registry), leaving the cores to the workers."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loop = asyncio.new_event_loop()
     try:

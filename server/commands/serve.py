@@ -128,10 +128,13 @@ def build_kernels_first() -> None:
     """Build the CPU kernels here, once, if the install did not (`pagedserve prepare`): a
     worker that had to build them would spend its start-up timeout on it, and several workers
     would wait on one another's build. Silent when they are built (or on a CUDA machine, whose
-    workers do not use them)."""
-    import torch
+    workers do not use them). torch is imported only when a build is missing: the front end
+    has no other use for it."""
+    from pagedserve.server.commands.prepare import build_missing_kernels, cpu_extensions
 
-    from pagedserve.server.commands.prepare import build_missing_kernels
+    if all(ext.is_built() for ext in cpu_extensions()):
+        return
+    import torch
 
     if not torch.cuda.is_available():
         build_missing_kernels(

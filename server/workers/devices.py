@@ -54,8 +54,20 @@ def assign_devices(
     return tuple(pool[start : start + group_size])
 
 
+# Present when a GPU driver torch can use is loaded: NVIDIA's (CUDA) or AMD's (ROCm).
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd")
+
+
+def gpu_driver_present() -> bool:
+    """Whether a GPU driver is loaded here: without one torch sees no GPU, and the front end
+    need not import torch (~2 s) to hear it say so."""
+    return any(os.path.exists(p) for p in GPU_DRIVER_PATHS)
+
+
 def visible_gpus() -> int:
     """How many GPUs this process may use (torch's count; 0 without CUDA)."""
+    if not gpu_driver_present():
+        return 0
     try:
         import torch
     except ImportError:  # pragma: no cover - torch is a dependency

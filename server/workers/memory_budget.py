@@ -47,14 +47,18 @@ class ModelTooLargeError(RuntimeError):
 
 
 def machine_memory() -> int:
-    """Physical memory of this machine, or of the GPU when torch sees one."""
-    try:
-        import torch
+    """Physical memory of this machine, or of the GPU when torch sees one (torch is asked only
+    where a GPU driver is loaded)."""
+    from pagedserve.server.workers.devices import gpu_driver_present
 
-        if torch.cuda.is_available():
-            return int(torch.cuda.get_device_properties(0).total_memory)
-    except (ImportError, RuntimeError):
-        pass
+    if gpu_driver_present():
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return int(torch.cuda.get_device_properties(0).total_memory)
+        except (ImportError, RuntimeError):
+            pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 

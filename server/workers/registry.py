@@ -20,6 +20,7 @@ import asyncio
 import itertools
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -31,6 +32,7 @@ import msgspec
 from pagedserve.engine.config.kv_offload import DEFAULT_CHUNK_SIZE
 from pagedserve.engine.model.model_config import ModelConfig
 from pagedserve.engine.model.path_source import is_model_path
+from pagedserve.engine.request.tokenizer import load_tokenizer
 from pagedserve.handlers.base_handler import BaseHandler, Context
 from pagedserve.handlers.custom_handler import CustomHandlerError
 from pagedserve.handlers.llm_handler import ENGINE_WORKERS
@@ -185,7 +187,7 @@ class ModelRegistry:
             if model is not None and version in model.versions:
                 raise ConflictError(f"Model version {version} is already registered for model {name}")
             loop = asyncio.get_running_loop()
-            tokenizer = await loop.run_in_executor(self._executor, _load_tokenizer, archive.model_dir)
+            tokenizer = await loop.run_in_executor(self._executor, load_tokenizer, archive.model_dir)
             queue = config.job_queue_size if "jobQueueSize" in archive.config_keys else self.job_queue_size
             context = Context(
                 model_name=name,
@@ -403,12 +405,9 @@ def _initialize_handler(handler: BaseHandler, context: Context) -> None:
         handler.initialize(context)
     except Exception as exc:  # their code: refuse the registration and say why
         raise CustomHandlerError(f"the custom handler's initialize failed: {type(exc).__name__}: {exc}") from exc
-
-
-def _load_tokenizer(model_dir: Path):
-    from pagedserve.engine.llm import load_tokenizer
-
-    return load_tokenizer(model_dir)
+    torch = sys.modules.get("torch")
+    if torch is not None:  # their code brought torch into the front end: one thread, as the rest here
+        torch.set_num_threads(1)
 
 
 def _version_key(version: str) -> tuple:

@@ -308,6 +308,25 @@ def test_avx2_forced_equals_avx512(ext, isas, kind, dims, style, dtype):
         torch.testing.assert_close(x.double(), y.double(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("kind", ["plain", "int8", "int4"])
+def test_two_threads_split_the_rows_with_the_same_result(ext, isas, kind):
+    """The projections split their output rows over torch's threads (`at::parallel_for`, 32 rows a
+    task at least): each row is computed whole by one thread, so 2 threads give bit-for-bit the
+    1-thread result. The engine-level tests run 1 thread beside the suite's other worker."""
+    g, inputs = _inputs(5, ALIGNED, [7, 1, 20], torch.float32, True)
+    layers = _layers(g, ALIGNED, torch.float32, True, kind, ext)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(ext, ALIGNED, layers, torch.float32, inputs, isas[-1])
+        torch.set_num_threads(2)
+        two = _run(ext, ALIGNED, layers, torch.float32, inputs, isas[-1])
+    finally:
+        torch.set_num_threads(threads)
+    for x, y in zip(one[:2] + tuple(one[2]), two[:2] + tuple(two[2])):
+        assert torch.equal(x, y)
+
+
 def test_bad_arguments_are_refused(ext):
     d = RAGGED
     g, inputs = _inputs(5, d, [3], torch.float32, False)

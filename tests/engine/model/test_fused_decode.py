@@ -29,7 +29,7 @@ def _greedy(llm: LLM, n: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def llm(default_model_dir):
-    engine = LLM(default_model_dir, dtype="float32", kv_cache_memory="64MiB", max_model_len=512, num_threads=2)
+    engine = LLM(default_model_dir, dtype="float32", kv_cache_memory="64MiB", max_model_len=512, num_threads=1)
     yield engine
     engine.shutdown()
 
@@ -74,7 +74,7 @@ def test_quantized_models_fuse_every_layer_with_the_same_greedy_tokens(default_m
         quantization=mode,
         kv_cache_memory="64MiB",
         max_model_len=512,
-        num_threads=2,
+        num_threads=1,
     )
     try:
         model = engine.engine.runner.model

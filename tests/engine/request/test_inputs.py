@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.engine.llm import load_tokenizer
 from pagedserve.engine.request.inputs import (
     EngineInput,
     InputLimits,
@@ -16,6 +15,7 @@ from pagedserve.engine.request.inputs import (
     render_prompt,
     validate_input,
 )
+from pagedserve.engine.request.tokenizer import load_tokenizer
 from pagedserve.engine.sampling.params import SamplingParams
 
 SERVER = InputLimits(max_model_len=100, vocab_size=50)
