@@ -115,7 +115,8 @@ FRONT_END_STEPS = """
 import pagedserve.server.cli, pagedserve.server.app.serve, pagedserve.server.app.inference, pagedserve.server.management.app
 from pagedserve.engine.model.registry import parse_config
 from pagedserve.server.commands.prepare import cpu_extensions
-from pagedserve.server.workers.devices import gpu_driver_present, visible_gpus
+from pagedserve.engine.platform.worker_start import gpu_driver_present
+from pagedserve.server.workers.devices import visible_gpus
 
 pagedserve.server.cli.build_parser()
 parse_config({"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 96,

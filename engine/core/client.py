@@ -8,7 +8,6 @@ longer as stalled (stopped, or hung in a step), kills it and reports it dead."""
 from __future__ import annotations
 
 import abc
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -33,6 +32,7 @@ from pagedserve.engine.core.messages import (
     make_event_decoder,
 )
 from pagedserve.engine.core.process import run_engine_core, to_engine_request
+from pagedserve.engine.platform.worker_start import worker_context, worker_environment
 
 LAST_WORDS_S = 0.5  # how long to wait for a dead worker's queued messages
 
@@ -130,9 +130,9 @@ class MPClient(EngineCoreClient):
         self.heartbeat_timeout = heartbeat_timeout  # None: a silent worker is waited for
         self.last_heard = time.monotonic()  # when the worker last sent anything
         self.info: EngineInfo | None = None
-        self.process = multiprocessing.get_context("spawn").Process(
+        self.process = worker_context().Process(
             target=run_engine_core,
-            args=(config, input_address, output_address, os.getpid()),
+            args=(config, input_address, output_address, os.getpid(), worker_environment()),
             name=name,
         )
         self.process.start()

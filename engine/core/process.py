@@ -125,12 +125,26 @@ class EngineCoreProc:
                 self.outputs.put(EngineCoreOutputs(outputs, core.make_stats(), time.monotonic()))
                 last_sent = time.monotonic()
             elif time.monotonic() - last_sent >= HEARTBEAT_S:
-                if os.getppid() != self.parent_pid:
+                if self._front_end_gone():
                     logger.warning("the front end is gone; engine core exits")
                     return
                 core.check_health()  # a tensor-parallel rank that died while idle ends the worker
                 self.outputs.put(EngineCoreOutputs([], core.make_stats(), time.monotonic()))
                 last_sent = time.monotonic()
+
+    def _front_end_gone(self) -> bool:
+        """Whether the process that started this worker has ended. Its parent is the front end
+        when the worker was spawned, and the fork server otherwise (which ends with the front
+        end; pagedserve.engine.platform.worker_start), so the front end's pid is asked directly."""
+        if os.getppid() == self.parent_pid:
+            return False
+        try:
+            os.kill(self.parent_pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, someone else's: the pid was reused, so ours is gone
+            return True
+        return False
 
     def _drain_inputs(self, core, block: bool) -> bool:
         """Apply every pending input; True when asked to shut down."""
@@ -212,10 +226,14 @@ def _refused_input(frame: bytes, exc: msgspec.ValidationError) -> _RefusedInput:
     return _RefusedInput(request_id if isinstance(request_id, str) else None, f"invalid request: {exc}")
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int) -> None:
-    """Process entry point (multiprocessing, spawn)."""
+def run_engine_core(
+    config: EngineConfig, input_address: str, output_address: str, parent_pid: int, environ: dict[str, str]
+) -> None:
+    """Process entry point (multiprocessing: pagedserve.engine.platform.worker_start)."""
     from pagedserve.engine.platform.process_setup import die_with_parent  # imports torch, which the worker needs anyway
+    from pagedserve.engine.platform.worker_start import apply_environment
 
+    apply_environment(environ)  # the starting process's, as a spawned worker would have it
     die_with_parent()  # no orphaned workers; not Linux: the parent-pid check in the loop
     if config.visible_devices is not None:  # before CUDA is first touched (TP ranks inherit it)
         os.environ["CUDA_VISIBLE_DEVICES"] = config.visible_devices

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from pagedserve.engine.platform.worker_start import gpu_driver_present
+
 
 class DeviceAssignmentError(ValueError):
     """The configured devices cannot hold one worker's group (400 at registration)."""
@@ -52,16 +54,6 @@ def assign_devices(
         )
     start = (worker_index % groups) * group_size
     return tuple(pool[start : start + group_size])
-
-
-# Present when a GPU driver torch can use is loaded: NVIDIA's (CUDA) or AMD's (ROCm).
-GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd")
-
-
-def gpu_driver_present() -> bool:
-    """Whether a GPU driver is loaded here: without one torch sees no GPU, and the front end
-    need not import torch (~2 s) to hear it say so."""
-    return any(os.path.exists(p) for p in GPU_DRIVER_PATHS)
 
 
 def visible_gpus() -> int:

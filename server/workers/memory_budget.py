@@ -20,6 +20,7 @@ from pathlib import Path
 
 from pagedserve.engine.config.engine import EngineConfig, parse_size
 from pagedserve.engine.platform.process_setup import resident_bytes
+from pagedserve.engine.platform.worker_start import gpu_driver_present
 
 DEFAULT_FRACTION = 0.75  # of the machine's memory (of the device's on a GPU), when none is set
 INITIAL_OVERHEAD = 640 << 20  # a worker's overhead before any worker has been measured (torch CPU)
@@ -49,8 +50,6 @@ class ModelTooLargeError(RuntimeError):
 def machine_memory() -> int:
     """Physical memory of this machine, or of the GPU when torch sees one (torch is asked only
     where a GPU driver is loaded)."""
-    from pagedserve.server.workers.devices import gpu_driver_present
-
     if gpu_driver_present():
         try:
             import torch

@@ -69,18 +69,22 @@ def test_worker_that_cannot_start_is_retried_when_asynchronous(mgmt, tiny_archiv
 
 
 def _workers_of(pid: int = os.getpid()) -> list[int]:
-    """Live engine-core processes (multiprocessing spawn children) of process `pid` (the
-    in-process server's: this one)."""
-    out = []
+    """Live engine-core processes started by process `pid` (the in-process server's: this one):
+    its spawned children, or the children of its multiprocessing fork server
+    (pagedserve.engine.platform.worker_start)."""
+    procs: dict[int, tuple[int, str, bytes]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes()
+            procs[int(stat.parent.name)] = (int(fields[1]), fields[0], (stat.parent / "cmdline").read_bytes())
         except OSError:
             continue
-        if int(fields[1]) == pid and fields[0] != "Z" and b"spawn_main" in cmdline:
-            out.append(int(stat.parent.name))
-    return out
+    forkservers = {p for p, (ppid, _, cmd) in procs.items() if ppid == pid and b"multiprocessing.forkserver" in cmd}
+    return [
+        p
+        for p, (ppid, state, cmd) in procs.items()
+        if state != "Z" and ((ppid == pid and b"spawn_main" in cmd) or ppid in forkservers)
+    ]
 
 
 def test_unregister_and_scale_down_while_workers_start(mgmt):

@@ -226,9 +226,7 @@ def test_sleep_and_wake_round_trip(srv):
     srv.state.registry.lifecycle.budget.total = 8 << 30
     if entry(srv, "3.0").pool.slots:
         unload(srv, "3.0")  # the first request below is a cold load
-    started = time.monotonic()
-    before = predict(srv, "3.0", max_tokens=8)["choices"][0]["token_ids"]
-    cold_s = time.monotonic() - started  # a load on demand: a new worker process
+    before = predict(srv, "3.0", max_tokens=8)["choices"][0]["token_ids"]  # a load on demand: a new worker
     worker = describe(srv, "3.0")["workers"][0]
     awake_rss, footprint = worker["memoryUsage"], worker["footprint"]
     assert srv.put("management", f"/models/{MODEL}/3.0/sleep").status == 200
@@ -237,13 +235,13 @@ def test_sleep_and_wake_round_trip(srv):
     assert asleep["workers"][0]["pid"] == worker["pid"]  # the process is kept
     drop = awake_rss - asleep["workers"][0]["memoryUsage"]
     assert drop >= 0.8 * (footprint["weights"] + footprint["kvPool"]), (drop, footprint)
-    started = time.monotonic()
     assert srv.put("management", f"/models/{MODEL}/3.0/wake").status == 200
-    wake_s = time.monotonic() - started
-    assert describe(srv, "3.0")["state"] == "loaded"
+    awake = describe(srv, "3.0")
+    # Woken in place: the same process, no new load (a timing bar said this before; with workers
+    # forked from a preloaded fork server a cold load of this tiny model is as quick as a wake).
+    assert awake["state"] == "loaded" and awake["workers"][0]["pid"] == worker["pid"]
     after = predict(srv, "3.0", max_tokens=8)["choices"][0]["token_ids"]
     assert after == before
-    assert wake_s * 3 <= cold_s, (wake_s, cold_s)
     # A request to a sleeping version wakes it.
     assert srv.put("management", f"/models/{MODEL}/3.0/sleep").status == 200
     assert predict(srv, "3.0", max_tokens=8)["choices"][0]["token_ids"] == before
