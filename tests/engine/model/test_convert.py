@@ -215,20 +215,40 @@ def test_concurrent_callers_convert_once(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> tuple[Path, Path]:
-    """The real default model converted into a fresh cache: (model dir, cache dir)."""
+def converted(tmp_path_factory) -> tuple[Path, Path, list[str]]:
+    """The real default model converted into a fresh cache: (model dir, cache dir, the GGUF
+    files parsed on the way)."""
     try:
         default_model.default_gguf_path()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    pytest.importorskip("gguf")
+    gguf = pytest.importorskip("gguf")
     cache = tmp_path_factory.mktemp("cache")
-    return default_model.default_model_dir(cache), cache
+    original = gguf.GGUFReader
+    readers: list[str] = []
+
+    class CountingReader(original):  # type: ignore[misc, valid-type]
+        def __init__(self, path, *args, **kwargs) -> None:
+            readers.append(str(path))
+            super().__init__(path, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", CountingReader)
+        model_dir = default_model.default_model_dir(cache)
+        assert gguf.GGUFReader is CountingReader  # the conversion put back what it found
+    return model_dir, cache, readers
+
+
+@pytest.mark.slow
+def test_a_conversion_parses_its_gguf_once(converted):
+    """Config, tokenizer and weights are read from one parse (transformers alone parses three
+    times: pagedserve.engine.model.gguf_once)."""
+    assert converted[2] == [str(default_model.default_gguf_path())]
 
 
 @pytest.mark.slow
 def test_default_model_generates(converted):
-    model_dir, _ = converted
+    model_dir, _, _ = converted
     assert not list(model_dir.glob("*.gguf")) and (model_dir / "model.safetensors").is_file()
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     assert model.dtype == torch.float32
@@ -242,7 +262,7 @@ def test_default_model_generates(converted):
 
 @pytest.mark.slow
 def test_default_model_tokenizer_and_chat_template(converted):
-    model_dir, _ = converted
+    model_dir, _, _ = converted
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     assert (tok.bos_token_id, tok.eos_token_id, tok.eos_token) == (1, 2, "<|im_end|>")
     chat = tok.apply_chat_template(
@@ -259,7 +279,7 @@ def test_default_model_tokenizer_and_chat_template(converted):
 
 @pytest.mark.slow
 def test_default_model_is_not_reconverted(converted, monkeypatch):
-    model_dir, cache = converted
+    model_dir, cache, _ = converted
 
     def fail(*args, **kwargs):
         raise AssertionError("converted twice")
