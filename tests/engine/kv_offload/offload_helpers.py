@@ -70,7 +70,17 @@ def greedy(llm: LLM, ids: list[int]) -> list[int]:
 
 
 def evict_pool(llm: LLM) -> None:
-    """Run a prompt that needs every block of the pool: no cached prefix survives."""
+    """Forget every prefix the engine's pool caches and zero the pool's KV: a request finds its
+    prefix only in LMCache, and KV that LMCache failed to write back cannot pass for restored.
+    (A filler prompt that needs every block did the same at ~1.3 s of float32 prefill a call.)"""
+    assert llm.engine.kv_manager.pool.reset_prefix_cache()  # refused while any block is in use
+    for kv in llm.engine.runner.kv_caches:
+        kv.zero_()
+
+
+def run_filler(llm: LLM) -> None:
+    """Run a prompt that needs every block of the pool (new tokens each call): its chunks go to
+    LMCache, and no cached prefix survives in the pool."""
     n = next(_fillers)
     filler = [(1000 + 37 * n + 11 * i) % 40000 + 100 for i in range(NUM_BLOCKS * BLOCK - 2)]
     llm.generate([filler], SamplingParams(temperature=0, max_tokens=1))

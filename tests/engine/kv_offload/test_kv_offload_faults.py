@@ -15,6 +15,7 @@ from tests.engine.kv_offload.offload_helpers import (  # noqa: F401 -- prompts, 
     make_llm,
     prompts,
     reference,
+    run_filler,
     tokenizer,
 )
 
@@ -68,7 +69,7 @@ def test_disk_budget_keeps_the_folder_small(default_model_dir, prompts, referenc
     try:
         for name in ("p", "q", "r"):
             assert greedy(llm, prompts[name]) == reference[name]
-            evict_pool(llm)  # fillers add 9 chunks each
+            run_filler(llm)  # fillers add 9 chunks each
         assert llm.engine.kv_offload.flush()
         files = list(folder.glob("*.data"))
         assert sum(f.stat().st_size for f in files) <= budget_gb * 1024**3 + chunk_bytes

@@ -1,5 +1,8 @@
 """Archives of the real default model open in the engine and generate what the source directory
-generates, in each format; a tampered extraction is caught when it is reopened."""
+generates, as a `.mar` and as a plain folder; a tampered extraction is caught when it is reopened.
+The `.tar.gz` format's round trip is checked byte for byte on a small model
+(tests/engine/model/test_archive.py, tests/server/commands/test_archive_cli.py): with the real
+model's 541 MB of float32 weights, gzip alone took ~17 s of this module's CPU."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ def expected_text(default_model_dir) -> str:
     return llm.generate(PROMPT, PARAMS)[0].outputs[0].text
 
 
-@pytest.mark.parametrize("fmt", ["default", "tgz", "no-archive"])
+@pytest.mark.parametrize("fmt", ["default", "no-archive"])
 def test_round_trip_generates_the_same_text(default_model_dir, expected_text, tmp_path, monkeypatch, fmt):
     monkeypatch.setenv("PAGEDSERVE_ARCHIVE_DIR", str(tmp_path / "extracted"))
     archive = write_archive(
