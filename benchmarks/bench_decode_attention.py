@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from _common import RESULTS, result_path
 
 from pagedserve.engine.attention.backend import write_kv_cache
-from pagedserve.engine.attention.kv_quant import KVCacheDtype, quantize_kv
+from pagedserve.engine.attention.kv_dtype import KVCacheDtype
+from pagedserve.engine.attention.kv_quant import quantize_kv
 from pagedserve.engine.attention.metadata import AttentionMetadata
 from pagedserve.engine.attention.torch_backend import TorchAttentionBackend, _build_decode_plan
 from pagedserve.engine.platform.process_setup import tune_glibc_malloc

@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import RESULTS, result_path  # noqa: E402
-from pagedserve.engine.attention.kv_quant import KVCacheDtype, quantize_kv  # noqa: E402
+from pagedserve.engine.attention.kv_dtype import KVCacheDtype  # noqa: E402
+from pagedserve.engine.attention.kv_quant import quantize_kv  # noqa: E402
 from pagedserve.kernels.cpu_native import available_isas, load_native  # noqa: E402
 from pagedserve.server.commands.bench.harness import (  # noqa: E402
     PairedRounds,

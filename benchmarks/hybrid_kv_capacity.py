@@ -22,9 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import provenance, result_path, stamp
-from pagedserve.engine.attention.kv_quant import KVCacheDtype
+from pagedserve.engine.attention.kv_dtype import KVCacheDtype
 from pagedserve.engine.config.engine import EngineConfig
-from pagedserve.engine.model.loader import kv_layout, kv_pool_size
+from pagedserve.engine.model.kv_pool_size import kv_layout, kv_pool_size
 from pagedserve.engine.model.registry import parse_config
 
 CONTEXTS = (4096, 8192, 32768)

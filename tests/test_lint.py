@@ -117,13 +117,27 @@ from pagedserve.engine.model.registry import parse_config
 from pagedserve.server.commands.prepare import cpu_extensions
 from pagedserve.engine.platform.worker_start import gpu_driver_present
 from pagedserve.server.workers.devices import visible_gpus
+import json, struct, sys, tempfile
+from pathlib import Path
+from pagedserve.engine.config.engine import EngineConfig
+from pagedserve.engine.model.default_model import default_gguf_path
+from pagedserve.server.workers.memory_budget import path_sizes, version_sizes
 
 pagedserve.server.cli.build_parser()
-parse_config({"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128})
+config = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}
+parse_config(config)
 [ext.is_built() for ext in cpu_extensions()]
 if not gpu_driver_present():
     assert visible_gpus() == 0
+# the memory budget of a model folder (safetensors headers, the KV pool) and of a GGUF file
+folder = Path(tempfile.mkdtemp())
+(folder / "config.json").write_text(json.dumps(config))
+header = json.dumps({"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]}}).encode()
+(folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(64))
+weights, kv = version_sizes(EngineConfig(model=str(folder), dtype="bfloat16", num_kv_blocks=10))
+assert (weights, kv) == (32, 10 * 2 * 2 * 16 * 2 * 16 * 2), (weights, kv)
+assert path_sizes(default_gguf_path(), EngineConfig(model="m", dtype="float32"))[0] > 100 << 20
 """
 
 
@@ -132,7 +146,8 @@ def test_the_front_end_imports_no_torch():
     engine's data types it uses are plain, and torch is imported where tensors are made. So do
     the steps a server's start and the archive CLI take before any worker: the CLI's parser, the
     model registry (a config parsed by its family), the check that the CPU kernels are built,
-    and the GPU count on a machine without a GPU driver."""
+    the GPU count on a machine without a GPU driver, and the memory budget of a model to
+    register (its weights and KV pool, from a folder and from a GGUF file)."""
     out = run(sys.executable, "-X", "importtime", "-c", FRONT_END_STEPS)
     assert out.returncode == 0, out.stderr[-3000:]
     loaded = [line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line]

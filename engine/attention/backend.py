@@ -13,7 +13,8 @@ import abc
 
 import torch
 
-from pagedserve.engine.attention.kv_quant import KVCacheDtype, dequantize_kv, kv_row_width, quantize_kv
+from pagedserve.engine.attention.kv_dtype import KVCacheDtype, kv_row_width
+from pagedserve.engine.attention.kv_quant import dequantize_kv, quantize_kv
 from pagedserve.engine.attention.metadata import AttentionMetadata
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.engine.attention.kv_quant import KVCacheDtype
+from pagedserve.engine.attention.kv_dtype import KVCacheDtype
 from pagedserve.engine.attention.metadata import AttentionMetadata
 from pagedserve.engine.attention.torch_backend import TorchAttentionBackend
 from pagedserve.kernels.cpu_paged_attention import paged_decode_attention

@@ -24,40 +24,11 @@ tested bit-exact against `dequantize_kv`) and by the Triton kernel; a change her
 
 from __future__ import annotations
 
-import enum
-
 import torch
 
-SCALE_BYTES = 2  # one bfloat16 per row
-
-
-class KVCacheDtype(enum.Enum):
-    AUTO = "auto"
-    FP8_E4M3 = "fp8_e4m3"
-    INT8 = "int8"
-
-    @property
-    def quantized(self) -> bool:
-        return self is not KVCacheDtype.AUTO
-
+from pagedserve.engine.attention.kv_dtype import SCALE_BYTES, KVCacheDtype
 
 _CODE_MAX = {KVCacheDtype.FP8_E4M3: 448.0, KVCacheDtype.INT8: 127.0}
-
-
-def parse_kv_cache_dtype(value: object) -> KVCacheDtype:
-    if isinstance(value, KVCacheDtype):
-        return value
-    try:
-        return KVCacheDtype(str(value).lower())
-    except ValueError:
-        raise ValueError(
-            f"kv_cache_dtype must be one of {', '.join(k.value for k in KVCacheDtype)}, got {value!r}"
-        ) from None
-
-
-def kv_row_width(head_dim: int, kind: KVCacheDtype) -> int:
-    """Elements per (token, KV head) row of the cache tensor."""
-    return head_dim + SCALE_BYTES if kind.quantized else head_dim
 
 
 def kv_storage_dtype(kind: KVCacheDtype, model_dtype: torch.dtype) -> torch.dtype:

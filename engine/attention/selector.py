@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from pagedserve.engine.attention.backend import AttentionBackend
-from pagedserve.engine.attention.kv_quant import KVCacheDtype
+from pagedserve.engine.attention.kv_dtype import KVCacheDtype
 
 BACKEND_NAMES = ("auto", "torch", "triton")
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from pagedserve.engine.attention import windowed
 from pagedserve.engine.attention.backend import AttentionBackend
-from pagedserve.engine.attention.kv_quant import KVCacheDtype
+from pagedserve.engine.attention.kv_dtype import KVCacheDtype
 from pagedserve.engine.attention.metadata import AttentionMetadata
 from pagedserve.kernels.cpu_paged_attention import gather_dequantize, paged_decode_attention
 

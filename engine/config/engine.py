@@ -91,6 +91,19 @@ def parse_size(value: int | str) -> int:
     return size
 
 
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def dtype_itemsize(value: Any) -> int:
+    """Bytes of one element of a dtype name (or a torch.dtype); a name needs no torch."""
+    if not isinstance(value, str):
+        return resolve_dtype(value).itemsize
+    try:
+        return _DTYPE_BYTES[_DTYPES[value.lower()]]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {value!r}: choose one of {sorted(_DTYPES)}") from None
+
+
 def resolve_dtype(value: Any) -> torch.dtype:
     """A dtype name (or a torch.dtype) -> the torch.dtype; imports torch."""
     import torch

@@ -17,14 +17,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedserve.engine.attention.backend import AttentionBackend
-from pagedserve.engine.attention.kv_quant import KVCacheDtype, kv_row_width, kv_storage_dtype
-from pagedserve.engine.config.engine import EngineConfig, resolve_dtype
-from pagedserve.engine.kv_cache.groups import KVCacheLayout, plan_layout
+from pagedserve.engine.attention.kv_dtype import KVCacheDtype, kv_row_width
+from pagedserve.engine.attention.kv_quant import kv_storage_dtype
+from pagedserve.engine.config.engine import resolve_dtype
+from pagedserve.engine.kv_cache.groups import KVCacheLayout
 from pagedserve.engine.model.causal_lm import CausalLM
 from pagedserve.engine.model.fused_decode import build_fused_decode
+from pagedserve.engine.model.kv_pool_size import as_spec
 from pagedserve.engine.model.quant_spec import QuantSpec
 from pagedserve.engine.model.registry import family_of, parse_config
-from pagedserve.engine.model.spec import ModelSpec
 from pagedserve.kernels.cpu_fused_ops import CpuFusedOps, load_fused_ops
 from pagedserve.kernels.cpu_isa import cpu_has_bf16_dot
 from pagedserve.kernels.cpu_packed_linear import PackedLinear, SharedWeightLinear, packed_linear_supported
@@ -196,49 +197,6 @@ def load_model(
     return model.eval()
 
 
-def _spec(config: Any) -> ModelSpec:
-    return config if isinstance(config, ModelSpec) else parse_config(config)
-
-
-def kv_cache_bytes_per_block(
-    config: Any,
-    block_size: int,
-    dtype: str | torch.dtype,
-    kv_dtype: KVCacheDtype = KVCacheDtype.AUTO,
-    num_layers: int | None = None,
-) -> int:
-    """Bytes one KV block takes (keys and values) across `num_layers` layers (default: all; a
-    hybrid KV cache's block is a page of `KVCacheLayout.num_tensors` layers)."""
-    spec = _spec(config)
-    itemsize = kv_storage_dtype(kv_dtype, resolve_dtype(dtype)).itemsize
-    layers = spec.num_layers if num_layers is None else num_layers
-    return 2 * layers * block_size * spec.num_kv_heads * kv_row_width(spec.head_dim, kv_dtype) * itemsize
-
-
-def kv_layout(config: EngineConfig, spec: ModelSpec) -> KVCacheLayout:
-    """The KV cache groups of `spec` under `config` (pagedserve.engine.kv_cache.groups): hybrid
-    unless turned off, or with tensor parallelism (the ranks' pools are one group) or KV offload
-    (its connector copies one block table across every layer)."""
-    hybrid = config.hybrid_kv_cache and config.tensor_parallel_size == 1 and config.kv_offload_config is None
-    return plan_layout([spec.window_of(i) for i in range(spec.num_layers)], hybrid)
-
-
-def kv_pool_size(config: EngineConfig, rank_spec: ModelSpec, kv_dtype: KVCacheDtype) -> tuple[int, int]:
-    """(bytes one KV block takes in the whole worker, blocks in the pool) for a model whose
-    process holds the KV heads of `rank_spec` (all of them, or a tensor-parallel rank's share).
-
-    `kv_cache_memory` is the whole worker's budget: each of its N tensor-parallel ranks holds
-    every block for its own KV heads, so N ranks with 1/N of the heads hold as many blocks as one
-    process with all of them (KV heads replicated on several ranks cost their copies). Every
-    rank computes the same count. A block is a page of the layout's shared tensors."""
-    layers = kv_layout(config, rank_spec).num_tensors
-    total = (
-        kv_cache_bytes_per_block(rank_spec, config.block_size, config.torch_dtype, kv_dtype, layers)
-        * config.tensor_parallel_size
-    )
-    return total, config.resolve_num_blocks(total)
-
-
 def allocate_kv_caches(
     config: Any,
     num_blocks: int,
@@ -252,7 +210,7 @@ def allocate_kv_caches(
     quantized `kv_dtype`: uint8 rows of `head_dim + 2`, see pagedserve.engine.attention.kv_quant).
     With a `layout`: its `num_tensors` tensors, layer i given the one of `tensor_of_layer()[i]`
     (layers of different KV cache groups share a tensor; their block ids never overlap)."""
-    spec = _spec(config)
+    spec = as_spec(config)
     shape = (2, num_blocks, block_size, spec.num_kv_heads, kv_row_width(spec.head_dim, kv_dtype))
     storage = kv_storage_dtype(kv_dtype, resolve_dtype(dtype))
     if layout is None:

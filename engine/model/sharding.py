@@ -28,11 +28,14 @@ import dataclasses
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
 
 from pagedserve.engine.model.spec import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
 
 _LAYER_TENSOR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
 # An expert's projection (Qwen / OLMoE names, and Mixtral's w1 = gate, w3 = up, w2 = down).
@@ -168,6 +171,8 @@ def tensor_slice(name: str, spec: ModelSpec, rank: int, size: int) -> TensorSlic
 def iter_rank_tensors(files: list[Path], spec: ModelSpec, rank: int, size: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Like pagedserve.engine.model.loader.iter_safetensors, but only this rank's slice of each tensor is
     read from disk."""
+    import torch
+
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():

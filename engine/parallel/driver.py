@@ -28,9 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pagedserve.engine.attention.kv_quant import parse_kv_cache_dtype
+from pagedserve.engine.attention.kv_dtype import parse_kv_cache_dtype
 from pagedserve.engine.config.engine import EngineConfig
-from pagedserve.engine.model.loader import kv_pool_size, read_config
+from pagedserve.engine.model.kv_pool_size import kv_pool_size
+from pagedserve.engine.model.loader import read_config
 from pagedserve.engine.model.quant_spec import QuantMethod, QuantSpec
 from pagedserve.engine.model.registry import check_tensor_parallel_support, parse_config
 from pagedserve.engine.model.sharding import shard_spec

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pagedserve.engine.attention.kv_quant import parse_kv_cache_dtype
+from pagedserve.engine.attention.kv_dtype import parse_kv_cache_dtype
 from pagedserve.engine.attention.selector import select_backend
 from pagedserve.engine.config.engine import EngineConfig
 from pagedserve.engine.model.causal_lm import CausalLM

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import torch
 
-from pagedserve.engine.attention.kv_quant import parse_kv_cache_dtype
+from pagedserve.engine.attention.kv_dtype import parse_kv_cache_dtype
 from pagedserve.engine.attention.metadata import AttentionMetadata
 from pagedserve.engine.attention.selector import backend_for_layer, select_backend
 from pagedserve.engine.config.engine import EngineConfig
@@ -19,8 +19,9 @@ from pagedserve.engine.lora.manager import LoRAManager, LoRAUnsupported
 from pagedserve.engine.lora.punica import LoRABatch
 from pagedserve.engine.model.causal_lm import CausalLM
 from pagedserve.engine.model.compile import compile_buckets, compiled_forward_for
+from pagedserve.engine.model.kv_pool_size import kv_layout, kv_pool_size
 from pagedserve.engine.model.layers.batch_invariant import make_batch_invariant
-from pagedserve.engine.model.loader import allocate_kv_caches, kv_layout, kv_pool_size, load_model, select_fused_ops
+from pagedserve.engine.model.loader import allocate_kv_caches, load_model, select_fused_ops
 from pagedserve.engine.model.quant_spec import resolve_spec
 from pagedserve.engine.request.pooling import PoolingParams, pool_last_token
 from pagedserve.engine.runner.input_batch import InputBatch, StepInputs

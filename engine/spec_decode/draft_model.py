@@ -21,7 +21,8 @@ import torch
 
 from pagedserve.engine.attention.metadata import AttentionMetadata
 from pagedserve.engine.attention.selector import select_backend
-from pagedserve.engine.model.loader import allocate_kv_caches, kv_cache_bytes_per_block, load_model, read_config
+from pagedserve.engine.model.kv_pool_size import kv_cache_bytes_per_block
+from pagedserve.engine.model.loader import allocate_kv_caches, load_model, read_config
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedserve.engine.config.engine import EngineConfig, parse_size
+from pagedserve.engine.config.engine import EngineConfig, dtype_itemsize, parse_size
 from pagedserve.engine.platform.process_setup import resident_bytes
 from pagedserve.engine.platform.worker_start import gpu_driver_present
 
@@ -103,8 +103,8 @@ def kv_pool_bytes(config: EngineConfig, hf_config: dict) -> int:
     (pagedserve.engine.model.loader.kv_pool_size): with tensor parallelism every rank holds every block
     for its share of the KV heads, and a KV head replicated on several ranks (fewer KV heads
     than ranks) costs each copy."""
-    from pagedserve.engine.attention.kv_quant import parse_kv_cache_dtype
-    from pagedserve.engine.model.loader import kv_pool_size
+    from pagedserve.engine.attention.kv_dtype import parse_kv_cache_dtype
+    from pagedserve.engine.model.kv_pool_size import kv_pool_size
     from pagedserve.engine.model.registry import parse_config
     from pagedserve.engine.model.sharding import shard_spec
 
@@ -123,7 +123,7 @@ def path_sizes(path: Path, config: EngineConfig) -> tuple[int, int, str]:
     `kv_cache_memory`, which the pool fills to within one block."""
     from pagedserve.engine.model.path_source import gguf_summary
 
-    itemsize = config.torch_dtype.itemsize
+    itemsize = dtype_itemsize(config.dtype)
     if path.is_file():  # ValueError first for an architecture or tensor type it cannot serve
         kv = parse_size(config.kv_cache_memory) if config.num_kv_blocks is None else 0
         return gguf_summary(path)["weights"] * itemsize, kv, "its GGUF tensor table"
@@ -158,7 +158,7 @@ def version_sizes(config: EngineConfig) -> tuple[int, int]:
     """(weights, KV pool) bytes of one worker built from `config`."""
     model_dir = Path(config.model)
     hf_config = json.loads((model_dir / "config.json").read_text())
-    return (weights_bytes(model_dir, config.torch_dtype.itemsize), kv_pool_bytes(config, hf_config))
+    return (weights_bytes(model_dir, dtype_itemsize(config.dtype)), kv_pool_bytes(config, hf_config))
 
 
 class MemoryBudget:

@@ -211,7 +211,8 @@ def test_paged_decode_against_float64(ext, isas, heads, kv_heads, head_dim, bloc
 @pytest.mark.parametrize("kv_quant", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("head_dim", [64, 24, 20])
 def test_quantized_decode_and_gather_against_float64(ext, isas, kv_quant, head_dim):
-    from pagedserve.engine.attention.kv_quant import KVCacheDtype, dequantize_kv, quantize_kv
+    from pagedserve.engine.attention.kv_dtype import KVCacheDtype
+    from pagedserve.engine.attention.kv_quant import dequantize_kv, quantize_kv
 
     kind = KVCacheDtype(kv_quant)
     q, k, v, tables, seq_lens = _decode_inputs(torch.float32, 6, 2, head_dim, 8, [1, 19, 40], head_dim + 7)
@@ -254,7 +255,8 @@ def test_avx2_forced_equals_avx512_for_every_kernel(ext, isas):
     rope_x = torch.randn(5, 3, 64, generator=g).bfloat16()
     ang = torch.rand(5, 32, generator=g)
     q, k, v, tables, lens = _decode_inputs(torch.bfloat16, 9, 3, 64, 16, [1, 17, 63, 130], 5)
-    from pagedserve.engine.attention.kv_quant import KVCacheDtype, quantize_kv
+    from pagedserve.engine.attention.kv_dtype import KVCacheDtype
+    from pagedserve.engine.attention.kv_quant import quantize_kv
 
     kq, vq = quantize_kv(k.float(), KVCacheDtype.INT8), quantize_kv(v.float(), KVCacheDtype.INT8)
 

@@ -72,7 +72,8 @@ QUANT_KINDS = ["fp8_e4m3", "int8"]
 
 
 def _quantized_inputs(kind, dtype, batch, heads, kv_heads, head_dim, block_size, lens, seed=0):
-    from pagedserve.engine.attention.kv_quant import KVCacheDtype, quantize_kv
+    from pagedserve.engine.attention.kv_dtype import KVCacheDtype
+    from pagedserve.engine.attention.kv_quant import quantize_kv
 
     q, k, v, tables, seq_lens = _inputs(torch.float32, batch, heads, kv_heads, head_dim, block_size, lens, seed)
     scales = torch.logspace(-2, 1, k.shape[0])[:, None, None, None]  # magnitudes differ from block to block
@@ -98,7 +99,8 @@ def test_quantized_kernel_matches_gather_dequantize_sdpa(
 ):
     """The kernel on the quantized cache against the engine's existing path: gather the rows,
     de-quantize them (kv_quant.dequantize_kv, float32) and attend (the float32 reference)."""
-    from pagedserve.engine.attention.kv_quant import KVCacheDtype, dequantize_kv
+    from pagedserve.engine.attention.kv_dtype import KVCacheDtype
+    from pagedserve.engine.attention.kv_quant import dequantize_kv
 
     q, k, v, tables, seq_lens = _quantized_inputs(kind, dtype, len(lens), heads, kv_heads, head_dim, block_size, lens)
     out = paged_decode_attention(ext, q, k, v, tables, seq_lens, 0.3, kind)
@@ -114,7 +116,8 @@ def test_quantized_kernel_matches_gather_dequantize_sdpa(
 def test_gather_dequantize_is_bit_exact_for_every_code(ext, kind, head_dim, dtype):
     """Every code (e4m3: all but its two NaN codes, which quantize_kv never writes), with scales of
     several magnitudes, through scrambled blocks: the same bits as kv_quant.dequantize_kv."""
-    from pagedserve.engine.attention.kv_quant import KVCacheDtype, dequantize_kv
+    from pagedserve.engine.attention.kv_dtype import KVCacheDtype
+    from pagedserve.engine.attention.kv_quant import dequantize_kv
 
     codes = torch.arange(256, dtype=torch.uint8)
     if kind == "fp8_e4m3":

@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.engine.attention.kv_quant import KVCacheDtype, dequantize_kv, quantize_kv
+from pagedserve.engine.attention.kv_dtype import KVCacheDtype
+from pagedserve.engine.attention.kv_quant import dequantize_kv, quantize_kv
 from pagedserve.engine.attention.selector import select_backend
 from pagedserve.engine.attention.torch_backend import SHORT_CHUNK_TOKENS, TorchAttentionBackend
 from pagedserve.engine.config.engine import EngineConfig
 from pagedserve.engine.core.engine_core import EngineCore
-from pagedserve.engine.model.loader import kv_cache_bytes_per_block
+from pagedserve.engine.model.kv_pool_size import kv_cache_bytes_per_block
 from pagedserve.engine.request.request import Request
 from pagedserve.engine.sampling.params import SamplingParams
 from tests.engine.attention.test_attention_backends import (

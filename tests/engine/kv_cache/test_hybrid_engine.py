@@ -13,10 +13,10 @@ import pytest
 import torch
 import transformers
 
-from pagedserve.engine.attention.kv_quant import KVCacheDtype
+from pagedserve.engine.attention.kv_dtype import KVCacheDtype
 from pagedserve.engine.config.engine import EngineConfig
 from pagedserve.engine.core.engine_core import EngineCore
-from pagedserve.engine.model.loader import kv_layout, kv_pool_size
+from pagedserve.engine.model.kv_pool_size import kv_layout, kv_pool_size
 from pagedserve.engine.model.registry import parse_config
 from pagedserve.engine.request.request import Request
 from pagedserve.engine.sampling.params import SamplingParams

@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from pagedserve.engine.attention.kv_quant import KVCacheDtype, quantize_kv
+from pagedserve.engine.attention.kv_dtype import KVCacheDtype
+from pagedserve.engine.attention.kv_quant import quantize_kv
 from pagedserve.engine.config.engine import EngineConfig
 from pagedserve.engine.config.kv_offload import KVOffloadConfig, merge_kv_offload
 from pagedserve.engine.kv_offload.disk import DiskBudget

@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from pagedserve.engine.attention.metadata import AttentionMetadata
 from pagedserve.engine.attention.selector import select_backend
-from pagedserve.engine.model.loader import allocate_kv_caches, kv_cache_bytes_per_block, load_model, select_fused_ops
+from pagedserve.engine.model.kv_pool_size import kv_cache_bytes_per_block
+from pagedserve.engine.model.loader import allocate_kv_caches, load_model, select_fused_ops
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48

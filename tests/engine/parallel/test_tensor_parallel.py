@@ -18,12 +18,13 @@ import torch
 from safetensors import safe_open
 
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.attention.kv_quant import KVCacheDtype
+from pagedserve.engine.attention.kv_dtype import KVCacheDtype
 from pagedserve.engine.attention.metadata import AttentionMetadata
 from pagedserve.engine.config.engine import EngineConfig
 from pagedserve.engine.model.archive import ArchiveError, open_archive, write_archive
+from pagedserve.engine.model.kv_pool_size import kv_pool_size
 from pagedserve.engine.model.llama_spec import LlamaSpec
-from pagedserve.engine.model.loader import kv_pool_size, read_config, safetensors_files
+from pagedserve.engine.model.loader import read_config, safetensors_files
 from pagedserve.engine.model.model_config import ModelConfig, ModelConfigError
 from pagedserve.engine.model.registry import parse_config
 from pagedserve.engine.model.sharding import TensorSlice, check_tensor_parallel, iter_rank_tensors, tensor_slice

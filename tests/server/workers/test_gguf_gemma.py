@@ -33,15 +33,19 @@ def reference(gemma_gguf) -> tuple[list[int], str]:
     """transformers' greedy tokens and text from the same GGUF, float32 (kept in the user cache
     per machine, keyed by the file, the prompt and the library versions: tests/reference_cache.py;
     transformers reads the GGUF's 262,144-token vocabulary and de-quantizes it: CPU-minutes on a
-    busy machine)."""
+    busy machine). Its tokenizer, config and weights share one parse of the file's metadata
+    (`gguf_read_once`, as a conversion does: ~30 s each); the de-quantizing is transformers' own."""
 
     def compute() -> tuple[list[int], str]:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(gemma_gguf.parent, gguf_file=gemma_gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gemma_gguf.parent, gguf_file=gemma_gguf.name, dtype=torch.float32
-        ).eval()
+        from pagedserve.engine.model.gguf_once import gguf_read_once
+
+        with gguf_read_once():
+            tokenizer = AutoTokenizer.from_pretrained(gemma_gguf.parent, gguf_file=gemma_gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                gemma_gguf.parent, gguf_file=gemma_gguf.name, dtype=torch.float32
+            ).eval()
         ids = tokenizer(PROMPT, return_tensors="pt").input_ids
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)

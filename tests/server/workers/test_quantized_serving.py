@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.engine.attention.kv_quant import KVCacheDtype
+from pagedserve.engine.attention.kv_dtype import KVCacheDtype
 from pagedserve.engine.model.archive import write_archive
-from pagedserve.engine.model.loader import kv_cache_bytes_per_block, read_config
+from pagedserve.engine.model.kv_pool_size import kv_cache_bytes_per_block
+from pagedserve.engine.model.loader import read_config
 from pagedserve.engine.model.quant_convert import quantize_model_dir
 from tests.server.conftest import TINY_MODEL_CONFIG
 
