@@ -5,6 +5,8 @@ token (the prompts and the offload-off reference: offload_helpers.py).
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from tests.engine.kv_offload.offload_helpers import (  # noqa: F401 -- prompts, reference, tokenizer: fixtures
@@ -79,14 +81,20 @@ def test_disk_budget_keeps_the_folder_small(default_model_dir, prompts, referenc
         llm.shutdown()
 
 
-@pytest.fixture
-def disk_with_p(default_model_dir, prompts, tmp_path):
-    """A disk folder holding the chunks of prompt p (written by an engine that has shut down)."""
-    folder = tmp_path / "kv"
+@pytest.fixture(scope="module")
+def written_by_p(default_model_dir, prompts, tmp_path_factory):
+    """A disk folder holding the chunks of prompt p, written by an engine that has shut down."""
+    folder = tmp_path_factory.mktemp("kv-p") / "kv"
     llm = make_llm(default_model_dir, folder)
     greedy(llm, prompts["p"])
     llm.shutdown()
     return folder
+
+
+@pytest.fixture
+def disk_with_p(written_by_p, tmp_path):
+    """A copy of `written_by_p` of the test's own, to damage as it likes."""
+    return shutil.copytree(written_by_p, tmp_path / "kv")
 
 
 def test_deleted_chunk_file_is_a_miss(default_model_dir, prompts, reference, disk_with_p):
