@@ -134,7 +134,7 @@ def check_parity(device: str) -> dict:
 
     from pagedserve.engine import LLM, SamplingParams
     from pagedserve.engine.model.default_model import default_model_dir
-    from pagedserve.engine.request.tokenizer import load_tokenizer
+    from pagedserve.engine.model.tokenizer import load_tokenizer
 
     model_dir = default_model_dir()
     tok = load_tokenizer(model_dir)
@@ -181,8 +181,8 @@ def check_offload(device: str) -> dict:
 
     from pagedserve.engine import LLM, SamplingParams
     from pagedserve.engine.model.default_model import default_model_dir
+    from pagedserve.engine.model.tokenizer import load_tokenizer
     from pagedserve.engine.request.request import Request
-    from pagedserve.engine.request.tokenizer import load_tokenizer
 
     model_dir = default_model_dir()
     tok = load_tokenizer(model_dir)

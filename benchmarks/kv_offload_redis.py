@@ -191,7 +191,7 @@ def main() -> None:
 
         args.model = str(default_model_dir())
     if args.phase:
-        from pagedserve.engine.request.tokenizer import load_tokenizer
+        from pagedserve.engine.model.tokenizer import load_tokenizer
 
         print(json.dumps(phase(args, load_tokenizer(args.model))))
         return

@@ -319,7 +319,7 @@ def main() -> None:
 
         args.model = str(default_model_dir())
     if args.phase:
-        from pagedserve.engine.request.tokenizer import load_tokenizer
+        from pagedserve.engine.model.tokenizer import load_tokenizer
 
         # Stopped from outside: unwind, so the server process of the http phase is stopped too.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))

@@ -75,7 +75,7 @@ def main() -> None:
         print(json.dumps(phase(args)))
         return
     from pagedserve.engine.model.default_model import default_model_dir
-    from pagedserve.engine.request.tokenizer import load_tokenizer
+    from pagedserve.engine.model.tokenizer import load_tokenizer
 
     # Made once here: make_prompts draws from the vocabulary in its dict order, which differs
     # from one process to the next, so each phase reads the same prompts from a file.

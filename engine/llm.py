@@ -15,11 +15,11 @@ from pagedserve.engine.core.client import InprocClient
 from pagedserve.engine.core.engine_core import EngineCore
 from pagedserve.engine.core.output_processor import OutputProcessor
 from pagedserve.engine.lora.request import LoRARequest
+from pagedserve.engine.model.tokenizer import load_tokenizer
 from pagedserve.engine.platform.process_setup import configure_engine_process
 from pagedserve.engine.request.inputs import EngineInput, PromptSpec, pooling_sampling_params, prepare_input
 from pagedserve.engine.request.outputs import RequestOutput
 from pagedserve.engine.request.pooling import PoolingParams
-from pagedserve.engine.request.tokenizer import load_tokenizer
 from pagedserve.engine.sampling.params import SamplingParams
 
 PromptType = str | Sequence[int]

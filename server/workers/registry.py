@@ -32,7 +32,7 @@ import msgspec
 from pagedserve.engine.config.kv_offload import DEFAULT_CHUNK_SIZE
 from pagedserve.engine.model.model_config import ModelConfig
 from pagedserve.engine.model.path_source import is_model_path
-from pagedserve.engine.request.tokenizer import load_tokenizer
+from pagedserve.engine.model.tokenizer import load_tokenizer
 from pagedserve.handlers.base_handler import BaseHandler, Context
 from pagedserve.handlers.custom_handler import CustomHandlerError
 from pagedserve.handlers.llm_handler import ENGINE_WORKERS

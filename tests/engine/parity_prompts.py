@@ -20,7 +20,7 @@ def _long_text(n_items: int) -> str:
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model_dir):
-    from pagedserve.engine.request.tokenizer import load_tokenizer
+    from pagedserve.engine.model.tokenizer import load_tokenizer
 
     return load_tokenizer(default_model_dir)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from pagedserve.engine.model.tokenizer import load_tokenizer
 from pagedserve.engine.request.inputs import render_prompt
 from pagedserve.engine.request.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from pagedserve.engine.request.tokenizer import load_tokenizer
 from pagedserve.engine.structured_output.params import StructuredOutputsParams
 from pagedserve.handlers.base_handler import HandlerError
 from pagedserve.handlers.deltas import DeltaTracker, held_back

@@ -12,8 +12,8 @@ import pytest
 
 from pagedserve.engine.config.engine import EngineConfig
 from pagedserve.engine.core.async_llm import AsyncLLM, EngineDeadError, EngineStartError
+from pagedserve.engine.model.tokenizer import load_tokenizer
 from pagedserve.engine.request.inputs import EngineInput, InvalidInput, validate_input
-from pagedserve.engine.request.tokenizer import load_tokenizer
 from pagedserve.engine.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow

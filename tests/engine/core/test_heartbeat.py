@@ -14,8 +14,8 @@ import pytest
 
 from pagedserve.engine.config.engine import EngineConfig
 from pagedserve.engine.core.async_llm import AsyncLLM, EngineDeadError
+from pagedserve.engine.model.tokenizer import load_tokenizer
 from pagedserve.engine.request.inputs import EngineInput
-from pagedserve.engine.request.tokenizer import load_tokenizer
 from pagedserve.engine.sampling.params import SamplingParams
 from tests.server.conftest import tiny_model  # noqa: F401 -- the tiny random-weight model fixture
 

@@ -9,9 +9,9 @@ import pytest
 
 from pagedserve.engine.core.messages import EngineCoreOutputs, EngineCoreRequest, make_event_decoder, make_input_decoder
 from pagedserve.engine.core.output_processor import OutputProcessor
+from pagedserve.engine.model.tokenizer import load_tokenizer
 from pagedserve.engine.request.inputs import EngineInput
 from pagedserve.engine.request.outputs import FinishReason, RequestMetrics, RequestOutput
-from pagedserve.engine.request.tokenizer import load_tokenizer
 from pagedserve.engine.sampling.params import SamplingParams
 from pagedserve.engine.scheduler.output import EngineCoreOutput
 from pagedserve.engine.scheduler.stats import SchedulerStats

@@ -27,7 +27,7 @@ def _text(n_items: int, start: int = 0) -> str:
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model_dir):
-    from pagedserve.engine.request.tokenizer import load_tokenizer
+    from pagedserve.engine.model.tokenizer import load_tokenizer
 
     return load_tokenizer(default_model_dir)
 

@@ -32,7 +32,7 @@ def _text(n_items: int, start: int = 0, title: str = "Inventory list") -> str:
 
 @pytest.fixture(scope="module")
 def prompts(default_model_dir) -> dict[str, list[int]]:
-    from pagedserve.engine.request.tokenizer import load_tokenizer
+    from pagedserve.engine.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_dir)
     enc = lambda t: tokenizer.encode(t, add_special_tokens=False)

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 @pytest.fixture(scope="module")
 def prompts(default_model_dir) -> list[list[int]]:
-    from pagedserve.engine.request.tokenizer import load_tokenizer
+    from pagedserve.engine.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(default_model_dir)
     text = "Shipping log.\n" + "\n".join(f"Crate {i} holds {i * 3 % 11 + 1} tins of tea." for i in range(20))

@@ -134,7 +134,7 @@ def test_real_model_greedy_unchanged_with_compiled_decode(default_model_dir, tmp
     """The default model in bfloat16 (plain weights that inductor freezes and packs, against
     the eager engine's packed ones), decode steps compiled (bucket 1): the same greedy tokens,
     "1, 2, 3, 4," -> " 5, 6, 7"."""
-    from pagedserve.engine.request.tokenizer import load_tokenizer
+    from pagedserve.engine.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_dir)
     prompt = tokenizer.encode("1, 2, 3, 4,", add_special_tokens=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from pagedserve.engine.model.tokenizer import load_tokenizer
 from pagedserve.engine.request.inputs import (
     EngineInput,
     InputLimits,
@@ -15,7 +16,6 @@ from pagedserve.engine.request.inputs import (
     render_prompt,
     validate_input,
 )
-from pagedserve.engine.request.tokenizer import load_tokenizer
 from pagedserve.engine.sampling.params import SamplingParams
 
 SERVER = InputLimits(max_model_len=100, vocab_size=50)

@@ -189,7 +189,7 @@ async def _real_checks_through_the_pool():
 @pytest.fixture(scope="module")
 def tokenizer():
     from pagedserve.engine.model.default_model import default_model_dir
-    from pagedserve.engine.request.tokenizer import load_tokenizer
+    from pagedserve.engine.model.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer(default_model_dir())

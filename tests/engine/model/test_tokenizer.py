@@ -1,4 +1,4 @@
-"""Loading a model folder's tokenizer (pagedserve.engine.request.tokenizer): folders that name a
+"""Loading a model folder's tokenizer (pagedserve.engine.model.tokenizer): folders that name a
 generic tokenizer class are built with that class directly, without importing torch, and the
 result is the tokenizer `AutoTokenizer` builds for every model type that path takes; the model
 types for which AutoTokenizer would choose another class go through AutoTokenizer."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.engine.request.tokenizer import DIRECT_MODEL_TYPES, load_tokenizer, loads_directly
+from pagedserve.engine.model.tokenizer import DIRECT_MODEL_TYPES, load_tokenizer, loads_directly
 
 TEXTS = ["Hello, world!", "1, 2, 3, 4,", "  spaces\tand\nnew lines  ", "naïve café 東京 🙂"]
 MESSAGES = [{"role": "user", "content": "What is 2 plus 2?"}]
@@ -84,7 +84,7 @@ def test_a_folder_without_its_config_files_is_not_loaded_directly(tmp_path):
 def test_the_default_model_tokenizer_loads_without_torch(default_model_dir):
     code = (
         "import sys\n"
-        "from pagedserve.engine.request.tokenizer import load_tokenizer\n"
+        "from pagedserve.engine.model.tokenizer import load_tokenizer\n"
         f"tok = load_tokenizer({str(default_model_dir)!r})\n"
         "assert tok.encode('1, 2, 3')\n"
         "print('torch' in sys.modules)\n"

@@ -9,7 +9,7 @@ builds exactly that class from `tokenizer.json`. Those folders are loaded with t
 directly (~0.3 s, no torch). Every other folder, and every model type for which `AutoTokenizer`
 overrides a generic class (qwen2, which it gives its Qwen2 tokenizer; the types in transformers'
 `MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS`, phi3 among them; the Mistral types, which may
-take its Mistral backend), goes through `AutoTokenizer` as before. tests/engine/request/test_tokenizer.py checks for each type below
+take its Mistral backend), goes through `AutoTokenizer` as before. tests/engine/model/test_tokenizer.py checks for each type below
 that `AutoTokenizer` builds the same tokenizer.
 """
 
