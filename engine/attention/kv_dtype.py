@@ -33,3 +33,9 @@ def parse_kv_cache_dtype(value: object) -> KVCacheDtype:
 def kv_row_width(head_dim: int, kind: KVCacheDtype) -> int:
     """Elements per (token, KV head) row of the cache tensor."""
     return head_dim + SCALE_BYTES if kind.quantized else head_dim
+
+
+def kv_element_bytes(kind: KVCacheDtype, model_dtype_bytes: int) -> int:
+    """Bytes of one element of the cache tensor: the model dtype's, or one for the quantized
+    kinds' uint8 rows (pagedserve.engine.attention.kv_quant.kv_storage_dtype)."""
+    return 1 if kind.quantized else model_dtype_bytes

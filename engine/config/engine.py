@@ -94,14 +94,19 @@ def parse_size(value: int | str) -> int:
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+def _dtype_name(value: Any) -> str:
+    """The canonical name (torch's attribute) of a dtype name; ValueError naming the choices."""
+    try:
+        return _DTYPES[str(value).lower()]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {value!r}: choose one of {sorted(_DTYPES)}") from None
+
+
 def dtype_itemsize(value: Any) -> int:
     """Bytes of one element of a dtype name (or a torch.dtype); a name needs no torch."""
     if not isinstance(value, str):
         return resolve_dtype(value).itemsize
-    try:
-        return _DTYPE_BYTES[_DTYPES[value.lower()]]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {value!r}: choose one of {sorted(_DTYPES)}") from None
+    return _DTYPE_BYTES[_dtype_name(value)]
 
 
 def resolve_dtype(value: Any) -> torch.dtype:
@@ -112,10 +117,7 @@ def resolve_dtype(value: Any) -> torch.dtype:
         if value not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"unsupported dtype {value}")
         return value
-    try:
-        return getattr(torch, _DTYPES[str(value).lower()])
-    except KeyError:
-        raise ValueError(f"unsupported dtype {value!r}: choose one of {sorted(_DTYPES)}") from None
+    return getattr(torch, _dtype_name(value))
 
 
 class EngineFields(msgspec.Struct, forbid_unknown_fields=True):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedserve.engine.attention.kv_dtype import KVCacheDtype, kv_row_width
+from pagedserve.engine.attention.kv_dtype import KVCacheDtype, kv_element_bytes, kv_row_width
 from pagedserve.engine.config.engine import EngineConfig, dtype_itemsize
 from pagedserve.engine.kv_cache.groups import KVCacheLayout, plan_layout
 from pagedserve.engine.model.registry import parse_config
@@ -29,7 +29,7 @@ def kv_cache_bytes_per_block(
     """Bytes one KV block takes (keys and values) across `num_layers` layers (default: all; a
     hybrid KV cache's block is a page of `KVCacheLayout.num_tensors` layers)."""
     spec = as_spec(config)
-    itemsize = 1 if kv_dtype.quantized else dtype_itemsize(dtype)  # quantized rows are bytes
+    itemsize = kv_element_bytes(kv_dtype, dtype_itemsize(dtype))
     layers = spec.num_layers if num_layers is None else num_layers
     return 2 * layers * block_size * spec.num_kv_heads * kv_row_width(spec.head_dim, kv_dtype) * itemsize
 
